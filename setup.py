@@ -1,0 +1,22 @@
+from setuptools import setup
+
+setup(
+    name="ringpipe",
+    version="0.1.0",
+    description="A lean MPI training engine: hand-written layers and kernels, "
+    "our own ring all-reduce, pipeline schedules as data.",
+    packages=["engine", "engine.pipeline", "kernels", "kernels.cuda", "comm"],
+    package_data={"kernels.cuda": ["*.cu"]},
+    python_requires=">=3.10",
+    install_requires=["numpy>=1.24", "numba>=0.58", "mpi4py>=3.1"],
+    extras_require={
+        # MPI itself from PyPI, for machines with no system MPI. On a cluster,
+        # skip this extra and build mpi4py against the site MPI instead
+        # (see README, "Using your cluster's MPI").
+        "mpi": ["mpich"],
+        "test": ["pytest>=7", "pytest-mpi>=0.6"],
+        "gpu": ["cupy"],
+        "plot": ["matplotlib"],
+    },
+    entry_points={"console_scripts": ["ringpipe-train=engine.train:main"]},
+)
