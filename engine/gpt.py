@@ -1,0 +1,86 @@
+"""A GPT-style byte-level language model, in one readable file.
+
+    tokens (B, T) -> Embedding (token + position) -> n_layer x Block -> LMHead (tied wte) -> loss
+
+`gpt_layers(cfg)` returns the list of layers; `engine.model.Stage` runs any
+contiguous slice of it, so the same list serves one process and a pipeline.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from engine.layers import Block, Embedding, LMHead
+from engine.model import Stage
+
+VOCAB_SIZE = 256   # bytes
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int = 4
+    d_model: int = 128
+    n_head: int = 4
+    context: int = 128
+    vocab: int = VOCAB_SIZE
+
+    def validate(self):
+        for name in ("n_layer", "d_model", "n_head", "context", "vocab"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPT {name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"--d-model {self.d_model} must be divisible by --heads {self.n_head} "
+                             f"(try --heads {_divisor_near(self.d_model, self.n_head)})")
+        return self
+
+    def to_dict(self):
+        return asdict(self)
+
+
+def _divisor_near(n, k):
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - k))
+
+
+def gpt_layers(cfg: GPTConfig):
+    cfg.validate()
+    layers = [Embedding(cfg.vocab, cfg.context, cfg.d_model)]
+    layers += [Block(f"h.{i}", cfg.d_model, cfg.n_head, cfg.n_layer) for i in range(cfg.n_layer)]
+    layers.append(LMHead(cfg.vocab, cfg.d_model))
+    return layers
+
+
+def build_gpt(cfg: GPTConfig, dtype=np.float32, xp=np, seed=0):
+    model = Stage(gpt_layers(cfg), dtype=dtype, xp=xp)
+    model.params.init(seed)
+    return model
+
+
+def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward), counting matmuls only.
+
+    Per layer forward: qkv 2*3C^2, proj 2C^2, mlp 2*8C^2 (= 24 C^2), attention
+    scores and weighted sum 2*2*T*C (causal: we compute the full T x T product).
+    Head: 2*C*V. The embedding lookup is free.
+    """
+    C, L, V, T = cfg.d_model, cfg.n_layer, cfg.vocab, seq_len
+    forward = L * (24 * C * C + 4 * T * C) + 2 * C * V
+    return 3.0 * forward
+
+
+def generate(model: Stage, prompt: bytes, n_new: int, context: int, temperature=1.0, seed=0):
+    """Sample n_new bytes after prompt (runs the full model on the last `context` bytes each step)."""
+    xp = model.params.xp
+    rng = np.random.default_rng(seed)
+    tokens = list(prompt) or [10]
+    for _ in range(n_new):
+        window = xp.asarray(np.array(tokens[-context:], dtype=np.int64)[None, :])
+        logits, _ = model.forward(window, targets=None, need_grad=False)
+        last = np.asarray(logits[0, -1].get() if hasattr(logits, "get") else logits[0, -1], dtype=np.float64)
+        if temperature <= 0:
+            nxt = int(last.argmax())
+        else:
+            p = np.exp((last - last.max()) / temperature)
+            nxt = int(rng.choice(len(p), p=p / p.sum()))
+        tokens.append(nxt)
+    return bytes(tokens[len(prompt):])

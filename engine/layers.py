@@ -1,0 +1,384 @@
+"""Layers with hand-written forward and backward passes (no autograd).
+
+Every layer follows one contract, so that a pipeline stage can run any
+contiguous run of them and the zero-bubble schedule can split backward in two:
+
+    specs()                      parameters this layer declares (names are global)
+    bind(params)                 take views into the flat ParamBuffer
+    forward(x, ...)      -> (y, ctx)          ctx: what backward needs
+    backward_input(dy, ctx) -> (dx, wctx)     activation gradient, overwritten
+    backward_weight(wctx)                     parameter gradients, accumulated (+=)
+
+Only the matrix-weight gradients of Linear layers are deferred to
+backward_weight (they are the GEMMs the zero-bubble schedule moves into the
+bubbles); LayerNorm and embedding gradients are cheap and are accumulated in
+backward_input, which is still exact because gradients only ever add.
+
+Shapes: B batch, T time, C channels, H heads, hs = C/H head size, V vocab, N = B*T rows.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+import kernels as K
+from engine.params import ParamSpec
+
+
+class Layer:
+    def specs(self):
+        return []
+
+    def bind(self, params):
+        self.params = params
+
+    def backward_weight(self, wctx):
+        pass
+
+    def backward(self, dy, ctx):
+        dx, wctx = self.backward_input(dy, ctx)
+        self.backward_weight(wctx)
+        return dx
+
+
+class Linear(Layer):
+    """y = x @ w.T + b ; w (C_out, C_in) like PyTorch, so rows are output features."""
+
+    def __init__(self, name, c_in, c_out, bias=True, std=0.02):
+        self.name, self.c_in, self.c_out, self.has_bias, self.std = name, c_in, c_out, bias, std
+
+    def specs(self):
+        out = [ParamSpec(f"{self.name}.w", (self.c_out, self.c_in), std=self.std)]
+        if self.has_bias:
+            out.append(ParamSpec(f"{self.name}.b", (self.c_out,), init="zeros", decay=False))
+        return out
+
+    def bind(self, params):
+        self.w, self.dw = params.view(f"{self.name}.w"), params.grad_view(f"{self.name}.w")
+        if self.has_bias:
+            self.b, self.db = params.view(f"{self.name}.b"), params.grad_view(f"{self.name}.b")
+
+    def forward(self, x):
+        # x (..., C_in) -> y (..., C_out)
+        x2 = x.reshape(-1, self.c_in)
+        y = K.matmul_nt(x2, self.w)                      # (N, C_out)
+        if self.has_bias:
+            y += self.b
+        return y.reshape(*x.shape[:-1], self.c_out), x2
+
+    def backward_input(self, dy, ctx):
+        x2 = ctx
+        dy2 = dy.reshape(-1, self.c_out)
+        dx = K.matmul(dy2, self.w)                       # (N, C_in)
+        return dx.reshape(*dy.shape[:-1], self.c_in), (x2, dy2)
+
+    def backward_weight(self, wctx):
+        x2, dy2 = wctx
+        K.matmul_tn(dy2, x2, out=self.dw, accumulate=True)   # (C_out, C_in) += dy.T @ x
+        if self.has_bias:
+            self.db += dy2.sum(axis=0)
+
+
+class LayerNorm(Layer):
+    def __init__(self, name, c, eps=1e-5):
+        self.name, self.c, self.eps = name, c, eps
+
+    def specs(self):
+        return [ParamSpec(f"{self.name}.w", (self.c,), init="ones", decay=False),
+                ParamSpec(f"{self.name}.b", (self.c,), init="zeros", decay=False)]
+
+    def bind(self, params):
+        self.w, self.dw = params.view(f"{self.name}.w"), params.grad_view(f"{self.name}.w")
+        self.b, self.db = params.view(f"{self.name}.b"), params.grad_view(f"{self.name}.b")
+
+    def forward(self, x):
+        x2 = x.reshape(-1, self.c)
+        y, mean, rstd = K.layernorm_forward(x2, self.w, self.b, self.eps)
+        return y.reshape(x.shape), (x2, mean, rstd)
+
+    def backward_input(self, dy, ctx):
+        x2, mean, rstd = ctx
+        dx = K.layernorm_backward(dy.reshape(-1, self.c), x2, self.w, mean, rstd,
+                                  dweight=self.dw, dbias=self.db)
+        return dx.reshape(dy.shape), None
+
+
+class GELU(Layer):
+    def forward(self, x):
+        return K.gelu_forward(x), x
+
+    def backward_input(self, dy, ctx):
+        return K.gelu_backward(dy, ctx), None
+
+
+class CausalSelfAttention(Layer):
+    """Multi-head causal self-attention: qkv projection, softmax(q k^T / sqrt(hs)) v, output projection."""
+
+    def __init__(self, name, c, n_head, n_layer_for_init):
+        if c % n_head:
+            raise ValueError(f"d_model {c} is not divisible by heads {n_head}")
+        self.name, self.c, self.h = name, c, n_head
+        self.qkv = Linear(f"{name}.qkv", c, 3 * c)
+        # GPT-2: scale residual projections by 1/sqrt(2 * n_layer) so the residual stream stays O(1).
+        self.proj = Linear(f"{name}.proj", c, c, std=0.02 / math.sqrt(2 * n_layer_for_init))
+
+    def specs(self):
+        return self.qkv.specs() + self.proj.specs()
+
+    def bind(self, params):
+        self.qkv.bind(params)
+        self.proj.bind(params)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        H, hs = self.h, C // self.h
+        xp = K.get_array_module(x)
+        qkv, qkv_ctx = self.qkv.forward(x)                                  # (B, T, 3C)
+        qkv = xp.ascontiguousarray(qkv.reshape(B, T, 3, H, hs).transpose(2, 0, 3, 1, 4))
+        q, k, v = qkv[0], qkv[1], qkv[2]                                    # (B, H, T, hs) each
+        scale = 1.0 / math.sqrt(hs)
+        att = K.matmul_nt(q, k)                                             # (B, H, T, T)
+        att = K.softmax_causal_forward(att, scale, out=att)
+        y = K.matmul(att, v)                                                # (B, H, T, hs)
+        y = xp.ascontiguousarray(y.transpose(0, 2, 1, 3)).reshape(B, T, C)
+        out, proj_ctx = self.proj.forward(y)
+        return out, (qkv_ctx, q, k, v, att, scale, proj_ctx)
+
+    def backward_input(self, dout, ctx):
+        qkv_ctx, q, k, v, att, scale, proj_ctx = ctx
+        B, H, T, hs = q.shape
+        xp = K.get_array_module(dout)
+        dy, proj_w = self.proj.backward_input(dout, proj_ctx)               # (B, T, C)
+        dy = xp.ascontiguousarray(dy.reshape(B, T, H, hs).transpose(0, 2, 1, 3))  # (B, H, T, hs)
+        dqkv = xp.empty((3, B, H, T, hs), dtype=dout.dtype)
+        K.matmul_tn(att, dy, out=dqkv[2])                                   # dv = att^T dy
+        datt = K.matmul_nt(dy, v)                                           # (B, H, T, T)
+        datt = K.softmax_causal_backward(datt, att, scale, out=datt)
+        K.matmul(datt, k, out=dqkv[0])                                      # dq = datt k
+        K.matmul_tn(datt, q, out=dqkv[1])                                   # dk = datt^T q
+        dqkv = xp.ascontiguousarray(dqkv.transpose(1, 3, 0, 2, 4)).reshape(B, T, 3 * H * hs)
+        dx, qkv_w = self.qkv.backward_input(dqkv, qkv_ctx)
+        return dx, (qkv_w, proj_w)
+
+    def backward_weight(self, wctx):
+        qkv_w, proj_w = wctx
+        self.proj.backward_weight(proj_w)
+        self.qkv.backward_weight(qkv_w)
+
+
+class MLP(Layer):
+    """fc (C -> 4C), GELU, proj (4C -> C)."""
+
+    def __init__(self, name, c, n_layer_for_init):
+        self.fc = Linear(f"{name}.fc", c, 4 * c)
+        self.act = GELU()
+        self.proj = Linear(f"{name}.proj", 4 * c, c, std=0.02 / math.sqrt(2 * n_layer_for_init))
+
+    def specs(self):
+        return self.fc.specs() + self.proj.specs()
+
+    def bind(self, params):
+        self.fc.bind(params)
+        self.proj.bind(params)
+
+    def forward(self, x):
+        h, fc_ctx = self.fc.forward(x)
+        g, act_ctx = self.act.forward(h)
+        y, proj_ctx = self.proj.forward(g)
+        return y, (fc_ctx, act_ctx, proj_ctx)
+
+    def backward_input(self, dy, ctx):
+        fc_ctx, act_ctx, proj_ctx = ctx
+        dg, proj_w = self.proj.backward_input(dy, proj_ctx)
+        dh, _ = self.act.backward_input(dg, act_ctx)
+        dx, fc_w = self.fc.backward_input(dh, fc_ctx)
+        return dx, (fc_w, proj_w)
+
+    def backward_weight(self, wctx):
+        fc_w, proj_w = wctx
+        self.proj.backward_weight(proj_w)
+        self.fc.backward_weight(fc_w)
+
+
+class Block(Layer):
+    """Pre-norm residual Transformer block: x + attn(ln1(x)), then + mlp(ln2(x))."""
+
+    def __init__(self, name, c, n_head, n_layer):
+        self.name = name
+        self.ln1 = LayerNorm(f"{name}.ln1", c)
+        self.attn = CausalSelfAttention(f"{name}.attn", c, n_head, n_layer)
+        self.ln2 = LayerNorm(f"{name}.ln2", c)
+        self.mlp = MLP(f"{name}.mlp", c, n_layer)
+        self.parts = [self.ln1, self.attn, self.ln2, self.mlp]
+
+    def specs(self):
+        return [s for part in self.parts for s in part.specs()]
+
+    def bind(self, params):
+        for part in self.parts:
+            part.bind(params)
+
+    def forward(self, x):
+        # x (B, T, C)
+        a_in, ln1_ctx = self.ln1.forward(x)
+        a, attn_ctx = self.attn.forward(a_in)
+        x1 = x + a
+        m_in, ln2_ctx = self.ln2.forward(x1)
+        m, mlp_ctx = self.mlp.forward(m_in)
+        return x1 + m, (ln1_ctx, attn_ctx, ln2_ctx, mlp_ctx)
+
+    def backward_input(self, dx2, ctx):
+        ln1_ctx, attn_ctx, ln2_ctx, mlp_ctx = ctx
+        dm_in, mlp_w = self.mlp.backward_input(dx2, mlp_ctx)
+        dx1, _ = self.ln2.backward_input(dm_in, ln2_ctx)
+        dx1 += dx2                                        # residual
+        da_in, attn_w = self.attn.backward_input(dx1, attn_ctx)
+        dx, _ = self.ln1.backward_input(da_in, ln1_ctx)
+        dx += dx1                                         # residual
+        return dx, (attn_w, mlp_w)
+
+    def backward_weight(self, wctx):
+        attn_w, mlp_w = wctx
+        self.mlp.backward_weight(mlp_w)
+        self.attn.backward_weight(attn_w)
+
+
+class Embedding(Layer):
+    """Token + position embedding: tokens (B, T) int -> (B, T, C)."""
+
+    def __init__(self, vocab, context, c, wte="wte", wpe="wpe"):
+        self.vocab, self.context, self.c, self.wte_name, self.wpe_name = vocab, context, c, wte, wpe
+
+    def specs(self):
+        return [ParamSpec(self.wte_name, (self.vocab, self.c)),
+                ParamSpec(self.wpe_name, (self.context, self.c), std=0.01)]
+
+    def bind(self, params):
+        self.wte, self.dwte = params.view(self.wte_name), params.grad_view(self.wte_name)
+        self.wpe, self.dwpe = params.view(self.wpe_name), params.grad_view(self.wpe_name)
+
+    def forward(self, tokens):
+        B, T = tokens.shape
+        if T > self.context:
+            raise ValueError(f"sequence length {T} exceeds the model's context {self.context}")
+        return self.wte[tokens] + self.wpe[:T], tokens
+
+    def backward_input(self, dout, ctx):
+        tokens = ctx
+        B, T = tokens.shape
+        xp = K.get_array_module(dout)
+        self.dwpe[:T] += dout.sum(axis=0)
+        _scatter_add_rows(xp, self.dwte, tokens.reshape(-1), dout.reshape(B * T, self.c))
+        return None, None
+
+
+def _scatter_add_rows(xp, target, rows, values):
+    # target[rows[i]] += values[i], with repeated rows adding up (fancy-index += would not).
+    if xp is np:
+        np.add.at(target, rows, values)
+    else:
+        import cupyx
+        cupyx.scatter_add(target, rows, values)
+
+
+class LMHead(Layer):
+    """Final LayerNorm, logits against the (tied) token embedding, fused softmax cross-entropy.
+
+    forward computes the loss *and* the logits' gradient in one pass (the fused
+    kernel writes dlogits over the logits), so backward is two GEMMs.
+    """
+
+    def __init__(self, vocab, c, wte="wte"):
+        self.vocab, self.c, self.wte_name = vocab, c, wte
+        self.ln_f = LayerNorm("ln_f", c)
+
+    def specs(self):
+        # wte is declared again: tied to the embedding when both are in one stage
+        # (ParamBuffer dedups by name), a synchronized copy when they are not.
+        return self.ln_f.specs() + [ParamSpec(self.wte_name, (self.vocab, self.c))]
+
+    def bind(self, params):
+        self.ln_f.bind(params)
+        self.wte, self.dwte = params.view(self.wte_name), params.grad_view(self.wte_name)
+
+    def forward(self, x, targets=None, grad_scale=1.0, need_grad=True):
+        """x (B, T, C), targets (B, T). Returns (loss_sum, ctx); without targets returns logits (B, T, V)."""
+        B, T, C = x.shape
+        h, ln_ctx = self.ln_f.forward(x)
+        h2 = h.reshape(B * T, C)
+        logits = K.matmul_nt(h2, self.wte)                    # (N, V)
+        if targets is None:
+            return logits.reshape(B, T, self.vocab), None
+        dlogits = logits if need_grad else None
+        losses, dlogits = K.cross_entropy_forward_backward(
+            logits, targets.reshape(-1), dlogits=dlogits, grad_scale=grad_scale)
+        return float(losses.sum()), (ln_ctx, h2, dlogits, (B, T, C))
+
+    def backward_input(self, dloss, ctx):
+        # dloss is unused: the gradient scale was applied in forward.
+        ln_ctx, h2, dlogits, shape = ctx
+        dh = K.matmul(dlogits, self.wte).reshape(shape)       # (N, C)
+        dx, _ = self.ln_f.backward_input(dh, ln_ctx)
+        return dx, (h2, dlogits)
+
+    def backward_weight(self, wctx):
+        h2, dlogits = wctx
+        K.matmul_tn(dlogits, h2, out=self.dwte, accumulate=True)   # (V, C) += dlogits^T h
+
+
+class DenseGELU(Layer):
+    """Linear followed by GELU: the hidden layer of the MLP classifier."""
+
+    def __init__(self, name, c_in, c_out):
+        self.fc = Linear(name, c_in, c_out, std=math.sqrt(2.0 / c_in) * 0.5)
+        self.act = GELU()
+
+    def specs(self):
+        return self.fc.specs()
+
+    def bind(self, params):
+        self.fc.bind(params)
+
+    def forward(self, x):
+        h, fc_ctx = self.fc.forward(x)
+        y, act_ctx = self.act.forward(h)
+        return y, (fc_ctx, act_ctx)
+
+    def backward_input(self, dy, ctx):
+        fc_ctx, act_ctx = ctx
+        dh, _ = self.act.backward_input(dy, act_ctx)
+        return self.fc.backward_input(dh, fc_ctx)
+
+    def backward_weight(self, wctx):
+        self.fc.backward_weight(wctx)
+
+
+class ClassifierHead(Layer):
+    """Linear to class logits plus fused softmax cross-entropy: x (B, C) -> loss."""
+
+    def __init__(self, name, c_in, n_classes):
+        self.n_classes = n_classes
+        self.fc = Linear(name, c_in, n_classes, std=math.sqrt(1.0 / c_in))
+
+    def specs(self):
+        return self.fc.specs()
+
+    def bind(self, params):
+        self.fc.bind(params)
+
+    def forward(self, x, targets=None, grad_scale=1.0, need_grad=True):
+        logits, fc_ctx = self.fc.forward(x)
+        if targets is None:
+            return logits, None
+        dlogits = logits if need_grad else None
+        losses, dlogits = K.cross_entropy_forward_backward(
+            logits, targets.reshape(-1), dlogits=dlogits, grad_scale=grad_scale)
+        return float(losses.sum()), (fc_ctx, dlogits)
+
+    def backward_input(self, dloss, ctx):
+        fc_ctx, dlogits = ctx
+        return self.fc.backward_input(dlogits, fc_ctx)
+
+    def backward_weight(self, wctx):
+        self.fc.backward_weight(wctx)

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The whole test suite: serial tests, then the MPI tests under 2 and 4 ranks.
+# Called by `make test` (which puts the project's .venv first on PATH) and so by .ci/run.
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+# 4 ranks share 2 cores here: one BLAS/Numba thread per rank keeps them from thrashing.
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 NUMBA_NUM_THREADS=1
+status=0
+
+run() {  # pytest exit 5 = "no tests collected": not a failure for a selection that may be empty
+    "$@"; rc=$?
+    if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then status=$rc; fi
+}
+
+echo "== serial tests =="
+run "$PY" -m pytest -q -m "not mpi" tests "$@"
+for n in 2 4; do
+    echo "== MPI tests, $n ranks =="
+    run timeout 900 mpiexec -n "$n" "$PY" tests/mpi_pytest.py -q -m mpi --with-mpi tests "$@"
+done
+exit $status
