@@ -1,0 +1,426 @@
+"""ringpipe training entry point: `python -m engine.train --help` (or `ringpipe-train`).
+
+Runs the same way under plain `python`, `mpiexec -n N` and `srun`. Defaults
+train the small byte-level GPT on the Python standard library's own source.
+
+The loop reads top to bottom: build the communicators, the data, the model and
+the optimizer; then each step: gradients (data-parallel buckets all-reduced
+while backward runs), loss across ranks, clip, update, log, evaluate,
+checkpoint.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _set_thread_defaults():
+    """Several ranks on one node must not each start one BLAS thread per core:
+    split the cores among local ranks unless the user already chose. Runs before
+    numpy is imported, since BLAS reads these once at load time."""
+    local = next((os.environ[k] for k in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                                          "SLURM_NTASKS_PER_NODE") if os.environ.get(k)), None)
+    try:
+        local = int(local.split("(")[0]) if local else 1
+    except ValueError:
+        local = 1
+    per_rank = str(max(1, (os.cpu_count() or 1) // max(1, local)))
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ.setdefault(var, per_rank)
+
+
+_set_thread_defaults()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+
+def _launcher_rank():
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that prints usage errors once (rank 0), not once per MPI rank."""
+
+    def error(self, message):
+        if _launcher_rank() == 0:
+            self.print_usage(sys.stderr)
+            sys.stderr.write(f"{self.prog}: error: {message}\n")
+        sys.exit(2)
+
+
+def parse_args(argv=None):
+    p = _Parser(
+        prog="ringpipe-train",
+        description="Train a hand-written GPT or MLP on CPU (numpy + Numba) with MPI data parallelism. "
+                    "Launch with plain python, `mpiexec -n N`, or `srun`.",
+        epilog="Examples:\n"
+               "  python -m engine.train --steps 50                 # small GPT, stdlib corpus, 1 rank\n"
+               "  mpiexec -n 4 python -m engine.train --dp 4        # data-parallel over 4 ranks\n"
+               "  python -m engine.train --model mlp --data synthetic\n"
+               "  python -m engine.train --resume auto --out runs/gpt  # continue from the latest checkpoint",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("model")
+    g.add_argument("--model", choices=["gpt", "mlp"], default="gpt", help="model to train (default gpt)")
+    g.add_argument("--layers", type=int, default=None, help="transformer blocks / MLP hidden layers (default 4 / 2)")
+    g.add_argument("--d-model", type=int, default=None, help="GPT width / MLP hidden width (default 128 / 256)")
+    g.add_argument("--heads", type=int, default=None, help="GPT attention heads (default 4)")
+    g.add_argument("--context", type=int, default=None, help="GPT maximum sequence length (default 128)")
+    g.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="compute dtype (default float32)")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", choices=["stdlib", "synthetic", "fashion-mnist", "text"], default=None,
+                   help="dataset: stdlib (default for gpt; the interpreter's own library source), "
+                        "fashion-mnist (default for mlp; Debian package dataset-fashion-mnist), "
+                        "synthetic (tiny, for tests), text (a file or folder given by --data-path)")
+    g.add_argument("--data-path", default=None, help="file/folder for --data text, or IDX folder for fashion-mnist")
+    g.add_argument("--seq-len", type=int, default=None, help="GPT training sequence length (default: the context)")
+    g.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch size in sequences/examples (default 16)")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
+    g.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3 adamw, 0.05 sgd)")
+    g.add_argument("--warmup", type=int, default=None, help="warmup steps (default 5%% of --steps)")
+    g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to this fraction of --lr")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip (0 disables)")
+    g.add_argument("--seed", type=int, default=1337)
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--dp", type=int, default=None, help="data-parallel ranks (default: all ranks)")
+    g.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MiB (default 25)")
+    g.add_argument("--no-overlap", action="store_true", help="all-reduce after backward instead of during it")
+    g.add_argument("--zero", type=int, choices=[0, 1], default=0,
+                   help="1: shard optimizer state across data-parallel ranks (ZeRO-1)")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default=None, help="run directory (default runs/<model>)")
+    g.add_argument("--overwrite", action="store_true", help="start fresh even if --out holds checkpoints")
+    g.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
+    g.add_argument("--keep", type=int, default=3, help="checkpoints to keep (0: all)")
+    g.add_argument("--resume", default=None, help="checkpoint (.json), run directory, or 'auto' (latest valid "
+                                                  "checkpoint in --out, or a fresh start if none)")
+    g.add_argument("--eval-every", type=int, default=None, help="steps between validation passes (default steps/5)")
+    g.add_argument("--eval-batches", type=int, default=4, help="global batches per validation pass")
+    g.add_argument("--log-every", type=int, default=None, help="steps between progress lines (default ~20 lines)")
+    g.add_argument("--sample-bytes", type=int, default=200, help="GPT: bytes of text to sample at the end (0: none)")
+    g.add_argument("--quiet", action="store_true", help="no progress lines (metrics.jsonl is still written)")
+    return p.parse_args(argv)
+
+
+# ---- configuration -------------------------------------------------------------------
+
+def model_config(args, saved=None):
+    """Model shape from the flags, or from a checkpoint when resuming (flags given explicitly must agree)."""
+    from engine.gpt import GPTConfig
+    from engine.mlp import MLPConfig
+    if args.model == "gpt":
+        flags = {"n_layer": args.layers, "d_model": args.d_model, "n_head": args.heads, "context": args.context}
+        cfg = GPTConfig()
+    else:
+        flags = {"n_layer": args.layers, "hidden": args.d_model}
+        cfg = MLPConfig()
+    flag_names = {"n_layer": "--layers", "d_model": "--d-model", "n_head": "--heads",
+                  "context": "--context", "hidden": "--d-model"}
+    for key, value in (saved or {}).items():
+        if key in flags and flags[key] is not None and flags[key] != value:
+            raise SystemExit(f"error: the checkpoint was written with {flag_names[key]} {value}, "
+                             f"but {flag_names[key]} {flags[key]} was given; drop the flag or use a new --out")
+        setattr(cfg, key, value)
+    for key, value in flags.items():
+        if value is not None and not saved:
+            setattr(cfg, key, value)
+    try:
+        return cfg.validate()
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+
+
+def load_dataset(args, model_cfg):
+    from engine import data
+    kind = args.data or ("stdlib" if args.model == "gpt" else "fashion-mnist")
+    dtype = np.dtype(args.dtype)
+    if args.model == "gpt":
+        if kind == "stdlib":
+            return data.load_stdlib_corpus(args.seq_len, args.seed)
+        if kind == "synthetic":
+            return data.synthetic_tokens(args.seq_len, args.seed)
+        if kind == "text":
+            if not args.data_path:
+                raise SystemExit("error: --data text needs --data-path FILE_OR_FOLDER")
+            return data.load_text_folder(args.data_path, args.seq_len, args.seed)
+        raise SystemExit(f"error: --data {kind} is a classification set; use it with --model mlp")
+    if kind == "fashion-mnist":
+        return data.load_fashion_mnist(args.seed, root=args.data_path or data.FASHION_MNIST_DIR, dtype=dtype)
+    if kind == "synthetic":
+        return data.synthetic_classification(args.seed, dtype=dtype)
+    raise SystemExit(f"error: --data {kind} is a text corpus; use it with --model gpt")
+
+
+def check_layout(args, dp):
+    """Refuse impossible shapes before any work (and identically on every rank)."""
+    if args.steps < 1:
+        raise SystemExit(f"error: --steps must be >= 1, got {args.steps}")
+    if args.batch_size < 1:
+        raise SystemExit(f"error: --batch-size must be >= 1, got {args.batch_size}")
+    if args.batch_size % dp:
+        raise SystemExit(f"error: --batch-size {args.batch_size} does not divide among {dp} data-parallel ranks; "
+                         f"use a multiple of {dp} (e.g. {dp * max(1, args.batch_size // dp)})")
+
+
+# ---- the run -------------------------------------------------------------------------
+
+def main(argv=None):
+    args = parse_args(argv)
+    import comm
+    comm.install_abort_handler()
+    try:
+        train(args)
+    except SystemExit as e:
+        # A configuration error: every rank reached the same conclusion, so exit
+        # quietly on all of them (print once), no abort needed.
+        if isinstance(e.code, str):
+            if _launcher_rank() == 0:
+                print(e.code, file=sys.stderr, flush=True)
+            sys.exit(2)
+        raise
+
+
+def train(args):
+    import comm
+    import kernels as K
+    from engine import checkpoint
+    from engine.gpt import build_gpt, flops_per_token, generate
+    from engine.mlp import build_mlp, flops_per_example
+    from engine.optim import clip_scale, lr_at, make_optimizer
+    from mpi4py import MPI
+
+    # ---- communicators -------------------------------------------------------------
+    world = MPI.COMM_WORLD
+    try:
+        topo = comm.Topology(world, dp=args.dp, pp=1)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    rank, dp, dp_rank = world.Get_rank(), topo.dp, topo.dp_rank
+    is_main = rank == 0
+    say = (lambda *a: print(*a, flush=True)) if is_main else (lambda *a: None)
+    check_layout(args, dp)
+    out_dir = args.out or os.path.join("runs", args.model)
+    ckpt_dir = os.path.join(out_dir, "checkpoints")
+
+    # ---- resume? -------------------------------------------------------------------
+    resume_path = None
+    if args.resume == "auto":
+        resume_path = checkpoint.find_latest(ckpt_dir)
+        if resume_path is None:
+            say(f"--resume auto: no checkpoint in {ckpt_dir}, starting fresh")
+    elif args.resume:
+        resume_path = args.resume
+    elif checkpoint.list_checkpoints(ckpt_dir) and not args.overwrite:
+        raise SystemExit(f"error: {ckpt_dir} already holds checkpoints; pass --resume auto to continue that run, "
+                         "--out DIR for a new one, or --overwrite to start over in it")
+    saved_arrays, manifest = (None, {})
+    if resume_path:
+        try:
+            saved_arrays, manifest = checkpoint.load(resume_path)
+        except checkpoint.CheckpointError as e:
+            raise SystemExit(f"error: {e}")
+        if manifest.get("model") != args.model:
+            raise SystemExit(f"error: checkpoint {resume_path} holds a {manifest.get('model')} model, "
+                             f"not --model {args.model}")
+
+    # ---- model, data, optimizer ------------------------------------------------------
+    cfg = model_config(args, manifest.get("model_config"))
+    dtype = K.resolve_dtype(args.dtype)
+    if args.model == "gpt":
+        if args.seq_len is None:
+            args.seq_len = cfg.context
+        if not 1 <= args.seq_len <= cfg.context:
+            raise SystemExit(f"error: --seq-len {args.seq_len} exceeds the model's context {cfg.context}; "
+                             f"lower --seq-len or raise --context (at least {args.seq_len})")
+    dataset = load_dataset(args, cfg)
+    if args.model == "gpt":
+        model = build_gpt(cfg, dtype=dtype, seed=args.seed)
+        items_per_example = args.seq_len
+        flops_per_item = flops_per_token(cfg, args.seq_len)
+    else:
+        if cfg.n_in != dataset.n_features or cfg.n_classes != dataset.n_classes:
+            cfg.n_in, cfg.n_classes = dataset.n_features, dataset.n_classes
+        model = build_mlp(cfg, dtype=dtype, seed=args.seed)
+        items_per_example = 1
+        flops_per_item = flops_per_example(cfg)
+    params = model.params
+    lr_base = args.lr if args.lr is not None else (2e-3 if args.optimizer == "adamw" else 0.05)
+    warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
+
+    # ZeRO-1: this rank updates (and keeps optimizer state for) one shard of the flat buffer.
+    shard = comm.chunk_bounds(params.size, dp)[dp_rank] if args.zero else (0, params.size)
+    opt = make_optimizer(args.optimizer, shard[1] - shard[0], dtype, params.xp,
+                         params.wd_mask[shard[0]:shard[1]], lr_base, args.weight_decay)
+
+    start_step = 0
+    if saved_arrays is not None:
+        restore(params, opt, saved_arrays, manifest, shard, args.optimizer)
+        start_step = manifest["step"]
+        say(f"resumed from {resume_path} at step {start_step}")
+    else:
+        # Every rank initialised identically from the seed; broadcasting rank 0's copy
+        # makes that a guarantee rather than an assumption.
+        world.Bcast(params.data, root=0)
+
+    buckets = None
+    if dp > 1:
+        buckets = comm.GradBuckets(params.grad, params.ranges(), comm=topo.dp_comm,
+                                   bucket_bytes=int(args.bucket_mb * 2**20), op="avg",
+                                   overlap=not args.no_overlap)
+
+    local_batch = args.batch_size // dp
+    lo, hi = dp_rank * local_batch, (dp_rank + 1) * local_batch
+    items_per_step = args.batch_size * items_per_example
+    eval_every = args.eval_every or max(1, args.steps // 5)
+    log_every = args.log_every or max(1, args.steps // 20)
+
+    say(f"ringpipe | {args.model} {cfg.to_dict()} | {params.size:,} parameters | {args.dtype}")
+    say(f"data {dataset.name} | global batch {args.batch_size} x {items_per_example} = {items_per_step} "
+        f"{'tokens' if args.model == 'gpt' else 'examples'}/step | ranks {world.Get_size()} (dp {dp})"
+        f"{' zero-1' if args.zero else ''}")
+    if args.model == "gpt" and is_main:
+        say(f"unigram baseline (val): {dataset.unigram_entropy():.4f} nats/byte")
+
+    os.makedirs(out_dir, exist_ok=True) if is_main else None
+    metrics = open(os.path.join(out_dir, "metrics.jsonl"), "a" if resume_path else "w") if is_main else None
+
+    def evaluate():
+        total = np.zeros(1)
+        for i in range(args.eval_batches):
+            x, y = dataset.batch(i, args.batch_size, lo, hi, split="val")
+            total[0] += model.loss(x, y)
+        if dp > 1:
+            comm.allreduce(total, topo.dp_comm, op="sum")
+        return total[0] / (args.eval_batches * items_per_step)
+
+    def save(step, loss):
+        arrays = gather_state(params, opt, shard, topo, args.zero)
+        if is_main:
+            meta = {"model": args.model, "model_config": cfg.to_dict(), "optimizer": args.optimizer,
+                    "opt_step_count": opt.step_count, "loss": loss, "dtype": args.dtype,
+                    "args": {k: v for k, v in vars(args).items()}}
+            checkpoint.save(ckpt_dir, step, arrays, meta, keep=args.keep)
+        world.Barrier()
+
+    # ---- the loop --------------------------------------------------------------------
+    t_start = time.perf_counter()
+    loss = float("nan")
+    for step in range(start_step, args.steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step, lr_base, warmup, args.steps, args.min_lr_ratio)
+        x, y = dataset.batch(step, args.batch_size, lo, hi)
+
+        params.zero_grad()
+        # Local mean over this rank's share; the all-reduce averages the shares.
+        local_loss = model.loss_and_grad(x, y, grad_scale=1.0 / (local_batch * items_per_example),
+                                         on_ready=buckets.mark_ready if buckets else None)
+        if buckets:
+            buckets.wait()
+        loss_buf = np.array([local_loss])
+        if dp > 1:
+            comm.allreduce(loss_buf, topo.dp_comm, op="sum")
+        loss = loss_buf[0] / items_per_step
+        if not math.isfinite(loss):
+            last = checkpoint.find_latest(ckpt_dir)
+            raise SystemExit(f"error: loss is {loss} at step {step}: training diverged. Nothing was saved after "
+                             f"the last good checkpoint ({last or 'none written yet'}). "
+                             "Lower --lr or raise --warmup, then --resume from it.")
+
+        # Gradients are identical on every data-parallel rank now, so is the norm.
+        norm_sq = K.sum_of_squares(params.grad)
+        scale = clip_scale(norm_sq, args.grad_clip)
+        if scale != 1.0:
+            params.grad *= scale
+        if args.zero:
+            opt.step(params.data[shard[0]:shard[1]], params.grad[shard[0]:shard[1]], lr)
+            comm.allgather(params.data, topo.dp_comm)
+        else:
+            opt.step(params.data, params.grad, lr)
+
+        # ---- bookkeeping (rank 0) ----------------------------------------------------
+        dt = time.perf_counter() - t0
+        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": math.sqrt(norm_sq),
+                  "step_ms": dt * 1e3, "tokens_per_s" if args.model == "gpt" else "examples_per_s": items_per_step / dt,
+                  "model_flops_per_s": flops_per_item * items_per_step / dt}
+        if buckets:
+            record["comm_hidden_frac"] = buckets.stats().get("hidden_fraction")
+        done = step + 1
+        if done % eval_every == 0 or done == args.steps:
+            record["val_loss"] = evaluate()
+        if is_main:
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            if not args.quiet and (done % log_every == 0 or done == args.steps or done == start_step + 1):
+                elapsed = time.perf_counter() - t_start
+                eta = elapsed / (done - start_step) * (args.steps - done)
+                rate = record.get("tokens_per_s", record.get("examples_per_s"))
+                line = (f"step {done:>{len(str(args.steps))}}/{args.steps} | loss {loss:.4f} | lr {lr:.2e} | "
+                        f"{rate / 1e3:.1f}k {'tok' if args.model == 'gpt' else 'ex'}/s | "
+                        f"{dt * 1e3:.0f} ms | ETA {_hms(eta)}")
+                if "val_loss" in record:
+                    line += f" | val {record['val_loss']:.4f}"
+                say(line)
+        if args.checkpoint_every and done % args.checkpoint_every == 0 and done != args.steps:
+            save(done, loss)
+
+    if start_step < args.steps:
+        save(args.steps, loss)
+    else:
+        say(f"nothing to do: the checkpoint is already at step {start_step} of --steps {args.steps}")
+    if is_main:
+        metrics.close()
+        say(f"done: {args.steps - start_step} steps in {_hms(time.perf_counter() - t_start)}; "
+            f"checkpoint and metrics.jsonl in {out_dir}")
+        if args.model == "gpt" and args.sample_bytes > 0:
+            text = generate(model, b"def ", args.sample_bytes, min(args.seq_len, cfg.context),
+                            temperature=0.8, seed=args.seed)
+            say("---- sample ----\ndef " + text.decode("utf-8", errors="replace") + "\n----------------")
+
+
+def restore(params, opt, arrays, manifest, shard, opt_name):
+    """Load named parameters and optimizer state (any layout) into this rank's buffers."""
+    params.load_flat(params.data, {k[6:]: v for k, v in arrays.items() if k.startswith("param/")})
+    if manifest.get("optimizer") != opt_name:
+        raise SystemExit(f"error: the checkpoint was trained with --optimizer {manifest.get('optimizer')}, "
+                         f"not {opt_name}")
+    full = np.zeros(params.size, dtype=params.dtype)
+    for state_name, buf in opt.state().items():
+        prefix = f"opt/{state_name}/"
+        params.load_flat(full, {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)},
+                         what=f"optimizer state {state_name}")
+        buf[...] = params.xp.asarray(full[shard[0]:shard[1]])
+    opt.step_count = manifest["opt_step_count"]
+
+
+def gather_state(params, opt, shard, topo, zero):
+    """Named host arrays of parameters and full optimizer state (on rank 0 under ZeRO-1)."""
+    import comm
+    arrays = {f"param/{k}": v for k, v in params.state_dict(params.data).items()}
+    for state_name, buf in opt.state().items():
+        if zero:
+            full = np.zeros(params.size, dtype=params.dtype)
+            full[shard[0]:shard[1]] = buf
+            comm.allgather(full, topo.dp_comm)
+        else:
+            full = buf
+        arrays.update({f"opt/{state_name}/{k}": v for k, v in params.state_dict(full).items()})
+    return arrays
+
+
+def _hms(seconds):
+    seconds = int(max(0, seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+if __name__ == "__main__":
+    main()
