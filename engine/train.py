@@ -190,7 +190,9 @@ def main(argv=None):
         raise
 
 
-def train(args):
+def train(args, world=None):
+    """Run training. `world` is the communicator of all ranks of this job (default
+    MPI.COMM_WORLD; tests pass COMM_SELF to get a single-process reference)."""
     import comm
     import kernels as K
     from engine import checkpoint
@@ -200,7 +202,7 @@ def train(args):
     from mpi4py import MPI
 
     # ---- communicators -------------------------------------------------------------
-    world = MPI.COMM_WORLD
+    world = world or MPI.COMM_WORLD
     try:
         topo = comm.Topology(world, dp=args.dp, pp=1)
     except ValueError as e:
@@ -373,6 +375,8 @@ def train(args):
         if args.checkpoint_every and done % args.checkpoint_every == 0 and done != args.steps:
             save(done, loss)
 
+    if buckets:
+        buckets.close()
     if start_step < args.steps:
         save(args.steps, loss)
     else:
