@@ -12,10 +12,14 @@ from engine.params import ParamBuffer
 
 
 class Stage:
-    def __init__(self, layers, dtype=np.float32, xp=np, has_head=True):
+    def __init__(self, layers, dtype=np.float32, xp=np, has_head=True, params=None):
+        """`params`: an existing ParamBuffer to bind to (a pipeline rank's model
+        chunks share one buffer); by default the stage gets its own."""
         self.layers = list(layers)
         self.has_head = has_head              # the last layer computes the loss
-        self.params = ParamBuffer([s for layer in self.layers for s in layer.specs()], dtype, xp)
+        if params is None:
+            params = ParamBuffer([s for layer in self.layers for s in layer.specs()], dtype, xp)
+        self.params = params
         for layer in self.layers:
             layer.bind(self.params)
         # A parameter's gradient is final once the *first* layer (in forward

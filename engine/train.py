@@ -97,6 +97,16 @@ def parse_args(argv=None):
     g.add_argument("--no-overlap", action="store_true", help="all-reduce after backward instead of during it")
     g.add_argument("--zero", type=int, choices=[0, 1], default=0,
                    help="1: shard optimizer state across data-parallel ranks (ZeRO-1)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1); ranks = pp x dp")
+    g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zbh1"], default="1f1b",
+                   help="pipeline schedule (default 1f1b; zbh1 = zero-bubble H1)")
+    g.add_argument("--microbatches", type=int, default=1,
+                   help="micro-batches per step on each data-parallel replica (pipeline depth / accumulation)")
+    g.add_argument("--chunks", type=int, default=1, help="model chunks per pipeline rank (interleaved schedule)")
+    g.add_argument("--partition", choices=["uniform", "balanced"], default="uniform",
+                   help="split layers evenly, or balance measured per-layer cost across stages")
+    g.add_argument("--trace", default=None, metavar="DIR",
+                   help="write a Chrome/Perfetto trace per rank and a merged DIR/trace.json")
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="run directory (default runs/<model>)")
     g.add_argument("--overwrite", action="store_true", help="start fresh even if --out holds checkpoints")
@@ -163,6 +173,14 @@ def load_dataset(args, model_cfg):
 
 def check_layout(args, dp):
     """Refuse impossible shapes before any work (and identically on every rank)."""
+    if args.microbatches < 1 or args.chunks < 1:
+        raise SystemExit("error: --microbatches and --chunks must be >= 1")
+    if args.chunks > 1 and args.schedule != "interleaved":
+        raise SystemExit(f"error: --chunks {args.chunks} needs --schedule interleaved")
+    if args.batch_size % dp == 0 and (args.batch_size // dp) % args.microbatches:
+        raise SystemExit(f"error: the per-replica batch {args.batch_size // dp} (--batch-size {args.batch_size} / "
+                         f"dp {dp}) does not split into --microbatches {args.microbatches}; use a batch size "
+                         f"that is a multiple of dp x microbatches = {dp * args.microbatches}")
     if args.steps < 1:
         raise SystemExit(f"error: --steps must be >= 1, got {args.steps}")
     if args.batch_size < 1:
@@ -196,17 +214,20 @@ def train(args, world=None):
     import comm
     import kernels as K
     from engine import checkpoint
-    from engine.gpt import build_gpt, flops_per_token, generate
-    from engine.mlp import build_mlp, flops_per_example
+    from engine.gpt import build_gpt, flops_per_token, generate, gpt_layers
+    from engine.mlp import flops_per_example, mlp_layers
     from engine.optim import clip_scale, lr_at, make_optimizer
+    from engine.pipeline import ScheduleError
+    from engine.pipeline.rank_model import LocalModel, PipelineModel
+    from engine.trace import Tracer
     from mpi4py import MPI
 
     # ---- communicators -------------------------------------------------------------
     world = world or MPI.COMM_WORLD
     try:
-        topo = comm.Topology(world, dp=args.dp, pp=1)
+        topo = comm.Topology(world, dp=args.dp, pp=args.pp)
     except ValueError as e:
-        raise SystemExit(f"error: {e}")
+        raise SystemExit(f"error: {e} (launch pp x dp ranks, e.g. mpiexec -n {(args.dp or 1) * args.pp})")
     rank, dp, dp_rank = world.Get_rank(), topo.dp, topo.dp_rank
     is_main = rank == 0
     say = (lambda *a: print(*a, flush=True)) if is_main else (lambda *a: None)
@@ -235,7 +256,7 @@ def train(args, world=None):
             raise SystemExit(f"error: checkpoint {resume_path} holds a {manifest.get('model')} model, "
                              f"not --model {args.model}")
 
-    # ---- model, data, optimizer ------------------------------------------------------
+    # ---- data and model ----------------------------------------------------------------
     cfg = model_config(args, manifest.get("model_config"))
     dtype = K.resolve_dtype(args.dtype)
     if args.model == "gpt":
@@ -246,19 +267,34 @@ def train(args, world=None):
                              f"lower --seq-len or raise --context (at least {args.seq_len})")
     dataset = load_dataset(args, cfg)
     if args.model == "gpt":
-        model = build_gpt(cfg, dtype=dtype, seed=args.seed)
+        layers_fn = lambda: gpt_layers(cfg)  # noqa: E731
         items_per_example = args.seq_len
         flops_per_item = flops_per_token(cfg, args.seq_len)
     else:
-        if cfg.n_in != dataset.n_features or cfg.n_classes != dataset.n_classes:
-            cfg.n_in, cfg.n_classes = dataset.n_features, dataset.n_classes
-        model = build_mlp(cfg, dtype=dtype, seed=args.seed)
+        cfg.n_in, cfg.n_classes = dataset.n_features, dataset.n_classes
+        layers_fn = lambda: mlp_layers(cfg)  # noqa: E731
         items_per_example = 1
         flops_per_item = flops_per_example(cfg)
+    local_batch = args.batch_size // dp
+    micro = local_batch // args.microbatches
+    lo, hi = dp_rank * local_batch, (dp_rank + 1) * local_batch
+    try:
+        if topo.pp > 1 or args.chunks > 1:
+            if args.model != "gpt":
+                raise SystemExit("error: pipeline stages (--pp/--chunks > 1) are implemented for --model gpt only")
+            model = PipelineModel(layers_fn, topo, dtype, args.seed, args.schedule, args.microbatches,
+                                  args.chunks, act_shape=(micro, args.seq_len, cfg.d_model),
+                                  partition=args.partition,
+                                  cost_batch=lambda: dataset.batch(0, args.batch_size, 0, micro))
+        else:
+            model = LocalModel(layers_fn(), dtype, args.seed, args.microbatches)
+    except (ScheduleError, ValueError) as e:
+        raise SystemExit(f"error: {e}")
     params = model.params
+
+    # ---- optimizer ----------------------------------------------------------------------
     lr_base = args.lr if args.lr is not None else (2e-3 if args.optimizer == "adamw" else 0.05)
     warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
-
     # ZeRO-1: this rank updates (and keeps optimizer state for) one shard of the flat buffer.
     shard = comm.chunk_bounds(params.size, dp)[dp_rank] if args.zero else (0, params.size)
     opt = make_optimizer(args.optimizer, shard[1] - shard[0], dtype, params.xp,
@@ -270,26 +306,38 @@ def train(args, world=None):
         start_step = manifest["step"]
         say(f"resumed from {resume_path} at step {start_step}")
     else:
-        # Every rank initialised identically from the seed; broadcasting rank 0's copy
-        # makes that a guarantee rather than an assumption.
-        world.Bcast(params.data, root=0)
+        # Every rank initialised identically from the seed; broadcasting the first
+        # data-parallel replica's copy makes that a guarantee rather than an assumption.
+        topo.dp_comm.Bcast(params.data, root=0)
 
     buckets = None
     if dp > 1:
         buckets = comm.GradBuckets(params.grad, params.ranges(), comm=topo.dp_comm,
                                    bucket_bytes=int(args.bucket_mb * 2**20), op="avg",
                                    overlap=not args.no_overlap)
+    tracer = Tracer(args.trace, world) if args.trace else None
+    model.trace = tracer.events if tracer else None
 
-    local_batch = args.batch_size // dp
-    lo, hi = dp_rank * local_batch, (dp_rank + 1) * local_batch
+    def reduce_grad():
+        if buckets:
+            buckets.wait()
+        for a, b in model.tied_ranges:           # tied embedding: first + last stage
+            comm.allreduce(params.grad[a:b], model.tied_comm, op="sum")
+
     items_per_step = args.batch_size * items_per_example
     eval_every = args.eval_every or max(1, args.steps // 5)
     log_every = args.log_every or max(1, args.steps // 20)
 
-    say(f"ringpipe | {args.model} {cfg.to_dict()} | {params.size:,} parameters | {args.dtype}")
+    say(f"ringpipe | {args.model} {cfg.to_dict()} | {params.size:,} parameters on rank 0 | {args.dtype}")
+    layout = f"dp {dp} x pp {topo.pp}"
+    if isinstance(model, PipelineModel):
+        layout += (f" | schedule {args.schedule}, {args.microbatches} micro-batches of {micro}"
+                   f"{f', {args.chunks} chunks/rank' if args.chunks > 1 else ''} | stages (layers) {model.bounds}")
+    elif args.microbatches > 1:
+        layout += f" | {args.microbatches} micro-batches of {micro} (gradient accumulation)"
     say(f"data {dataset.name} | global batch {args.batch_size} x {items_per_example} = {items_per_step} "
-        f"{'tokens' if args.model == 'gpt' else 'examples'}/step | ranks {world.Get_size()} (dp {dp})"
-        f"{' zero-1' if args.zero else ''}")
+        f"{'tokens' if args.model == 'gpt' else 'examples'}/step | {world.Get_size()} ranks: {layout}"
+        f"{' | zero-1' if args.zero else ''}")
     if args.model == "gpt" and is_main:
         say(f"unigram baseline (val): {dataset.unigram_entropy():.4f} nats/byte")
 
@@ -300,9 +348,8 @@ def train(args, world=None):
         total = np.zeros(1)
         for i in range(args.eval_batches):
             x, y = dataset.batch(i, args.batch_size, lo, hi, split="val")
-            total[0] += model.loss(x, y)
-        if dp > 1:
-            comm.allreduce(total, topo.dp_comm, op="sum")
+            total[0] += model.forward_loss(x, y)
+        comm.allreduce(total, world, op="sum")       # only loss-computing ranks add non-zero
         return total[0] / (args.eval_batches * items_per_step)
 
     def save(step, loss):
@@ -310,9 +357,11 @@ def train(args, world=None):
         if is_main:
             meta = {"model": args.model, "model_config": cfg.to_dict(), "optimizer": args.optimizer,
                     "opt_step_count": opt.step_count, "loss": loss, "dtype": args.dtype,
+                    "layout": {"dp": dp, "pp": topo.pp, "chunks": args.chunks},
                     "args": {k: v for k, v in vars(args).items()}}
             checkpoint.save(ckpt_dir, step, arrays, meta, keep=args.keep)
         world.Barrier()
+        return arrays
 
     # ---- the loop --------------------------------------------------------------------
     t_start = time.perf_counter()
@@ -323,14 +372,11 @@ def train(args, world=None):
         x, y = dataset.batch(step, args.batch_size, lo, hi)
 
         params.zero_grad()
-        # Local mean over this rank's share; the all-reduce averages the shares.
-        local_loss = model.loss_and_grad(x, y, grad_scale=1.0 / (local_batch * items_per_example),
-                                         on_ready=buckets.mark_ready if buckets else None)
-        if buckets:
-            buckets.wait()
+        # Each micro-batch adds its share of this rank's mean; the all-reduce averages ranks.
+        local_loss = model.step(x, y, grad_scale=1.0 / (local_batch * items_per_example),
+                                on_ready=buckets.mark_ready if buckets else None, reduce_grad=reduce_grad)
         loss_buf = np.array([local_loss])
-        if dp > 1:
-            comm.allreduce(loss_buf, topo.dp_comm, op="sum")
+        comm.allreduce(loss_buf, world, op="sum")        # only loss-computing ranks add non-zero
         loss = loss_buf[0] / items_per_step
         if not math.isfinite(loss):
             last = checkpoint.find_latest(ckpt_dir)
@@ -338,9 +384,13 @@ def train(args, world=None):
                              f"the last good checkpoint ({last or 'none written yet'}). "
                              "Lower --lr or raise --warmup, then --resume from it.")
 
-        # Gradients are identical on every data-parallel rank now, so is the norm.
-        norm_sq = K.sum_of_squares(params.grad)
-        scale = clip_scale(norm_sq, args.grad_clip)
+        # Gradients are identical across data-parallel ranks now; pipeline stages
+        # add their parts of the norm (the tied embedding counted once).
+        norm_sq = np.array([K.sum_of_squares(params.grad) -
+                            sum(K.sum_of_squares(params.grad[a:b]) for a, b in model.duplicate_ranges)])
+        if topo.pp > 1:
+            comm.allreduce(norm_sq, topo.pp_comm, op="sum")
+        scale = clip_scale(float(norm_sq[0]), args.grad_clip)
         if scale != 1.0:
             params.grad *= scale
         if args.zero:
@@ -351,7 +401,7 @@ def train(args, world=None):
 
         # ---- bookkeeping (rank 0) ----------------------------------------------------
         dt = time.perf_counter() - t0
-        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": math.sqrt(norm_sq),
+        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": math.sqrt(norm_sq[0]),
                   "step_ms": dt * 1e3, "tokens_per_s" if args.model == "gpt" else "examples_per_s": items_per_step / dt,
                   "model_flops_per_s": flops_per_item * items_per_step / dt}
         if buckets:
@@ -377,18 +427,27 @@ def train(args, world=None):
 
     if buckets:
         buckets.close()
-    if start_step < args.steps:
-        save(args.steps, loss)
-    else:
+    if tracer:
+        tracer.write()
+        say(f"trace: {tracer.merged_path} (open in https://ui.perfetto.dev or chrome://tracing)")
+    if isinstance(model, PipelineModel) and is_main:
+        say(f"pipeline rank 0: peak {model.executor.peak_in_flight} micro-batches in flight, "
+            f"{model.executor.peak_activation_bytes / 2**20:.1f} MiB of activations")
+    arrays = save(args.steps, loss) if start_step < args.steps else None
+    if start_step >= args.steps:
         say(f"nothing to do: the checkpoint is already at step {start_step} of --steps {args.steps}")
     if is_main:
         metrics.close()
         say(f"done: {args.steps - start_step} steps in {_hms(time.perf_counter() - t_start)}; "
             f"checkpoint and metrics.jsonl in {out_dir}")
-        if args.model == "gpt" and args.sample_bytes > 0:
-            text = generate(model, b"def ", args.sample_bytes, min(args.seq_len, cfg.context),
+        if args.model == "gpt" and args.sample_bytes > 0 and arrays is not None:
+            # Rank 0 may hold only the first pipeline stage: sample from a full copy.
+            full = build_gpt(cfg, dtype=dtype)
+            full.params.load_flat(full.params.data, {k[6:]: v for k, v in arrays.items() if k.startswith("param/")})
+            text = generate(full, b"def ", args.sample_bytes, min(args.seq_len, cfg.context),
                             temperature=0.8, seed=args.seed)
             say("---- sample ----\ndef " + text.decode("utf-8", errors="replace") + "\n----------------")
+    return model
 
 
 def restore(params, opt, arrays, manifest, shard, opt_name):
@@ -407,7 +466,9 @@ def restore(params, opt, arrays, manifest, shard, opt_name):
 
 
 def gather_state(params, opt, shard, topo, zero):
-    """Named host arrays of parameters and full optimizer state (on rank 0 under ZeRO-1)."""
+    """Named host arrays of all parameters and the full optimizer state, on world rank 0
+    (other ranks get their own part). ZeRO shards are all-gathered within the
+    data-parallel group, pipeline stages are gathered over the pipeline group."""
     import comm
     arrays = {f"param/{k}": v for k, v in params.state_dict(params.data).items()}
     for state_name, buf in opt.state().items():
@@ -418,6 +479,12 @@ def gather_state(params, opt, shard, topo, zero):
         else:
             full = buf
         arrays.update({f"opt/{state_name}/{k}": v for k, v in params.state_dict(full).items()})
+    if topo.pp > 1 and topo.dp_rank == 0:
+        # Checkpointing is not a hot path: a pickled gather of named arrays is fine here.
+        parts = topo.pp_comm.gather(arrays, root=0)
+        if topo.stage == 0:
+            for part in parts:
+                arrays.update(part)
     return arrays
 
 

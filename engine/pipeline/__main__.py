@@ -1,0 +1,110 @@
+"""Inspect a pipeline schedule: action lists, validation, simulated timeline.
+
+    python -m engine.pipeline --schedule 1f1b -p 4 -m 8
+    python -m engine.pipeline --schedule interleaved -p 4 -m 8 -v 2 --plot out.png
+    python -m engine.pipeline --schedule zbh1 -p 4 -m 8 --costs F=1,I=1,W=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .schedule import SCHEDULE_NAMES, ScheduleError, make_schedule
+from .simulate import DEFAULT_COSTS, ascii_timeline, bubble_formula, plot_timeline, simulate
+from .validate import validate
+
+
+def _parse_costs(text: str) -> dict[str, float]:
+    costs = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        kind, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected KIND=TIME, got {item!r}")
+        try:
+            costs[kind.strip()] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"time for {kind!r} is not a number: {value!r}") from None
+    return costs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m engine.pipeline",
+        description="Generate a pipeline schedule, print each rank's action list, validate it, "
+                    "simulate it under the executor's semantics and draw the timeline.",
+        epilog="Compact actions: F3 forward of micro-batch 3; B3 full backward; I3 input-grad backward; "
+               "W3 weight-grad backward; SF/RF send/receive activations; SB/RB send/receive gradients; "
+               "RG gradient all-reduce; OPT optimizer step.  '.c' suffix = model chunk (when v > 1).  "
+               f"Default costs: {', '.join(f'{k}={v:g}' for k, v in DEFAULT_COSTS.items() if v)}, "
+               "everything else 0.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--schedule", "-s", default="1f1b", choices=SCHEDULE_NAMES, help="schedule to build")
+    parser.add_argument("-p", type=int, default=4, help="pipeline ranks")
+    parser.add_argument("-m", type=int, default=8, help="micro-batches per step")
+    parser.add_argument("-v", type=int, default=1, help="model chunks per rank (interleaved only)")
+    parser.add_argument("--costs", type=_parse_costs, default={},
+                        help="action times, e.g. F=1,B=2,I=1,W=1 (also SF, RF, SB, RB, RG, OPT)")
+    parser.add_argument("--latency", type=float, default=0.0, help="time a message spends in flight")
+    parser.add_argument("--width", type=int, default=120, help="max characters per timeline row")
+    parser.add_argument("--no-comm", action="store_true", help="hide SEND/RECV in the action lists")
+    parser.add_argument("--plot", metavar="PNG", help="also draw the timeline to this file (needs matplotlib)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        schedule = make_schedule(args.schedule, args.p, args.m, args.v)
+    except ScheduleError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+    print(f"# {schedule.name}: p={schedule.p} m={schedule.m} v={schedule.v}")
+    show_chunk = schedule.v > 1
+    for rank, actions in enumerate(schedule.ranks):
+        shown = [a for a in actions if not (args.no_comm and (a.is_send or a.is_recv))]
+        print(f"rank {rank}: " + " ".join(a.compact(show_chunk) for a in shown))
+
+    try:
+        validate(schedule)
+        print("\nvalidate: OK")
+    except ScheduleError as error:
+        print(f"\nvalidate: FAILED: {error}")
+        return 1
+
+    try:
+        result = simulate(schedule, args.costs, comm_latency=args.latency)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print("\ntimeline by kind:")
+    print(ascii_timeline(result, width=args.width, style="kind"))
+    print("\ntimeline by micro-batch:")
+    print(ascii_timeline(result, width=args.width, style="mb"))
+
+    print(f"\nmakespan {result.makespan:g}")
+    print("bubble per rank: " + " ".join(f"{b:.4f}" for b in result.bubble) + f"  (mean {result.mean_bubble:.4f})")
+    value, formula, exact = bubble_formula(schedule.name, schedule.p, schedule.m, schedule.v)
+    default_costs = not args.costs and args.latency == 0
+    note = "exact for these costs" if exact and default_costs else (
+        "lower bound" if not exact else "derived for the default costs")
+    print(f"theory: {formula} = {value:.4f}  ({note})")
+    in_flight = [schedule.micro_batches_in_flight(r) for r in range(schedule.p)]
+    print("peak micro-batches in flight (F done, B/I pending): " + " ".join(map(str, in_flight)))
+    if schedule.name == "zbh1":
+        until_w = [schedule.micro_batches_in_flight(r, until_weight_grad=True) for r in range(schedule.p)]
+        print("peak micro-batches held until W: " + " ".join(map(str, until_w)))
+
+    if args.plot:
+        try:
+            plot_timeline(result, args.plot)
+        except ImportError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
