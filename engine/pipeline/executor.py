@@ -82,6 +82,10 @@ class PipelineExecutor:
 
         for index, a in enumerate(self.actions):
             key = (a.mb, a.chunk)
+            if a.is_compute and sends:
+                # Large messages go by rendezvous, which only advances while the
+                # sender is inside MPI: poke the progress engine before computing.
+                MPI.Request.Testall([req for req, _ in sends])
             t0 = time.perf_counter()
             if a.kind in (RECV_F, RECV_B):
                 peer, _ = self.s.peer(self.rank, a)
