@@ -109,3 +109,25 @@ def test_microbatches_that_do_not_divide_the_batch_are_refused(shared_dir):
     with pytest.raises(SystemExit, match="does not split into --microbatches 3"):
         train(parse_args(base(4, 4) + ["--pp", str(world.size), "--microbatches", "3", "--out",
                                        os.path.join(shared_dir, "bad3")]), world=world)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_trace_and_balanced_partition(shared_dir):
+    out = os.path.join(shared_dir, "traced")
+    flags = base(world.size, 4) + ["--pp", str(world.size), "--microbatches", "4", "--partition", "balanced",
+                                   "--trace", os.path.join(out, "trace"), "--out", out]
+    ref_out = os.path.join(shared_dir, f"traced-ref{world.rank}")
+    train(parse_args(base(world.size, 4) + ["--out", ref_out]), world=MPI.COMM_SELF)
+    train(parse_args(flags), world=world)
+    world.Barrier()
+    # balanced partition changes where layers run, never the math
+    np.testing.assert_allclose([r["loss"] for r in metrics(out)], [r["loss"] for r in metrics(ref_out)],
+                               rtol=TOL)
+    with open(os.path.join(out, "trace", "trace.json")) as fh:
+        events = json.load(fh)["traceEvents"]
+    ranks = {e["tid"] for e in events if e.get("ph") == "X"}
+    assert ranks == set(range(world.size))
+    cats = {e["cat"] for e in events if e.get("ph") == "X"}
+    assert {"compute", "send"} <= cats
+    names = {e["name"] for e in events if e.get("ph") == "X" and e["tid"] == 0}
+    assert "F0" in names and "B0" in names
