@@ -74,6 +74,8 @@ def parse_args(argv=None):
     g.add_argument("--heads", type=int, default=None, help="GPT attention heads (default 4)")
     g.add_argument("--context", type=int, default=None, help="GPT maximum sequence length (default 128)")
     g.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="compute dtype (default float32)")
+    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu (numpy + Numba) or cuda (CuPy + CUDA kernels; rank takes GPU local_rank %% n_gpus)")
     g = p.add_argument_group("data")
     g.add_argument("--data", choices=["stdlib", "synthetic", "fashion-mnist", "text"], default=None,
                    help="dataset: stdlib (default for gpt; the interpreter's own library source), "
@@ -219,6 +221,7 @@ def train(args, world=None):
     from engine.optim import clip_scale, lr_at, make_optimizer
     from engine.pipeline import ScheduleError
     from engine.pipeline.rank_model import LocalModel, PipelineModel
+    from engine.device import select, to_host
     from engine.trace import Tracer
     from mpi4py import MPI
 
@@ -259,6 +262,7 @@ def train(args, world=None):
     # ---- data and model ----------------------------------------------------------------
     cfg = model_config(args, manifest.get("model_config"))
     dtype = K.resolve_dtype(args.dtype)
+    xp = select(args.device, topo.local_rank)
     if args.model == "gpt":
         if args.seq_len is None:
             args.seq_len = cfg.context
@@ -285,9 +289,9 @@ def train(args, world=None):
             model = PipelineModel(layers_fn, topo, dtype, args.seed, args.schedule, args.microbatches,
                                   args.chunks, act_shape=(micro, args.seq_len, cfg.d_model),
                                   partition=args.partition,
-                                  cost_batch=lambda: dataset.batch(0, args.batch_size, 0, micro))
+                                  cost_batch=lambda: dataset.batch(0, args.batch_size, 0, micro), xp=xp)
         else:
-            model = LocalModel(layers_fn(), dtype, args.seed, args.microbatches)
+            model = LocalModel(layers_fn(), dtype, args.seed, args.microbatches, xp=xp)
     except (ScheduleError, ValueError) as e:
         raise SystemExit(f"error: {e}")
     params = model.params
@@ -308,10 +312,16 @@ def train(args, world=None):
     else:
         # Every rank initialised identically from the seed; broadcasting the first
         # data-parallel replica's copy makes that a guarantee rather than an assumption.
-        topo.dp_comm.Bcast(params.data, root=0)
+        host = to_host(params.data)
+        topo.dp_comm.Bcast(host, root=0)
+        params.data[...] = xp.asarray(host)
 
     buckets = None
-    if dp > 1:
+    if dp > 1 and xp is not np:
+        # GPU: stage the whole gradient through host memory after backward (no
+        # overlap yet; a CUDA-aware MPI and device-side buckets would remove the copy).
+        buckets = _HostStagedReduce(params.grad, topo.dp_comm)
+    elif dp > 1:
         buckets = comm.GradBuckets(params.grad, params.ranges(), comm=topo.dp_comm,
                                    bucket_bytes=int(args.bucket_mb * 2**20), op="avg",
                                    overlap=not args.no_overlap)
@@ -322,7 +332,12 @@ def train(args, world=None):
         if buckets:
             buckets.wait()
         for a, b in model.tied_ranges:           # tied embedding: first + last stage
-            comm.allreduce(params.grad[a:b], model.tied_comm, op="sum")
+            if xp is np:
+                comm.allreduce(params.grad[a:b], model.tied_comm, op="sum")
+            else:
+                host = to_host(params.grad[a:b])
+                comm.allreduce(host, model.tied_comm, op="sum")
+                params.grad[a:b] = xp.asarray(host)
 
     items_per_step = args.batch_size * items_per_example
     eval_every = args.eval_every or max(1, args.steps // 5)
@@ -395,7 +410,12 @@ def train(args, world=None):
             params.grad *= scale
         if args.zero:
             opt.step(params.data[shard[0]:shard[1]], params.grad[shard[0]:shard[1]], lr)
-            comm.allgather(params.data, topo.dp_comm)
+            if xp is np:
+                comm.allgather(params.data, topo.dp_comm)
+            else:
+                host = to_host(params.data)
+                comm.allgather(host, topo.dp_comm)
+                params.data[...] = xp.asarray(host)
         else:
             opt.step(params.data, params.grad, lr)
 
@@ -474,7 +494,7 @@ def gather_state(params, opt, shard, topo, zero):
     for state_name, buf in opt.state().items():
         if zero:
             full = np.zeros(params.size, dtype=params.dtype)
-            full[shard[0]:shard[1]] = buf
+            full[shard[0]:shard[1]] = buf.get() if hasattr(buf, "get") else buf
             comm.allgather(full, topo.dp_comm)
         else:
             full = buf
@@ -486,6 +506,30 @@ def gather_state(params, opt, shard, topo, zero):
             for part in parts:
                 arrays.update(part)
     return arrays
+
+
+class _HostStagedReduce:
+    """Gradient averaging for device buffers through a host copy (same interface as GradBuckets)."""
+
+    def __init__(self, grad, dp_comm):
+        import numpy
+        self.grad, self.comm = grad, dp_comm
+        self.host = numpy.empty(grad.shape, dtype=grad.dtype)
+
+    def mark_ready(self, index):
+        pass
+
+    def wait(self):
+        import comm
+        self.grad.get(out=self.host)
+        comm.allreduce(self.host, self.comm, op="avg")
+        self.grad.set(self.host)
+
+    def stats(self):
+        return {}
+
+    def close(self):
+        pass
 
 
 def _hms(seconds):

@@ -173,3 +173,15 @@ def test_nan_loss_stops_naming_the_step_and_keeps_last_good_checkpoint(tmp_path)
         train(parse_args(TINY + ["--out", out, "--steps", "40", "--lr", "1e30", "--grad-clip", "0",
                                  "--warmup", "1", "--resume", "auto"]))
     assert checkpoint.find_latest(os.path.join(out, "checkpoints")).endswith("ckpt_00000003.json")
+
+
+def test_cuda_without_cupy_or_gpu_names_what_is_missing(tmp_path):
+    try:
+        import cupy  # noqa: F401
+        has_cupy = True
+    except ImportError:
+        has_cupy = False
+    if has_cupy:
+        pytest.skip("CuPy is installed; the no-CuPy message cannot be shown here")
+    with pytest.raises(SystemExit, match="--device cuda needs CuPy"):
+        run(tmp_path, "--device", "cuda")

@@ -21,6 +21,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from engine.device import to_host
 from engine.pipeline.schedule import B, F, I, OPT_STEP, RECV_B, RECV_F, REDUCE_GRAD, SEND_B, SEND_F, W
 
 
@@ -32,7 +33,7 @@ def nbytes(obj):
 
 
 class PipelineExecutor:
-    def __init__(self, schedule, rank, comm, chunks, act_shape, dtype, trace=None):
+    def __init__(self, schedule, rank, comm, chunks, act_shape, dtype, trace=None, xp=np):
         """schedule: a validated Schedule; rank: this rank's index in the pipeline
         (= its rank in `comm`, the pipeline communicator); chunks: Stage per model
         chunk held here (chunk c is virtual stage c*p + rank); act_shape: shape of
@@ -42,6 +43,9 @@ class PipelineExecutor:
         self.actions = schedule.ranks[rank]
         self.n_stages = schedule.num_stages
         self.trace = trace                       # list to append (name, category, t0, t1), or None
+        # Device arrays travel through host buffers (correct with any MPI; a
+        # CUDA-aware MPI could take device pointers directly).
+        self.xp = xp
         tag_ub = comm.Get_attr(MPI.TAG_UB) or 32767
         if 2 * schedule.m * self.n_stages >= tag_ub:
             raise ValueError(f"{schedule.m} micro-batches x {self.n_stages} stages exceed MPI's tag range "
@@ -94,7 +98,7 @@ class PipelineExecutor:
                 (recv_f if a.kind == RECV_F else recv_b)[key] = (buf, req)
             elif a.kind in (SEND_F, SEND_B):
                 peer, _ = self.s.peer(self.rank, a)
-                data = np.ascontiguousarray(to_send.pop((a.kind, a.mb, a.chunk)))
+                data = np.ascontiguousarray(to_host(to_send.pop((a.kind, a.mb, a.chunk))))
                 sends.append((self.comm.Isend(data, dest=peer, tag=self._tag(a)), data))
                 self._event(str(a), "send", t0)
             elif a.kind == F:
@@ -160,7 +164,7 @@ class PipelineExecutor:
         t0 = time.perf_counter()
         req.Wait()
         self._event(f"wait {label}", "recv", t0)
-        return buf
+        return buf if self.xp is np else self.xp.asarray(buf)
 
     def _account(self, held_bytes):
         self.peak_in_flight = max(self.peak_in_flight, len(held_bytes))

@@ -22,6 +22,7 @@ from engine.model import Stage
 from engine.pipeline import make_schedule, validate
 from engine.pipeline.executor import PipelineExecutor
 from engine.pipeline.partition import balanced, measure_layer_costs, uniform
+from engine.device import to_host
 from engine.params import ParamBuffer
 
 
@@ -30,8 +31,9 @@ def split_micro(arr, m):
 
 
 class LocalModel:
-    def __init__(self, layers, dtype, seed, microbatches=1):
-        self.stage = Stage(layers, dtype=dtype)
+    def __init__(self, layers, dtype, seed, microbatches=1, xp=np):
+        self.xp = xp
+        self.stage = Stage(layers, dtype=dtype, xp=xp)
         self.stage.params.init(seed)
         self.params = self.stage.params
         self.m = microbatches
@@ -41,6 +43,7 @@ class LocalModel:
 
     def step(self, x, y, grad_scale, on_ready=None, reduce_grad=None):
         loss = 0.0
+        x, y = self.xp.asarray(x), self.xp.asarray(y)
         xs, ys = split_micro(x, self.m), split_micro(y, self.m)
         for i in range(self.m):
             t0 = time.perf_counter()
@@ -56,12 +59,12 @@ class LocalModel:
         return loss
 
     def forward_loss(self, x, y):
-        return self.stage.loss(x, y)
+        return self.stage.loss(self.xp.asarray(x), self.xp.asarray(y))
 
 
 class PipelineModel:
     def __init__(self, layers_fn, topo, dtype, seed, schedule_name, microbatches, chunks,
-                 act_shape, partition="uniform", cost_batch=None):
+                 act_shape, partition="uniform", cost_batch=None, xp=np):
         from mpi4py import MPI
         import comm
         p, v = topo.pp, chunks
@@ -78,13 +81,14 @@ class PipelineModel:
         else:
             self.bounds = uniform(len(layers), n_stages)
         mine = [layers[slice(*self.bounds[c * p + topo.stage])] for c in range(v)]
-        self.params = ParamBuffer([s for chunk in mine for layer in chunk for s in layer.specs()], dtype)
+        self.xp = xp
+        self.params = ParamBuffer([s for chunk in mine for layer in chunk for s in layer.specs()], dtype, xp)
         self.params.init(seed)
         self.chunks = [Stage(chunk, params=self.params, has_head=(c * p + topo.stage == n_stages - 1))
                        for c, chunk in enumerate(mine)]
         self.is_loss_rank = topo.stage == (n_stages - 1) % p
         self.trace = None
-        self.executor = PipelineExecutor(self.schedule, topo.stage, topo.pp_comm, self.chunks, act_shape, dtype)
+        self.executor = PipelineExecutor(self.schedule, topo.stage, topo.pp_comm, self.chunks, act_shape, dtype, xp=xp)
 
         # Tied embedding: the first and the last virtual stage each hold "wte" when
         # they sit on different ranks; their gradients are summed between the two.
@@ -102,6 +106,7 @@ class PipelineModel:
 
     def step(self, x, y, grad_scale, on_ready=None, reduce_grad=None):
         self.executor.trace = self.trace
+        x, y = self.xp.asarray(x), self.xp.asarray(y)
         return self.executor.run(split_micro(x, self.m), split_micro(y, self.m), grad_scale,
                                  on_ready=on_ready, reduce_grad=reduce_grad)
 
@@ -109,6 +114,7 @@ class PipelineModel:
         """Forward only, one micro-batch through the chain of virtual stages."""
         from mpi4py import MPI
         p, comm, n = self.topo.pp, self.topo.pp_comm, len(self.bounds)
+        x, y = self.xp.asarray(x), self.xp.asarray(y)
         h, sends = None, []
         loss = 0.0
         for c, chunk in enumerate(self.chunks):
@@ -118,12 +124,13 @@ class PipelineModel:
             elif p > 1:
                 h = np.empty((len(x),) + self.executor.act_shape[1:], self.params.dtype)
                 comm.Recv(h, source=(stage - 1) % p, tag=stage)
+                h = self.xp.asarray(h)
             if stage == n - 1:
                 loss += chunk.loss(h, y)
             else:
                 h, _ = chunk.forward(h, need_grad=False)
                 if p > 1:
-                    h = np.ascontiguousarray(h)
-                    sends.append((comm.Isend(h, dest=(stage + 1) % p, tag=stage + 1), h))
+                    host = np.ascontiguousarray(to_host(h))
+                    sends.append((comm.Isend(host, dest=(stage + 1) % p, tag=stage + 1), host))
         MPI.Request.Waitall([r for r, _ in sends])
         return loss

@@ -1,0 +1,40 @@
+"""Choosing the array module: numpy on the CPU, cupy on a CUDA GPU.
+
+The GPU path is the same engine with `xp = cupy` and the CUDA kernels from
+kernels/cuda registered for cupy arrays. Each rank takes GPU
+local_rank % n_gpus. Asking for CUDA without CuPy or without a GPU is refused
+with a message naming what is missing.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def select(device: str, local_rank: int = 0):
+    """Return the array module for `device` ("cpu" or "cuda"), binding this rank's GPU."""
+    if device == "cpu":
+        return np
+    if device != "cuda":
+        raise SystemExit(f"error: unknown --device {device!r}: use cpu or cuda")
+    try:
+        import cupy
+    except ImportError:
+        raise SystemExit("error: --device cuda needs CuPy, which is not installed: "
+                         "pip install 'ringpipe[gpu]' (or the cupy-cudaXXx wheel matching your CUDA), "
+                         "or use --device cpu") from None
+    try:
+        n_gpus = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:        # CUDARuntimeError when no driver / no device
+        raise SystemExit(f"error: --device cuda: CuPy is installed but sees no CUDA GPU ({e}); "
+                         "check nvidia-smi and CUDA_VISIBLE_DEVICES, or use --device cpu") from None
+    if n_gpus < 1:
+        raise SystemExit("error: --device cuda: no CUDA GPU visible (check CUDA_VISIBLE_DEVICES), "
+                         "or use --device cpu")
+    cupy.cuda.Device(local_rank % n_gpus).use()
+    import kernels.cuda
+    kernels.cuda.register()
+    return cupy
+
+
+def to_host(a):
+    return a.get() if hasattr(a, "get") else a
