@@ -1,0 +1,333 @@
+"""
+kernels: the compute ops of ringpipe. Pure compute, no MPI, no model knowledge.
+
+Every op dispatches on the array module of its inputs (numpy or cupy) and on the
+backend (`backend=` per call, else kernels.set_backend's default):
+  "numba"  fast CPU kernels (kernels/cpu.py), the default for numpy arrays
+  "numpy"  the plain reference implementations (kernels/reference.py)
+cupy inputs go to kernels.backend._GPU_IMPL, filled in by kernels/cuda.
+
+Conventions shared by all ops:
+  - arrays are C-contiguous (inputs that are not get a contiguous copy; outputs
+    that are not are rejected, since writes into a copy would be lost)
+  - float32 or float64, one dtype per call
+  - "accumulate" outputs are parameter gradients and are added into (+=);
+    activation gradients (dx, dlogits, ...) are overwritten
+
+Importing this package does not import numba or cupy; numba loads on the first
+"numba" call and compiles (or loads from its on-disk cache) per dtype.
+"""
+
+import numpy as np
+
+from .backend import (  # noqa: F401
+    DTYPES,
+    _dispatch,
+    get_array_module,
+    get_backend,
+    get_num_threads,
+    is_gpu_array,
+    register_gpu_impl,
+    resolve_dtype,
+    set_backend,
+    set_num_threads,
+)
+
+__all__ = [
+    "DTYPES", "KernelDtypeError", "get_array_module", "get_backend", "is_gpu_array", "resolve_dtype", "set_backend",
+    "set_num_threads", "get_num_threads",
+    "matmul", "matmul_nt", "matmul_tn",
+    "layernorm_forward", "layernorm_backward",
+    "gelu_forward", "gelu_backward",
+    "softmax_causal_forward", "softmax_causal_backward",
+    "cross_entropy_forward_backward",
+    "adamw_update", "sgd_momentum_update", "sum_of_squares",
+]
+
+_FLOAT_KINDS = ("float32", "float64")
+
+
+class KernelDtypeError(TypeError, ValueError):
+    """Wrong dtype for a kernel operand. Both a TypeError (what it is) and a ValueError
+    (so callers validating configs with `except ValueError` catch it too)."""
+
+# ---------------------------------------------------------------------------
+# validation helpers: cheap metadata checks only (no reductions, no device syncs),
+# so they run the same for numpy and cupy
+
+
+def _float_dtype(op, name, a):
+    if str(a.dtype) not in _FLOAT_KINDS:
+        raise KernelDtypeError(f"kernels.{op}: {name} must be float32 or float64, got {a.dtype}")
+    return a.dtype
+
+
+def _same_dtype(op, dtype, **arrays):
+    for name, a in arrays.items():
+        if a is not None and a.dtype != dtype:
+            raise KernelDtypeError(
+                f"kernels.{op}: {name} has dtype {a.dtype}, expected {dtype} (all operands share one dtype)"
+            )
+
+
+def _shape(op, name, a, shape):
+    if a is not None and tuple(a.shape) != tuple(shape):
+        raise ValueError(f"kernels.{op}: {name} has shape {tuple(a.shape)}, expected {tuple(shape)}")
+
+
+def _ndim(op, name, a, ndim):
+    if a.ndim != ndim:
+        raise ValueError(f"kernels.{op}: {name} must be {ndim}D, got shape {tuple(a.shape)}")
+
+
+def _out_ok(op, name, a):
+    if a is not None and not a.flags.c_contiguous:
+        raise ValueError(f"kernels.{op}: output {name} must be C-contiguous")
+
+
+def _c(a):
+    # contiguous inputs pass through untouched
+    if a is None or a.flags.c_contiguous:
+        return a
+    return get_array_module(a).ascontiguousarray(a)
+
+
+# ---------------------------------------------------------------------------
+# matmul
+
+
+def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, backend=None):
+    """C = op(a) @ op(b), op = transpose of the last two dims if trans_*.
+
+    a (..., M, K) or (..., K, M) if trans_a; b (..., K, N) or (..., N, K) if trans_b;
+    leading dims broadcast like xp.matmul. out (..., M, N) is overwritten, or added
+    into if accumulate=True (then out is required). Strided inputs are fine here:
+    BLAS takes transposed views without copies.
+    """
+    op = "matmul"
+    if a.ndim < 2 or b.ndim < 2:
+        raise ValueError(f"kernels.{op}: a and b must be at least 2D, got {tuple(a.shape)} and {tuple(b.shape)}")
+    dt = _float_dtype(op, "a", a)
+    _same_dtype(op, dt, b=b, out=out)
+    M, K = (a.shape[-1], a.shape[-2]) if trans_a else (a.shape[-2], a.shape[-1])
+    K2, N = (b.shape[-1], b.shape[-2]) if trans_b else (b.shape[-2], b.shape[-1])
+    if K != K2:
+        raise ValueError(
+            f"kernels.{op}: inner dims differ: op(a) is (..., {M}, {K}), op(b) is (..., {K2}, {N}) "
+            f"(trans_a={trans_a}, trans_b={trans_b})"
+        )
+    if accumulate and out is None:
+        raise ValueError(f"kernels.{op}: accumulate=True needs out")
+    if out is not None:
+        try:
+            batch = np.broadcast_shapes(tuple(a.shape[:-2]), tuple(b.shape[:-2]))
+        except ValueError:
+            raise ValueError(
+                f"kernels.{op}: batch dims of {tuple(a.shape)} and {tuple(b.shape)} do not broadcast"
+            ) from None
+        # checked here because `out += r` would silently broadcast a smaller result
+        _shape(op, "out", out, batch + (M, N))
+    impl = _dispatch(op, (a, b, out), backend)
+    return impl(a, b, out, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate)
+
+
+def matmul_nt(a, b, out=None, **kw):
+    """a @ b.T (e.g. x @ W.T with W stored (out_features, in_features))."""
+    return matmul(a, b, out, trans_b=True, **kw)
+
+
+def matmul_tn(a, b, out=None, **kw):
+    """a.T @ b (e.g. dW = dy.T @ x)."""
+    return matmul(a, b, out, trans_a=True, **kw)
+
+
+# ---------------------------------------------------------------------------
+# layernorm
+
+
+def layernorm_forward(x, weight, bias, eps=1e-5, out=None, *, backend=None):
+    """x (N, C), weight/bias (C,) -> (out (N, C), mean (N,), rstd (N,)), all in x's dtype."""
+    op = "layernorm_forward"
+    _ndim(op, "x", x, 2)
+    N, C = x.shape
+    dt = _float_dtype(op, "x", x)
+    _same_dtype(op, dt, weight=weight, bias=bias, out=out)
+    _shape(op, "weight", weight, (C,))
+    _shape(op, "bias", bias, (C,))
+    _shape(op, "out", out, (N, C))
+    _out_ok(op, "out", out)
+    impl = _dispatch(op, (x, weight, bias, out), backend)
+    return impl(_c(x), _c(weight), _c(bias), eps, out)
+
+
+def layernorm_backward(dout, x, weight, mean, rstd, dx=None, dweight=None, dbias=None, *, backend=None):
+    """dx (N, C) is overwritten (allocated if None) and returned; dweight, dbias (C,) are
+    accumulated into (+=) if given, skipped if None."""
+    op = "layernorm_backward"
+    _ndim(op, "x", x, 2)
+    N, C = x.shape
+    dt = _float_dtype(op, "x", x)
+    _same_dtype(op, dt, dout=dout, weight=weight, mean=mean, rstd=rstd, dx=dx, dweight=dweight, dbias=dbias)
+    for name, a in (("dout", dout), ("dx", dx)):
+        _shape(op, name, a, (N, C))
+    for name, a in (("weight", weight), ("dweight", dweight), ("dbias", dbias)):
+        _shape(op, name, a, (C,))
+    for name, a in (("mean", mean), ("rstd", rstd)):
+        _shape(op, name, a, (N,))
+    for name, a in (("dx", dx), ("dweight", dweight), ("dbias", dbias)):
+        _out_ok(op, name, a)
+    impl = _dispatch(op, (dout, x, weight, mean, rstd, dx, dweight, dbias), backend)
+    return impl(_c(dout), _c(x), _c(weight), _c(mean), _c(rstd), dx, dweight, dbias)
+
+
+# ---------------------------------------------------------------------------
+# gelu
+
+
+def gelu_forward(x, out=None, *, backend=None):
+    """GELU, tanh approximation, elementwise on any shape."""
+    op = "gelu_forward"
+    dt = _float_dtype(op, "x", x)
+    _same_dtype(op, dt, out=out)
+    _shape(op, "out", out, x.shape)
+    _out_ok(op, "out", out)
+    impl = _dispatch(op, (x, out), backend)
+    return impl(_c(x), out)
+
+
+def gelu_backward(dout, x, dx=None, *, backend=None):
+    """dx = gelu'(x) * dout, any shape; dx overwritten (may alias dout)."""
+    op = "gelu_backward"
+    dt = _float_dtype(op, "x", x)
+    _same_dtype(op, dt, dout=dout, dx=dx)
+    _shape(op, "dout", dout, x.shape)
+    _shape(op, "dx", dx, x.shape)
+    _out_ok(op, "dx", dx)
+    impl = _dispatch(op, (dout, x, dx), backend)
+    return impl(_c(dout), _c(x), dx)
+
+
+# ---------------------------------------------------------------------------
+# causal softmax
+
+
+def _check_square(op, name, a):
+    if a.ndim < 2 or a.shape[-1] != a.shape[-2]:
+        raise ValueError(f"kernels.{op}: {name} must be (..., T, T), got shape {tuple(a.shape)}")
+
+
+def softmax_causal_forward(scores, scale, out=None, *, backend=None):
+    """scores (..., T, T) -> probs, softmax over j <= t of scale*scores, exactly 0 for j > t.
+    out may be scores itself (in place)."""
+    op = "softmax_causal_forward"
+    _check_square(op, "scores", scores)
+    dt = _float_dtype(op, "scores", scores)
+    _same_dtype(op, dt, out=out)
+    _shape(op, "out", out, scores.shape)
+    _out_ok(op, "out", out)
+    impl = _dispatch(op, (scores, out), backend)
+    return impl(_c(scores), scale, out)
+
+
+def softmax_causal_backward(dprobs, probs, scale, out=None, *, backend=None):
+    """dscores = scale * probs * (dprobs - sum_j dprobs*probs), 0 above the diagonal.
+    out may be dprobs itself (in place)."""
+    op = "softmax_causal_backward"
+    _check_square(op, "probs", probs)
+    dt = _float_dtype(op, "probs", probs)
+    _same_dtype(op, dt, dprobs=dprobs, out=out)
+    _shape(op, "dprobs", dprobs, probs.shape)
+    _shape(op, "out", out, probs.shape)
+    _out_ok(op, "out", out)
+    impl = _dispatch(op, (dprobs, probs, out), backend)
+    return impl(_c(dprobs), _c(probs), scale, out)
+
+
+# ---------------------------------------------------------------------------
+# cross-entropy
+
+
+def cross_entropy_forward_backward(logits, targets, dlogits=None, grad_scale=1.0, *, backend=None):
+    """logits (N, V), targets (N,) ints in [0, V) -> (losses (N,), dlogits or None).
+
+    losses[n] = -log softmax(logits[n])[targets[n]], in logits' dtype. If dlogits is
+    given (it may be logits itself), it is overwritten with
+    (softmax(logits) - onehot(targets)) * grad_scale.
+    """
+    op = "cross_entropy_forward_backward"
+    _ndim(op, "logits", logits, 2)
+    N, V = logits.shape
+    dt = _float_dtype(op, "logits", logits)
+    _same_dtype(op, dt, dlogits=dlogits)
+    _shape(op, "targets", targets, (N,))
+    _shape(op, "dlogits", dlogits, (N, V))
+    _out_ok(op, "dlogits", dlogits)
+    if targets.dtype.kind not in "iu":
+        raise KernelDtypeError(f"kernels.{op}: targets must be an integer array, got {targets.dtype}")
+    if N and not is_gpu_array(targets):
+        # numba does no bounds checking: an out-of-range target would read arbitrary
+        # memory. On the host min/max is cheap; the GPU path checks on its own terms.
+        lo, hi = int(targets.min()), int(targets.max())
+        if lo < 0 or hi >= V:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"kernels.{op}: target {bad} out of range [0, {V}) for logits of shape {(N, V)}")
+    impl = _dispatch(op, (logits, targets, dlogits), backend)
+    return impl(_c(logits), _c(targets), dlogits, grad_scale)
+
+
+# ---------------------------------------------------------------------------
+# optimizers and norms
+
+
+def _check_flat(op, param, **others):
+    _ndim(op, "param", param, 1)
+    dt = _float_dtype(op, "param", param)
+    _same_dtype(op, dt, **others)
+    for name, a in others.items():
+        _shape(op, name, a, param.shape)
+    _out_ok(op, "param", param)
+    for name, a in others.items():
+        _out_ok(op, name, a)
+
+
+def _check_mask(op, param, wd_mask):
+    if wd_mask is None:
+        return
+    _shape(op, "wd_mask", wd_mask, param.shape)
+    if str(wd_mask.dtype) not in ("bool", "uint8", "float32", "float64"):
+        raise KernelDtypeError(f"kernels.{op}: wd_mask must be bool, uint8, float32 or float64, got {wd_mask.dtype}")
+    _out_ok(op, "wd_mask", wd_mask)
+
+
+def adamw_update(param, grad, m, v, *, lr, beta1, beta2, eps, weight_decay, step, wd_mask=None, backend=None):
+    """AdamW step in place on flat 1D arrays; step is 1-based (bias correction).
+
+    m = b1*m + (1-b1)*g ; v = b2*v + (1-b2)*g^2
+    p -= lr * (m/(1-b1^step) / (sqrt(v/(1-b2^step)) + eps) + weight_decay*mask*p)
+    """
+    op = "adamw_update"
+    _check_flat(op, param, grad=grad, m=m, v=v)
+    _check_mask(op, param, wd_mask)
+    if step < 1:
+        raise ValueError(f"kernels.{op}: step is 1-based, got {step}")
+    impl = _dispatch(op, (param, grad, m, v, wd_mask), backend)
+    impl(param, grad, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+         weight_decay=weight_decay, step=step, wd_mask=wd_mask)
+
+
+def sgd_momentum_update(param, grad, buf, *, lr, momentum, weight_decay=0.0, wd_mask=None, backend=None):
+    """SGD with momentum in place (PyTorch convention, no dampening; buf starts at zero):
+    g' = g + wd*mask*p ; buf = momentum*buf + g' ; p -= lr*buf"""
+    op = "sgd_momentum_update"
+    _check_flat(op, param, grad=grad, buf=buf)
+    _check_mask(op, param, wd_mask)
+    impl = _dispatch(op, (param, grad, buf, wd_mask), backend)
+    impl(param, grad, buf, lr=lr, momentum=momentum, weight_decay=weight_decay, wd_mask=wd_mask)
+
+
+def sum_of_squares(x, *, backend=None):
+    """sum(x**2) as a python float, accumulated in float64 (global-norm clipping)."""
+    op = "sum_of_squares"
+    _float_dtype(op, "x", x)
+    impl = _dispatch(op, (x,), backend)
+    return impl(_c(x))

@@ -1,0 +1,201 @@
+"""
+Plain array-module reference implementations of every kernel.
+
+These are the ground truth the fast kernels are tested against, and what runs for
+backend="numpy". They favour obviousness over speed, but stay vectorized so the
+reference path is still usable for training. Written against `xp`, so they run on
+numpy and cupy alike. Inputs are assumed validated by kernels/__init__.py.
+
+Row statistics (means, variances, softmax normalizers) are summed in float64 so
+that the float32 reference is at least as accurate as the kernels it checks.
+"""
+
+import math
+
+from .backend import get_array_module
+
+# ---------------------------------------------------------------------------
+# matmul
+
+
+def _op(x, trans):
+    # transpose of the last two dims as a view: BLAS takes the transpose flag, no copy
+    return x.swapaxes(-1, -2) if trans else x
+
+
+def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False):
+    xp = get_array_module(a, b, out)
+    a, b = _op(a, trans_a), _op(b, trans_b)
+    if accumulate:
+        # BLAS could do beta=1 for us, but xp.matmul has no beta; one temporary is fine
+        out += xp.matmul(a, b)
+        return out
+    if out is None:
+        return xp.matmul(a, b)
+    return xp.matmul(a, b, out=out)
+
+
+def matmul_nt(a, b, out=None, **kw):
+    return matmul(a, b, out, trans_b=True, **kw)
+
+
+def matmul_tn(a, b, out=None, **kw):
+    return matmul(a, b, out, trans_a=True, **kw)
+
+
+# ---------------------------------------------------------------------------
+# layernorm
+
+
+def layernorm_forward(x, weight, bias, eps=1e-5, out=None):
+    # x (N, C), weight/bias (C,) -> out (N, C), mean/rstd (N,)
+    xp = get_array_module(x)
+    mean = x.mean(axis=1, dtype=xp.float64)
+    var = ((x - mean[:, None]) ** 2).mean(axis=1, dtype=xp.float64)  # two-pass: no cancellation
+    rstd = 1.0 / xp.sqrt(var + eps)
+    mean, rstd = mean.astype(x.dtype), rstd.astype(x.dtype)
+    norm = (x - mean[:, None]) * rstd[:, None]
+    if out is None:
+        out = xp.empty_like(x)
+    out[...] = norm * weight + bias
+    return out, mean, rstd
+
+
+def layernorm_backward(dout, x, weight, mean, rstd, dx=None, dweight=None, dbias=None):
+    # dout, x (N, C); weight (C,); mean, rstd (N,)
+    # y = norm * w + b with norm = (x - mean) * rstd. Differentiating through mean and rstd:
+    #   dx = rstd * (dnorm - mean_c(dnorm) - norm * mean_c(dnorm * norm)),  dnorm = dout * w
+    xp = get_array_module(x)
+    norm = (x - mean[:, None]) * rstd[:, None]
+    dnorm = dout * weight
+    dnorm_mean = dnorm.mean(axis=1, keepdims=True, dtype=xp.float64)
+    dnorm_norm_mean = (dnorm * norm).mean(axis=1, keepdims=True, dtype=xp.float64)
+    if dx is None:
+        dx = xp.empty_like(x)
+    dx[...] = (dnorm - dnorm_mean - norm * dnorm_norm_mean) * rstd[:, None]
+    if dbias is not None:
+        dbias += dout.sum(axis=0, dtype=xp.float64).astype(dbias.dtype)
+    if dweight is not None:
+        dweight += (norm * dout).sum(axis=0, dtype=xp.float64).astype(dweight.dtype)
+    return dx
+
+
+# ---------------------------------------------------------------------------
+# gelu (tanh approximation, as in GPT-2)
+
+GELU_SCALE = math.sqrt(2.0 / math.pi)
+GELU_CUBE = 0.044715
+
+
+def gelu_forward(x, out=None):
+    xp = get_array_module(x)
+    # x * x * x, not x**3: numpy's float32 power is ~60x slower than two multiplies
+    y = 0.5 * x * (1.0 + xp.tanh(GELU_SCALE * (x + GELU_CUBE * x * x * x)))
+    if out is None:
+        return y.astype(x.dtype, copy=False)
+    out[...] = y
+    return out
+
+
+def gelu_backward(dout, x, dx=None):
+    xp = get_array_module(x)
+    t = xp.tanh(GELU_SCALE * (x + GELU_CUBE * x * x * x))
+    # d/dx tanh(u) = (1 - tanh^2 u) u'; 1 - t^2 instead of 1/cosh^2 cannot overflow
+    local_grad = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_SCALE * (1.0 + 3.0 * GELU_CUBE * x * x)
+    if dx is None:
+        dx = xp.empty_like(x)
+    dx[...] = local_grad * dout
+    return dx
+
+
+# ---------------------------------------------------------------------------
+# causal softmax over attention scores (..., T, T)
+
+
+def _causal_mask(xp, T):
+    # (T, T) True where key j may be attended from query t, i.e. j <= t
+    return xp.tril(xp.ones((T, T), dtype=bool))
+
+
+def softmax_causal_forward(scores, scale, out=None):
+    xp = get_array_module(scores)
+    T = scores.shape[-1]
+    mask = _causal_mask(xp, T)
+    z = xp.where(mask, scores * scale, -xp.inf)
+    z = z - z.max(axis=-1, keepdims=True)  # the diagonal is always unmasked, so max is finite
+    e = xp.exp(z)  # exp(-inf) = 0 above the diagonal
+    probs = e / e.sum(axis=-1, keepdims=True, dtype=xp.float64)
+    if out is None:
+        return probs.astype(scores.dtype)
+    out[...] = probs  # safe when out is scores: everything above was a temporary
+    return out
+
+
+def softmax_causal_backward(dprobs, probs, scale, out=None):
+    # softmax Jacobian-vector product: dz_j = p_j (dp_j - sum_k dp_k p_k), then chain through scale
+    xp = get_array_module(probs)
+    T = probs.shape[-1]
+    mask = _causal_mask(xp, T)
+    # where, not a multiply by the mask: dprobs above the diagonal may hold anything
+    dot = xp.where(mask, dprobs * probs, 0.0).sum(axis=-1, keepdims=True, dtype=xp.float64)
+    dscores = xp.where(mask, scale * probs * (dprobs - dot), 0.0)
+    if out is None:
+        return dscores.astype(probs.dtype)
+    out[...] = dscores
+    return out
+
+
+# ---------------------------------------------------------------------------
+# fused cross-entropy
+
+
+def cross_entropy_forward_backward(logits, targets, dlogits=None, grad_scale=1.0):
+    # logits (N, V), targets (N,) -> losses (N,), dlogits (N, V) or None
+    xp = get_array_module(logits)
+    N = logits.shape[0]
+    rows = xp.arange(N)
+    m = logits.max(axis=1, keepdims=True)
+    lse = m[:, 0] + xp.log(xp.exp(logits - m).sum(axis=1, dtype=xp.float64))
+    losses = (lse - logits[rows, targets]).astype(logits.dtype)
+    if dlogits is None:
+        return losses, None
+    # losses are final before dlogits is written, so dlogits may be logits itself;
+    # softmax is formed directly in dlogits, no separate probs array
+    xp.subtract(logits, lse[:, None].astype(logits.dtype), out=dlogits)
+    xp.exp(dlogits, out=dlogits)
+    dlogits[rows, targets] -= 1.0
+    dlogits *= grad_scale
+    return losses, dlogits
+
+
+# ---------------------------------------------------------------------------
+# optimizers (in place on flat 1D arrays)
+
+
+def _mask(p, wd_mask):
+    return 1.0 if wd_mask is None else wd_mask.astype(p.dtype)
+
+
+def adamw_update(param, grad, m, v, *, lr, beta1, beta2, eps, weight_decay, step, wd_mask=None):
+    xp = get_array_module(param)
+    m *= beta1
+    m += (1.0 - beta1) * grad
+    v *= beta2
+    v += (1.0 - beta2) * grad * grad
+    mhat = m / (1.0 - beta1**step)
+    vhat = v / (1.0 - beta2**step)
+    # decoupled weight decay: applied to the parameter, not folded into the gradient
+    param -= lr * (mhat / (xp.sqrt(vhat) + eps) + weight_decay * _mask(param, wd_mask) * param)
+
+
+def sgd_momentum_update(param, grad, buf, *, lr, momentum, weight_decay=0.0, wd_mask=None):
+    # PyTorch convention: L2 decay folded into the gradient, no dampening
+    g = grad + weight_decay * _mask(param, wd_mask) * param
+    buf *= momentum
+    buf += g
+    param -= lr * buf
+
+
+def sum_of_squares(x):
+    xp = get_array_module(x)
+    return float(xp.sum(xp.square(x, dtype=xp.float64)))
