@@ -185,3 +185,21 @@ def test_cuda_without_cupy_or_gpu_names_what_is_missing(tmp_path):
         pytest.skip("CuPy is installed; the no-CuPy message cannot be shown here")
     with pytest.raises(SystemExit, match="--device cuda needs CuPy"):
         run(tmp_path, "--device", "cuda")
+
+
+@pytest.mark.parametrize("launcher", ["python", "mpiexec -n 1"])
+def test_cli_runs_plain_and_under_mpiexec(tmp_path, launcher):
+    """Progress lines, validation, the final sample: what a user sees."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if launcher != "python" and not os.path.exists(mpiexec):
+        pytest.skip("no mpiexec next to this python (install the mpi extra)")
+    prefix = [] if launcher == "python" else [mpiexec, "-n", "1"]
+    args = [a for a in TINY if a != "--quiet"]
+    args[args.index("--sample-bytes") + 1] = "16"
+    r = subprocess.run(prefix + [sys.executable, "-m", "engine.train", *args, "--steps", "2",
+                                 "--out", str(tmp_path / "cli")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "step 2/2 | loss" in r.stdout and "tok/s" in r.stdout and "ETA" in r.stdout
+    assert "val " in r.stdout and "---- sample ----" in r.stdout
+    assert os.path.exists(tmp_path / "cli" / "metrics.jsonl")
