@@ -365,6 +365,36 @@ def test_grad_buckets_equal_plain_allreduce(bucket_bytes, overlap):
 
 
 @pytest.mark.mpi
+def test_grad_buckets_with_main_thread_mpi_traffic():
+    # The main thread keeps doing its own MPI (pipeline-style point-to-point
+    # with the same tags our ring uses, and collectives on the same
+    # communicator) while buckets reduce in the background.
+    ranges, n = _model()
+    g = np.zeros(n, np.float32)
+    problems = []
+    right, left = (RANK + 1) % P, (RANK - 1) % P
+    with comm.GradBuckets(g, ranges, WORLD, bucket_bytes=64 * 1024) as gb:
+        for step in range(3):
+            g[:] = data(n, np.float32, seed=10 * step + RANK)
+            ref = mpi_reference(g, "avg")
+            for i in reversed(range(len(ranges))):
+                gb.mark_ready(i)
+                token = np.array([RANK, i, step], np.int64)
+                got = np.empty(3, np.int64)
+                WORLD.Sendrecv(token, right, 0, got, left, 0)
+                if list(got) != [left, i, step]:
+                    problems.append(f"p2p token {got}")
+                x = np.full(3, float(RANK))
+                comm.allreduce(x, WORLD, algorithm="small" if i % 2 else "ring")
+                if not np.all(x == P * (P - 1) / 2):
+                    problems.append(f"main-thread allreduce {x}")
+            gb.wait()
+            if not close(g, ref, np.float32, P):
+                problems.append(f"step {step}: buckets differ from Allreduce avg")
+    agree(problems)
+
+
+@pytest.mark.mpi
 def test_grad_buckets_sum_float64_reverse_order():
     ranges, n = _model()
     g = data(n, np.float64, seed=RANK)
@@ -542,6 +572,16 @@ def test_uncaught_exception_aborts_job(mode):
     assert "Traceback" in out.stderr
     if mode == "thread":
         assert "(thread worker)" in out.stderr
+
+
+@serial_only
+def test_deliberate_exit_on_one_rank_ends_job():
+    out, dt = _mpiexec(2, os.path.join(SCRIPTS, "crash.py"), "exit")
+    assert out.returncode != 0
+    assert dt < 20, f"job took {dt:.1f}s to die"
+    assert "[ringpipe rank 1/2 on " in out.stderr, out.stderr[-2000:]
+    assert "SystemExit: error: deliberate exit on rank 1" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 @serial_only

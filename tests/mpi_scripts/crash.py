@@ -1,5 +1,5 @@
 """One rank fails while the others block in MPI; the abort handler must end
-the whole job. Usage: mpiexec -n 2 python crash.py main|thread|context"""
+the whole job. Usage: mpiexec -n 2 python crash.py main|thread|context|exit"""
 import os
 import sys
 import threading
@@ -16,6 +16,8 @@ world = MPI.COMM_WORLD
 
 
 def fail():
+    if mode == "exit":
+        raise SystemExit(f"error: deliberate exit on rank {world.Get_rank()}")
     raise ValueError(f"boom from rank {world.Get_rank()}")
 
 
@@ -32,7 +34,7 @@ def main():
     world.Barrier()
 
 
-if mode == "context":
+if mode in ("context", "exit"):
     with comm.abort_on_error():
         main()
 else:

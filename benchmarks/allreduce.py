@@ -1,0 +1,353 @@
+"""All-reduce bandwidth, nccl-tests style: our ring, our small-message path,
+the MPI library's own Allreduce and a naive Reduce+Bcast, in the same run.
+
+    mpiexec -n P python benchmarks/allreduce.py [--min-bytes 8 --max-bytes 256M
+        --dtype float32 --iters N --warmup N --json PATH --algorithms ring,small,mpi,naive]
+    mpiexec -n P python benchmarks/allreduce.py --quick            # few sizes, few iters
+    mpiexec -n P python benchmarks/allreduce.py --overlap [--work matmul|sleep]
+        # GradBuckets: fake backward (CPU-bound matmuls, or sleeps standing in
+        # for device compute) with mark_ready per layer; fraction of the
+        # all-reduce time hidden, from stats() and from wall clock
+
+Method: sizes double from --min-bytes to --max-bytes. At each size the
+algorithms run round-robin, iteration by iteration, so machine noise hits all
+of them alike. Every iteration is in place on a buffer restored from a pristine
+copy outside the timed region, with a Barrier before it (also outside); its
+time is the max over ranks; a row reports the median. #wrong counts elements
+(all ranks) that differ from the exact expected sum (small-integer data, so
+every algorithm must match exactly). busbw = algbw * 2(p-1)/p.
+
+Footer: average busbw per algorithm, ring/MPI busbw ratio per size >= 1 MiB,
+the least-squares alpha-beta fit of the ring
+    t = 2(p-1) * alpha + 2(p-1)/p * n * beta'      (beta' folds in the reduce cost)
+weighted by 1/t (relative error), each ring row's deviation from it, and the
+measured ring-vs-small crossover next to the one "auto" uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from mpi4py import MPI  # noqa: E402
+
+import comm as rcomm  # noqa: E402
+from _common import fmt_size, median, parse_size, table, write_json  # noqa: E402
+
+ALGOS = ("ring", "small", "mpi", "naive")
+DTYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float64,
+          "int32": np.int32, "int64": np.int64}
+
+
+def make_runner(algo: str, world):
+    if algo == "ring":
+        return lambda buf: rcomm.allreduce(buf, world, op="sum", algorithm="ring")
+    if algo == "small":
+        return lambda buf: rcomm.allreduce(buf, world, op="sum", algorithm="small")
+    if algo == "mpi":
+        return lambda buf: world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+    if algo == "naive":
+        def naive(buf):
+            if world.Get_rank() == 0:
+                world.Reduce(MPI.IN_PLACE, buf, op=MPI.SUM, root=0)
+            else:
+                world.Reduce(buf, None, op=MPI.SUM, root=0)
+            world.Bcast(buf, root=0)
+        return naive
+    raise ValueError(algo)
+
+
+def pattern(n: int, rank: int, dtype, start: int = 0) -> np.ndarray:
+    # Small integers: every summation order gives the exact same result, so
+    # #wrong can demand equality for every dtype (float16 included).
+    return ((np.arange(start, start + n) % 7) + rank).astype(dtype)
+
+
+def count_wrong(buf: np.ndarray, p: int) -> int:
+    wrong, step = 0, 1 << 22
+    for s in range(0, buf.size, step):
+        e = min(buf.size, s + step)
+        expect = (p * (np.arange(s, e) % 7) + p * (p - 1) // 2).astype(buf.dtype)
+        wrong += int(np.count_nonzero(buf[s:e] != expect))
+    return wrong
+
+
+def iters_for(nbytes: int, args) -> int:
+    if args.iters:
+        return args.iters
+    # About args.budget seconds per algorithm and size at a pessimistic
+    # 1 GB/s + 50 us, clamped; keeps the default 8 B..256 MiB run to minutes.
+    est = 50e-6 + nbytes / 1e9
+    return int(min(args.max_iters, max(args.min_iters, args.budget / est)))
+
+
+def bench_size(world, nbytes: int, dtype, algos, args) -> list[dict]:
+    p, rank = world.Get_size(), world.Get_rank()
+    itemsize = np.dtype(dtype).itemsize
+    n = max(1, nbytes // itemsize)
+    pristine = pattern(n, rank, dtype)
+    buf = np.empty_like(pristine)
+    runners = {a: make_runner(a, world) for a in algos}
+    iters = iters_for(n * itemsize, args)
+    times = {a: np.zeros(iters) for a in algos}
+    wrong = {a: 0 for a in algos}
+    for it in range(args.warmup + iters):
+        for a in algos:
+            np.copyto(buf, pristine)
+            world.Barrier()
+            t = time.perf_counter()
+            runners[a](buf)
+            dt = time.perf_counter() - t
+            if it >= args.warmup:
+                times[a][it - args.warmup] = dt
+            if it == args.warmup + iters - 1:
+                wrong[a] = count_wrong(buf, p)
+    rows = []
+    for a in algos:
+        tmax = np.empty_like(times[a])
+        world.Allreduce(times[a], tmax, op=MPI.MAX)  # an iteration lasts as long as its slowest rank
+        w = world.allreduce(wrong[a], op=MPI.SUM)
+        t = median(tmax)
+        algbw = n * itemsize / t / 1e9
+        rows.append(dict(size=n * itemsize, count=n, type=np.dtype(dtype).name, redop="sum",
+                         algo=a, time_us=t * 1e6, algbw=algbw, busbw=algbw * 2 * (p - 1) / p,
+                         wrong=w, iters=iters))
+    return rows
+
+
+def fit_alpha_beta(rows: list[dict], p: int):
+    """Weighted least squares of t = 2(p-1)*alpha + 2(p-1)/p*n*beta'."""
+    if p < 2 or len(rows) < 2:
+        return None
+    t = np.array([r["time_us"] * 1e-6 for r in rows])
+    n = np.array([r["size"] for r in rows], dtype=float)
+    A = np.stack([np.full_like(n, 2 * (p - 1)), 2 * (p - 1) / p * n], axis=1)
+    w = 1.0 / t  # relative error: small sizes count as much as large ones
+    (alpha, beta), *_ = np.linalg.lstsq(A * w[:, None], t * w, rcond=None)
+    model = A @ np.array([alpha, beta])
+    dev = (t - model) / model * 100
+    return dict(alpha_us=alpha * 1e6, beta_GBps=(1.0 / beta / 1e9) if beta > 0 else float("inf"),
+                beta_s_per_byte=beta, deviation_pct=[float(d) for d in dev],
+                sizes=[int(x) for x in n],
+                within_20pct=int(np.sum(np.abs(dev) <= 20)), rows=len(rows))
+
+
+def measured_crossover(rows: list[dict]):
+    """Smallest size from which the ring beats the small path at every larger size."""
+    by = {}
+    for r in rows:
+        by.setdefault(r["size"], {})[r["algo"]] = r["time_us"]
+    sizes = sorted(s for s in by if "ring" in by[s] and "small" in by[s])
+    cross = None
+    for s in reversed(sizes):
+        if by[s]["ring"] < by[s]["small"]:
+            cross = s
+        else:
+            break
+    return cross
+
+
+def run_bandwidth(world, args) -> None:
+    p, rank = world.Get_size(), world.Get_rank()
+    dtype = DTYPES[args.dtype]
+    algos = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    for a in algos:
+        if a not in ALGOS:
+            raise SystemExit(f"unknown algorithm {a!r}; choose from {','.join(ALGOS)}")
+    if args.quick:
+        sizes = [8, 4096, 64 * 1024, 1 << 20, 4 << 20]
+    else:
+        sizes, s = [], max(parse_size(args.min_bytes), np.dtype(dtype).itemsize)
+        while s <= parse_size(args.max_bytes):
+            sizes.append(s)
+            s *= 2
+    cols = [("size", "size", "d"), ("count", "count", "d"), ("type", "type", "s"),
+            ("redop", "redop", "s"), ("algo", "algo", "s"), ("time_us", "time(us)", ".1f"),
+            ("algbw", "algbw(GB/s)", ".3f"), ("busbw", "busbw(GB/s)", ".3f"),
+            ("wrong", "#wrong", "d")]
+    if rank == 0:
+        print(f"# ringpipe all-reduce benchmark: {p} ranks on {socket.gethostname()}, "
+              f"dtype {args.dtype}, algorithms {','.join(algos)}")
+        print(f"# {MPI.Get_library_version().splitlines()[0].strip()}; "
+              f"thread level {MPI.Query_thread()}; auto crossover {rcomm.get_crossover()} B")
+        print(table([], cols), flush=True)
+    rows = []
+    for nbytes in sizes:
+        new = bench_size(world, nbytes, dtype, algos, args)
+        rows += new
+        if rank == 0:
+            print(table(new, cols).split("\n", 1)[1], flush=True)
+
+    if rank != 0:
+        return
+    out = dict(ranks=p, dtype=args.dtype, host=socket.gethostname(),
+               mpi=MPI.Get_library_version().splitlines()[0].strip(), rows=rows,
+               auto_crossover_bytes=rcomm.get_crossover())
+    print("#")
+    for a in algos:
+        bw = [r["busbw"] for r in rows if r["algo"] == a]
+        print(f"# Avg bus bandwidth {a:>6}: {np.mean(bw):.3f} GB/s")
+    wrong = sum(r["wrong"] for r in rows)
+    print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
+    if "ring" in algos and "mpi" in algos:
+        ratios = {}
+        for s in sorted({r["size"] for r in rows}):
+            if s < 1 << 20:
+                continue
+            ring = next(r for r in rows if r["size"] == s and r["algo"] == "ring")
+            mpi = next(r for r in rows if r["size"] == s and r["algo"] == "mpi")
+            ratios[s] = ring["busbw"] / mpi["busbw"]
+        if ratios:
+            print("# ring / MPI.Allreduce busbw, sizes >= 1 MiB:")
+            print("#   " + "  ".join(f"{fmt_size(s)}: {v:.2f}" for s, v in ratios.items()))
+            print(f"#   min {min(ratios.values()):.2f}, median {median(list(ratios.values())):.2f}")
+        out["ring_over_mpi"] = {str(s): v for s, v in ratios.items()}
+    if "ring" in algos:
+        ring_rows = [r for r in rows if r["algo"] == "ring"]
+        fit = fit_alpha_beta(ring_rows, p)
+        out["ring_fit"] = fit
+        if fit:
+            print(f"# ring alpha-beta fit: alpha = {fit['alpha_us']:.2f} us/message, "
+                  f"beta = {fit['beta_GBps']:.2f} GB/s (effective, incl. reduce); "
+                  f"{fit['within_20pct']}/{fit['rows']} sizes within 20% of the model")
+            print("#   deviation from model: " + "  ".join(
+                f"{fmt_size(s)}: {d:+.0f}%" for s, d in zip(fit["sizes"], fit["deviation_pct"])))
+    if "ring" in algos and "small" in algos:
+        cross = measured_crossover(rows)
+        t = {(r["size"], r["algo"]): r["time_us"] for r in rows}
+        sizes = sorted({r["size"] for r in rows})
+        wins = [sz for sz in sizes if t[(sz, "ring")] < t[(sz, "small")]]
+        out["measured_crossover_bytes"] = cross
+        out["ring_faster_than_small_at"] = wins
+        where = f"at every size from {cross} B on" if cross else "not at the largest size"
+        print(f"# measured crossover: ring beats small {where} "
+              f"(auto uses small up to {rcomm.get_crossover()} B)")
+        print("#   small/ring time: " + "  ".join(
+            f"{fmt_size(sz)}: {t[(sz, 'small')] / t[(sz, 'ring')]:.2f}" for sz in sizes if sz >= 1 << 16))
+    if args.json:
+        write_json(args.json, out)
+        print(f"# wrote {args.json}")
+
+
+def run_overlap(world, args) -> None:
+    """Fake backward: per layer some GIL-releasing matmuls, then mark_ready.
+    Compares compute alone, comm alone and the overlapped step."""
+    p, rank = world.Get_size(), world.Get_rank()
+    layers, per = args.layers, args.layer_elems
+    ranges = [(i * per, (i + 1) * per) for i in range(layers)]
+    grad = np.zeros(layers * per, np.float32)
+    m = args.matmul_n
+    a = np.random.default_rng(rank).standard_normal((m, m)).astype(np.float32)
+    out = np.empty_like(a)
+
+    def backward(gb):
+        for i in reversed(range(layers)):
+            if args.work == "sleep":
+                time.sleep(args.sleep_ms * 1e-3)
+            else:
+                for _ in range(args.matmuls):
+                    np.matmul(a, a, out=out)
+            grad[ranges[i][0]:ranges[i][1]] = 1.0
+            if gb is not None:
+                gb.mark_ready(i)
+
+    def timed(fn):
+        ts = []
+        for _ in range(args.warmup + args.steps):
+            world.Barrier()
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        arr = np.array(ts[args.warmup:])
+        mx = np.empty_like(arr)
+        world.Allreduce(arr, mx, op=MPI.MAX)
+        return median(mx)
+
+    t_compute = timed(lambda: backward(None))
+    res = {}
+    for overlap in (False, True):
+        gb = rcomm.GradBuckets(grad, ranges, world, bucket_bytes=args.bucket_bytes,
+                               op="avg", overlap=overlap)
+        hidden = []
+
+        def step():
+            backward(gb)
+            gb.wait()
+            hidden.append(gb.stats())
+
+        t = timed(step)
+        st = hidden[args.warmup:]
+        res[overlap] = dict(step_s=t, comm_s=median([s["comm_s"] for s in st]),
+                            wait_s=median([s["wait_s"] for s in st]),
+                            hidden=median([s["hidden"] for s in st]), buckets=len(gb.buckets))
+        gb.close()
+    if rank != 0:
+        return
+    t_comm = res[False]["comm_s"]
+    t_ov = res[True]["step_s"]
+    effective = (t_compute + t_comm - t_ov) / t_comm if t_comm > 0 else 0.0
+    work = (f"{args.sleep_ms} ms sleep (device-like: CPU idle)" if args.work == "sleep"
+            else f"{args.matmuls} x {m}^3 matmul (CPU-bound)")
+    print(f"# GradBuckets overlap: {p} ranks, {layers} layers x {per * 4 / 2**20:.1f} MiB, "
+          f"bucket {fmt_size(args.bucket_bytes)} ({res[True]['buckets']} buckets), "
+          f"{work} per layer, thread level {MPI.Query_thread()}")
+    print(f"# backward compute alone          : {t_compute * 1e3:8.2f} ms")
+    print(f"# step, overlap=False (reduce in wait): {res[False]['step_s'] * 1e3:8.2f} ms "
+          f"(comm {t_comm * 1e3:.2f} ms)")
+    print(f"# step, overlap=True                : {t_ov * 1e3:8.2f} ms "
+          f"(comm in thread {res[True]['comm_s'] * 1e3:.2f} ms, blocked in wait "
+          f"{res[True]['wait_s'] * 1e3:.2f} ms)")
+    print(f"# hidden fraction, stats() (1 - wait/comm)           : {res[True]['hidden']:.2f}")
+    print(f"# hidden fraction, wall clock ((compute+comm-step)/comm): {effective:.2f}")
+    if args.json:
+        write_json(args.json, dict(ranks=p, work=work, compute_s=t_compute, no_overlap=res[False],
+                                   overlap=res[True], effective_hidden=effective))
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--min-bytes", default="8", help="smallest message (e.g. 8, 4K)")
+    ap.add_argument("--max-bytes", default="256M", help="largest message (e.g. 16M, 256M)")
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--iters", type=int, default=0, help="timed iterations per size (default: by size)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed iterations per size")
+    ap.add_argument("--min-iters", type=int, default=10)
+    ap.add_argument("--max-iters", type=int, default=200)
+    ap.add_argument("--budget", type=float, default=0.3,
+                    help="seconds per algorithm and size used to pick default iterations")
+    ap.add_argument("--algorithms", default=",".join(ALGOS), help="comma list of " + ",".join(ALGOS))
+    ap.add_argument("--json", default=None, help="write rows + fit to this path (rank 0)")
+    ap.add_argument("--quick", action="store_true", help="5 sizes up to 4 MiB, 5 iterations")
+    ap.add_argument("--overlap", action="store_true", help="measure GradBuckets overlap instead")
+    ap.add_argument("--layers", type=int, default=8, help="--overlap: fake layers")
+    ap.add_argument("--layer-elems", type=int, default=1 << 20, help="--overlap: float32 grads per layer")
+    ap.add_argument("--work", choices=["matmul", "sleep"], default="matmul",
+                    help="--overlap: fake backward work per layer: CPU-bound matmuls, or a "
+                    "sleep that models device compute (CPU idle, GIL released)")
+    ap.add_argument("--sleep-ms", type=float, default=3.0, help="--overlap --work sleep: ms per layer")
+    ap.add_argument("--matmuls", type=int, default=4, help="--overlap: matmuls per layer")
+    ap.add_argument("--matmul-n", type=int, default=256, help="--overlap: matmul size")
+    ap.add_argument("--bucket-bytes", type=parse_size, default=4 << 20, help="--overlap: bucket size")
+    ap.add_argument("--steps", type=int, default=10, help="--overlap: timed steps")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.iters = args.iters or 5
+        args.warmup = min(args.warmup, 1)
+        args.steps = min(args.steps, 3)
+    world = MPI.COMM_WORLD
+    if args.overlap:
+        run_overlap(world, args)
+    else:
+        run_bandwidth(world, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""Failure containment for MPI jobs: cross-rank consistency checks, private
+communicators, and an abort handler that turns one rank's exception into a
+job-wide exit instead of a silent hang."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+import threading
+import traceback
+import zlib
+
+import numpy as np
+from mpi4py import MPI
+
+__all__ = [
+    "check_consistent",
+    "install_abort_handler",
+    "abort_on_error",
+    "context_for",
+    "CommContext",
+    "DTYPE_CODES",
+    "OP_CODES",
+    "ALGO_CODES",
+    "LAYOUT_LEGEND",
+]
+
+# Small stable integer codes so a layout fits in the fixed int64 record that
+# check_consistent exchanges. 0 means "not supported": it still travels, so the
+# ranks first agree on what they were given and then all raise the same error.
+DTYPE_CODES = {
+    np.dtype(np.float16): 1,
+    np.dtype(np.float32): 2,
+    np.dtype(np.float64): 3,
+    np.dtype(np.int32): 4,
+    np.dtype(np.int64): 5,
+}
+OP_CODES = {"none": 0, "sum": 1, "avg": 2, "max": 3, "min": 4}
+ALGO_CODES = {"none": 0, "ring": 1, "small": 2}
+LAYOUT_LEGEND = (
+    "dtype " + ", ".join(f"{c}={d}" for d, c in DTYPE_CODES.items()) + "; op "
+    + ", ".join(f"{c}={o}" for o, c in OP_CODES.items() if c) + "; algorithm "
+    + ", ".join(f"{c}={a}" for a, c in ALGO_CODES.items() if c)
+    + "; ok 1=contiguous and writeable; 0 or -1 = unsupported")
+
+# One fixed-size record per rank: a length slot plus up to _SLOTS-1 values.
+# Fixed size matters: if ranks passed tuples of different lengths and we sized
+# the Allgather by the tuple, the collective itself would be mismatched.
+_SLOTS = 8
+# RINGPIPE_COMM_CHECK: "first" (default) checks a layout on its first use per
+# communicator; "always" checks every call (one extra small Allgather each),
+# which also catches a mismatch where one rank has used the layout before and
+# another has not (with "first" that case can still hang); "off" never checks.
+_CHECK_MODE = os.environ.get("RINGPIPE_COMM_CHECK", "first").lower()
+ALWAYS_CHECK = _CHECK_MODE == "always"
+
+
+def _record(values) -> np.ndarray:
+    vals = [int(v) for v in values]
+    rec = np.zeros(_SLOTS, dtype=np.int64)
+    if len(vals) > _SLOTS - 1:
+        # Fold the overflow into one slot; a collision only weakens the check.
+        tail = np.asarray(vals[_SLOTS - 2 :], dtype=np.int64).tobytes()
+        vals = vals[: _SLOTS - 2] + [zlib.crc32(tail)]
+        rec[0] = -len(values)  # negative length flags "tail hashed"
+    else:
+        rec[0] = len(vals)
+    rec[1 : 1 + len(vals)] = vals
+    return rec
+
+
+def check_consistent(comm, what: str, values, legend: str = "") -> None:
+    """Raise the same RuntimeError on every rank unless all ranks passed equal
+    `values` (a small tuple of ints). One uppercase Allgather; collective.
+    `legend`, if given, is appended to the message to decode the values."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    mine = _record(values)
+    if comm.Get_size() == 1:
+        return
+    table = np.empty((comm.Get_size(), _SLOTS), dtype=np.int64)
+    comm.Allgather(mine, table)
+    if (table == table[0]).all():
+        return
+    lines = []
+    for r, rec in enumerate(table):
+        k = abs(int(rec[0]))
+        shown = tuple(int(v) for v in rec[1 : 1 + min(k, _SLOTS - 1)])
+        lines.append(f"  rank {r}: {shown}{'  (tail hashed)' if rec[0] < 0 else ''}")
+    raise RuntimeError(
+        f"ringpipe: inconsistent {what} across the {comm.Get_size()} ranks of the "
+        f"communicator (every rank must pass the same values):\n" + "\n".join(lines)
+        + (f"\n  ({legend})" if legend else "")
+    )
+
+
+class CommContext:
+    """Our private view of a user communicator.
+
+    A Dup gives our point-to-point traffic its own context, so our tags can
+    never match a message the caller (say, a pipeline stage) has in flight on
+    the same communicator. It also owns the receive scratch and the set of
+    layouts already checked, so those are reused call after call. A context
+    must be driven by one thread at a time, which MPI requires for collectives
+    on one communicator anyway.
+    """
+
+    def __init__(self, comm, dup: bool = True):
+        self.parent = comm
+        self.comm = comm.Dup() if dup else comm
+        self.size = self.comm.Get_size()
+        self.rank = self.comm.Get_rank()
+        self.checked: set = set()   # layouts all ranks agreed on
+        self.valid: set = set()     # layouts agreed on and validated (fast path)
+        self._scratch: dict = {}
+
+    def ensure_checked(self, what: str, values: tuple, legend: str = "") -> None:
+        if _CHECK_MODE == "off":
+            return
+        key = (what,) + tuple(values)
+        if _CHECK_MODE == "first" and key in self.checked:
+            return
+        check_consistent(self.comm, what, values, legend)
+        self.checked.add(key)
+
+    def scratch(self, dtype: np.dtype, n: int) -> np.ndarray:
+        """n-element receive scratch of `dtype`; grow-only, one per dtype."""
+        buf = self._scratch.get(dtype)
+        if buf is None or buf.size < n:
+            # Grow geometrically so a slowly growing workload does not
+            # reallocate on every call.
+            size = max(n, 1024, 0 if buf is None else buf.size + buf.size // 2)
+            buf = np.empty(size, dtype=dtype)
+            self._scratch[dtype] = buf
+        return buf[:n]
+
+    def free(self) -> None:
+        if self.comm is not self.parent and self.comm != MPI.COMM_NULL:
+            if not MPI.Is_finalized():
+                self.comm.Free()
+        self._scratch.clear()
+
+
+_contexts: dict[int, CommContext] = {}
+_contexts_lock = threading.Lock()
+
+
+def context_for(comm) -> CommContext:
+    """The cached private context for `comm` (Dup'ed collectively on first use)."""
+    key = comm.handle
+    ctx = _contexts.get(key)  # a dict read is atomic; only inserts take the lock
+    # A handle can be recycled after the user frees a communicator; a
+    # congruent group means the old Dup still has the right ranks in the right
+    # order, so only a different group forces a new one.
+    if ctx is not None and MPI.Comm.Compare(ctx.comm, comm) == MPI.CONGRUENT:
+        return ctx
+    ctx = CommContext(comm)
+    with _contexts_lock:
+        _contexts[key] = ctx
+    return ctx
+
+
+# --------------------------------------------------------------------------
+# Abort handler: an uncaught exception on one rank must end the whole job.
+# Without it the other ranks block forever in their next collective.
+
+_installed = False
+_abort_lock = threading.Lock()
+
+
+def _where() -> str:
+    try:
+        rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    except Exception:  # MPI unusable (finalized): still say something useful
+        rank, size = "?", "?"
+    return f"[ringpipe rank {rank}/{size} on {socket.gethostname()}]"
+
+
+def _report_and_abort(exc_type, exc, tb, thread_name: str | None = None,
+                      with_traceback: bool = True, code: int = 1) -> None:
+    # Serialize: two failing threads on one rank must not interleave output.
+    with _abort_lock:
+        head = _where()
+        if thread_name is not None:
+            head += f" (thread {thread_name})"
+        try:
+            msg = "".join(traceback.format_exception(exc_type, exc, tb)) if with_traceback else ""
+            sys.stderr.write(f"{head} {exc_type.__name__}: {exc}\n{msg}")
+            sys.stderr.flush()
+        except Exception:
+            pass
+        try:
+            sys.stdout.flush()
+        except Exception:
+            pass
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            MPI.COMM_WORLD.Abort(code)
+        os._exit(code)
+
+
+def _excepthook(exc_type, exc, tb):
+    _report_and_abort(exc_type, exc, tb)
+
+
+def _thread_excepthook(args):
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else None
+    _report_and_abort(args.exc_type, args.exc_value, args.exc_traceback, name)
+
+
+def install_abort_handler() -> None:
+    """Make any uncaught exception (main or other threads) print
+    '[ringpipe rank R/SIZE on HOST] Type: msg' plus the traceback and
+    MPI_Abort the whole job. Idempotent."""
+    global _installed
+    if _installed:
+        return
+    sys.excepthook = _excepthook
+    threading.excepthook = _thread_excepthook
+    _installed = True
+
+
+@contextlib.contextmanager
+def abort_on_error():
+    """`with abort_on_error(): main()` (or as a decorator): any exception
+    escaping the block aborts the job the same way; a clean sys.exit() is let
+    through."""
+    install_abort_handler()
+    try:
+        yield
+    except SystemExit as e:
+        if e.code in (None, 0):
+            raise
+        # A deliberate exit with a message: no traceback, but still take the
+        # job down, since the other ranks may be waiting on this one.
+        _report_and_abort(type(e), e, e.__traceback__, with_traceback=False,
+                          code=e.code if isinstance(e.code, int) else 1)
+    except BaseException as e:
+        _report_and_abort(type(e), e, e.__traceback__)
