@@ -14,7 +14,10 @@ from .schedule import (
     interleaved_1f1b, make_schedule, one_f_one_b, parse_actions, parse_schedule, schedule_from_compute_orders,
     zero_bubble_h1,
 )
-from .simulate import DEFAULT_COSTS, SimResult, ascii_timeline, plot_timeline, resolve_costs, simulate, theoretical_bubble
+from .simulate import (
+    DEFAULT_COSTS, SimResult, ascii_timeline, bubble_formula, plot_timeline, resolve_costs, simulate,
+    theoretical_bubble,
+)
 from .validate import validate
 
 __all__ = [
@@ -22,6 +25,6 @@ __all__ = [
     "REDUCE_GRAD", "SCHEDULE_NAMES", "SEND_B", "SEND_F", "SEND_KINDS", "STEP_KINDS", "W", "Action", "Schedule",
     "ScheduleError", "gpipe", "interleaved_1f1b", "make_schedule", "one_f_one_b", "parse_actions",
     "parse_schedule", "schedule_from_compute_orders", "zero_bubble_h1",
-    "DEFAULT_COSTS", "SimResult", "ascii_timeline", "plot_timeline", "resolve_costs", "simulate",
+    "DEFAULT_COSTS", "SimResult", "ascii_timeline", "bubble_formula", "plot_timeline", "resolve_costs", "simulate",
     "theoretical_bubble", "validate",
 ]

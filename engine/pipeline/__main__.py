@@ -43,12 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-p", type=int, default=4, help="pipeline ranks")
     parser.add_argument("-m", type=int, default=8, help="micro-batches per step")
     parser.add_argument("-v", type=int, default=1, help="model chunks per rank (interleaved only)")
-    parser.add_argument("--costs", type=_parse_costs, default={},
-                        help="action times, e.g. F=1,B=2,I=1,W=1 (also SF, RF, SB, RB, RG, OPT)")
+    parser.add_argument("--costs", type=_parse_costs, default=None,
+                        help="action times, e.g. F=1,B=2,I=1,W=1 (also SF, RF, SB, RB, RG, OPT); "
+                             "unlisted kinds keep their defaults")
     parser.add_argument("--latency", type=float, default=0.0, help="time a message spends in flight")
     parser.add_argument("--width", type=int, default=120, help="max characters per timeline row")
     parser.add_argument("--no-comm", action="store_true", help="hide SEND/RECV in the action lists")
-    parser.add_argument("--plot", metavar="PNG", help="also draw the timeline to this file (needs matplotlib)")
+    parser.add_argument("--plot", metavar="PNG", default=None,
+                        help="also draw the timeline to this file (needs matplotlib)")
     return parser
 
 
@@ -86,9 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nmakespan {result.makespan:g}")
     print("bubble per rank: " + " ".join(f"{b:.4f}" for b in result.bubble) + f"  (mean {result.mean_bubble:.4f})")
     value, formula, exact = bubble_formula(schedule.name, schedule.p, schedule.m, schedule.v)
-    default_costs = not args.costs and args.latency == 0
-    note = "exact for these costs" if exact and default_costs else (
-        "lower bound" if not exact else "derived for the default costs")
+    if not exact:
+        note = "a lower bound here: p does not divide m"
+    elif args.costs or args.latency:
+        note = "derived for the default costs; yours differ"
+    else:
+        note = "exact for the default costs"
     print(f"theory: {formula} = {value:.4f}  ({note})")
     in_flight = [schedule.micro_batches_in_flight(r) for r in range(schedule.p)]
     print("peak micro-batches in flight (F done, B/I pending): " + " ".join(map(str, in_flight)))

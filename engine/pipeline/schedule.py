@@ -7,7 +7,9 @@ lists, the validator checks them, and the simulator replays them on a clock.
 Virtual stages (Megatron interleaving): p ranks, v model chunks per rank,
 p*v virtual stages, virtual stage ``k = chunk * p + rank``.  Every action
 carries the chunk *of the rank that runs it*, so ``SEND_F(mb, c)`` on rank
-p-1 is received as ``RECV_F(mb, c + 1)`` on rank 0.
+p-1 is received as ``RECV_F(mb, c + 1)`` on rank 0.  The first virtual stage
+reads its input from the data loader (no RECV_F); the last one's F also
+computes the loss and its B/I starts from it (no RECV_B).
 
 Communication placement (the contract the MPI executor implements):
 
@@ -17,10 +19,12 @@ Communication placement (the contract the MPI executor implements):
   stage boundary is one SEND on the producer and one RECV on the consumer.
 * SEND_* directly follows the compute that produced the data, so peers are
   unblocked as soon as possible.
-* RECV_* is pre-posted: one outstanding receive per direction.  The first
-  RECV_F / RECV_B of a rank is posted at the top of its list, and the next
-  one right after the compute that consumed the previous one.  That keeps a
-  single receive buffer per direction while the transfer overlaps compute.
+* RECV_* is pre-posted, double-buffered: up to two receives per direction
+  (activations, gradients) are outstanding.  A rank posts its first two of
+  each at the top of its list, then the next one right after the compute
+  that consumed an earlier one.  So every transfer can overlap at least one
+  compute, even in a burst of forwards (GPipe), at the price of two receive
+  buffers per direction.
 * Each rank ends with REDUCE_GRAD (data-parallel all-reduce) then OPT_STEP.
 """
 
@@ -89,7 +93,8 @@ class Action:
             if self.mb is not None or self.chunk != 0:
                 raise ValueError(f"{self.kind} is per step: it takes no micro-batch or chunk")
         elif not (isinstance(self.mb, int) and self.mb >= 0 and isinstance(self.chunk, int) and self.chunk >= 0):
-            raise ValueError(f"{self.kind} needs integer mb >= 0 and chunk >= 0, got mb={self.mb!r} chunk={self.chunk!r}")
+            raise ValueError(f"{self.kind} needs integer mb >= 0 and chunk >= 0, "
+                             f"got mb={self.mb!r} chunk={self.chunk!r}")
 
     @property
     def is_compute(self) -> bool:
@@ -246,7 +251,8 @@ def parse_schedule(text: str, *, name: str = "custom", m: int | None = None, v: 
         labelled = re.match(r"^rank\s+(\d+)\s*:(.*)$", line)
         if labelled:
             if int(labelled.group(1)) != len(ranks):
-                raise ScheduleError(f"expected 'rank {len(ranks)}:' but found 'rank {labelled.group(1)}:'", rule="parse")
+                raise ScheduleError(f"expected 'rank {len(ranks)}:' but found 'rank {labelled.group(1)}:'",
+                                    rule="parse")
             line = labelled.group(2)
         ranks.append(parse_actions(line))
     if not ranks:
@@ -271,30 +277,43 @@ def _check_sizes(p, m, v=1):
             raise ScheduleError(f"{label} must be an integer >= 1, got {value!r}", rule="sizes")
 
 
-def _add_communication(p: int, m: int, v: int, name: str, orders: Sequence[Sequence[Action]]) -> Schedule:
+def _add_communication(p: int, m: int, v: int, name: str, orders: Sequence[Sequence[Action]],
+                       receive_depth: dict[str, int] | None = None) -> Schedule:
+    """Wrap per-rank compute orders with SEND/RECV and the per-step tail.
+
+    ``receive_depth`` is how many receives per direction (F, B) stay posted
+    ahead of the computes that consume them; each is a buffer the executor
+    holds.  One per direction suffices when F and B alternate (1F1B), but in
+    a burst of same-direction inputs (GPipe) the next transfer would only
+    start once the previous input is consumed and every compute would wait
+    out the latency; two overlap it with a compute.
+    """
+    depth = {F: 2, B: 2, **(receive_depth or {})}
     schedule = Schedule(name, p, m, v, [])
     for rank, order in enumerate(orders):
-        inputs = {F: [], B: []}  # forward / backward receives, in consumption order
+        inputs = {F: deque(), B: deque()}  # receives per direction, in consumption order
         for action in order:
             if schedule.needs_remote_input(rank, action):
                 direction = F if action.kind == F else B
                 inputs[direction].append(Action(RECV_F if direction == F else RECV_B, action.mb, action.chunk))
-        next_input = {F: 0, B: 0}
-
-        def post_next(direction, out):
-            if next_input[direction] < len(inputs[direction]):
-                out.append(inputs[direction][next_input[direction]])
-                next_input[direction] += 1
 
         actions: list[Action] = []
-        post_next(F, actions)
-        post_next(B, actions)
+        outstanding = {F: 0, B: 0}
+
+        def post_ahead():
+            for direction in (F, B):
+                while inputs[direction] and outstanding[direction] < depth[direction]:
+                    actions.append(inputs[direction].popleft())
+                    outstanding[direction] += 1
+
+        post_ahead()
         for action in order:
             actions.append(action)
             if schedule.sends_output(rank, action):
                 actions.append(Action(SEND_F if action.kind == F else SEND_B, action.mb, action.chunk))
             if schedule.needs_remote_input(rank, action):
-                post_next(F if action.kind == F else B, actions)
+                outstanding[F if action.kind == F else B] -= 1
+                post_ahead()
         actions += [Action(REDUCE_GRAD), Action(OPT_STEP)]
         schedule.ranks.append(actions)
     return schedule
@@ -312,45 +331,54 @@ def gpipe(p: int, m: int) -> Schedule:
     return _add_communication(p, m, 1, "gpipe", orders)
 
 
-def _megatron_unit_order(p: int, m: int, v: int) -> list[tuple[int, int]]:
-    """(mb, chunk) order of forward units on every rank (Megatron interleaving).
-
-    Groups of p micro-batches run through chunk 0, then chunk 1, and so on.
-    Requires p | m; ``_interleaved_orders`` pads other m.
-    """
-    return [(mb, chunk) for first in range(0, m, p) for chunk in range(v) for mb in range(first, first + p)]
-
-
-def _warmup_then_1f1b(forward_units, backward_units, warmup, backward_kind=B) -> list[Action]:
+def _warmup_then_1f1b(forward_units, backward_units, warmup) -> list[Action]:
     order = [Action(F, mb, c) for mb, c in forward_units[:warmup]]
     steady = len(forward_units) - warmup
     for (fmb, fc), (bmb, bc) in zip(forward_units[warmup:], backward_units[:steady]):
-        order += [Action(F, fmb, fc), Action(backward_kind, bmb, bc)]
-    order += [Action(backward_kind, mb, c) for mb, c in backward_units[steady:]]
+        order += [Action(F, fmb, fc), Action(B, bmb, bc)]
+    order += [Action(B, mb, c) for mb, c in backward_units[steady:]]
     return order
 
 
-def _interleaved_orders(p: int, m: int, v: int) -> list[list[Action]]:
+RAGGED_CHOICES = ("pad", "merge")
+
+
+def _interleaved_orders(p: int, m: int, v: int, ragged: str = "pad") -> list[list[Action]]:
     if v == 1:  # PipeDream-Flush: min(p-s-1, m) warm-up forwards
         units = [(mb, 0) for mb in range(m)]
         return [_warmup_then_1f1b(units, units, min(p - rank - 1, m)) for rank in range(p)]
 
-    # Megatron's warm-up counts assume every group of micro-batches is p
-    # wide: a chunk's activation then reaches rank 0 exactly p units after
-    # rank 0 fed it to the pipe.  A narrower last group shortens that and
-    # deadlocks.  So plan for m rounded up to a multiple of p and drop the
-    # phantom micro-batches afterwards: deleting actions only merges
-    # program-order edges, so the dependency graph stays acyclic and the
-    # schedule stays deadlock-free for every m.
-    padded_m = -(-m // p) * p
-    forward_units = _megatron_unit_order(p, padded_m, v)
-    backward_units = [(mb, v - 1 - c) for mb, c in forward_units]
+    # Megatron runs groups of p micro-batches through chunk 0, then chunk 1,
+    # ...  Its warm-up assumes every group is p wide: rank 0 then gets a
+    # group's first activation back from rank p-1 no earlier than it needs
+    # it.  A narrower last group (p does not divide m) deadlocks, so:
+    #   "pad":   plan for m rounded up to a multiple of p and delete the
+    #            phantom micro-batches.  Keeps Megatron's memory bound and
+    #            costs some bubble.  Deleting actions only merges
+    #            program-order edges, so the dependency graph stays acyclic:
+    #            deadlock-free by construction.
+    #   "merge": fold the short tail into the previous group, and warm up for
+    #            that wider group (a narrower warm-up makes the last rank
+    #            reach a B before its F).  Gives the ideal bubble
+    #            (p-1)/(v*m+p-1) for every m >= p, but every rank holds
+    #            (v-1)*(m % p) more activations (all of them for p < m < 2p).
+    #            Deadlock-freedom here is checked, not proven: the tests
+    #            validate it on a grid of p, m, v.
+    if ragged not in RAGGED_CHOICES:
+        raise ScheduleError(f"ragged must be one of {RAGGED_CHOICES}, got {ragged!r}", rule="sizes")
+    planned_m = -(-m // p) * p if ragged == "pad" else m
+    groups = [list(range(first, min(first + p, planned_m))) for first in range(0, planned_m, p)]
+    if len(groups) > 1 and len(groups[-1]) < p:
+        tail = groups.pop()
+        groups[-1] += tail
+    forward_units = [(mb, chunk) for group in groups for chunk in range(v) for mb in group]
+    backward_units = [(mb, v - 1 - chunk) for mb, chunk in forward_units]
     orders = []
     for rank in range(p):
-        # The first backward needs a round trip down and back up the later
-        # ranks (2 units per hop) after a full pass of the earlier chunks
-        # ((v-1)*p units) has been issued.
-        warmup = min(2 * (p - rank - 1) + (v - 1) * p, len(forward_units))
+        # Warm up long enough to cover the earlier chunks of the first group
+        # plus the round trip of its first micro-batch through the later ranks
+        # and back (2 units per hop); afterwards one F per B keeps it steady.
+        warmup = min(2 * (p - rank - 1) + (v - 1) * max(map(len, groups)), len(forward_units))
         order = _warmup_then_1f1b(forward_units, backward_units, warmup)
         orders.append([a for a in order if a.mb < m])
     return orders
@@ -367,19 +395,20 @@ def one_f_one_b(p: int, m: int) -> Schedule:
     return _add_communication(p, m, 1, "1f1b", _interleaved_orders(p, m, 1))
 
 
-def interleaved_1f1b(p: int, m: int, v: int = 2) -> Schedule:
+def interleaved_1f1b(p: int, m: int, v: int = 2, *, ragged: str = "pad") -> Schedule:
     """Megatron interleaved 1F1B with v model chunks per rank.
 
-    Forward units run in groups of p micro-batches per chunk; rank r warms
-    up with 2*(p-r-1) + (v-1)*p forward units (capped at m*v), then
-    alternates one forward and one backward unit.  Megatron asks for
-    m % p == 0; any m >= 1 works here because other m are planned as the
-    next multiple of p with the phantom micro-batches removed (see
-    ``_interleaved_orders``).  The bubble (p-1)/(v*m+p-1) is exact when p
-    divides m.  v = 1 is exactly ``one_f_one_b``.
+    Forward units run in groups of p micro-batches through each chunk; rank
+    r warms up with 2*(p-r-1) + (v-1)*G forward units (G = group width, p
+    unless merged; capped at m*v), then alternates one forward and one
+    backward unit, then drains.  Megatron asks for m % p == 0; any m >= 1
+    works here, ``ragged`` picks how a short last group is handled: "pad"
+    (default: Megatron's memory, somewhat more bubble) or "merge" (ideal
+    bubble, more memory); see ``_interleaved_orders``.  v = 1 is exactly
+    ``one_f_one_b``.
     """
     _check_sizes(p, m, v)
-    return _add_communication(p, m, v, "interleaved", _interleaved_orders(p, m, v))
+    return _add_communication(p, m, v, "interleaved", _interleaved_orders(p, m, v, ragged))
 
 
 def zero_bubble_h1(p: int, m: int) -> Schedule:
@@ -393,8 +422,8 @@ def zero_bubble_h1(p: int, m: int) -> Schedule:
 
     Memory: W still needs the stage's saved inputs, so counted until W a
     rank holds (p-s) + s = p micro-batches at most, i.e. every rank stays
-    within 1F1B's peak (p, on rank 0).  Bubble with F=I=W: (p-1) per rank
-    instead of 1F1B's 3(p-1).
+    within 1F1B's peak (p, on rank 0).  Bubble with F=I=W=1 and m >= p:
+    p-1 per rank, against 3(p-1) for 1F1B with B=2.
     """
     _check_sizes(p, m)
     orders = []

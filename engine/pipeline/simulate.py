@@ -6,8 +6,8 @@ Executor semantics modelled here (the MPI executor implements the same):
   cost (comm, REDUCE_GRAD and OPT_STEP cost 0 by default).
 * SEND_* is an Isend: it never blocks the rank.
 * RECV_* is an Irecv: posting it never blocks the rank.
-* A message moves once its SEND has executed *and* its RECV is posted
-  (rendezvous), and arrives ``comm_latency`` later.  Pre-posting receives
+* A message starts moving once its SEND action has ended *and* its RECV is
+  posted (rendezvous), and arrives ``comm_latency`` later.  Pre-posting receives
   therefore hides latency; a late post exposes it.
 * A compute that needs a remote input (F off the first virtual stage, B/I
   off the last one) blocks until that message has arrived.  With p == 1 the
@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from .schedule import (
-    ALL_KINDS, B, COMPUTE_KINDS, F, I, OPT_STEP, RECV_B, RECV_F, REDUCE_GRAD, SEND_B,
-    SEND_F, SHORT_NAMES, Action, Schedule, W,
+    ALL_KINDS, B, F, I, OPT_STEP, RECV_B, RECV_F, REDUCE_GRAD, SEND_B, SEND_F, SHORT_NAMES, W, Action, Schedule,
 )
 
 DEFAULT_COSTS = {F: 1.0, B: 2.0, I: 1.0, W: 1.0,
@@ -92,6 +91,11 @@ class SimResult:
 
 
 def simulate(schedule: Schedule, costs: Mapping | None = None, comm_latency: float = 0.0) -> SimResult:
+    """Replay ``schedule``; never raises on a deadlock, reports it in the result.
+
+    ``costs``: see ``resolve_costs`` (defaults F=1, B=2, I=1, W=1, rest 0).
+    Bubble counts compute (F/B/I/W) only: 1 - busy / makespan per rank.
+    """
     p = schedule.p
     tables = resolve_costs(costs, p)
     timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
@@ -99,25 +103,23 @@ def simulate(schedule: Schedule, costs: Mapping | None = None, comm_latency: flo
     clock = [0.0] * p
     sent: dict[tuple, float] = {}     # message key -> time the SEND executed
     posted: dict[tuple, float] = {}   # message key -> time the RECV was posted
-    computed: dict[tuple, float] = {}  # (kind, mb, stage) -> end, for local (p == 1) hand-off
+    computed: dict[tuple, float] = {}  # (F | "BI" | W, mb, stage) -> end time
 
     def input_ready(rank: int, action: Action):
-        """Earliest start allowed by the action's input, or None while unavailable."""
-        if action.kind not in COMPUTE_KINDS or action.kind == W:
+        """Earliest start the action's inputs allow, or None while one is missing."""
+        if not action.is_compute:
             return 0.0
         stage = schedule.stage(rank, action.chunk)
+        own = _own_prerequisite(action, stage)
+        if own is not None and own not in computed:
+            return None  # same rank, later in the list: it never comes
         if schedule.needs_remote_input(rank, action):
-            key = (("F", action.mb, stage) if action.kind == F else ("B", action.mb, stage))
+            key = schedule.message_key(rank, _receive_for(action))
             if key not in posted or key not in sent:
                 return None
             return max(sent[key], posted[key]) + comm_latency
-        if p == 1:  # neighbour stage on this rank: wait for its compute
-            if action.kind == F and stage > 0:
-                producer = (F, action.mb, stage - 1)
-            elif action.kind in (B, I) and stage < schedule.num_stages - 1:
-                producer = ("BI", action.mb, stage + 1)
-            else:
-                return 0.0
+        producer = _local_producer(schedule, action, stage)
+        if producer is not None:
             return computed.get(producer)
         return 0.0
 
@@ -141,11 +143,10 @@ def simulate(schedule: Schedule, costs: Mapping | None = None, comm_latency: flo
                     sent.setdefault(schedule.message_key(rank, action), end)
                 elif action.is_recv:
                     posted.setdefault(schedule.message_key(rank, action), end)
-                elif action.is_compute and action.mb is not None:
-                    stage = schedule.stage(rank, action.chunk)
-                    computed[(F if action.kind == F else "BI", action.mb, stage)] = end
+                elif action.is_compute:
+                    computed[_done_key(action, schedule.stage(rank, action.chunk))] = end
 
-    stuck = _diagnose(schedule, position, sent, posted)
+    stuck = _diagnose(schedule, position, sent, posted, computed)
     deadlock = None
     if stuck:
         deadlock = "deadlock: " + "; ".join(f"rank {r} {why}" for r, why in sorted(stuck.items()))
@@ -159,48 +160,83 @@ def simulate(schedule: Schedule, costs: Mapping | None = None, comm_latency: flo
         deadlock=deadlock, stuck=stuck, comm_latency=comm_latency)
 
 
-def _diagnose(schedule: Schedule, position, sent, posted) -> dict[int, str]:
+def _done_key(action: Action, stage: int) -> tuple:
+    # B and I both deliver the input gradient, so dependants look for "BI".
+    return ("BI" if action.kind in (B, I) else action.kind, action.mb, stage)
+
+
+def _own_prerequisite(action: Action, stage: int) -> tuple | None:
+    """The same-rank compute this one consumes: F's activations, I's leftovers."""
+    if action.kind in (B, I):
+        return (F, action.mb, stage)
+    if action.kind == W:
+        return ("BI", action.mb, stage)
+    return None
+
+
+def _local_producer(schedule: Schedule, action: Action, stage: int) -> tuple | None:
+    """With p == 1 the neighbouring virtual stage is on this rank too."""
+    if schedule.p != 1:
+        return None
+    if action.kind == F and stage > 0:
+        return (F, action.mb, stage - 1)
+    if action.kind in (B, I) and stage < schedule.num_stages - 1:
+        return ("BI", action.mb, stage + 1)
+    return None
+
+
+def _receive_for(action: Action) -> Action:
+    return Action(RECV_F if action.kind == F else RECV_B, action.mb, action.chunk)
+
+
+def _diagnose(schedule: Schedule, position, sent, posted, computed) -> dict[int, str]:
     """Say what each unfinished rank waits for (empty when the step completes)."""
     stuck = {}
     for rank, actions in enumerate(schedule.ranks):
         if position[rank] < len(actions):
             action = actions[position[rank]]
-            stuck[rank] = f"is stuck at #{position[rank]} {action}: " + _waiting_for(schedule, rank, action, position, sent, posted)
+            why = _waiting_for(schedule, rank, action, position, sent, posted, computed)
+            stuck[rank] = f"is stuck at #{position[rank]} {action}: {why}"
     # Ranks that ran their whole list still hang in the end-of-step wait on
     # a send nobody receives or a receive nobody sends to.
-    sends_by_key = {}
-    recvs_by_key = {}
     for rank, actions in enumerate(schedule.ranks):
-        for action in actions[:position[rank]]:
-            if action.is_send:
-                sends_by_key[schedule.message_key(rank, action)] = (rank, action)
-            elif action.is_recv:
-                recvs_by_key[schedule.message_key(rank, action)] = (rank, action)
-    for key, (rank, action) in sends_by_key.items():
-        if key not in posted and rank not in stuck:
+        if rank in stuck:
+            continue
+        for action in actions:
+            if not (action.is_send or action.is_recv):
+                continue
+            key = schedule.message_key(rank, action)
             peer, chunk = schedule.peer(rank, action)
-            receiver = RECV_F if action.kind == SEND_F else RECV_B
-            stuck[rank] = (f"finished its list but its {action} is never received (rank {peer} posts no "
-                           f"{Action(receiver, action.mb, chunk)}), so the end-of-step wait hangs")
-    for key, (rank, action) in recvs_by_key.items():
-        if key not in sent and rank not in stuck:
-            peer, chunk = schedule.peer(rank, action)
-            sender = SEND_F if action.kind == RECV_F else SEND_B
-            stuck[rank] = (f"finished its list but its {action} is never matched (rank {peer} executes no "
-                           f"{Action(sender, action.mb, chunk)}), so the end-of-step wait hangs")
+            if action.is_send and key not in posted:
+                partner = Action(RECV_F if action.kind == SEND_F else RECV_B, action.mb, chunk)
+                stuck[rank] = (f"finished its list but its {action} is never received (rank {peer} posts no "
+                               f"{partner}), so the end-of-step wait hangs")
+                break
+            if action.is_recv and key not in sent:
+                partner = Action(SEND_F if action.kind == RECV_F else SEND_B, action.mb, chunk)
+                stuck[rank] = (f"finished its list but its {action} is never matched (rank {peer} executes no "
+                               f"{partner}), so the end-of-step wait hangs")
+                break
     return stuck
 
 
-def _waiting_for(schedule, rank, action, position, sent, posted) -> str:
-    if schedule.p == 1:
+def _waiting_for(schedule, rank, action, position, sent, posted, computed) -> str:
+    stage = schedule.stage(rank, action.chunk)
+    own = _own_prerequisite(action, stage)
+    if own is not None and own not in computed:
+        needed = f"{F}{action.mb}" if own[0] == F else f"I{action.mb}"
+        return f"needs its own {needed} (chunk {action.chunk}) first, which is later in this rank's list"
+    local = _local_producer(schedule, action, stage)
+    if local is not None:
         return "its input comes from a neighbouring stage on this rank whose compute is later in the list"
     what = "activation" if action.kind == F else "output gradient"
-    peer, chunk = schedule.peer(rank, Action(RECV_F if action.kind == F else RECV_B, action.mb, action.chunk))
-    key = schedule.message_key(rank, Action(RECV_F if action.kind == F else RECV_B, action.mb, action.chunk))
+    receive = _receive_for(action)
+    peer, chunk = schedule.peer(rank, receive)
+    key = schedule.message_key(rank, receive)
     sender = Action(SEND_F if action.kind == F else SEND_B, action.mb, chunk)
     text = f"waits for the {what} of mb {action.mb} chunk {action.chunk} from rank {peer}"
     if key not in posted:
-        return text + f", but no {Action(RECV_F if action.kind == F else RECV_B, action.mb, action.chunk)} was posted"
+        return text + f", but no {receive} was posted"
     if key not in sent:
         peer_actions = schedule.ranks[peer]
         if sender not in peer_actions:
@@ -215,26 +251,42 @@ def _waiting_for(schedule, rank, action, position, sent, posted) -> str:
 # Theory.
 # ---------------------------------------------------------------------------
 
-def theoretical_bubble(name: str, p: int, m: int, v: int = 1) -> float:
-    """Bubble fraction bubble / (bubble + compute) with the default costs.
+def bubble_formula(name: str, p: int, m: int, v: int = 1) -> tuple[float, str, bool]:
+    """Expected bubble fraction idle / (idle + compute) with the default
+    costs, the formula as text, and whether ``simulate`` reproduces it exactly
+    for the default generator (otherwise it is a lower bound).
 
-    * gpipe, 1f1b (F=1, B=2, any uniform costs): (p-1) / (m+p-1), any m >= 1.
-      Every rank idles (p-1)(F+B) while doing m(F+B) work.
-    * interleaved (F=1, B=2 per chunk): (p-1) / (v*m + p-1) -- Megatron's
-      (p-1)/(v*m) bubble-to-compute ratio -- exact when p divides m.  For
-      other m the simulated bubble is larger (the short last group cannot
-      hide the round trip) but stays below 1F1B's for m >= p.
-    * zbh1 (F=I=W=1): (p-1) / (3m + p-1), exact for m >= p.  Each rank idles
-      p-1 = (p-1)(F+I-W) units instead of 1F1B's 3(p-1).  For m < p there
-      are too few deferred W's to fill the tail and the bubble is larger.
+    Idle time per rank, in units of one micro-batch's work on one chunk:
+
+    * gpipe, 1f1b (F=1, B=2; any uniform F, B): p-1, for every m >= 1.
+      So the fraction is (p-1) / (m+p-1).
+    * interleaved (F=1, B=2 per chunk): (p-1) + (v-1)*max(0, p-m), i.e.
+      Megatron's (p-1)/(v*m+p-1) for m >= p.  With m < p a chunk's wave is
+      shorter than the p-hop trip to the next chunk, so each of the v-1
+      chunk hand-offs idles p-m more.  Exact when p | m or m <= p; for other
+      m the default ragged="pad" idles more (the formula is a lower bound)
+      and ragged="merge" matches it exactly.
+    * zbh1 (F=I=W=1): (p-1) + max(0, p-m) passes, out of 3m passes of work;
+      for m >= p that is Qi et al.'s (p-1)(F+I-W).  With m < p, rank 0 gets
+      its first I back only at 2p-1 and still owes m I's and m W's, so the
+      tail cannot be hidden.
     """
     if name in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1)
+        return (p - 1) / (m + p - 1), "(p-1)/(m+p-1)", True
     if name == "interleaved":
-        return (p - 1) / (v * m + p - 1)
+        idle = (p - 1) + (v - 1) * max(0, p - m)
+        text = "(p-1)/(v*m+p-1)" if m >= p else "((p-1)+(v-1)(p-m)) / (v*m+(p-1)+(v-1)(p-m))"
+        return idle / (idle + v * m), text, v == 1 or m <= p or m % p == 0
     if name == "zbh1":
-        return (p - 1) / (3 * m + p - 1)
+        idle = (p - 1) + max(0, p - m)
+        text = "(p-1)/(3m+p-1)" if m >= p else "(2p-m-1)/(2m+2p-1)"
+        return idle / (idle + 3 * m), text, True
     raise ValueError(f"no theory for schedule {name!r}; known: gpipe, 1f1b, interleaved, zbh1")
+
+
+def theoretical_bubble(name: str, p: int, m: int, v: int = 1) -> float:
+    """Expected bubble fraction with the default costs; see ``bubble_formula``."""
+    return bubble_formula(name, p, m, v)[0]
 
 
 # ---------------------------------------------------------------------------

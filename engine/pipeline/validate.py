@@ -39,8 +39,10 @@ def validate(schedule: Schedule, *, check_deadlock: bool = True) -> None:
 
         result = simulate(schedule, costs=UNIT_COSTS)
         if result.deadlock:
-            first = min(result.stuck)
-            raise ScheduleError(result.deadlock, rank=first, rule="deadlock")
+            error = ScheduleError("; ".join(f"rank {r} {why}" for r, why in sorted(result.stuck.items())),
+                                  rule="deadlock")
+            error.stuck = result.stuck  # rank -> what it waits for
+            raise error
 
 
 def _check_shape(s: Schedule) -> None:
