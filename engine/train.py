@@ -121,6 +121,10 @@ def parse_args(argv=None):
     g.add_argument("--log-every", type=int, default=None, help="steps between progress lines (default ~20 lines)")
     g.add_argument("--sample-bytes", type=int, default=200, help="GPT: bytes of text to sample at the end (0: none)")
     g.add_argument("--quiet", action="store_true", help="no progress lines (metrics.jsonl is still written)")
+    g = p.add_argument_group("cluster")
+    g.add_argument("--watchdog", type=float, default=0.0, metavar="SECONDS",
+                   help="report ranks that made no progress for this long (0: off); names the stuck ranks")
+    g.add_argument("--watchdog-abort", action="store_true", help="abort the job after a watchdog report")
     return p.parse_args(argv)
 
 
@@ -197,8 +201,11 @@ def check_layout(args, dp):
 def main(argv=None):
     args = parse_args(argv)
     import comm
+    from engine import lifecycle
     comm.install_abort_handler()
     try:
+        # Refuse a launch where srun's MPI plugin did not wire the ranks together.
+        lifecycle.check_launcher()
         train(args)
     except SystemExit as e:
         # A configuration error: every rank reached the same conclusion, so exit
@@ -221,6 +228,7 @@ def train(args, world=None):
     from engine.optim import clip_scale, lr_at, make_optimizer
     from engine.pipeline import ScheduleError
     from engine.pipeline.rank_model import LocalModel, PipelineModel
+    from engine import lifecycle
     from engine.device import select, to_host
     from engine.trace import Tracer
     from mpi4py import MPI
@@ -357,6 +365,11 @@ def train(args, world=None):
         say(f"unigram baseline (val): {dataset.unigram_entropy():.4f} nats/byte")
 
     os.makedirs(out_dir, exist_ok=True) if is_main else None
+    world.Barrier()
+    log = lifecycle.setup_rank_logging(out_dir, rank, world.Get_size())
+    log.info("start: %s", " ".join(sys.argv) or "(in-process)")
+    stop = lifecycle.StopFlag()                  # SIGUSR1/SIGTERM: checkpoint and exit at the next step
+    dog = lifecycle.Watchdog(world, args.watchdog, run_dir=out_dir, abort=args.watchdog_abort)
     metrics = open(os.path.join(out_dir, "metrics.jsonl"), "a" if resume_path else "w") if is_main else None
 
     def evaluate():
@@ -442,9 +455,27 @@ def train(args, world=None):
                 if "val_loss" in record:
                     line += f" | val {record['val_loss']:.4f}"
                 say(line)
+                log.info(line)
         if args.checkpoint_every and done % args.checkpoint_every == 0 and done != args.steps:
             save(done, loss)
+        dog.beat(done)
+        # A collective every step: all ranks see the same answer, so none is left behind.
+        if done != args.steps and stop.should_stop(world):
+            if not (args.checkpoint_every and done % args.checkpoint_every == 0):
+                save(done, loss)
+            say(f"{stop.signal_name} received: checkpoint at step {done} written; exiting with code "
+                f"{lifecycle.REQUEUE_EXIT_CODE} so the batch script requeues the job (--resume auto continues)")
+            log.warning("stopped by %s at step %d (checkpointed)", stop.signal_name, done)
+            dog.stop()
+            stop.uninstall()
+            if is_main:
+                metrics.close()
+            if buckets:
+                buckets.close()
+            raise SystemExit(lifecycle.REQUEUE_EXIT_CODE)
 
+    dog.stop()
+    stop.uninstall()
     if buckets:
         buckets.close()
     if tracer:

@@ -1,0 +1,470 @@
+"""Job lifecycle on a cluster: stop-and-requeue on a signal, launcher sanity
+check, a hang watchdog, and per-rank logs.
+
+The pieces, as the trainer uses them:
+
+    from engine import lifecycle
+    lifecycle.check_launcher(world)          # before any work: wrong `srun --mpi`?
+    log = lifecycle.setup_rank_logging(out_dir, rank, size)
+    stop = lifecycle.StopFlag()              # SIGUSR1/SIGTERM only set a flag
+    dog = lifecycle.Watchdog(world, timeout_s, run_dir=out_dir)   # 0 = off
+    for step in ...:
+        ...one optimizer step...
+        dog.beat(step + 1)
+        if stop.should_stop(world):          # collective: every rank agrees
+            save(step + 1); world.Barrier()
+            sys.exit(lifecycle.REQUEUE_EXIT_CODE)
+    dog.stop()
+
+REQUEUE_EXIT_CODE (85) is the contract with slurm/train.sbatch: "I stopped on
+request at a step boundary and a checkpoint of that step is on disk; start me
+again with --resume auto". The batch script answers it with
+`scontrol requeue $SLURM_JOB_ID`. 85 is outside the codes Python (1, 2), the
+shell (126, 127, 128+N for signals) and MPI launchers commonly use, and is
+not one Slurm gives a meaning to.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+
+import numpy as np
+
+__all__ = [
+    "REQUEUE_EXIT_CODE",
+    "StopFlag",
+    "LauncherError",
+    "check_launcher",
+    "Watchdog",
+    "setup_rank_logging",
+]
+
+#: Exit code meaning "checkpointed on request; requeue me" (see module docstring).
+REQUEUE_EXIT_CODE = 85
+
+
+# ---------------------------------------------------------------------------
+# Stop on a signal, at a step boundary every rank agrees on.
+
+class StopFlag:
+    """Turn SIGUSR1/SIGTERM into a request to stop at the next step boundary.
+
+    The handlers only store the signal number (no I/O, no MPI, no allocation
+    beyond Python's own), so a signal can arrive at any moment, including
+    while the main thread is inside an MPI call. `should_stop(comm)` is the
+    only place the flag is read: one tiny uppercase Allreduce (MAX of an
+    int64) per call, so if any rank got a signal, every rank returns True at
+    the same step, and they all checkpoint and exit together. Call it at the
+    same point of every step on every rank of `comm` (it is a collective).
+
+    Slurm's `--signal=USR1@T` (time limit ahead), `scancel --signal=USR1`,
+    and the SIGTERM that precedes SIGKILL on preemption or cancel all end up
+    here. Handlers can only be installed from the main thread.
+    """
+
+    DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+    def __init__(self, signals=DEFAULT_SIGNALS, install: bool = True):
+        self.signals = tuple(signals)
+        self._received = 0       # written by the handler only
+        self._agreed = 0         # the MAX over ranks from the last should_stop
+        self._buf = np.zeros(1, dtype=np.int64)   # preallocated for the Allreduce
+        self._previous: dict = {}
+        if install:
+            self.install()
+
+    def _handler(self, signum, frame):  # async-signal-safe: one store, nothing else
+        self._received = signum
+
+    def install(self) -> "StopFlag":
+        for s in self.signals:
+            if s not in self._previous:
+                self._previous[s] = signal.signal(s, self._handler)
+        return self
+
+    def uninstall(self) -> None:
+        """Restore the handlers that were there before install()."""
+        for s, old in self._previous.items():
+            signal.signal(s, old if old is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.uninstall()
+        return False
+
+    def trigger(self, signum: int = signal.SIGUSR1) -> None:
+        """Request a stop without a signal (tests, programmatic stops)."""
+        self._received = int(signum)
+
+    @property
+    def requested(self) -> bool:
+        """This rank got a signal (local; no communication)."""
+        return bool(self._received)
+
+    def should_stop(self, comm=None) -> bool:
+        """Collective over `comm` (default COMM_WORLD): True on every rank iff
+        any rank has received a stop signal. One 8-byte Allreduce."""
+        self._buf[0] = self._received
+        if comm is None:
+            from mpi4py import MPI
+            comm = MPI.COMM_WORLD
+        if comm.Get_size() > 1:
+            from mpi4py import MPI
+            comm.Allreduce(MPI.IN_PLACE, self._buf, op=MPI.MAX)
+        if self._buf[0]:
+            self._agreed = int(self._buf[0])
+        return bool(self._buf[0])
+
+    @property
+    def signum(self) -> int:
+        """The agreed signal number (largest over ranks) or the local one; 0 if none."""
+        return self._agreed or self._received
+
+    @property
+    def signal_name(self) -> str | None:
+        """'SIGUSR1', 'SIGTERM', ... for messages; None if no stop was requested."""
+        s = self.signum
+        if not s:
+            return None
+        try:
+            return signal.Signals(s).name
+        except ValueError:
+            return f"signal {s}"
+
+
+# ---------------------------------------------------------------------------
+# Launcher check: `srun --mpi=<wrong plugin>` silently gives N singletons.
+
+class LauncherError(SystemExit):
+    """The launcher and the MPI library do not match. A SystemExit whose code
+    is the message, so the trainer's existing "configuration error" path
+    prints it once (rank 0 by SLURM_PROCID) and exits 2."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self):
+        return self.message
+
+
+def _slurm_tasks(env) -> tuple[int, str] | None:
+    """(task count, variable) of the Slurm step this process is a task of, or
+    None when not inside an srun step. The batch script itself (and a plain
+    `python` run in it or in salloc) has SLURM_NTASKS of the whole job but is
+    one process by design: no SLURM_STEP_ID there, so it is not checked."""
+    if "SLURM_STEP_ID" not in env and "SLURM_STEPID" not in env and "SLURM_STEP_NUM_TASKS" not in env:
+        return None
+    for var in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"):
+        v = env.get(var, "").strip()
+        if v.isdigit():
+            return int(v), var
+    return None
+
+
+def check_launcher(world=None, environ=None, library_version: str | None = None) -> None:
+    """Raise LauncherError, before any work, if Slurm started several tasks but
+    MPI put each in a world of its own (every rank is "rank 0 of 1"): the
+    symptom of `srun --mpi=none` with MPICH, or pmi2 with Open MPI. Cheap, no
+    communication; call it right after MPI init on every rank.
+
+    `environ` and `library_version` default to os.environ and
+    MPI.Get_library_version() (tests pass fakes). RINGPIPE_SKIP_LAUNCHER_CHECK=1
+    disables the check.
+    """
+    env = os.environ if environ is None else environ
+    if env.get("RINGPIPE_SKIP_LAUNCHER_CHECK", "") not in ("", "0"):
+        return
+    if world is None:
+        from mpi4py import MPI
+        world = MPI.COMM_WORLD
+    size = world.Get_size()
+    found = _slurm_tasks(env)
+    if found is None or size != 1 or found[0] <= 1:
+        return
+    ntasks, var = found
+    if library_version is None:
+        from mpi4py import MPI
+        library_version = MPI.Get_library_version()
+    lib = (library_version.strip().splitlines() or ["unknown MPI library"])[0].strip()
+    is_ompi = "open mpi" in lib.lower()
+    plugin_now = env.get("SLURM_MPI_TYPE", "")
+    good, other = ("pmix", "pmi2") if is_ompi else ("pmi2", "pmix")
+    task = env.get("SLURM_PROCID", "?")
+    raise LauncherError(
+        f"error: MPI launcher mismatch: Slurm started {ntasks} tasks ({var}={ntasks}), but this "
+        f"process (Slurm task {task}) is MPI rank 0 of 1: every task thinks it is alone and would "
+        f"train its own copy of the model.\n"
+        f"  MPI library: {lib}\n"
+        f"  srun --mpi plugin used: {plugin_now or 'not shown (cluster default, MpiDefault)'}\n"
+        f"  fix: launch with `srun --mpi={good}` ({'Open MPI' if is_ompi else 'MPICH, Intel MPI, MVAPICH'}); "
+        f"use `srun --mpi={other}` for {'MPICH-family libraries' if is_ompi else 'Open MPI'}. "
+        f"`srun --mpi=list` shows the plugins this cluster has; slurm/train.sbatch takes "
+        f"RINGPIPE_SRUN_MPI={good}. Or launch with the library's own mpiexec.")
+
+
+# ---------------------------------------------------------------------------
+# Watchdog: say which step (and which ranks) a hung job is stuck at.
+
+# An innermost source line like `comm.Allreduce(...)` or `req.Wait()`: the
+# thread is (most likely) blocked in communication.
+_COMM_CALL = re.compile(
+    r"\.(I?[Aa]llreduce|I?[Rr]educe\w*|I?[Aa]llgather\w*|I?[Gg]ather\w*|I?[Ss]catter\w*|I?[Aa]lltoall\w*"
+    r"|I?[Bb]cast|I?[Bb]arrier|[Ss]endrecv\w*|I?[Rr]ecv|I?S?[Ss]end|I?[Pp]robe|Wait\w*|wait|Test\w*)\s*\(")
+
+
+def _main_thread_location(depth: int = 3) -> tuple[str, bool]:
+    """('file:line in func `code` <- ...', in_comm) for the main thread's
+    innermost frames. Works while the main thread is blocked in a C call that
+    released the GIL (mpi4py releases it around MPI calls). in_comm: the
+    innermost line looks like a communication call."""
+    main = threading.main_thread()
+    frame = sys._current_frames().get(main.ident)
+    if frame is None:
+        return "?", False
+    stack = traceback.extract_stack(frame)[-depth:]
+    parts = []
+    for fs in reversed(stack):
+        parts.append(f"{os.path.basename(fs.filename)}:{fs.lineno} in {fs.name}"
+                     + (f" `{fs.line.strip()[:60]}`" if fs.line else ""))
+    in_comm = bool(stack and stack[-1].line and _COMM_CALL.search(stack[-1].line))
+    return " <- ".join(parts), in_comm
+
+
+class Watchdog:
+    """Report (and optionally abort) when this rank makes no progress for
+    `timeout_s` seconds. Off (no thread, beat() is a no-op) when timeout_s <= 0.
+
+    The trainer calls `beat(step)` after each finished step. A daemon thread
+    wakes every `interval` seconds and, when `run_dir` is given, rewrites
+    RUN_DIR/heartbeat/rank{R} (JSON: last step, time of the last beat, where
+    the main thread is now). It keeps doing so while the main thread sits in
+    an MPI call, so when the job hangs, rank 0's watchdog reads every rank's
+    file and names the ranks that are behind: a lower step, a stale file
+    (process dead or frozen with the GIL held), or, when all are at the same
+    step, the ranks whose main thread is somewhere other than where most
+    ranks wait (typically the one that never reached the collective).
+
+    Messages go to `stream` (stderr). With abort=True the job is ended with
+    comm.Abort(1) after the report (rank 0 first; other ranks wait a little so
+    rank 0's report gets out). No MPI call is made by the thread otherwise.
+    """
+
+    def __init__(self, comm=None, timeout_s: float = 0.0, run_dir: str | None = None,
+                 abort: bool = False, interval: float | None = None, stream=None):
+        self.timeout_s = float(timeout_s or 0.0)
+        self.enabled = self.timeout_s > 0
+        self.comm = comm
+        if comm is not None:
+            self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        else:
+            self.rank, self.size = 0, 1
+        self.abort = abort
+        self.stream = stream
+        self.interval = interval if interval is not None else min(max(self.timeout_s / 4, 0.05), 5.0)
+        self.hb_dir = os.path.join(run_dir, "heartbeat") if run_dir else None
+        self.step: int | None = None            # last finished step (None: none yet)
+        self.last_beat = time.time()
+        self.tripped = False                    # a stall has been reported
+        self.last_report: str | None = None
+        self._reported_for = object()           # the beat a report was made for
+        self._stop = threading.Event()
+        self._thread = None
+        if not self.enabled:
+            return
+        if self.hb_dir:
+            os.makedirs(self.hb_dir, exist_ok=True)
+            self._write_heartbeat()
+        self._thread = threading.Thread(target=self._run, name=f"ringpipe-watchdog-{self.rank}", daemon=True)
+        self._thread.start()
+
+    # -- main thread side -----------------------------------------------------
+    def beat(self, step: int) -> None:
+        """Mark `step` as finished on this rank (two stores; no I/O)."""
+        self.step = int(step)
+        self.last_beat = time.time()
+
+    def stop(self) -> None:
+        """Stop the thread (idempotent)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(1.0, 2 * self.interval))
+        self._thread = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
+    # -- thread side ------------------------------------------------------------
+    def _path(self, rank: int) -> str:
+        return os.path.join(self.hb_dir, f"rank{rank}")
+
+    def _write_heartbeat(self) -> None:
+        where, in_comm = _main_thread_location()
+        rec = {"rank": self.rank, "step": self.step, "last_beat": self.last_beat, "written": time.time(),
+               "where": where, "in_comm": in_comm, "pid": os.getpid(), "host": socket.gethostname()}
+        path = self._path(self.rank)
+        tmp = f"{path}.tmp{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(rec, f)
+            os.replace(tmp, path)
+        except OSError:
+            pass
+
+    def _read_heartbeats(self) -> dict:
+        out = {}
+        for r in range(self.size):
+            try:
+                with open(self._path(r)) as f:
+                    out[r] = json.load(f)
+            except (OSError, ValueError):
+                out[r] = None
+        return out
+
+    def _say(self, text: str) -> None:
+        stream = self.stream or sys.stderr
+        try:
+            stream.write(text if text.endswith("\n") else text + "\n")
+            stream.flush()
+        except Exception:
+            pass
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            if self.hb_dir:
+                self._write_heartbeat()
+            beat_id = (self.step, self.last_beat)
+            idle = time.time() - self.last_beat
+            if idle < self.timeout_s or beat_id == self._reported_for:
+                continue
+            self._reported_for = beat_id
+            self.tripped = True
+            where = "before its first step" if self.step is None else f"after step {self.step}"
+            msg = (f"[rank {self.rank}] watchdog: no progress for {idle:.0f} s "
+                   f"(timeout {self.timeout_s:g} s): this rank is stuck {where}; "
+                   f"main thread at {_main_thread_location()[0]}")
+            if self.rank == 0 and self.hb_dir and self.size > 1:
+                self._write_heartbeat()
+                msg += "\n" + self.describe_ranks()
+            self.last_report = msg
+            self._say(msg)
+            if self.abort:
+                self._abort()
+
+    def describe_ranks(self, heartbeats: dict | None = None) -> str:
+        """The report rank 0 adds: which ranks are behind, from the heartbeat files."""
+        hbs = self._read_heartbeats() if heartbeats is None else heartbeats
+        now = time.time()
+        stale_after = max(3 * self.interval + 1.0, 2.0)
+        missing = [r for r, h in hbs.items() if h is None]
+        stale = [r for r, h in hbs.items() if h is not None and now - h["written"] > stale_after]
+        live = {r: h for r, h in hbs.items() if h is not None and r not in stale}
+        steps = {r: (-1 if h["step"] is None else h["step"]) for r, h in live.items()}
+        behind: list[int] = []
+        reason = ""
+        if steps and len(set(steps.values())) > 1:
+            top = max(steps.values())
+            behind = sorted(r for r, s in steps.items() if s < top)
+            reason = f"at an earlier step than step {top}"
+        elif len(live) > 1 and any(h.get("in_comm") for h in live.values()) \
+                and not all(h.get("in_comm") for h in live.values()):
+            # Same step; some ranks wait in communication, the others never got there.
+            behind = sorted(r for r, h in live.items() if not h.get("in_comm"))
+            reason = "not in a collective while the others wait in one"
+        elif len(live) > 1:
+            # Same step, no clear signal: the odd ones out are where most ranks are not.
+            counts: dict = {}
+            for h in live.values():
+                counts[h["where"]] = counts.get(h["where"], 0) + 1
+            common = max(counts.values())
+            if common > 1 and sum(1 for c in counts.values() if c == common) == 1:
+                majority = next(w for w, c in counts.items() if c == common)
+                behind = sorted(r for r, h in live.items() if h["where"] != majority)
+                reason = "not where the other ranks wait (have not reached the collective?)"
+        lines = [f"[rank 0] watchdog: heartbeats of the {self.size} ranks ({self.hb_dir}):"]
+        for r in sorted(hbs):
+            h = hbs[r]
+            if h is None:
+                lines.append(f"  rank {r}: no heartbeat file")
+                continue
+            step = "none yet" if h["step"] is None else h["step"]
+            lines.append(f"  rank {r} ({h.get('host', '?')} pid {h.get('pid', '?')}): last step {step}, "
+                         f"{now - h['last_beat']:.0f} s since, file {now - h['written']:.0f} s old; "
+                         f"at {h.get('where', '?')}")
+        culprits = sorted(set(behind) | set(stale) | set(missing))
+        if culprits:
+            why = []
+            if behind:
+                why.append(f"{_ranks(behind)} {reason}")
+            if stale:
+                why.append(f"{_ranks(stale)} stopped writing heartbeats (dead or frozen)")
+            if missing:
+                why.append(f"{_ranks(missing)} never wrote a heartbeat")
+            lines.append(f"[rank 0] watchdog: ranks behind: {', '.join(map(str, culprits))} ({'; '.join(why)})")
+        else:
+            lines.append("[rank 0] watchdog: no rank stands out (all at the same step and place)")
+        return "\n".join(lines)
+
+    def _abort(self) -> None:
+        if self.rank != 0:
+            time.sleep(2 * self.interval + 1.0)   # let rank 0's report out first
+        self._say(f"[rank {self.rank}] watchdog: aborting the job")
+        try:
+            from mpi4py import MPI
+            if self.comm is not None and MPI.Is_initialized() and not MPI.Is_finalized():
+                self.comm.Abort(1)
+        finally:
+            os._exit(1)
+
+
+def _ranks(rs) -> str:
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(map(str, rs))
+
+
+# ---------------------------------------------------------------------------
+# Per-rank logging.
+
+def setup_rank_logging(out_dir: str | None, rank: int, size: int, level=logging.INFO,
+                       name: str = "ringpipe", stderr_level=logging.WARNING) -> logging.Logger:
+    """Logger `name` writing everything at `level` to OUT/logs/rank{R}.log and
+    warnings and errors to stderr as '[rank R] WARNING: ...'. Idempotent:
+    calling it again replaces the handlers it added. out_dir None: stderr only."""
+    logger = logging.getLogger(name)
+    logger.setLevel(min(level, stderr_level))
+    logger.propagate = False
+    for h in list(logger.handlers):
+        if getattr(h, "_ringpipe_rank_handler", False):
+            logger.removeHandler(h)
+            h.close()
+    width = len(str(max(size - 1, 0)))
+    if out_dir:
+        log_dir = os.path.join(out_dir, "logs")
+        os.makedirs(log_dir, exist_ok=True)
+        fh = logging.FileHandler(os.path.join(log_dir, f"rank{rank}.log"), mode="a")
+        fh.setLevel(level)
+        fh.setFormatter(logging.Formatter(
+            f"%(asctime)s [rank {rank:>{width}}/{size}] %(levelname)s %(name)s: %(message)s"))
+        fh._ringpipe_rank_handler = True
+        logger.addHandler(fh)
+    sh = logging.StreamHandler(sys.stderr)
+    sh.setLevel(stderr_level)
+    sh.setFormatter(logging.Formatter(f"[rank {rank}] %(levelname)s: %(message)s"))
+    sh._ringpipe_rank_handler = True
+    logger.addHandler(sh)
+    return logger

@@ -1,0 +1,120 @@
+"""Whole-job behaviour under mpiexec: a signal checkpoints and exits for requeue, resume is
+bit-identical; a rank killed with SIGKILL ends the job quickly instead of hanging."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from engine import checkpoint
+from engine.lifecycle import REQUEUE_EXIT_CODE
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+TINY = ["--data", "synthetic", "--layers", "2", "--d-model", "16", "--heads", "2", "--context", "16",
+        "--batch-size", "8", "--sample-bytes", "0", "--quiet", "--dtype", "float64", "--lr", "1e-3"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+
+pytestmark = pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec next to this python")
+
+
+def launch(out, *extra, n=2):
+    return subprocess.Popen([MPIEXEC, "-n", str(n), sys.executable, "-m", "engine.train", *TINY,
+                             "--out", out, *extra], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def rank_pids(mpiexec_pid):
+    """PIDs of the python ranks below an mpiexec (through hydra's proxy)."""
+    children = {}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    cmd = fh.read()
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append((int(pid), cmd))
+    found, todo = [], [mpiexec_pid]
+    while todo:
+        for pid, cmd in children.get(todo.pop(), []):
+            todo.append(pid)
+            if b"engine.train" in cmd and b"mpiexec" not in cmd and b"hydra" not in cmd:
+                found.append(pid)
+    return sorted(found)
+
+
+def wait_for_steps(out, n, proc, timeout=120):
+    path = os.path.join(out, "metrics.jsonl")
+    end = time.time() + timeout
+    while time.time() < end:
+        if os.path.exists(path):
+            with open(path) as fh:
+                if sum(1 for _ in fh) >= n:
+                    return
+        if proc.poll() is not None:
+            raise AssertionError(f"job ended early: {proc.communicate()}")
+        time.sleep(0.05)
+    raise AssertionError("job made no progress")
+
+
+def final_arrays(out):
+    arrays, manifest = checkpoint.load(os.path.join(out, "checkpoints"))
+    return arrays, manifest
+
+
+def test_signal_checkpoints_requeues_and_resume_is_bit_identical(tmp_path):
+    steps = "60"
+    whole = str(tmp_path / "whole")
+    p = launch(whole, "--steps", steps)
+    assert p.wait(timeout=300) == 0, p.communicate()
+
+    cut = str(tmp_path / "cut")
+    p = launch(cut, "--steps", steps)
+    wait_for_steps(cut, 3, p)
+    pids = rank_pids(p.pid)
+    assert len(pids) == 2, pids
+    os.kill(pids[-1], signal.SIGUSR1)          # one rank only: the ranks must agree anyway
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == REQUEUE_EXIT_CODE, (p.returncode, out, err)
+    assert "SIGUSR1 received: checkpoint at step" in out
+    _, manifest = final_arrays(cut)
+    stopped_at = manifest["step"]
+    assert 3 <= stopped_at < int(steps)
+
+    p = launch(cut, "--steps", steps, "--resume", "auto")
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0, err
+    assert f"resumed from" in out and f"at step {stopped_at}" in out
+    a, _ = final_arrays(whole)
+    b, _ = final_arrays(cut)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+    with open(os.path.join(whole, "metrics.jsonl")) as fh:
+        la = [json.loads(line)["loss"] for line in fh]
+    with open(os.path.join(cut, "metrics.jsonl")) as fh:
+        lb = [json.loads(line)["loss"] for line in fh]
+    assert la == lb
+
+
+def test_sigkill_of_one_rank_ends_the_job_quickly(tmp_path):
+    out = str(tmp_path / "killed")
+    p = launch(out, "--steps", "100000", n=2)
+    wait_for_steps(out, 2, p)
+    pids = rank_pids(p.pid)
+    t0 = time.time()
+    os.kill(pids[-1], signal.SIGKILL)
+    try:
+        p.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        pytest.fail("the job was still running 30 s after one rank was killed")
+    assert p.returncode != 0
+    assert time.time() - t0 < 30
