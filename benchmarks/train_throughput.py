@@ -25,6 +25,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from engine import runtime  # noqa: E402
+
+runtime.reuse_freed_memory()        # as engine.train does
+
 import kernels as K  # noqa: E402
 from engine.gpt import GPTConfig, build_gpt, flops_per_token  # noqa: E402
 from engine.optim import AdamW  # noqa: E402

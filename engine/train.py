@@ -14,22 +14,10 @@ import os
 import sys
 
 
-def _set_thread_defaults():
-    """Several ranks on one node must not each start one BLAS thread per core:
-    split the cores among local ranks unless the user already chose. Runs before
-    numpy is imported, since BLAS reads these once at load time."""
-    local = next((os.environ[k] for k in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
-                                          "SLURM_NTASKS_PER_NODE") if os.environ.get(k)), None)
-    try:
-        local = int(local.split("(")[0]) if local else 1
-    except ValueError:
-        local = 1
-    per_rank = str(max(1, (os.cpu_count() or 1) // max(1, local)))
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
-        os.environ.setdefault(var, per_rank)
+from engine import runtime  # noqa: E402  (stdlib only: safe before numpy)
 
-
-_set_thread_defaults()
+runtime.set_thread_defaults()
+runtime.reuse_freed_memory()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
