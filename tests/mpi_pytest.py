@@ -30,9 +30,9 @@ if rank == 0:
             print(f"\n==== rank {r} of {world.Get_size()} failed (pytest exit {code}); its report: ====")
             print(open(path).read())
 worst = max((c for c, _ in codes), key=lambda c: (c not in (0, 5), c)) if rank == 0 else 0
+worst = world.bcast(worst, root=0)        # also: rank 0 has read every report before any is removed
 try:
     os.remove(log)
 except OSError:
     pass
-worst = world.bcast(worst, root=0)
 sys.exit(worst)

@@ -131,3 +131,30 @@ def test_trace_and_balanced_partition(shared_dir):
     assert {"compute", "send"} <= cats
     names = {e["name"] for e in events if e.get("ph") == "X" and e["tid"] == 0}
     assert "F0" in names and "B0" in names
+
+
+@pytest.mark.mpi(min_size=4)
+def test_checkpoint_from_one_layout_resumes_in_another(shared_dir):
+    """Written by (dp 2, pp 2), continued by (dp 4, pp 1), (dp 1, pp 4) and one process:
+    all reach the uninterrupted single-process trajectory."""
+    if world.size != 4:
+        pytest.skip("written for 4 ranks")
+    flags = base(4, 8)[:]
+    flags[flags.index("--steps") + 1] = "6"
+    ref_out = os.path.join(shared_dir, f"relayout-ref{world.rank}")
+    train(parse_args(flags + ["--out", ref_out]), world=MPI.COMM_SELF)
+    first = os.path.join(shared_dir, "relayout-22")
+    train(parse_args(flags + ["--pp", "2", "--dp", "2", "--microbatches", "2", "--checkpoint-every", "3",
+                              "--out", first]), world=world)
+    world.Barrier()
+    ckpt = os.path.join(first, "checkpoints", "ckpt_00000003.json")
+    ref_arrays, _ = checkpoint.load(os.path.join(ref_out, "checkpoints"))
+    for name, layout, comm_ in (("41", ["--dp", "4"], world), ("14", ["--pp", "4", "--microbatches", "4"], world),
+                                (f"11-{world.rank}", [], MPI.COMM_SELF)):
+        out = os.path.join(shared_dir, f"relayout-{name}")
+        train(parse_args(flags + layout + ["--resume", ckpt, "--out", out]), world=comm_)
+        world.Barrier()
+        arrays, manifest = checkpoint.load(os.path.join(out, "checkpoints"))
+        assert manifest["step"] == 6
+        for k in ref_arrays:
+            np.testing.assert_allclose(arrays[k], ref_arrays[k], rtol=TOL, atol=TOL, err_msg=f"{name} {k}")
