@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Every CPU benchmark in one go, each writing its table to stdout and JSON to $OUT.
+#   bash benchmarks/run_all.sh [OUT_DIR]      (default bench_results/<date>)
+# Run on a quiet machine; the README's tables come from this script.
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+MPIEXEC=${MPIEXEC:-$(dirname "$PY")/mpiexec}
+OUT=${1:-bench_results/$(date +%Y-%m-%d)}
+mkdir -p "$OUT"
+one() {  # name, command...
+    local name=$1; shift
+    echo "== $name: $*" | tee "$OUT/$name.txt"
+    "$@" 2>&1 | tee -a "$OUT/$name.txt"
+    echo "exit ${PIPESTATUS[0]}" >> "$OUT/$name.txt"
+}
+{ uname -a; nproc; lscpu | grep -E "Model name|Thread|Core|Socket" ; "$PY" -c "import numpy; numpy.show_config()" 2>/dev/null | grep -A3 -i "blas" | head -8; } > "$OUT/machine.txt" 2>&1
+one train_throughput "$PY" benchmarks/train_throughput.py --json "$OUT/train_throughput.json"
+one kernels_cpu "$PY" benchmarks/kernels_cpu.py --json "$OUT/kernels_cpu.json"
+one allreduce_2 env OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "$MPIEXEC" -n 2 "$PY" benchmarks/allreduce.py --json "$OUT/allreduce_2.json"
+one allreduce_4 env OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "$MPIEXEC" -n 4 "$PY" benchmarks/allreduce.py --max-bytes 64M --json "$OUT/allreduce_4.json"
+one overlap_matmul env OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "$MPIEXEC" -n 2 "$PY" benchmarks/allreduce.py --overlap --work matmul --json "$OUT/overlap_matmul.json"
+one overlap_sleep env OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "$MPIEXEC" -n 2 "$PY" benchmarks/allreduce.py --overlap --work sleep --json "$OUT/overlap_sleep.json"
+one pipeline_2 "$MPIEXEC" -n 2 "$PY" benchmarks/pipeline.py --json "$OUT/pipeline_2.json"
+one pipeline_4 "$MPIEXEC" -n 4 "$PY" benchmarks/pipeline.py --json "$OUT/pipeline_4.json"
+one scaling "$PY" benchmarks/scaling.py --json "$OUT/scaling.json"
+echo "results in $OUT"
