@@ -165,6 +165,24 @@ def load_dataset(args, model_cfg):
     raise SystemExit(f"error: --data {kind} is a text corpus; use it with --model gpt")
 
 
+def check_same_args(args, world):
+    """Every rank must run the same configuration: ranks launched with different
+    flags would take different communication paths and hang. One small
+    allgather at start-up (not a hot path) turns that into an error on every
+    rank that names the flags and ranks that differ."""
+    mine = {k: v for k, v in sorted(vars(args).items())}
+    everyone = world.allgather(mine)
+    diffs = []
+    for r, theirs in enumerate(everyone):
+        for k in mine:
+            if theirs.get(k) != everyone[0].get(k):
+                diffs.append(f"rank {r} has --{k.replace('_', '-')} {theirs.get(k)!r} where rank 0 has "
+                             f"{everyone[0].get(k)!r}")
+    if diffs:
+        raise SystemExit("error: the ranks were launched with different arguments; every rank must get the "
+                         "same command line:\n  " + "\n  ".join(diffs[:10]))
+
+
 def check_layout(args, dp):
     """Refuse impossible shapes before any work (and identically on every rank)."""
     if args.microbatches < 1 or args.chunks < 1:
@@ -223,6 +241,7 @@ def train(args, world=None):
 
     # ---- communicators -------------------------------------------------------------
     world = world or MPI.COMM_WORLD
+    check_same_args(args, world)
     try:
         topo = comm.Topology(world, dp=args.dp, pp=args.pp)
     except ValueError as e:

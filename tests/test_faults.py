@@ -118,3 +118,15 @@ def test_sigkill_of_one_rank_ends_the_job_quickly(tmp_path):
         pytest.fail("the job was still running 30 s after one rank was killed")
     assert p.returncode != 0
     assert time.time() - t0 < 30
+
+
+def test_ranks_launched_with_different_flags_get_a_clear_error_not_a_hang(tmp_path):
+    """MPMD launch where half the ranks get --zero 1: without a check the two halves
+    would take different collective paths and deadlock."""
+    args = [sys.executable, "-m", "engine.train", *TINY, "--steps", "3", "--out", str(tmp_path / "m")]
+    t0 = time.time()
+    r = subprocess.run([MPIEXEC, "-n", "1", *args, ":", "-n", "1", *args, "--zero", "1"], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r
+    assert "rank 1 has --zero 1 where rank 0 has 0" in r.stderr
+    assert time.time() - t0 < 60
