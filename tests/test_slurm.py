@@ -7,6 +7,7 @@ and is always stopped at the end.
 
     python -m pytest tests/test_slurm.py -v          # or -m slurm / -m "not slurm"
     RINGPIPE_KEEP_SLURM=1 ...                        # keep the folder (logs) afterwards
+    RINGPIPE_REQUIRE_SLURM=1 ...                     # fail instead of skip if Slurm cannot be set up
 """
 import glob
 import json
@@ -58,13 +59,20 @@ def _trainer_uses(name):
         return name in f.read()
 
 
+def _unavailable(reason):
+    """Skip, or fail when RINGPIPE_REQUIRE_SLURM=1 (CI that installed Slurm on purpose)."""
+    if os.environ.get("RINGPIPE_REQUIRE_SLURM", "0") not in ("", "0"):
+        pytest.fail(f"RINGPIPE_REQUIRE_SLURM=1 but {reason}")
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="module")
 def slurm():
     """Start a private Slurm; yield the environment for its clients; always stop it."""
     if shutil.which("slurmctld") is None and not os.path.exists("/usr/sbin/slurmctld"):
         if os.geteuid() != 0 or shutil.which("apt-get") is None:
-            pytest.skip("Slurm is not installed and cannot be installed here (needs root and apt-get): "
-                        "apt-get install -y slurm-wlm munge")
+            _unavailable("Slurm is not installed and cannot be installed here (needs root and apt-get): "
+                         "apt-get install -y slurm-wlm munge")
     d = tempfile.mkdtemp(prefix="ringpipe-slurm-test-")
     env = dict(os.environ, RINGPIPE_SLURM_DIR=d, RINGPIPE_SLURM_PORT=str(_free_port_pair()),
                RINGPIPE_PYTHON=PY, **THREADS)
@@ -74,10 +82,10 @@ def slurm():
             r = subprocess.run(["timeout", "420", os.path.join(ROOT, "slurm/local/start.sh")], env=env,
                                capture_output=True, text=True)
         except OSError as e:
-            pytest.skip(f"cannot run slurm/local/start.sh: {e}")
+            _unavailable(f"cannot run slurm/local/start.sh: {e}")
         if r.returncode != 0:
-            pytest.skip(f"local Slurm did not start (slurm/local/start.sh exit {r.returncode}): "
-                        f"{r.stderr.strip()[-1500:]}")
+            _unavailable(f"local Slurm did not start (slurm/local/start.sh exit {r.returncode}): "
+                         f"{r.stderr.strip()[-1500:]}")
         m = re.search(r"export SLURM_CONF=(\S+)", r.stdout)
         assert m, r.stdout
         env["SLURM_CONF"] = m.group(1)
@@ -95,13 +103,13 @@ def slurm():
 # ------------------------------------------------------------------------------ helpers
 
 def sbatch_wait(env, args, timeout=180, extra_env=None):
-    """`timeout T sbatch --wait ARGS` from the repo root: (exit code, job id, stdout+stderr)."""
-    e = dict(env, **(extra_env or {}))
-    r = subprocess.run(["timeout", str(timeout), "sbatch", "--wait"] + args, cwd=ROOT, env=e,
-                       capture_output=True, text=True)
-    m = re.search(r"Submitted batch job (\d+)", r.stdout)
-    assert r.returncode != 124, f"sbatch --wait timed out after {timeout}s: {r.stdout}{r.stderr}"
-    return r.returncode, (m.group(1) if m else None), r.stdout + r.stderr
+    """Like `timeout T sbatch --wait ARGS` from the repo root, but polling the job
+    every 0.1 s (sbatch --wait backs off to sleeps of several seconds, which
+    costs more than these jobs run): (exit code, job id, scontrol info)."""
+    jid = sbatch(env, args, extra_env)
+    info = wait_state(env, jid, lambda i: i.get("JobState") in FINAL, timeout, "end")
+    code, sig = (int(x) for x in info.get("ExitCode", "0:0").split(":"))
+    return (code or (128 + sig if sig else 0)), jid, info
 
 
 def sbatch(env, args, extra_env=None):
@@ -127,6 +135,20 @@ def wait_state(env, jid, pred, timeout, what):
             return info
         time.sleep(0.1)
     pytest.fail(f"job {jid}: no {what} within {timeout}s; last: {info}")
+
+
+def _stepds_of(jid):
+    """PIDs of this machine's `slurmstepd: [JID.*]` processes (our cluster runs here)."""
+    pids = []
+    for d in glob.glob("/proc/[0-9]*"):
+        try:
+            with open(os.path.join(d, "cmdline"), "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if cmd.startswith(f"slurmstepd: [{jid}.".encode()):
+            pids.append(int(os.path.basename(d)))
+    return pids
 
 
 def losses(run_dir):
@@ -169,7 +191,7 @@ def test_train_job_matches_mpiexec(slurm, tmp_path):
                                        "-o", str(tmp_path / "job.out"), "slurm/train.sbatch"] + TINY,
                                extra_env={"RINGPIPE_RUN_DIR": str(run)})
     log = (tmp_path / "job.out").read_text()
-    assert rc == 0, out + log
+    assert rc == 0, f"{out}\n{log}"
     finish(ref)
     got, want = losses(run), losses(tmp_path / "ref")
     assert sorted(got) == list(range(1, 7))
@@ -189,7 +211,8 @@ def test_train_job_matches_mpiexec(slurm, tmp_path):
 @pytest.mark.skipif(not _trainer_uses("StopFlag"),
                     reason="engine/train.py does not use lifecycle.StopFlag yet (lead's wiring)")
 def test_usr1_checkpoints_requeues_and_matches_uninterrupted(slurm, tmp_path):
-    args = TINY[:-6] + ["--steps", "150", "--dtype", "float64", "--sample-bytes", "0", "--quiet"]
+    steps = 300                       # a few seconds: the signal must land before the end
+    args = TINY[:-6] + ["--steps", str(steps), "--dtype", "float64", "--sample-bytes", "0", "--quiet"]
     ref = mpiexec_reference(str(tmp_path / "ref"), args)
     finish(ref)                       # first, so the two runs do not share the 2 cores
     run = tmp_path / "run"
@@ -200,7 +223,7 @@ def test_usr1_checkpoints_requeues_and_matches_uninterrupted(slurm, tmp_path):
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+        if metrics.exists() and metrics.read_text().strip():
             break
         assert job_info(slurm, jid).get("JobState") in ("PENDING", "RUNNING", "CONFIGURING"), \
             (tmp_path / "job.out").read_text()
@@ -211,7 +234,14 @@ def test_usr1_checkpoints_requeues_and_matches_uninterrupted(slurm, tmp_path):
                or i.get("JobState") in FINAL, 60, "requeue")
     info = job_info(slurm, jid)
     assert info.get("Restarts") == "1", f"not requeued: {info}\n{(tmp_path / 'job.out').read_text()}"
-    for _ in range(50):               # REQUEUED -> PENDING, then it accepts a start time
+    # Skipping Slurm's requeue delay is only safe once the first run's step
+    # daemons are gone: the new run reuses the step id <job>.0, and a lingering
+    # slurmstepd of the old step (slow to finish on a loaded machine) breaks
+    # the new step's PMI2 exchange ("failed to send temp kvs"). On a real
+    # cluster the ~2 min requeue delay covers this.
+    wait_state(slurm, jid, lambda i: i.get("JobState") == "PENDING" and not _stepds_of(jid), 60,
+               "requeued job pending with its old step daemons gone")
+    for _ in range(50):               # then it accepts a start time
         r = subprocess.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"], env=slurm,
                            capture_output=True, text=True)
         if r.returncode == 0:
@@ -222,7 +252,7 @@ def test_usr1_checkpoints_requeues_and_matches_uninterrupted(slurm, tmp_path):
     assert info["JobState"] == "COMPLETED", log
     assert "got SIGUSR1" in log and "requeueing job" in log and "exited with 85" in log, log
     m = re.search(r"resumed from \S+ at step (\d+)", log)
-    assert m and 3 <= int(m.group(1)) < 150, log
+    assert m and 1 <= int(m.group(1)) < steps, log
 
     got, want = losses(run), losses(tmp_path / "ref")
     assert got == want, "losses of the requeued run differ from the uninterrupted one"
@@ -247,7 +277,7 @@ def test_crashing_rank_ends_job_fast_and_is_named(slurm, tmp_path):
     crash = float(re.search(r"CRASH_AT (\S+)", log).group(1))
     end = re.search(r"STEP_END (\S+) (\d+)", log)
     assert end and int(end.group(2)) != 0, log
-    assert float(end.group(1)) - crash < 10, f"the step took {float(end.group(1)) - crash:.1f}s to end:\n{log}"
+    assert float(end.group(1)) - crash < 15, f"the step took {float(end.group(1)) - crash:.1f}s to end:\n{log}"
     assert job_info(slurm, jid)["JobState"] == "FAILED"
 
 

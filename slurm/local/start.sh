@@ -1,0 +1,205 @@
+#!/usr/bin/env bash
+# Start a real single-node Slurm (slurmctld + slurmd + a private munged) on this
+# machine, for trying slurm/*.sbatch and for tests/test_slurm.py.
+#
+#   eval "$(slurm/local/start.sh)"      # starts (or finds running) and exports SLURM_CONF
+#   sbatch --wait slurm/train.sbatch --steps 20 ...
+#   slurm/local/stop.sh
+#
+# Everything (config, munge key and socket, spool, state, logs, PID files) lives
+# in ${RINGPIPE_SLURM_DIR:-/tmp/ringpipe-slurm}; nothing under /etc is changed.
+# If slurmctld/slurmd/munged are missing and we are root, installs Debian's
+# `slurm-wlm munge` with apt (about 15-30 s). Idempotent: when the daemons of this
+# folder already run, it only prints the export line.
+#
+# stdout carries only the `export SLURM_CONF=...` line (so `eval` works);
+# progress and errors go to stderr.
+#
+# Knobs (environment):
+#   RINGPIPE_SLURM_DIR      state folder (default /tmp/ringpipe-slurm)
+#   RINGPIPE_SLURM_CPUS     CPUs the node advertises (default max(4, nproc)); more
+#                           than the real cores is accepted (config_overrides), so
+#                           4 one-CPU tasks fit on a 2-core machine
+#   RINGPIPE_SLURM_PORT     slurmctld port (default 16817); slurmd uses PORT+1
+#   RINGPIPE_SLURM_TIMEOUT  seconds to wait for the node to become idle (default 60)
+#   RINGPIPE_SLURM_NO_INSTALL=1  never run apt-get (fail instead)
+#
+# Config choices (see /work/shared/notes/slurm-local.md): no cgroups or systemd
+# needed (proctrack/linuxproc, task/none), EnforcePartLimits=ALL so an
+# impossible request fails at submit instead of pending forever, OverSubscribe
+# so several small jobs may share the node, MpiDefault=none (job scripts must
+# choose --mpi themselves, as on most real clusters), KillWait=5 (SIGTERM ->
+# SIGKILL grace after scancel/timeout).
+set -euo pipefail
+
+DIR=${RINGPIPE_SLURM_DIR:-/tmp/ringpipe-slurm}
+DIR=$(mkdir -p "$DIR" && cd "$DIR" && pwd -P)
+CONF=$DIR/slurm.conf
+PORT=${RINGPIPE_SLURM_PORT:-16817}
+TIMEOUT=${RINGPIPE_SLURM_TIMEOUT:-60}
+NCPU=$(nproc 2>/dev/null || echo 1)
+CPUS=${RINGPIPE_SLURM_CPUS:-$(( NCPU > 4 ? NCPU : 4 ))}
+HOST=$(hostname -s)
+
+log() { echo "start.sh: $*" >&2; }
+die() { echo "start.sh: error: $*" >&2; exit 1; }
+
+# ---- 1. binaries -------------------------------------------------------------------
+need_install=0
+for b in slurmctld slurmd munged sbatch srun sinfo scontrol; do
+    command -v "$b" >/dev/null 2>&1 || [ -x "/usr/sbin/$b" ] || need_install=1
+done
+if [ $need_install = 1 ]; then
+    if [ "${RINGPIPE_SLURM_NO_INSTALL:-0}" = 1 ]; then
+        die "slurm-wlm/munge not installed (and RINGPIPE_SLURM_NO_INSTALL=1): apt-get install -y slurm-wlm munge"
+    fi
+    if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+        die "slurm-wlm/munge not installed; install them (Debian: apt-get install -y slurm-wlm munge) or run as root"
+    fi
+    log "installing slurm-wlm and munge with apt-get (once; ~15-30 s)"
+    # Daemons must not be started by the package scripts (no init system here anyway).
+    export DEBIAN_FRONTEND=noninteractive
+    { apt-get update -qq && apt-get install -y -qq slurm-wlm munge; } >"$DIR/apt.log" 2>&1 \
+        || { tail -20 "$DIR/apt.log" >&2; die "apt-get install slurm-wlm munge failed (log: $DIR/apt.log)"; }
+fi
+export PATH=$PATH:/usr/sbin:/sbin
+
+# ---- 2. already running? -----------------------------------------------------------
+# A PID file counts only if its process exists, is not a zombie (PID 1 here does
+# not reap, so a dead daemon can linger as Z) and has the expected name.
+alive() {  # alive NAME PIDFILE
+    local pid state comm
+    [ -s "$2" ] || return 1
+    pid=$(tr -dc 0-9 <"$2")
+    [ -n "$pid" ] && [ -r "/proc/$pid/stat" ] || return 1
+    state=$(sed 's/^.*) //' "/proc/$pid/stat" | cut -d' ' -f1)
+    comm=$(cat "/proc/$pid/comm" 2>/dev/null || true)
+    [ "$state" != Z ] && [ "$state" != X ] && [ "${comm#"$1"}" != "$comm" ]
+}
+
+node_state() { SLURM_CONF=$CONF timeout 10 sinfo -h -o %T 2>/dev/null | head -1 | tr -d ' *~#$@+-' || true; }
+
+export_line() { echo "export SLURM_CONF=$CONF"; }
+
+if alive munged "$DIR/run/munged.pid" && alive slurmctld "$DIR/run/slurmctld.pid" \
+        && alive slurmd "$DIR/run/slurmd.pid"; then
+    now_state=$(node_state)
+else
+    now_state=
+fi
+if [ "$now_state" = idle ] || [ "$now_state" = mixed ] || [ "$now_state" = allocated ]; then
+    log "already running in $DIR (node $now_state)"
+    export_line
+    exit 0
+fi
+# Something half-up (or stale PID files): stop what is left, then start clean.
+if ls "$DIR"/run/*.pid >/dev/null 2>&1; then
+    log "stale or partial instance in $DIR: stopping it first"
+    RINGPIPE_SLURM_DIR=$DIR "$(dirname "$0")/stop.sh" >&2 || true
+fi
+
+# ---- 3. folders, munge key, config -------------------------------------------------
+mkdir -p "$DIR"/{run,log,state,spool,munge}
+chmod 700 "$DIR/munge"
+if [ ! -s "$DIR/munge/munge.key" ]; then
+    (umask 077; dd if=/dev/urandom of="$DIR/munge/munge.key" bs=1024 count=1 status=none)
+fi
+chmod 400 "$DIR/munge/munge.key"
+# Job ids must not repeat across restarts (slurmctld -c starts again from
+# FirstJobId) or between two such clusters on one machine: MPICH under srun
+# names its shared-memory segments after the PMI job id ("<job>.<step>"), so a
+# repeated id can meet a stale segment of a killed job and fail or hang in
+# MPI_Init. Start each cluster at 100 x (seconds mod 600000): unique unless a
+# cluster runs more than 100 jobs per second of uptime; wraps after ~7 days.
+FIRST_JOB_ID=${RINGPIPE_SLURM_FIRST_JOB_ID:-$(( ($(date +%s) % 600000) * 100 + 1000 ))}
+MEM_MB=$(awk '/MemTotal/ {print int($2 / 1024 * 0.8)}' /proc/meminfo)
+USER_NAME=$(id -un)
+
+cat >"$CONF" <<EOF
+# Generated by slurm/local/start.sh: a private single-node cluster in $DIR
+ClusterName=ringpipe-local
+SlurmctldHost=$HOST
+SlurmctldPort=$PORT
+SlurmdPort=$((PORT + 1))
+SlurmUser=$USER_NAME
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$DIR/munge/munge.sock
+StateSaveLocation=$DIR/state
+SlurmdSpoolDir=$DIR/spool/slurmd-%n
+SlurmctldPidFile=$DIR/run/slurmctld.pid
+SlurmdPidFile=$DIR/run/slurmd.pid
+SlurmctldLogFile=$DIR/log/slurmctld.log
+SlurmdLogFile=$DIR/log/slurmd.log
+SlurmctldDebug=info
+SlurmdDebug=info
+PlugStackConfig=$DIR/plugstack.conf
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SlurmdParameters=config_overrides
+EnforcePartLimits=ALL
+ReturnToService=2
+MpiDefault=none
+FirstJobId=$FIRST_JOB_ID
+KillWait=5
+MessageTimeout=30
+MinJobAge=600
+InactiveLimit=0
+SlurmdTimeout=60
+SchedulerType=sched/backfill
+NodeName=$HOST CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+EOF
+: >"$DIR/plugstack.conf"   # keep Debian's /etc/slurm/plugstack.conf out of our cluster
+
+# ---- 4. daemons --------------------------------------------------------------------
+export SLURM_CONF=$CONF
+wait_pidfile() {  # wait_pidfile NAME PIDFILE LOG
+    for _ in $(seq 1 100); do
+        alive "$1" "$2" && return 0
+        sleep 0.1
+    done
+    tail -20 "$3" >&2 2>/dev/null || true
+    die "$1 did not start (log: $3)"
+}
+
+log "starting munged, slurmctld, slurmd in $DIR"
+munged --force -S "$DIR/munge/munge.sock" --key-file="$DIR/munge/munge.key" \
+    --pid-file="$DIR/run/munged.pid" --log-file="$DIR/log/munged.log" \
+    --seed-file="$DIR/munge/munged.seed" </dev/null >>"$DIR/log/munged.log" 2>&1 \
+    || { tail -20 "$DIR/log/munged.log" >&2; die "munged failed to start"; }
+wait_pidfile munged "$DIR/run/munged.pid" "$DIR/log/munged.log"
+
+# -c: ignore saved state (a node drained by an earlier run, old jobs).
+slurmctld -c -f "$CONF" </dev/null >>"$DIR/log/slurmctld.log" 2>&1 \
+    || { tail -20 "$DIR/log/slurmctld.log" >&2; die "slurmctld failed to start"; }
+wait_pidfile slurmctld "$DIR/run/slurmctld.pid" "$DIR/log/slurmctld.log"
+slurmd -c -f "$CONF" </dev/null >>"$DIR/log/slurmd.log" 2>&1 \
+    || { tail -20 "$DIR/log/slurmd.log" >&2; die "slurmd failed to start"; }
+wait_pidfile slurmd "$DIR/run/slurmd.pid" "$DIR/log/slurmd.log"
+
+# ---- 5. wait for the node ----------------------------------------------------------
+deadline=$(( $(date +%s) + TIMEOUT ))
+state=
+while [ "$(date +%s)" -lt $deadline ]; do
+    state=$(node_state)
+    [ "$state" = idle ] && break
+    case "$state" in
+        drain*|down*|fail*)  # ReturnToService=2 should prevent this; try once to resume
+            SLURM_CONF=$CONF scontrol update NodeName="$HOST" State=RESUME >/dev/null 2>&1 || true ;;
+    esac
+    sleep 0.3
+done
+if [ "$state" != idle ]; then
+    SLURM_CONF=$CONF sinfo -R >&2 2>/dev/null || true
+    tail -15 "$DIR/log/slurmctld.log" "$DIR/log/slurmd.log" >&2 2>/dev/null || true
+    die "node $HOST not idle after ${TIMEOUT}s (state: '${state:-no answer}'); logs in $DIR/log"
+fi
+log "node $HOST idle ($CPUS CPUs, partition debug); logs in $DIR/log"
+export_line

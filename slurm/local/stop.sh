@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# Stop the private Slurm started by slurm/local/start.sh (same RINGPIPE_SLURM_DIR).
+#
+#   slurm/local/stop.sh            # cancel its jobs, stop slurmd, slurmctld, munged
+#   RINGPIPE_SLURM_PURGE=1 slurm/local/stop.sh   # ... and delete the folder
+#
+# Only processes named in this folder's PID files are signalled (plus job step
+# daemons, slurmstepd, whose environment points at this folder's slurm.conf),
+# one PID at a time: never by name. Waits until each is gone. PID 1 on these
+# machines does not reap orphans, so a stopped daemon may linger as a zombie
+# (state Z): that counts as stopped. Idempotent: stopping a stopped cluster
+# is a no-op.
+set -uo pipefail
+
+DIR=${RINGPIPE_SLURM_DIR:-/tmp/ringpipe-slurm}
+[ -d "$DIR" ] || { echo "stop.sh: nothing to stop ($DIR does not exist)" >&2; exit 0; }
+DIR=$(cd "$DIR" && pwd -P)
+CONF=$DIR/slurm.conf
+export PATH=$PATH:/usr/sbin:/sbin
+
+log() { echo "stop.sh: $*" >&2; }
+
+running() {  # running PID: exists and is not a zombie
+    local state
+    [ -r "/proc/$1/stat" ] || return 1
+    state=$(sed 's/^.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1)
+    [ -n "$state" ] && [ "$state" != Z ] && [ "$state" != X ]
+}
+
+pid_of() {  # pid_of NAME PIDFILE -> the PID if that file names a live NAME process
+    local pid comm
+    [ -s "$2" ] || return 1
+    pid=$(tr -dc 0-9 <"$2")
+    [ -n "$pid" ] && running "$pid" || return 1
+    comm=$(cat "/proc/$pid/comm" 2>/dev/null || true)
+    [ "${comm#"$1"}" != "$comm" ] || return 1
+    echo "$pid"
+}
+
+stop_pids() {  # stop_pids LABEL PID...: TERM all, wait (STOP_WAIT tenths, default 100), KILL the rest, wait
+    local label=$1 pid left n=${STOP_WAIT:-100}
+    shift
+    [ $# -gt 0 ] || return 0
+    for pid in "$@"; do kill -TERM "$pid" 2>/dev/null; done
+    for _ in $(seq 1 "$n"); do
+        left=
+        for pid in "$@"; do running "$pid" && left="$left $pid"; done
+        [ -z "$left" ] && return 0
+        sleep 0.1
+    done
+    log "$label (pid$left) ignored SIGTERM for $((n / 10)) s: SIGKILL"
+    for pid in $left; do kill -KILL "$pid" 2>/dev/null; done
+    for _ in $(seq 1 50); do
+        left=
+        for pid in "$@"; do running "$pid" && left="$left $pid"; done
+        [ -z "$left" ] && return 0
+        sleep 0.1
+    done
+    log "warning: $label (pid$left) still present"
+}
+
+ctld=$(pid_of slurmctld "$DIR/run/slurmctld.pid" || true)
+slurmd_pid=$(pid_of slurmd "$DIR/run/slurmd.pid" || true)
+munge=$(pid_of munged "$DIR/run/munged.pid" || true)
+did=0
+
+# 1. Cancel this cluster's jobs while the controller still answers, so their
+#    processes are cleaned up by Slurm itself.
+if [ -n "$ctld" ] && [ -f "$CONF" ]; then
+    jobs=$(SLURM_CONF=$CONF timeout 10 squeue -h -o %A 2>/dev/null | tr '\n' ' ')
+    if [ -n "${jobs// /}" ]; then
+        log "cancelling jobs: $jobs"
+        # shellcheck disable=SC2086
+        SLURM_CONF=$CONF timeout 10 scancel $jobs 2>/dev/null || true
+        for _ in $(seq 1 50); do
+            [ -z "$(SLURM_CONF=$CONF timeout 5 squeue -h -t R,CG -o %A 2>/dev/null)" ] && break
+            sleep 0.2
+        done
+    fi
+fi
+
+# 2. Daemons, compute side first.
+for spec in "slurmd:$slurmd_pid" "slurmctld:$ctld" "munged:$munge"; do
+    name=${spec%%:*}; pid=${spec#*:}
+    [ -n "$pid" ] || continue
+    stop_pids "$name" "$pid"
+    did=1
+done
+
+# 3. Job step daemons (slurmstepd) of this cluster left behind (e.g. by a
+#    slurmd killed mid-job), and the job processes under them: slurmstepd
+#    processes are recognised by this folder's SLURM_CONF in their environment,
+#    their descendants by parent PID. Signalled by PID, never our ancestors.
+ancestors=" $$ "
+p=$$
+while [ "${p:-1}" -gt 1 ] 2>/dev/null; do
+    p=$(awk '{print $4}' "/proc/$p/stat" 2>/dev/null || echo 1)
+    ancestors="$ancestors$p "
+done
+stepds=()
+for d in /proc/[0-9]*; do
+    pid=${d#/proc/}
+    [ "$(cat "$d/comm" 2>/dev/null)" = slurmstepd ] || continue
+    case "$ancestors" in *" $pid "*) continue ;; esac
+    running "$pid" || continue
+    tr '\0' '\n' <"$d/environ" 2>/dev/null | grep -qx "SLURM_CONF=$CONF" && stepds+=("$pid")
+done
+if [ ${#stepds[@]} -gt 0 ]; then
+    # Their descendants (batch script, srun, tasks), from the parent links.
+    kids=$(for st in /proc/[0-9]*/stat; do sed 's/^\([0-9]*\) (.*) [A-Z] \([0-9]*\) .*/\1 \2/' "$st" 2>/dev/null; done \
+        | awk -v roots="${stepds[*]}" '
+            { parent[$1] = $2 }
+            END { n = split(roots, r, " "); for (i = 1; i <= n; i++) keep[r[i]] = 1
+                  changed = 1
+                  while (changed) { changed = 0
+                      for (p in parent) if (!(p in keep) && (parent[p] in keep)) { keep[p] = 1; changed = 1 } }
+                  for (i = 1; i <= n; i++) delete keep[r[i]]
+                  for (p in keep) print p }')
+    jobprocs=()
+    for pid in $kids; do
+        case "$ancestors" in *" $pid "*) continue ;; esac
+        running "$pid" && jobprocs+=("$pid")
+    done
+    STOP_WAIT=30 stop_pids "job process" "${jobprocs[@]}"
+    STOP_WAIT=30 stop_pids slurmstepd "${stepds[@]}"    # it ignores SIGTERM
+    did=1
+fi
+
+rm -f "$DIR"/run/*.pid "$DIR/munge/munge.sock" "$DIR/munge/munge.sock.lock" 2>/dev/null
+if [ "${RINGPIPE_SLURM_PURGE:-0}" = 1 ]; then
+    rm -rf "$DIR"
+    log "removed $DIR"
+fi
+if [ $did = 1 ]; then log "stopped Slurm in $DIR"; else log "not running ($DIR)"; fi
+exit 0

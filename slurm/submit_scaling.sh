@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# Submit a strong/weak scaling sweep (and/or an all-reduce sweep): one job per
+# rank count, run one at a time so they do not disturb each other
+# (--dependency=singleton on one job name), then a small job that merges the
+# results (slurm/collect.py merge: markdown table, JSON, PNG).
+#
+#   slurm/submit_scaling.sh --ranks "1 2 4 8" --mode both --steps 40 --batch 32 \
+#       --results runs/scaling -- --layers 4 --d-model 128
+#   slurm/submit_scaling.sh --kind allreduce --ranks "2 4 8 16" --tasks-per-node 4 -- --max-bytes 64M
+#
+# Options:
+#   --kind train|allreduce|both   what to sweep (default train)
+#   --mode strong|weak|both       train: fixed global batch, or fixed batch per rank (default strong)
+#   --ranks "1 2 4"               rank counts (default "1 2 4")
+#   --tasks-per-node N            ranks per node; nodes = ceil(ranks / N) (default 4)
+#   --cpus-per-task C             (default 1)
+#   --batch B                     strong: global batch; weak: batch per rank (default 32)
+#   --steps S --warmup W          train steps, and how many to leave out of the median (default 30, 5)
+#   --time T                      sbatch --time per job (default 00:30:00)
+#   --results DIR                 where results go (default runs/scaling-<date>)
+#   --job-name NAME               singleton name (default ringpipe-scaling): sweeps with the
+#                                 same name never overlap
+#   --sbatch "ARGS"               more sbatch options for every job (e.g. "-p gpu -A proj")
+#   --allreduce-args "ARGS"       arguments for benchmarks/allreduce.py (e.g. "--quick" or
+#                                 "--max-bytes 64M --algorithms ring,mpi")
+#   --wait                        wait for the merge job, print the table; exit 1 if it failed
+#   -- ARGS                       passed to engine.train
+# The all-reduce sweep skips 1 rank (no communication). Run from the repo root.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+KIND=train MODE=strong RANKS="1 2 4" TPN=4 CPT=1 BATCH=32 STEPS=30 WARMUP=5 TIME=00:30:00
+RESULTS=runs/scaling-$(date +%Y%m%d-%H%M%S) NAME=ringpipe-scaling EXTRA_SBATCH='' WAIT=0 AR_ARGS=''
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --kind) KIND=$2; shift 2 ;;
+        --mode) MODE=$2; shift 2 ;;
+        --ranks) RANKS=$2; shift 2 ;;
+        --tasks-per-node) TPN=$2; shift 2 ;;
+        --cpus-per-task) CPT=$2; shift 2 ;;
+        --batch) BATCH=$2; shift 2 ;;
+        --steps) STEPS=$2; shift 2 ;;
+        --warmup) WARMUP=$2; shift 2 ;;
+        --time) TIME=$2; shift 2 ;;
+        --results) RESULTS=$2; shift 2 ;;
+        --job-name) NAME=$2; shift 2 ;;
+        --sbatch) EXTRA_SBATCH=$2; shift 2 ;;
+        --allreduce-args) AR_ARGS=$2; shift 2 ;;
+        --wait) WAIT=1; shift ;;
+        -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+        --) shift; break ;;
+        *) echo "submit_scaling.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+case "$KIND" in train) KINDS=train ;; allreduce) KINDS=allreduce ;; both) KINDS="train allreduce" ;;
+    *) echo "submit_scaling.sh: --kind train|allreduce|both" >&2; exit 2 ;; esac
+case "$MODE" in strong|weak) MODES=$MODE ;; both) MODES="strong weak" ;;
+    *) echo "submit_scaling.sh: --mode strong|weak|both" >&2; exit 2 ;; esac
+mkdir -p "$RESULTS/logs"
+RESULTS=$(cd "$RESULTS" && pwd -P)
+
+ids=()
+submit() {  # submit RANKS KIND MODE
+    local p=$1 kind=$2 mode=$3 nodes tpn id
+    shift 3
+    nodes=$(( (p + TPN - 1) / TPN ))
+    tpn=$(( p < TPN ? p : TPN ))
+    # shellcheck disable=SC2086
+    id=$(sbatch --parsable --job-name="$NAME" --dependency=singleton -N "$nodes" -n "$p" \
+        --ntasks-per-node="$tpn" -c "$CPT" --time="$TIME" -o "$RESULTS/logs/$kind-$mode-n$p-%j.out" \
+        $EXTRA_SBATCH slurm/scaling.sbatch --kind "$kind" --mode "$mode" --batch "$BATCH" \
+        --steps "$STEPS" --warmup "$WARMUP" --results "$RESULTS" -- "$@")
+    id=${id%%;*}
+    ids+=("$id")
+    echo "submitted $kind $mode, $p ranks on $nodes node(s): job $id" >&2
+}
+
+for kind in $KINDS; do
+    for p in $RANKS; do
+        if [ "$kind" = allreduce ]; then
+            [ "$p" -lt 2 ] && { echo "skipping all-reduce at 1 rank" >&2; continue; }
+            # shellcheck disable=SC2086
+            submit "$p" allreduce strong $AR_ARGS
+        else
+            for mode in $MODES; do submit "$p" train "$mode" "$@"; done
+        fi
+    done
+done
+
+PY=python3
+[ -x .venv/bin/python ] && PY=$(pwd -P)/.venv/bin/python
+PY=${RINGPIPE_PYTHON:-$PY}
+MERGE="$PY slurm/collect.py merge $RESULTS"
+# shellcheck disable=SC2086
+mid=$(sbatch --parsable --job-name="$NAME" --dependency=singleton -N 1 -n 1 -c 1 --time=00:10:00 \
+    -o "$RESULTS/logs/merge-%j.out" $EXTRA_SBATCH --wrap "$MERGE")
+mid=${mid%%;*}
+echo "submitted merge: job $mid (after ${ids[*]:-nothing})" >&2
+if [ $WAIT = 1 ]; then
+    # Poll once a second (sbatch --wait backs off to long sleeps).
+    while :; do
+        state=$(squeue -h -j "$mid" -t all -o %T 2>/dev/null | head -1)
+        case "$state" in
+            COMPLETED|FAILED|CANCELLED*|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY|BOOT_FAIL|DEADLINE|PREEMPTED) break ;;
+            "") scontrol show job "$mid" >/dev/null 2>&1 || break ;;   # purged: done long ago
+        esac
+        sleep 1
+    done
+    cat "$RESULTS/logs/merge-$mid.out"
+    for id in "${ids[@]}"; do
+        st=$(squeue -h -j "$id" -t all -o %T 2>/dev/null | head -1)
+        [ "$st" = COMPLETED ] || echo "submit_scaling.sh: warning: job $id ended $st: see $RESULTS/logs/*-$id.out" >&2
+    done
+    if [ "$state" != COMPLETED ]; then
+        echo "submit_scaling.sh: the merge job ended ${state:-?}; log: $RESULTS/logs/merge-$mid.out" >&2
+        exit 1
+    fi
+else
+    echo "results: $RESULTS (scaling.md / scaling.png, allreduce.md / allreduce.png when done)" >&2
+    echo "re-merge by hand: $MERGE" >&2
+fi
+echo "$RESULTS"
