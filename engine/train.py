@@ -235,7 +235,7 @@ def train(args, world=None):
     from engine.pipeline import ScheduleError
     from engine.pipeline.rank_model import LocalModel, PipelineModel
     from engine import lifecycle
-    from engine.device import select, to_host
+    from engine.device import on_host, select
     from engine.trace import Tracer
     from mpi4py import MPI
 
@@ -327,9 +327,7 @@ def train(args, world=None):
     else:
         # Every rank initialised identically from the seed; broadcasting the first
         # data-parallel replica's copy makes that a guarantee rather than an assumption.
-        host = to_host(params.data)
-        topo.dp_comm.Bcast(host, root=0)
-        params.data[...] = xp.asarray(host)
+        on_host(xp, params.data, lambda buf: topo.dp_comm.Bcast(buf, root=0))
 
     buckets = None
     if dp > 1 and xp is not np:
@@ -347,12 +345,7 @@ def train(args, world=None):
         if buckets:
             buckets.wait()
         for a, b in model.tied_ranges:           # tied embedding: first + last stage
-            if xp is np:
-                comm.allreduce(params.grad[a:b], model.tied_comm, op="sum")
-            else:
-                host = to_host(params.grad[a:b])
-                comm.allreduce(host, model.tied_comm, op="sum")
-                params.grad[a:b] = xp.asarray(host)
+            on_host(xp, params.grad[a:b], lambda buf: comm.allreduce(buf, model.tied_comm, op="sum"))
 
     items_per_step = args.batch_size * items_per_example
     eval_every = args.eval_every or max(1, args.steps // 5)
@@ -430,12 +423,7 @@ def train(args, world=None):
             params.grad *= scale
         if args.zero:
             opt.step(params.data[shard[0]:shard[1]], params.grad[shard[0]:shard[1]], lr)
-            if xp is np:
-                comm.allgather(params.data, topo.dp_comm)
-            else:
-                host = to_host(params.data)
-                comm.allgather(host, topo.dp_comm)
-                params.data[...] = xp.asarray(host)
+            on_host(xp, params.data, lambda buf: comm.allgather(buf, topo.dp_comm))
         else:
             opt.step(params.data, params.grad, lr)
 
@@ -470,21 +458,22 @@ def train(args, world=None):
         if done != args.steps and stop.should_stop(world):
             if not (args.checkpoint_every and done % args.checkpoint_every == 0):
                 save(done, loss)
-            say(f"{stop.signal_name} received: checkpoint at step {done} written; exiting with code "
-                f"{lifecycle.REQUEUE_EXIT_CODE} so the batch script requeues the job (--resume auto continues)")
-            log.warning("stopped by %s at step %d (checkpointed)", stop.signal_name, done)
-            dog.stop()
-            stop.uninstall()
-            if is_main:
-                metrics.close()
-            if buckets:
-                buckets.close()
-            raise SystemExit(lifecycle.REQUEUE_EXIT_CODE)
+            stopped_at = done
+            break
+    else:
+        stopped_at = None
 
     dog.stop()
     stop.uninstall()
     if buckets:
         buckets.close()
+    if stopped_at is not None:
+        if is_main:
+            metrics.close()
+        say(f"{stop.signal_name} received: checkpoint at step {stopped_at} written; exiting with code "
+            f"{lifecycle.REQUEUE_EXIT_CODE} so the batch script requeues the job (--resume auto continues)")
+        log.warning("stopped by %s at step %d (checkpointed)", stop.signal_name, stopped_at)
+        raise SystemExit(lifecycle.REQUEUE_EXIT_CODE)
     if tracer:
         tracer.write()
         say(f"trace: {tracer.merged_path} (open in https://ui.perfetto.dev or chrome://tracing)")

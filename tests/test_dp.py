@@ -6,8 +6,6 @@ together; losses and final weights must agree (float64 ~1e-10, float32 ~1e-5).
 """
 import json
 import os
-import shutil
-import tempfile
 
 import numpy as np
 import pytest
@@ -21,13 +19,6 @@ BASE = ["--data", "synthetic", "--layers", "2", "--d-model", "16", "--heads", "2
         "--batch-size", "8", "--steps", "4", "--sample-bytes", "0", "--quiet", "--overwrite"]
 
 
-@pytest.fixture
-def shared_dir():
-    path = world.bcast(tempfile.mkdtemp(prefix="ringpipe-dp-") if world.rank == 0 else None, root=0)
-    yield path
-    world.Barrier()
-    if world.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def result(out):

@@ -5,8 +5,6 @@ Every rank first trains the single-process reference on COMM_SELF, then the grid
 """
 import json
 import os
-import shutil
-import tempfile
 
 import numpy as np
 import pytest
@@ -25,13 +23,6 @@ def base(layers, batch):
             "--overwrite", "--eval-every", "3", "--eval-batches", "1"]
 
 
-@pytest.fixture(scope="module")
-def shared_dir():
-    path = world.bcast(tempfile.mkdtemp(prefix="ringpipe-pp-") if world.rank == 0 else None, root=0)
-    yield path
-    world.Barrier()
-    if world.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def metrics(out):
