@@ -30,6 +30,10 @@ _default_backend = "numba"
 # minus `backend`. Inputs are already validated (shapes, dtypes, contiguity).
 # kernels/cuda fills this in; until a name is present, cupy inputs raise.
 _GPU_IMPL = {}
+# Per-backend overrides for cupy inputs: (backend_name, kernel_name) -> callable, tried
+# before _GPU_IMPL (e.g. backend="cublas" swaps only matmul). Filled by
+# register_gpu_impl(..., default=False).
+_GPU_IMPL_BY_BACKEND = {}
 
 
 def is_gpu_array(x):
@@ -78,9 +82,13 @@ def get_backend():
     return _default_backend
 
 
-def register_gpu_impl(kernel_name, fn, backend_name="cuda"):
-    """Called by kernels/cuda: route cupy inputs of `kernel_name` to `fn`."""
-    _GPU_IMPL[kernel_name] = fn
+def register_gpu_impl(kernel_name, fn, backend_name="cuda", default=True):
+    """Called by kernels/cuda: route cupy inputs of `kernel_name` to `fn`. default=False
+    registers `fn` only for backend=backend_name (other GPU names keep _GPU_IMPL)."""
+    if default:
+        _GPU_IMPL[kernel_name] = fn
+    else:
+        _GPU_IMPL_BY_BACKEND[(backend_name, kernel_name)] = fn
     _BACKENDS.add(backend_name)
 
 
@@ -120,7 +128,7 @@ def _dispatch(name, arrays, backend=None):
 
         return getattr(reference, name)
     if any(x is not None and is_gpu_array(x) for x in arrays):
-        fn = _GPU_IMPL.get(name)
+        fn = _GPU_IMPL_BY_BACKEND.get((backend, name)) or _GPU_IMPL.get(name)
         if fn is None:
             raise NotImplementedError(
                 f"kernels.{name}: no GPU implementation registered for cupy arrays yet "

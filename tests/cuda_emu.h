@@ -2,31 +2,34 @@
 // kernels can be run and checked against the numpy references on a machine with no
 // GPU (tests/fake_cupy.py compiles them with g++ -include cuda_emu.h).
 //
-// Model: a launch runs its blocks one after another; within a block every CUDA
-// thread is an OS thread, so __syncthreads is a real barrier and a kernel that
-// forgets one can race here too. Warp shuffles and __syncwarp use a per-warp barrier
-// (all 32 lanes must take part, as the kernels require). __shared__ variables become
-// function statics: one copy, reused by block after block (fine: blocks run one at a
-// time; stale data from the previous block is not zeroed, like on a GPU).
+// Model: a launch runs its blocks one after another. Within a block every CUDA
+// thread is a fiber (ucontext) on one OS thread: a thread runs until it reaches a
+// barrier; __syncthreads is released once every live thread of the block has
+// reached it, __syncwarp and each shuffle step once every live lane of the warp
+// has. Between barriers threads run in a shuffled order that changes per block, so
+// a missing barrier (reading what another thread has not written yet) shows up as
+// wrong results; a barrier that some threads never reach is reported as a deadlock
+// (the launch fails). __shared__ variables become function statics: one copy,
+// reused block after block (not zeroed in between, as on a GPU).
 // WMMA is emulated at the API level: a fragment holds the whole 16x16 tile in every
 // lane; load/mma/store compute exactly what the API promises (float accumulation),
 // and check WMMA's pointer alignment (256-bit) and ldm rules.
 // Compile with -fsanitize=address,alignment to catch out-of-bounds accesses and
 // misaligned float4/uint4 accesses (the vector types carry their CUDA alignment).
 //
-// Not emulated: performance, memory coalescing, the real fragment layout, warp
-// divergence (lanes run independently), atomics, streams.
+// Not emulated: performance, memory coalescing, bank conflicts, the real fragment
+// layout, true simultaneity (a race that needs two threads between the same pair of
+// barriers to interleave finely is not seen), atomics, streams.
 
 #pragma once
 #include <cmath>
-#include <condition_variable>
+#include <type_traits>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
-#include <mutex>
-#include <thread>
+#include <ucontext.h>
 #include <utility>
 #include <vector>
 
@@ -61,72 +64,48 @@ struct alignas(16) uint4 {
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 
 // ---------------------------------------------------------------------------
-// barriers that tolerate threads leaving early (a CUDA thread that returned no
-// longer counts for __syncthreads)
+// threads as fibers: all CUDA threads of a block run on one OS thread as ucontext
+// fibers; a barrier switches back to the scheduler, which releases the barrier once
+// every live thread (or warp lane) has reached it. Cheap switches, no OS scheduling
+// storms, and a barrier that not all threads reach is reported as a deadlock.
 
-struct EmuBarrier {
-    std::mutex mu;
-    std::condition_variable cv;
-    int expected = 0, arrived = 0;
-    long generation = 0;
+enum EmuState { EMU_RUNNABLE = 0, EMU_AT_BLOCK_BARRIER = 1, EMU_AT_WARP_BARRIER = 2, EMU_DONE = 3 };
 
-    void reset(int n) {
-        expected = n;
-        arrived = 0;
-        generation = 0;
-    }
-    void wait() {
-        std::unique_lock<std::mutex> lock(mu);
-        const long gen = generation;
-        if (++arrived >= expected) {
-            arrived = 0;
-            ++generation;
-            cv.notify_all();
-            return;
-        }
-        cv.wait(lock, [&] { return generation != gen; });
-    }
-    void leave() {
-        std::unique_lock<std::mutex> lock(mu);
-        --expected;
-        if (arrived > 0 && arrived >= expected) {
-            arrived = 0;
-            ++generation;
-            cv.notify_all();
-        }
-    }
+struct EmuFiber {
+    ucontext_t ctx;
+    char* stack = nullptr;
+    int tid = 0;
+    int state = EMU_DONE;
 };
 
-struct EmuWarp {
-    EmuBarrier bar;
-    unsigned long long slot[32];
-};
+inline uint3_ threadIdx;
+inline uint3_ blockIdx;
+inline dim3 blockDim;
+inline dim3 gridDim;
+inline int emu_linear_tid = 0;
+inline ucontext_t emu_sched_ctx;
+inline EmuFiber* emu_cur = nullptr;
+inline const std::function<void(void**)>* emu_fn = nullptr;
+inline void** emu_argv = nullptr;
+inline unsigned long long emu_slot[32][32];  // [warp][lane] shuffle mailboxes
 
-struct EmuBlockCtx {
-    EmuBarrier block;
-    std::vector<EmuWarp> warps;
-};
+inline void emu_block_on(int state) {
+    emu_cur->state = state;
+    swapcontext(&emu_cur->ctx, &emu_sched_ctx);
+}
 
-inline thread_local uint3_ threadIdx;
-inline thread_local uint3_ blockIdx;
-inline thread_local dim3 blockDim;
-inline thread_local dim3 gridDim;
-inline thread_local EmuBlockCtx* emu_ctx = nullptr;
-inline thread_local int emu_linear_tid = 0;
-
-inline void __syncthreads() { emu_ctx->block.wait(); }
-inline void __syncwarp(unsigned = 0xffffffffu) { emu_ctx->warps[emu_linear_tid / 32].bar.wait(); }
+inline void __syncthreads() { emu_block_on(EMU_AT_BLOCK_BARRIER); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_block_on(EMU_AT_WARP_BARRIER); }
 
 template <typename T>
 inline T __shfl_xor_sync(unsigned, T v, int lane_mask) {
     static_assert(sizeof(T) <= 8, "shuffle of a type wider than 8 bytes");
-    EmuWarp& w = emu_ctx->warps[emu_linear_tid / 32];
-    const int lane = emu_linear_tid % 32;
-    std::memcpy(&w.slot[lane], &v, sizeof(T));
-    w.bar.wait();
+    const int warp = emu_linear_tid / 32, lane = emu_linear_tid % 32;
+    std::memcpy(&emu_slot[warp][lane], &v, sizeof(T));
+    emu_block_on(EMU_AT_WARP_BARRIER);
     T r;
-    std::memcpy(&r, &w.slot[lane ^ lane_mask], sizeof(T));
-    w.bar.wait();  // nobody overwrites a slot before everyone has read
+    std::memcpy(&r, &emu_slot[warp][lane ^ lane_mask], sizeof(T));
+    emu_block_on(EMU_AT_WARP_BARRIER);  // nobody overwrites a mailbox before everyone has read
     return r;
 }
 
@@ -267,36 +246,91 @@ inline std::function<void(void**)> emu_caller(void (*f)(A...)) {
     return [f](void** argv) { emu_call(f, argv, std::index_sequence_for<A...>{}); };
 }
 
+inline void emu_fiber_entry() {
+    (*emu_fn)(emu_argv);
+    emu_cur->state = EMU_DONE;  // uc_link returns to the scheduler
+}
+
+inline void emu_set_thread(const EmuFiber& f) {
+    const unsigned t = (unsigned)f.tid;
+    emu_linear_tid = f.tid;
+    threadIdx = uint3_{t % blockDim.x, (t / blockDim.x) % blockDim.y, t / (blockDim.x * blockDim.y)};
+}
+
 inline int emu_launch_impl(const std::function<void(void**)>& fn, unsigned gx, unsigned gy, unsigned gz,
                            unsigned bx, unsigned by, unsigned bz, void** argv) {
     const int nthreads = (int)(bx * by * bz);
     if (nthreads <= 0 || nthreads > 1024) return 1;
-    EmuBlockCtx ctx;
-    ctx.warps = std::vector<EmuWarp>((nthreads + 31) / 32);
-    for (unsigned z = 0; z < gz; ++z)
-        for (unsigned y = 0; y < gy; ++y)
-            for (unsigned x = 0; x < gx; ++x) {
-                ctx.block.reset(nthreads);
-                for (int w = 0; w < (int)ctx.warps.size(); ++w) {
-                    const int lanes = nthreads - 32 * w < 32 ? nthreads - 32 * w : 32;
-                    ctx.warps[w].bar.reset(lanes);
-                }
-                std::vector<std::thread> threads;
-                threads.reserve(nthreads);
-                for (int t = 0; t < nthreads; ++t) {
-                    threads.emplace_back([&, t, x, y, z] {
-                        emu_ctx = &ctx;
-                        emu_linear_tid = t;
-                        threadIdx = uint3_{(unsigned)t % bx, ((unsigned)t / bx) % by, (unsigned)t / (bx * by)};
-                        blockIdx = uint3_{x, y, z};
-                        blockDim = dim3{bx, by, bz};
-                        gridDim = dim3{gx, gy, gz};
-                        fn(argv);
-                        ctx.warps[t / 32].bar.leave();
-                        ctx.block.leave();
-                    });
-                }
-                for (auto& th : threads) th.join();
+    const std::size_t stack_size = 256 * 1024;
+    std::vector<EmuFiber> fibers(nthreads);
+    for (int t = 0; t < nthreads; ++t) {
+        fibers[t].tid = t;
+        fibers[t].stack = static_cast<char*>(std::malloc(stack_size));
+    }
+    emu_fn = &fn;
+    emu_argv = argv;
+    blockDim = dim3{bx, by, bz};
+    gridDim = dim3{gx, gy, gz};
+    std::vector<int> order(nthreads);
+    unsigned long long lcg = 0x9E3779B97F4A7C15ULL;
+    int rc = 0;
+    const long long nblocks = (long long)gx * gy * gz;
+    for (long long b = 0; b < nblocks && rc == 0; ++b) {
+        blockIdx = uint3_{(unsigned)(b % gx), (unsigned)((b / gx) % gy), (unsigned)(b / ((long long)gx * gy))};
+        for (auto& f : fibers) {
+            getcontext(&f.ctx);
+            f.ctx.uc_stack.ss_sp = f.stack;
+            f.ctx.uc_stack.ss_size = stack_size;
+            f.ctx.uc_link = &emu_sched_ctx;
+            makecontext(&f.ctx, emu_fiber_entry, 0);
+            f.state = EMU_RUNNABLE;
+        }
+        // threads run between barriers in a shuffled order that changes per block, so
+        // a missing barrier (one thread reading what another has not yet written) shows
+        for (int t = 0; t < nthreads; ++t) order[t] = t;
+        for (int t = nthreads - 1; t > 0; --t) {
+            lcg = lcg * 6364136223846793005ULL + 1442695040888963407ULL;
+            std::swap(order[t], order[(int)((lcg >> 33) % (unsigned long long)(t + 1))]);
+        }
+        for (;;) {
+            for (int i : order) {
+                EmuFiber& f = fibers[i];
+                if (f.state != EMU_RUNNABLE) continue;
+                emu_cur = &f;
+                emu_set_thread(f);
+                swapcontext(&emu_sched_ctx, &f.ctx);
             }
-    return 0;
+            int live = 0, at_block = 0;
+            bool released = false;
+            for (int w = 0; w * 32 < nthreads; ++w) {
+                int lanes_live = 0, lanes_at = 0;
+                for (int t = w * 32; t < nthreads && t < w * 32 + 32; ++t) {
+                    if (fibers[t].state != EMU_DONE) ++lanes_live;
+                    if (fibers[t].state == EMU_AT_WARP_BARRIER) ++lanes_at;
+                }
+                if (lanes_at > 0 && lanes_at == lanes_live) {
+                    for (int t = w * 32; t < nthreads && t < w * 32 + 32; ++t) fibers[t].state = EMU_RUNNABLE;
+                    released = true;
+                }
+            }
+            for (auto& f : fibers) {
+                if (f.state != EMU_DONE) ++live;
+                if (f.state == EMU_AT_BLOCK_BARRIER) ++at_block;
+            }
+            if (live == 0) break;
+            if (released) continue;
+            if (at_block == live) {
+                for (auto& f : fibers)
+                    if (f.state == EMU_AT_BLOCK_BARRIER) f.state = EMU_RUNNABLE;
+                continue;
+            }
+            std::fprintf(stderr, "cuda_emu: deadlock in block (%u,%u,%u): %d live threads, %d at __syncthreads, "
+                         "the rest at a warp barrier that not all live lanes reach\n",
+                         blockIdx.x, blockIdx.y, blockIdx.z, live, at_block);
+            rc = 3;
+            break;
+        }
+    }
+    for (auto& f : fibers) std::free(f.stack);
+    return rc;
 }

@@ -196,11 +196,17 @@ def checks(nk, ck, gpu):
                          np.swapaxes(a, -1, -2) @ b, np.float64))
         a, b = rnd((2, 1, 5, 3), np.float64), rnd((1, 3, 3, 4), np.float64)  # partial broadcast
         out.append(close("broadcast", nk.matmul(a, b, tiles=tl), a @ b, np.float64))
+        a, b = rnd((5, 3), np.float64), rnd((3, 4), np.float64)  # strided out, accumulated into
+        big = rnd((5, 8), np.float64)
+        exp = big.copy()
+        exp[:, ::2] += a @ b
+        nk.matmul(a, b, big[:, ::2], accumulate=True, tiles=tl)
+        out.append(close("strided out +=", big, exp, np.float64))
         a, b = rnd((3, 0), np.float32), rnd((0, 4), np.float32)  # K = 0
         out.append(close("K=0", nk.matmul(a, b, tiles=tl), np.zeros((3, 4), np.float32), np.float32))
         return out
 
-    ck.run("gemm batched/broadcast/K=0", gemm_batched)
+    ck.run("gemm batched/broadcast/strided out/K=0", gemm_batched)
 
     # -- column sum (bias gradient) --------------------------------------------------
     for dt in dtypes:

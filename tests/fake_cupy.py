@@ -123,17 +123,94 @@ class _Device:
     def synchronize(self):
         pass
 
+    def use(self):
+        pass
+
+
+class _Event:
+    """Wall-clock stand-in for cupy.cuda.Event (kernels run synchronously here)."""
+
+    def __init__(self, *a, **k):
+        self.t = None
+
+    def record(self, stream=None):
+        import time
+
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+
+class _Stream:
+    ptr = 0
+
 
 class _Cuda:
     runtime = _Runtime()
     Device = _Device
+    Event = _Event
 
     @staticmethod
     def get_cuda_path():
         return None
 
+    @staticmethod
+    def get_elapsed_time(start, end):
+        return (end.t - start.t) * 1e3  # ms, like cupy
 
+    @staticmethod
+    def get_current_stream():
+        return _Stream()
+
+
+_Runtime.memcpyAsync = staticmethod(lambda dst, src, size, kind, stream: ctypes.memmove(dst, src, size))
+_Runtime.runtimeGetVersion = staticmethod(lambda: 0)
+_Runtime.driverGetVersion = staticmethod(lambda: 0)
 cuda = _Cuda()
+
+
+class _RandomState:
+    def __init__(self, seed=None):
+        self._g = _np.random.default_rng(seed)
+
+    def standard_normal(self, size=None, dtype=float):
+        return self._g.standard_normal(size, dtype=dtype).view(ndarray)
+
+    def randint(self, low, high=None, size=None, dtype=int):
+        return _np.asarray(self._g.integers(low, high, size=size)).astype(dtype).view(ndarray)
+
+
+class _Random:
+    RandomState = _RandomState
+
+
+random = _Random()
+
+
+class _Pool:
+    def free_all_blocks(self):
+        pass
+
+
+def get_default_memory_pool():
+    return _Pool()
+
+
+def from_dlpack(x):
+    return _np.from_dlpack(x).view(ndarray)
+
+
+def _install_cupyx():
+    # the engine uses cupyx.scatter_add for embedding gradients
+    import types
+
+    mod = types.ModuleType("cupyx")
+    mod.scatter_add = lambda a, slices, value: _np.add.at(a, slices, value)
+    sys.modules.setdefault("cupyx", mod)
+
+
+_install_cupyx()
 
 
 # ---------------------------------------------------------------------------

@@ -15,12 +15,15 @@ kernels/cuda: GPU kernels checked against kernels/reference.py, with or without 
     Numba kernels, and the emulated GPU tests on broken copies of the CUDA C.
 (e) With no GPU, the test_gpu_* tests still run: in a subprocess against
     tests/fake_cupy.py, which compiles the same .cu sources with g++ against a CPU
-    emulation of CUDA (tests/cuda_emu.h), under AddressSanitizer when available.
+    emulation of CUDA (tests/cuda_emu.h), under AddressSanitizer when available. The
+    same emulation runs benchmarks/gemm.py --smoke and a 3-step engine.train
+    --device cuda (losses must match the CPU run).
 
-Run just the GPU tests on a GPU machine: pytest tests/test_cuda_kernels.py -k gpu
+Run just the GPU tests on a GPU machine: pytest tests/test_cuda_kernels.py -k test_gpu_
 """
 
 import glob
+import json
 import math
 import os
 import re
@@ -47,6 +50,22 @@ def _run(cmd, env=None, timeout=600):
     e = dict(os.environ)
     e.update(env or {})
     return subprocess.run(cmd, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+def test_register_is_lazy_and_import_stays_light():
+    # kernels.cuda.register() must be callable on any machine: it imports neither
+    # cupy nor numba.cuda (each dispatch entry imports its module on first use)
+    code = (
+        "import sys, kernels, kernels.cuda as kc; kc.register(); "
+        "from kernels import backend as kb; "
+        "bad = {'cupy', 'numba.cuda'} & set(sys.modules); assert not bad, bad; "
+        "assert {'cuda', 'cublas', 'numba_cuda'} <= kb._BACKENDS; "
+        "assert kb._GPU_IMPL['matmul'].__name__ == 'cupy_kernels.matmul'; "
+        "assert kb._GPU_IMPL_BY_BACKEND[('cublas', 'matmul')] is kc._cublas_matmul; "
+        "assert kc.available()[0] in (True, False)"
+    )
+    r = _run([sys.executable, "-c", code])
+    assert r.returncode == 0, r.stderr
 
 
 # ---------------------------------------------------------------------------
@@ -179,51 +198,130 @@ def _emu_env(tmp, sanitize=True, mutate=None):
     if sanitize:
         asan = subprocess.run(["g++", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
         if asan and os.path.isabs(asan) and os.path.exists(asan):
+            # sanitizer reports go to the subprocess's stderr (pytest -s: nothing is swallowed)
             env.update(CUDA_EMU_SANITIZE="1", LD_PRELOAD=asan,
-                       ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=66")
+                       ASAN_OPTIONS="detect_leaks=0:abort_on_error=0:exitcode=66",
+                       UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1")
     return env
 
 
 def _need_gxx():
+    if EMULATED:  # already inside the emulation: never recurse
+        pytest.skip("inside the CUDA emulation run")
     if shutil.which("g++") is None:
         pytest.skip("g++ not found: cannot build the CPU emulation of the CUDA C kernels")
 
 
 @pytest.mark.slow
-def test_cuda_c_kernels_pass_gpu_tests_in_cpu_emulation():
+def test_cuda_c_kernels_pass_device_tests_in_cpu_emulation():
     _need_gxx()
     with tempfile.TemporaryDirectory() as tmp:
         env = _emu_env(tmp)
-        r = _run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-rs",
-                  os.path.join("tests", "test_cuda_kernels.py"), "-k", "gpu"], env=env, timeout=900)
+        r = _run([sys.executable, "-m", "pytest", "-q", "-x", "-s", "-p", "no:cacheprovider", "-rs",
+                  os.path.join("tests", "test_cuda_kernels.py"), "-k", "test_gpu_"], env=env, timeout=900)
     print(r.stdout[-8000:])
     assert r.returncode == 0, f"emulated GPU tests failed:\n{r.stdout[-8000:]}\n{r.stderr[-4000:]}"
     assert re.search(r"\d+ passed", r.stdout)
     print("sanitizers:", "on" if "CUDA_EMU_SANITIZE" in env else "off (libasan not found)")
 
 
-# planted bugs in the CUDA C (applied by fake_cupy to the source text before g++)
+# planted bugs in the CUDA C (applied by fake_cupy to the source text before g++):
+# (name, "old=>new", tests to run, sanitizers on, text the failure must show)
 PLANTED_CUDA_C = [
-    # K-tile loop off by one in the SGEMM: the K tail is dropped
+    # K-tile loop off by one in the SGEMM: the K tail is dropped -> wrong numbers
     ("sgemm-ktile", "const int ktiles = (K + SG_BK - 1) / SG_BK;=>const int ktiles = K / SG_BK;",
-     "gpu_sgemm_matches_reference"),
-    # causal softmax writes zero on the diagonal
-    ("softmax-diag", "orow[j] = j <= t ? (T)(exp(=>orow[j] = j < t ? (T)(exp(", "gpu_softmax"),
+     "test_gpu_sgemm_matches_reference", False, "failed"),
+    # causal softmax writes zero on the diagonal -> wrong numbers
+    ("softmax-diag", "orow[j] = j <= t ? (T)(exp(=>orow[j] = j < t ? (T)(exp(", "test_gpu_softmax", False, "failed"),
+    # the SGEMM's second __syncthreads removed: fast threads overwrite the shared tiles
+    # while slow ones still read them (a race; the emulation's shuffled thread order
+    # exposes it)
+    ("sgemm-nosync", "        __syncthreads();  // before the next iteration overwrites As/Bs=>",
+     "test_gpu_sgemm_matches_reference", False, "failed"),
+    # SGEMM tile loads without the row guard: reads past the end of A. The numbers
+    # would still come out right (the extra rows only feed discarded outputs):
+    # only the AddressSanitizer sees it
+    ("sgemm-rowguard", "    if (row < nrows) {=>    if (true) {", "test_gpu_sgemm_matches_reference", True,
+     "AddressSanitizer"),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,mutation,select", PLANTED_CUDA_C, ids=[p[0] for p in PLANTED_CUDA_C])
-def test_cuda_c_emulation_catches_planted_bug(name, mutation, select):
+@pytest.mark.parametrize("name,mutation,select,sanitize,expect", PLANTED_CUDA_C, ids=[p[0] for p in PLANTED_CUDA_C])
+def test_cuda_c_emulation_catches_planted_bug(name, mutation, select, sanitize, expect):
     _need_gxx()
     with tempfile.TemporaryDirectory() as tmp:
-        env = _emu_env(tmp, sanitize=False, mutate=mutation)
-        r = _run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+        env = _emu_env(tmp, sanitize=sanitize, mutate=mutation)
+        if sanitize and "CUDA_EMU_SANITIZE" not in env:
+            pytest.skip("libasan not found: cannot demonstrate the sanitizer")
+        r = _run([sys.executable, "-m", "pytest", "-q", "-x", "-s", "-p", "no:cacheprovider",
                   os.path.join("tests", "test_cuda_kernels.py"), "-k", select], env=env, timeout=900)
-    print(r.stdout[-3000:])
-    assert "planted mutation not found" not in r.stdout + r.stderr, "mutation target gone from the source"
-    assert r.returncode == 1 and re.search(r"\d+ failed", r.stdout), \
-        f"planted bug {name!r} was NOT caught (exit {r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-2000:]}"
+    out = r.stdout + r.stderr
+    print(out[-3000:])
+    assert "planted mutation not found" not in out, "mutation target gone from the source: update PLANTED_CUDA_C"
+    assert r.returncode != 0 and expect in out, \
+        f"planted bug {name!r} was NOT caught (exit {r.returncode}):\n{out[-5000:]}"
+
+
+@pytest.mark.slow
+def test_gemm_benchmark_runs_in_cpu_emulation(tmp_path):
+    # the benchmark must work the first time it meets a GPU: run its whole code path
+    # (tiny shapes; the numbers are meaningless here) on the emulation
+    _need_gxx()
+    out = tmp_path / "gemm.json"
+    with tempfile.TemporaryDirectory() as tmp:
+        r = _run([sys.executable, os.path.join("benchmarks", "gemm.py"), "--smoke", "--no-numba", "--json", str(out)],
+                 env=_emu_env(tmp, sanitize=False), timeout=900)
+    print(r.stdout[-4000:])
+    assert r.returncode == 0, f"benchmark failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    data = json.loads(out.read_text())
+    assert data["gemm"] and data["fused"] and data["copy_bw_GBs"] > 0
+    assert not [row for row in data["gemm"] if "error" in row]
+    impls = {row["impl"] for row in data["gemm"]}
+    assert {"cublas", "cupy_sgemm", "wmma_bf16", "wmma_f16", "cublas_f16"} <= impls
+    for row in data["gemm"]:  # every product agrees with the float64 one (cublas_f16 rounds its output)
+        assert row["max_rel_err"] < (1e-3 if row["impl"] == "cublas_f16" else 1e-5), row
+    for row in data["fused"]:
+        assert row["max_rel_err"] < 1e-5, row
+
+
+def test_gemm_benchmark_without_gpu_says_so():
+    try:
+        import cupy  # noqa: F401
+
+        pytest.skip("cupy is installed here: the benchmark would run for real")
+    except ImportError:
+        pass
+    r = _run([sys.executable, os.path.join("benchmarks", "gemm.py"), "--quick"])
+    assert r.returncode == 2
+    assert "needs cupy and a CUDA GPU" in r.stderr
+
+
+@pytest.mark.slow
+def test_engine_trains_on_emulated_gpu_like_on_cpu(tmp_path):
+    # engine.train --device cuda end to end (cupy arrays, these kernels dispatched
+    # through kernels.cuda.register) on the emulation: same losses as the CPU run
+    _need_gxx()
+    args = ["--steps", "3", "--layers", "1", "--d-model", "32", "--heads", "2", "--context", "16",
+            "--batch-size", "2", "--eval-every", "3", "--eval-batches", "1", "--sample-bytes", "0", "--overwrite",
+            "--quiet"]
+    cpu = _run([sys.executable, "-m", "engine.train", "--device", "cpu", *args, "--out", str(tmp_path / "cpu")])
+    if cpu.returncode != 0 and "--device" in cpu.stderr:
+        pytest.skip("engine.train has no --device option")
+    assert cpu.returncode == 0, cpu.stderr[-3000:]
+    with tempfile.TemporaryDirectory() as tmp:
+        gpu = _run([sys.executable, "-m", "engine.train", "--device", "cuda", *args, "--out", str(tmp_path / "gpu")],
+                   env=_emu_env(tmp, sanitize=False), timeout=900)
+    assert gpu.returncode == 0, f"{gpu.stdout[-3000:]}\n{gpu.stderr[-3000:]}"
+
+    def losses(d):
+        with open(d / "metrics.jsonl") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        return [r["loss"] for r in rows if "loss" in r]
+
+    lc, lg = losses(tmp_path / "cpu"), losses(tmp_path / "gpu")
+    assert len(lc) == len(lg) == 3
+    np.testing.assert_allclose(lg, lc, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------
@@ -233,7 +331,7 @@ def test_cuda_c_emulation_catches_planted_bug(name, mutation, select):
 @pytest.fixture(scope="module")
 def cp():
     cupy = pytest.importorskip("cupy", reason="cupy is not installed: GPU tests need cupy and a CUDA GPU "
-                                              "(test_cuda_c_kernels_pass_gpu_tests_in_cpu_emulation runs them on the CPU)")
+                                              "(test_cuda_c_kernels_pass_device_tests_in_cpu_emulation runs them on the CPU)")
     from kernels import cuda as kc
 
     ok, why = kc.available()
@@ -379,7 +477,8 @@ def test_gpu_bf16_conversion_rounds_to_nearest_even(cp, ck, rng):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("N,C", [(5, 7), (37, 129), (16, 768)])
+# (the emulation runs every CUDA thread as a fiber: fewer rows there, same code paths)
+@pytest.mark.parametrize("N,C", [(5, 7), (13, 129) if EMULATED else (37, 129), (16, 768)])
 def test_gpu_layernorm_and_column_sum(cp, ck, rng, dtype, N, C):
     x = rnd(rng, (N, C), dtype, 2.0) + dtype(0.5)
     w, b = rnd(rng, (C,), dtype), rnd(rng, (C,), dtype)
@@ -424,7 +523,7 @@ def test_gpu_gelu(cp, ck, rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("B,H,T", [(2, 1, 5), (2, 3, 67)])
+@pytest.mark.parametrize("B,H,T", [(2, 1, 5), (1, 1, 67) if EMULATED else (2, 3, 67)])
 def test_gpu_softmax_causal(cp, ck, rng, dtype, B, H, T):
     s = rnd(rng, (B, H, T, T), dtype, 3.0)
     pe = ref.softmax_causal_forward(s, 0.37)
@@ -441,7 +540,7 @@ def test_gpu_softmax_causal(cp, ck, rng, dtype, B, H, T):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("N,V", [(6, 11), (9, 1031)])
+@pytest.mark.parametrize("N,V", [(6, 11), (5, 1031) if EMULATED else (9, 1031)])
 def test_gpu_cross_entropy(cp, ck, rng, dtype, N, V):
     x = rnd(rng, (N, V), dtype, 2.0)
     x[0] *= 40.0  # large logits: the shift must keep everything finite
@@ -493,7 +592,7 @@ def test_gpu_optimizers(cp, ck, rng, dtype, mask_kind):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_gpu_sum_of_squares(cp, ck, rng, dtype):
-    x = rnd(rng, (7, 12345), dtype)
+    x = rnd(rng, (3, 1001) if EMULATED else (7, 12345), dtype)
     got, exp = ck.sum_of_squares(cp.asarray(x)), ref.sum_of_squares(x)
     assert isinstance(got, float)
     assert math.isclose(got, exp, rel_tol=1e-12)

@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# One-shot GPU check for ringpipe's kernels, for a freshly lent GPU machine.
+#
+#   OUT=/path/to/results bash benchmarks/gpu_check.sh
+#
+# Runs, each step under its own time limit and all of them under one overall
+# budget (GPU_CHECK_BUDGET_S, default 450 s; later steps are skipped rather than
+# overrun it), logging every step's exit code and continuing past failures:
+#   1. environment: nvidia-smi, nvcc, python, packages
+#   2. cupy: use it if it imports and sees the GPU; else try to install the wheel for
+#      the machine's CUDA major (cupy-cuda13x / cupy-cuda12x / cupy-cuda11x), first
+#      from ./wheels (carried wheel files) if present, then from the package index
+#   3. the GPU tests: pytest tests/test_cuda_kernels.py -k test_gpu_
+#   4. benchmarks/gemm.py --quick --json
+#   5. a short GPU training run: python -m engine.train --device cuda --steps 30
+#   6. the Numba CUDA kernels on the device: tests/cuda_sim_check.py --gpu
+#   7. nvcc compile checks with the ptxas register/spill report
+# Results go to ${OUT:-gpu_results}, at most 8 files (what a device run brings back):
+#   check.log (everything, in order), steps.tsv (step, exit code, seconds), env.txt,
+#   pytest_gpu.xml, gemm.json, train_metrics.jsonl
+# Knobs: PYTHON (default python3), GPU_CHECK_BUDGET_S, GEMM_BENCH_ARGS (default --quick),
+# TRAIN_ARGS (extra engine.train arguments).
+# Exit code: 0 if every step that ran passed, 1 otherwise.
+set -u
+cd "$(dirname "$0")/.." || exit 1
+OUT=${OUT:-gpu_results}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+PY=${PYTHON:-python3}
+BUDGET=${GPU_CHECK_BUDGET_S:-450}
+START=$(date +%s)
+LOG="$OUT/check.log"
+STEPS="$OUT/steps.tsv"
+TMPD=$(mktemp -d /tmp/ringpipe_gpu_check.XXXXXX)
+: >"$LOG"
+printf 'step\texit\tseconds\n' >"$STEPS"
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
+status=0
+
+say() { echo "$*" | tee -a "$LOG"; }
+
+# step NAME LIMIT_S COMMAND...: run under min(LIMIT_S, time left), log, record
+step() {
+    local name=$1 limit=$2
+    shift 2
+    local now left rc t0 t1
+    now=$(date +%s)
+    left=$((BUDGET - (now - START) - 5))
+    if [ "$left" -lt 15 ]; then
+        say "=== [$name] SKIPPED: overall budget of ${BUDGET}s used up"
+        printf '%s\tskipped\t0\n' "$name" >>"$STEPS"
+        return 0
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    say "=== [$name] (limit ${limit}s) $*"
+    t0=$(date +%s)
+    timeout --kill-after=10 "$limit" "$@" >"$TMPD/step.log" 2>&1
+    rc=$?
+    t1=$(date +%s)
+    cat "$TMPD/step.log" >>"$LOG"
+    tail -n 25 "$TMPD/step.log"
+    [ "$rc" -eq 124 ] && say "--- [$name] TIMED OUT after ${limit}s"
+    say "--- [$name] exit $rc in $((t1 - t0))s"
+    printf '%s\t%s\t%s\n' "$name" "$rc" "$((t1 - t0))" >>"$STEPS"
+    [ "$rc" -ne 0 ] && status=1
+    return 0
+}
+
+# ---------------------------------------------------------------------------
+# 1. environment
+{
+    echo "date: $(date -u +%FT%TZ)"
+    echo "host: $(hostname)"
+    echo "--- nvidia-smi"; nvidia-smi 2>&1 || echo "nvidia-smi failed"
+    echo "--- nvcc"; nvcc --version 2>&1 || echo "nvcc not found"
+    echo "--- python: $(command -v "$PY") $("$PY" --version 2>&1)"
+    echo "--- packages"
+    "$PY" -m pip list 2>/dev/null | grep -i -E '^(cupy|numba|numpy|torch|mpi4py|pytest|cuda|nvidia-cuda)' || true
+    echo "--- env: CUDA_HOME=${CUDA_HOME:-} CUDA_PATH=${CUDA_PATH:-} CUPY_TF32=${CUPY_TF32:-}"
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt" >>"$LOG"
+head -n 20 "$OUT/env.txt"
+
+# ---------------------------------------------------------------------------
+# 2. cupy
+have_cupy() { "$PY" -c "import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0" >/dev/null 2>&1; }
+if have_cupy; then
+    say "=== [cupy] already installed: $("$PY" -c 'import cupy; print(cupy.__version__)' 2>&1)"
+    printf 'cupy\t0\t0\n' >>"$STEPS"
+else
+    major=$(nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9][0-9]*\)\..*/\1/p' | head -n 1)
+    [ -z "$major" ] && major=$(nvcc --version 2>/dev/null | sed -n 's/.*release \([0-9][0-9]*\)\..*/\1/p' | head -n 1)
+    case "${major:-}" in
+        11) wheels="cupy-cuda11x" ;;
+        12) wheels="cupy-cuda12x" ;;
+        13) wheels="cupy-cuda13x cupy-cuda12x" ;;  # 12x runs on a 13 driver if 13x is unavailable
+        *) wheels="cupy-cuda12x cupy-cuda13x" ;;
+    esac
+    say "=== [cupy] not usable; CUDA major '${major:-?}', trying: $wheels"
+    for w in $wheels; do
+        if [ -d wheels ]; then
+            step "pip-local-$w" 120 "$PY" -m pip install --no-index --find-links wheels "$w"
+            have_cupy && break
+        fi
+        step "pip-$w" 150 "$PY" -m pip install --retries 1 --timeout 20 "$w"
+        have_cupy && break
+    done
+    if have_cupy; then say "=== [cupy] ready"; else say "=== [cupy] STILL NOT USABLE: GPU steps will fail/skip"; status=1; fi
+fi
+"$PY" -c "import pytest" >/dev/null 2>&1 || step "pip-pytest" 60 "$PY" -m pip install --retries 1 --timeout 20 pytest
+"$PY" -c "from kernels.cuda import available; print('kernels.cuda.available():', available())" 2>&1 | tee -a "$LOG"
+
+# ---------------------------------------------------------------------------
+# 3-7
+step "pytest-gpu" 180 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda_kernels.py -k test_gpu_ \
+    --junitxml "$OUT/pytest_gpu.xml"
+# shellcheck disable=SC2086  # GEMM_BENCH_ARGS / TRAIN_ARGS are word lists on purpose
+step "gemm-bench" 200 "$PY" benchmarks/gemm.py ${GEMM_BENCH_ARGS:---quick} --json "$OUT/gemm.json"
+rm -rf "$TMPD/train"
+# shellcheck disable=SC2086
+step "train-cuda" 120 "$PY" -m engine.train --device cuda --steps 30 --out "$TMPD/train" --overwrite ${TRAIN_ARGS:-}
+if [ -f "$TMPD/train/metrics.jsonl" ]; then
+    cp "$TMPD/train/metrics.jsonl" "$OUT/train_metrics.jsonl"
+else
+    found=$(find "$TMPD/train" -name metrics.jsonl 2>/dev/null | head -n 1)
+    [ -n "$found" ] && cp "$found" "$OUT/train_metrics.jsonl"
+fi
+step "numba-gpu" 120 "$PY" tests/cuda_sim_check.py --gpu
+step "nvcc-ptxas" 90 "$PY" -m pytest -q -s -p no:cacheprovider tests/test_cuda_kernels.py -k "nvcc or nvrtc"
+
+# ---------------------------------------------------------------------------
+say "=== summary ($(($(date +%s) - START))s of ${BUDGET}s budget)"
+if command -v column >/dev/null 2>&1; then column -t "$STEPS"; else cat "$STEPS"; fi | tee -a "$LOG"
+say "results in $OUT: $(cd "$OUT" && echo *)"
+rm -rf "$TMPD"
+exit $status
