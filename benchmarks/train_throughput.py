@@ -21,13 +21,14 @@ import sys
 import time
 from collections import defaultdict
 
-import numpy as np
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from engine import runtime  # noqa: E402
 
-runtime.reuse_freed_memory()        # as engine.train does
+runtime.set_thread_defaults()       # as engine.train does, before numpy loads BLAS
+runtime.reuse_freed_memory()
+
+import numpy as np  # noqa: E402
 
 import kernels as K  # noqa: E402
 from engine.gpt import GPTConfig, build_gpt, flops_per_token  # noqa: E402

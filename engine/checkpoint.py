@@ -85,15 +85,24 @@ def list_checkpoints(directory):
     return sorted(p for p in glob.glob(os.path.join(directory, "ckpt_*.json")) if _NAME.search(p))
 
 
-def load(path):
-    """Load a checkpoint by its .json (or .npz, or directory = latest valid). Returns (arrays, manifest)."""
+def resolve(path):
+    """The manifest path meant by `path`: a ckpt_*.json or .npz, a checkpoints
+    folder (its latest valid checkpoint) or a run directory holding checkpoints/."""
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        path = os.path.join(path, "checkpoints")
     if os.path.isdir(path):
         latest = find_latest(path)
         if latest is None:
             raise CheckpointError(f"no valid checkpoint in {path!r} (looked for ckpt_*.json with a matching .npz)")
-        path = latest
+        return latest
     if path.endswith(".npz"):
-        path = path[:-4] + ".json"
+        return path[:-4] + ".json"
+    return path
+
+
+def load(path):
+    """Load a checkpoint by its .json (or .npz, checkpoints folder, run directory). Returns (arrays, manifest)."""
+    path = resolve(path)
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist; pass a run directory, "
                               "a ckpt_XXXXXXXX.json file, or --resume auto")

@@ -70,26 +70,30 @@ class ClassificationDataset:
 
 # ---- the stdlib corpus ----------------------------------------------------------------
 
-def stdlib_files(root=None):
-    """Sorted .py files of the running interpreter's standard library (no site-packages)."""
+def stdlib_files(root=None, extensions=(".py",)):
+    """Sorted source files of the running interpreter's standard library (no site-packages),
+    or of any folder `root`."""
     root = root or sysconfig.get_paths()["stdlib"]
     found = []
     for dirpath, dirs, files in os.walk(root):
         dirs[:] = sorted(d for d in dirs if d not in ("site-packages", "dist-packages", "__pycache__"))
         for f in sorted(files):
-            if f.endswith(".py"):
+            if f.endswith(extensions):
                 found.append(os.path.join(dirpath, f))
     return root, found
 
 
-def load_stdlib_corpus(seq_len, seed, max_bytes=64 << 20, val_every=10, root=None):
+def load_stdlib_corpus(seq_len, seed, max_bytes=64 << 20, val_every=10, root=None, extensions=(".py",),
+                       name=None):
     """Concatenate stdlib sources; each file goes to validation when crc32(path) % val_every == 0,
     so the split is deterministic and a file never straddles train and val."""
-    root, files = stdlib_files(root)
+    root, files = stdlib_files(root, extensions)
     if not files:
+        if name:
+            raise FileNotFoundError(f"no {'/'.join(extensions)} files under {root}")
         raise FileNotFoundError(f"no .py files under {root}: the stdlib corpus needs the Python "
                                 "standard library sources (some minimal images strip them); "
-                                "use --data synthetic or point --data-path at a text folder")
+                                "use --data synthetic, or --data text --data-path FOLDER")
     train, val, total = [], [], 0
     for path in files:
         rel = os.path.relpath(path, root)
@@ -99,8 +103,13 @@ def load_stdlib_corpus(seq_len, seed, max_bytes=64 << 20, val_every=10, root=Non
         total += len(data)
         if total >= max_bytes:
             break
+    if not val or not train:
+        # Too few files for a per-file split: hold out the last tenth of the bytes instead.
+        data = b"\n".join(train + val)
+        cut = len(data) * 9 // 10
+        train, val = [data[:cut]], [data[cut:]]
     as_tokens = lambda parts: np.frombuffer(b"\n".join(parts), dtype=np.uint8)
-    return TokenDataset(as_tokens(train), as_tokens(val), seq_len, seed, f"stdlib ({root})")
+    return TokenDataset(as_tokens(train), as_tokens(val), seq_len, seed, name or f"stdlib ({root})")
 
 
 def load_text_folder(path, seq_len, seed, val_every=10):
@@ -112,7 +121,8 @@ def load_text_folder(path, seq_len, seed, val_every=10):
                             seq_len, seed, path)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"--data-path {path!r} does not exist")
-    return load_stdlib_corpus(seq_len, seed, val_every=val_every, root=path)
+    return load_stdlib_corpus(seq_len, seed, val_every=val_every, root=path,
+                              extensions=(".py", ".txt", ".md", ".rst"), name=f"text ({path})")
 
 
 def synthetic_tokens(seq_len, seed, n=20000):

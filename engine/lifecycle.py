@@ -89,6 +89,7 @@ class StopFlag:
         for s in self.signals:
             if s not in self._previous:
                 self._previous[s] = signal.signal(s, self._handler)
+        self._start_escape()
         return self
 
     def uninstall(self) -> None:
@@ -96,6 +97,43 @@ class StopFlag:
         for s, old in self._previous.items():
             signal.signal(s, old if old is not None else signal.SIG_DFL)
         self._previous.clear()
+        if getattr(self, "_wakeup", None):
+            signal.set_wakeup_fd(-1)
+            os.close(self._wakeup[1])
+            self._wakeup = None
+
+    def _start_escape(self):
+        """A second SIGTERM ends the process at once, even while the main thread
+        is blocked inside MPI (where Python-level handlers cannot run): the C
+        signal handler writes the signal number to a wakeup pipe, and a thread
+        watching it exits the process. The first SIGTERM still means "checkpoint
+        at the next step"; a hang would otherwise only yield to SIGKILL."""
+        if getattr(self, "_wakeup", None) or signal.SIGTERM not in self.signals:
+            return
+        try:
+            r, w = os.pipe()
+            os.set_blocking(w, False)
+            signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except (ValueError, OSError):        # not the main thread, or no pipes: no escape hatch
+            return
+        self._wakeup = (r, w)
+
+        def watch():
+            terms = 0
+            while True:
+                try:
+                    data = os.read(r, 64)
+                except OSError:
+                    return
+                if not data:
+                    return
+                terms += data.count(bytes([int(signal.SIGTERM)]))
+                if terms >= 2:
+                    sys.stderr.write(f"[ringpipe pid {os.getpid()}] second SIGTERM while busy: exiting now\n")
+                    sys.stderr.flush()
+                    os._exit(128 + int(signal.SIGTERM))
+
+        threading.Thread(target=watch, name="ringpipe-sigterm-escape", daemon=True).start()
 
     def __enter__(self):
         return self

@@ -165,6 +165,35 @@ def load_dataset(args, model_cfg):
     raise SystemExit(f"error: --data {kind} is a text corpus; use it with --model gpt")
 
 
+def agree(world, fn, what, same_result=False):
+    """Run a step that depends on this rank's filesystem (a dataset, a checkpoint)
+    and make every rank reach the same outcome: if it failed anywhere, every rank
+    stops with the error (naming the ranks), never some ranks waiting forever in
+    the next collective. same_result: the ranks' results must also be equal."""
+    from engine import checkpoint
+    try:
+        result, error = fn(), None
+    except SystemExit as e:
+        result, error = None, str(e.code)
+    except (checkpoint.CheckpointError, OSError, ValueError) as e:
+        result, error = None, f"error: {e}"
+    errors = world.allgather(error)
+    failed = [r for r, e in enumerate(errors) if e]
+    if failed:
+        first = errors[failed[0]]
+        if len(failed) == world.Get_size() and all(e == first for e in errors):
+            raise SystemExit(first)
+        raise SystemExit(f"error: the {what} failed on rank(s) {failed} only (is the path on a filesystem every "
+                         f"node sees?): rank {failed[0]}: {first}")
+    if same_result:
+        results = world.allgather(result)
+        if any(r != results[0] for r in results):
+            listing = ", ".join(f"rank {i}: {r}" for i, r in enumerate(results))
+            raise SystemExit(f"error: the ranks found different results for the {what} ({listing}); put --out on a "
+                             "filesystem every node sees, or pass the same --resume file to all")
+    return result
+
+
 def check_same_args(args, world):
     """Every rank must run the same configuration: ranks launched with different
     flags would take different communication paths and hang. One small
@@ -185,6 +214,14 @@ def check_same_args(args, world):
 
 def check_layout(args, dp):
     """Refuse impossible shapes before any work (and identically on every rank)."""
+    for flag, value, low in (("--bucket-mb", args.bucket_mb, 1e-9), ("--checkpoint-every", args.checkpoint_every, 0),
+                             ("--keep", args.keep, 0), ("--eval-batches", args.eval_batches, 1),
+                             ("--eval-every", args.eval_every or 1, 1), ("--log-every", args.log_every or 1, 1),
+                             ("--watchdog", args.watchdog, 0), ("--sample-bytes", args.sample_bytes, 0)):
+        if value < low:
+            raise SystemExit(f"error: {flag} must be {'> 0' if low == 1e-9 else f'>= {low}'}, got {value}")
+    if args.seq_len is not None and args.seq_len < 1:
+        raise SystemExit(f"error: --seq-len must be >= 1, got {args.seq_len}")
     if args.microbatches < 1 or args.chunks < 1:
         raise SystemExit("error: --microbatches and --chunks must be >= 1")
     if args.chunks > 1 and args.schedule != "interleaved":
@@ -254,22 +291,27 @@ def train(args, world=None):
     ckpt_dir = os.path.join(out_dir, "checkpoints")
 
     # ---- resume? -------------------------------------------------------------------
-    resume_path = None
-    if args.resume == "auto":
-        resume_path = checkpoint.find_latest(ckpt_dir)
-        if resume_path is None:
-            say(f"--resume auto: no checkpoint in {ckpt_dir}, starting fresh")
-    elif args.resume:
-        resume_path = args.resume
-    elif checkpoint.list_checkpoints(ckpt_dir) and not args.overwrite:
-        raise SystemExit(f"error: {ckpt_dir} already holds checkpoints; pass --resume auto to continue that run, "
-                         "--out DIR for a new one, or --overwrite to start over in it")
+    # Every rank resolves and reads the checkpoint itself; `agree` makes sure they
+    # all found the same one (a run directory on node-local disk would not).
+    def find_resume():
+        if args.resume == "auto":
+            return checkpoint.find_latest(ckpt_dir)
+        if args.resume:
+            return checkpoint.resolve(args.resume)
+        if checkpoint.list_checkpoints(ckpt_dir) and not args.overwrite:
+            raise SystemExit(f"error: {ckpt_dir} already holds checkpoints; pass --resume auto to continue that "
+                             "run, --out DIR for a new one, or --overwrite to start over in it")
+        return None
+
+    resume_path = agree(world, find_resume, "checkpoint to resume from", same_result=True)
+    skipped = [p for p in checkpoint.list_checkpoints(ckpt_dir) if resume_path is None or p > resume_path]
+    if args.resume == "auto" and skipped:
+        say(f"--resume auto: skipping invalid (truncated or corrupt) checkpoint(s): {', '.join(skipped)}")
+    if args.resume == "auto" and resume_path is None:
+        say(f"--resume auto: no valid checkpoint in {ckpt_dir}, starting fresh")
     saved_arrays, manifest = (None, {})
     if resume_path:
-        try:
-            saved_arrays, manifest = checkpoint.load(resume_path)
-        except checkpoint.CheckpointError as e:
-            raise SystemExit(f"error: {e}")
+        saved_arrays, manifest = agree(world, lambda: checkpoint.load(resume_path), "checkpoint")
         if manifest.get("model") != args.model:
             raise SystemExit(f"error: checkpoint {resume_path} holds a {manifest.get('model')} model, "
                              f"not --model {args.model}")
@@ -284,7 +326,7 @@ def train(args, world=None):
         if not 1 <= args.seq_len <= cfg.context:
             raise SystemExit(f"error: --seq-len {args.seq_len} exceeds the model's context {cfg.context}; "
                              f"lower --seq-len or raise --context (at least {args.seq_len})")
-    dataset = load_dataset(args, cfg)
+    dataset = agree(world, lambda: load_dataset(args, cfg), "dataset")
     if args.model == "gpt":
         layers_fn = lambda: gpt_layers(cfg)  # noqa: E731
         items_per_example = args.seq_len
@@ -380,6 +422,13 @@ def train(args, world=None):
         comm.allreduce(total, world, op="sum")       # only loss-computing ranks add non-zero
         return total[0] / (args.eval_batches * items_per_step)
 
+    def diverged(value, step, what="loss"):
+        last = checkpoint.find_latest(ckpt_dir)
+        then = (f"Nothing was saved after the last good checkpoint ({last}): lower --lr or raise --warmup, "
+                "then resume from it with --resume auto." if last else
+                "No checkpoint was written yet: lower --lr or raise --warmup and start again.")
+        raise SystemExit(f"error: {what} is {value} at step {step}: training diverged. {then}")
+
     def save(step, loss):
         arrays = gather_state(params, opt, shard, topo, args.zero)
         if is_main:
@@ -407,10 +456,7 @@ def train(args, world=None):
         comm.allreduce(loss_buf, world, op="sum")        # only loss-computing ranks add non-zero
         loss = loss_buf[0] / items_per_step
         if not math.isfinite(loss):
-            last = checkpoint.find_latest(ckpt_dir)
-            raise SystemExit(f"error: loss is {loss} at step {step}: training diverged. Nothing was saved after "
-                             f"the last good checkpoint ({last or 'none written yet'}). "
-                             "Lower --lr or raise --warmup, then --resume from it.")
+            diverged(loss, step + 1)
 
         # Gradients are identical across data-parallel ranks now; pipeline stages
         # add their parts of the norm (the tied embedding counted once).
@@ -429,20 +475,26 @@ def train(args, world=None):
 
         # ---- bookkeeping (rank 0) ----------------------------------------------------
         dt = time.perf_counter() - t0
+        if step == start_step:
+            t_first_done = time.perf_counter()
         record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": math.sqrt(norm_sq[0]),
                   "step_ms": dt * 1e3, "tokens_per_s" if args.model == "gpt" else "examples_per_s": items_per_step / dt,
                   "model_flops_per_s": flops_per_item * items_per_step / dt}
         if buckets:
-            record["comm_hidden_frac"] = buckets.stats().get("hidden_fraction")
+            record["comm_hidden_frac"] = buckets.stats().get("hidden")
         done = step + 1
         if done % eval_every == 0 or done == args.steps:
             record["val_loss"] = evaluate()
+            if not math.isfinite(record["val_loss"]):
+                diverged(record["val_loss"], done, "validation loss")
         if is_main:
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
             if not args.quiet and (done % log_every == 0 or done == args.steps or done == start_step + 1):
-                elapsed = time.perf_counter() - t_start
-                eta = elapsed / (done - start_step) * (args.steps - done)
+                # The first step includes Numba's JIT compile (cached on disk afterwards): leave it out.
+                timed = done - start_step - 1
+                per_step = (time.perf_counter() - t_first_done) / timed if timed > 0 else dt
+                eta = per_step * (args.steps - done)
                 rate = record.get("tokens_per_s", record.get("examples_per_s"))
                 line = (f"step {done:>{len(str(args.steps))}}/{args.steps} | loss {loss:.4f} | lr {lr:.2e} | "
                         f"{rate / 1e3:.1f}k {'tok' if args.model == 'gpt' else 'ex'}/s | "
@@ -493,7 +545,9 @@ def train(args, world=None):
             full.params.load_flat(full.params.data, {k[6:]: v for k, v in arrays.items() if k.startswith("param/")})
             text = generate(full, b"def ", args.sample_bytes, min(args.seq_len, cfg.context),
                             temperature=0.8, seed=args.seed)
-            say("---- sample ----\ndef " + text.decode("utf-8", errors="replace") + "\n----------------")
+            shown = "".join(ch if ch.isprintable() or ch in "\n\t" else "\ufffd"
+                            for ch in text.decode("utf-8", errors="replace"))
+            say("---- sample ----\ndef " + shown + "\n----------------")
     return model
 
 

@@ -130,3 +130,20 @@ def test_ranks_launched_with_different_flags_get_a_clear_error_not_a_hang(tmp_pa
     assert r.returncode == 2, r
     assert "rank 1 has --zero 1 where rank 0 has 0" in r.stderr
     assert time.time() - t0 < 60
+
+
+def test_ranks_that_see_different_checkpoints_are_refused_not_hung(tmp_path):
+    """--out on node-local disk: half the ranks find a checkpoint, half do not."""
+    a, b = tmp_path / "nodeA", tmp_path / "nodeB"
+    a.mkdir()
+    b.mkdir()
+    args = [sys.executable, "-m", "engine.train", *TINY, "--steps", "2", "--out", "run"]
+    r = subprocess.run([MPIEXEC, "-n", "1", *args], cwd=str(a), env=dict(ENV, PYTHONPATH=ROOT),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([MPIEXEC, "-n", "1", "-wdir", str(a), *args, "--resume", "auto", ":",
+                        "-n", "1", "-wdir", str(b), *args, "--resume", "auto"],
+                       cwd=ROOT, env=dict(ENV, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r
+    assert "ranks found different checkpoint to resume froms" not in r.stderr
+    assert "rank 0: run/checkpoints/ckpt_00000002.json, rank 1: None" in r.stderr

@@ -160,7 +160,7 @@ def test_existing_run_is_not_overwritten(tmp_path):
 
 
 def test_absent_dataset_names_the_package(tmp_path):
-    with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist"):
+    with pytest.raises(SystemExit, match="apt-get install dataset-fashion-mnist"):
         train(parse_args(["--model", "mlp", "--data", "fashion-mnist", "--data-path", str(tmp_path),
                           "--out", str(tmp_path / "x"), "--quiet"]))
 
@@ -203,3 +203,26 @@ def test_cli_runs_plain_and_under_mpiexec(tmp_path, launcher):
     assert "step 2/2 | loss" in r.stdout and "tok/s" in r.stdout and "ETA" in r.stdout
     assert "val " in r.stdout and "---- sample ----" in r.stdout
     assert os.path.exists(tmp_path / "cli" / "metrics.jsonl")
+
+
+def test_resume_accepts_a_run_directory(tmp_path):
+    out = run(tmp_path, "--steps", "2")
+    train(parse_args(TINY + ["--out", str(tmp_path / "next"), "--steps", "3", "--resume", out]))
+    assert len(losses(str(tmp_path / "next"))) == 1        # only step 3 was left to do
+
+
+@pytest.mark.parametrize("flag,value", [("--bucket-mb", "0"), ("--checkpoint-every", "-1"), ("--eval-batches", "0"),
+                                        ("--keep", "-1"), ("--seq-len", "0"), ("--eval-every", "-2")])
+def test_out_of_range_values_are_refused(tmp_path, flag, value):
+    with pytest.raises(SystemExit, match=f"{flag} must be"):
+        run(tmp_path, flag, value)
+
+
+def test_text_folder_reads_txt_and_md(tmp_path):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i in range(12):
+        (folder / f"note{i}.md").write_text("the quick brown fox jumps over the lazy dog\n" * 20)
+    out = str(tmp_path / "t")
+    train(parse_args(TINY[2:] + ["--data", "text", "--data-path", str(folder), "--steps", "2", "--out", out]))
+    assert len(losses(out)) == 2
