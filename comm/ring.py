@@ -33,14 +33,15 @@ __all__ = [
 
 # Messages of at most this many bytes go to the latency-optimal path under
 # algorithm="auto". Measured with benchmarks/allreduce.py on the 2-core dev
-# box (MPICH 5 shared memory, float32): recursive doubling is within a few %
-# of the ring up to 4 MiB and the ring wins from 8 MiB on, at 2 ranks and at
-# 4 (oversubscribed). At p = 2 both send the same bytes, the ring only halves
-# the reduce work but pays a second round trip, hence the late switch. With
-# many ranks on a real network the ring's bandwidth advantage grows
-# (log2(p)·n vs 2(p-1)/p·n bytes sent): rerun the benchmark there and set
-# RINGPIPE_ALLREDUCE_CROSSOVER to the crossover it reports.
-DEFAULT_CROSSOVER = 4 * 1024 * 1024
+# box with the machine otherwise idle (MPICH 5 shared memory, float32, 2
+# ranks, 2026-11-30): recursive doubling wins below 16 KiB, the ring wins from
+# 32 KiB on (2x faster at 256 KiB-2 MiB, where the small path's full-buffer
+# exchanges pay twice the copies). Runs taken while the machine was loaded put
+# the switch at 4 MiB: measure on a quiet machine. With many ranks on a real
+# network the ring's bandwidth advantage grows (log2(p)·n vs 2(p-1)/p·n bytes
+# sent): rerun the benchmark there and set RINGPIPE_ALLREDUCE_CROSSOVER to the
+# crossover it reports.
+DEFAULT_CROSSOVER = 32 * 1024
 # Sub-chunk size for the pipelined ring. Each extra message costs a
 # rendezvous round trip; on the dev box 1 and 2 MiB tie, 512 KiB loses a few
 # %, 256 KiB up to 2x (2 ranks, 1-64 MiB buffers).
