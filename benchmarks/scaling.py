@@ -9,7 +9,9 @@ all-reduce time hidden behind backward (GradBuckets' own accounting).
                   efficiency = tokens/s(N) / (N x tokens/s(1))
   strong scaling: global batch fixed (--global-batch);
                   efficiency = tokens/s(N) / (N x tokens/s(1))
-Ranks beyond the machine's cores share cores, so efficiency there measures
+Every rank gets the same --threads-per-rank (default 1), so a 1-rank run is the
+per-rank baseline rather than one process using the whole machine. Ranks x
+threads beyond the machine's cores share cores, so efficiency there measures
 oversubscription, not the engine: the table says how many cores there were.
 """
 from __future__ import annotations
@@ -39,7 +41,7 @@ def run(n, global_batch, args, out):
            "--bucket-mb", str(args.bucket_mb), "--eval-every", str(10 ** 9), "--eval-batches", "1",
            "--sample-bytes", "0", "--quiet", "--overwrite", "--out", out, "--data", "stdlib"]
     env = dict(os.environ)
-    threads = str(max(1, (os.cpu_count() or 1) // n))
+    threads = str(args.threads_per_rank)
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
         env[var] = threads
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=1800)
@@ -64,6 +66,7 @@ def main():
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3, help="steps dropped before taking medians")
     ap.add_argument("--bucket-mb", type=float, default=1.0)
+    ap.add_argument("--threads-per-rank", type=int, default=1, help="BLAS/Numba threads of every rank (default 1)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     ranks = [int(r) for r in args.ranks.split(",")]
@@ -81,8 +84,8 @@ def main():
                 print(f"{mode:<7}{n:>3} ranks: {row['tokens_per_s']:9.0f} tok/s", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"\n# data-parallel scaling on {os.cpu_count()} cores (GPT {args.layers}x{args.d_model}, "
-          f"seq {args.seq_len}); medians over steps after {args.warmup} warm-up")
+    print(f"\n# data-parallel scaling on {os.cpu_count()} cores, {args.threads_per_rank} thread(s) per rank "
+          f"(GPT {args.layers}x{args.d_model}, seq {args.seq_len}); medians over steps after {args.warmup} warm-up")
     print(f"{'mode':<8}{'ranks':>6}{'batch':>7}{'tok/s':>10}{'speedup':>9}{'efficiency':>12}{'comm hidden':>13}")
     for mode in ("weak", "strong"):
         mine = [r for r in rows if r["mode"] == mode]
