@@ -47,7 +47,9 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv=None):
     p = _Parser(
         prog="ringpipe-train",
-        description="Train a hand-written GPT or MLP on CPU (numpy + Numba) with MPI data parallelism. "
+        description="Train a hand-written GPT or MLP (numpy + Numba on the CPU, CuPy on a GPU) with MPI "
+                    "data parallelism (our ring all-reduce, ZeRO-1) and pipeline stages (GPipe, 1F1B, "
+                    "interleaved, zero-bubble), alone or as a DP x PP grid. "
                     "Launch with plain python, `mpiexec -n N`, or `srun`.",
         epilog="Examples:\n"
                "  python -m engine.train --steps 50                 # small GPT, stdlib corpus, 1 rank\n"
@@ -279,6 +281,9 @@ def train(args, world=None):
     # ---- communicators -------------------------------------------------------------
     world = world or MPI.COMM_WORLD
     check_same_args(args, world)
+    if args.dp is None and world.Get_size() % args.pp:
+        raise SystemExit(f"error: {world.Get_size()} ranks do not split into --pp {args.pp} pipeline stages; "
+                         f"launch a multiple of {args.pp} ranks (ranks = pp x dp)")
     try:
         topo = comm.Topology(world, dp=args.dp, pp=args.pp)
     except ValueError as e:
@@ -405,6 +410,10 @@ def train(args, world=None):
         f"{' | zero-1' if args.zero else ''}")
     if args.model == "gpt" and is_main:
         say(f"unigram baseline (val): {dataset.unigram_entropy():.4f} nats/byte")
+    if topo.pp > 1 and args.microbatches < 2 * topo.pp:
+        say(f"note: {args.microbatches} micro-batch(es) on {topo.pp} stages leaves the pipeline mostly idle "
+            f"(bubble {(topo.pp - 1) / (args.microbatches + topo.pp - 1):.0%}); use --microbatches "
+            f">= {4 * topo.pp} to fill it")
 
     os.makedirs(out_dir, exist_ok=True) if is_main else None
     world.Barrier()
@@ -497,7 +506,7 @@ def train(args, world=None):
                 eta = per_step * (args.steps - done)
                 rate = record.get("tokens_per_s", record.get("examples_per_s"))
                 line = (f"step {done:>{len(str(args.steps))}}/{args.steps} | loss {loss:.4f} | lr {lr:.2e} | "
-                        f"{rate / 1e3:.1f}k {'tok' if args.model == 'gpt' else 'ex'}/s | "
+                        f"{_rate(rate)} {'tok' if args.model == 'gpt' else 'ex'}/s | "
                         f"{dt * 1e3:.0f} ms | ETA {_hms(eta)}")
                 if "val_loss" in record:
                     line += f" | val {record['val_loss']:.4f}"
@@ -611,6 +620,10 @@ class _HostStagedReduce:
 
     def close(self):
         pass
+
+
+def _rate(per_s):
+    return f"{per_s / 1e3:.1f}k" if per_s >= 1e4 else f"{per_s:.0f}"
 
 
 def _hms(seconds):
