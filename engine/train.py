@@ -377,11 +377,10 @@ def train(args, world=None):
         on_host(xp, params.data, lambda buf: topo.dp_comm.Bcast(buf, root=0))
 
     buckets = None
-    if dp > 1 and xp is not np:
-        # GPU: stage the whole gradient through host memory after backward (no
-        # overlap yet; a CUDA-aware MPI and device-side buckets would remove the copy).
-        buckets = _HostStagedReduce(params.grad, topo.dp_comm)
-    elif dp > 1:
+    # GPU: the gradient is averaged through host memory after backward (no overlap
+    # yet; a CUDA-aware MPI and device-side buckets would remove the copy).
+    reduce_on_host = dp > 1 and xp is not np
+    if dp > 1 and not reduce_on_host:
         buckets = comm.GradBuckets(params.grad, params.ranges(), comm=topo.dp_comm,
                                    bucket_bytes=int(args.bucket_mb * 2**20), op="avg",
                                    overlap=not args.no_overlap)
@@ -391,6 +390,8 @@ def train(args, world=None):
     def reduce_grad():
         if buckets:
             buckets.wait()
+        if reduce_on_host:
+            on_host(xp, params.grad, lambda buf: comm.allreduce(buf, topo.dp_comm, op="avg"))
         for a, b in model.tied_ranges:           # tied embedding: first + last stage
             on_host(xp, params.grad[a:b], lambda buf: comm.allreduce(buf, model.tied_comm, op="sum"))
 
@@ -596,30 +597,6 @@ def gather_state(params, opt, shard, topo, zero):
             for part in parts:
                 arrays.update(part)
     return arrays
-
-
-class _HostStagedReduce:
-    """Gradient averaging for device buffers through a host copy (same interface as GradBuckets)."""
-
-    def __init__(self, grad, dp_comm):
-        import numpy
-        self.grad, self.comm = grad, dp_comm
-        self.host = numpy.empty(grad.shape, dtype=grad.dtype)
-
-    def mark_ready(self, index):
-        pass
-
-    def wait(self):
-        import comm
-        self.grad.get(out=self.host)
-        comm.allreduce(self.host, self.comm, op="avg")
-        self.grad.set(self.host)
-
-    def stats(self):
-        return {}
-
-    def close(self):
-        pass
 
 
 def _rate(per_s):

@@ -324,6 +324,34 @@ def test_engine_trains_on_emulated_gpu_like_on_cpu(tmp_path):
     np.testing.assert_allclose(lg, lc, rtol=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--dp", "2"], ["--dp", "2", "--zero", "1"], ["--pp", "2", "--microbatches", "2"]],
+                         ids=["dp2", "dp2-zero1", "pp2"])
+def test_engine_on_emulated_gpu_with_two_ranks_equals_one_cpu_process(tmp_path, layout):
+    # The GPU path's MPI transfers (gradient average, ZeRO all-gather, pipeline
+    # activations, tied-embedding sum) stage device buffers through host memory:
+    # under mpiexec on the emulation they must give the single-process CPU losses.
+    _need_gxx()
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        pytest.skip("no mpiexec next to this python")
+    args = ["--steps", "3", "--layers", "2", "--d-model", "32", "--heads", "2", "--context", "16",
+            "--batch-size", "4", "--eval-every", "3", "--eval-batches", "1", "--sample-bytes", "0", "--overwrite",
+            "--quiet", "--dtype", "float64"]
+    cpu = _run([sys.executable, "-m", "engine.train", "--device", "cpu", *args, "--out", str(tmp_path / "cpu")])
+    assert cpu.returncode == 0, cpu.stderr[-3000:]
+    with tempfile.TemporaryDirectory() as tmp:
+        gpu = _run([mpiexec, "-n", "2", sys.executable, "-m", "engine.train", "--device", "cuda", *args, *layout,
+                    "--out", str(tmp_path / "gpu")], env=_emu_env(tmp, sanitize=False), timeout=900)
+    assert gpu.returncode == 0, f"{gpu.stdout[-3000:]}\n{gpu.stderr[-3000:]}"
+
+    def losses(d):
+        with open(d / "metrics.jsonl") as f:
+            return [json.loads(line)["loss"] for line in f if line.strip()]
+
+    np.testing.assert_allclose(losses(tmp_path / "gpu"), losses(tmp_path / "cpu"), rtol=1e-10)
+
+
 # ---------------------------------------------------------------------------
 # (c) GPU tests (real cupy + GPU, or the emulation above)
 
