@@ -173,6 +173,23 @@ def _check_grid(op, gy, gz):
         raise ValueError(f"kernels/cuda.{op}: grid ({gy} row tiles, {gz} batches) exceeds {_GRID_YZ_MAX}")
 
 
+def _gemm_geometry(label, a, b, trans_a, trans_b, accumulate, out):
+    """Shapes of op(a) @ op(b) batched like matmul: (M, N, K, nb, a3, s_a, b3, s_b, shape),
+    a3/b3 the operands as (nb, rows, cols) with their batch strides. `label`
+    prefixes the error messages."""
+    M, K = (a.shape[-1], a.shape[-2]) if trans_a else (a.shape[-2], a.shape[-1])
+    Kb, N = (b.shape[-1], b.shape[-2]) if trans_b else (b.shape[-2], b.shape[-1])
+    if K != Kb:
+        raise ValueError(f"{label}: inner dims differ ({K} vs {Kb})")
+    batch = tuple(np.broadcast_shapes(tuple(a.shape[:-2]), tuple(b.shape[:-2])))
+    nb = int(np.prod(batch, dtype=np.int64)) if batch else 1
+    a3, s_a = _batch_operand(a, a.shape[:-2], batch, nb)
+    b3, s_b = _batch_operand(b, b.shape[:-2], batch, nb)
+    if accumulate and out is None:
+        raise ValueError(f"{label}: accumulate=True needs out")
+    return M, N, K, nb, a3, s_a, b3, s_b, batch + (M, N)
+
+
 def sgemm(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, bias=None, gelu=False, pre=None,
           alpha=1.0):
     """float32 out (+)= alpha * op(a) @ op(b) [+ bias] [-> pre] [-> gelu], batched over
@@ -183,17 +200,8 @@ def sgemm(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, bia
     for name, x in (("a", a), ("b", b), ("out", out), ("bias", bias), ("pre", pre)):
         if x is not None and x.dtype != np.float32:
             raise TypeError(f"kernels/cuda.sgemm: {name} must be float32, got {x.dtype}")
-    M, K = (a.shape[-1], a.shape[-2]) if trans_a else (a.shape[-2], a.shape[-1])
-    Kb, N = (b.shape[-1], b.shape[-2]) if trans_b else (b.shape[-2], b.shape[-1])
-    if K != Kb:
-        raise ValueError(f"kernels/cuda.sgemm: inner dims differ ({K} vs {Kb})")
-    batch = tuple(np.broadcast_shapes(tuple(a.shape[:-2]), tuple(b.shape[:-2])))
-    nb = int(np.prod(batch, dtype=np.int64)) if batch else 1
-    a3, s_a = _batch_operand(a, a.shape[:-2], batch, nb)
-    b3, s_b = _batch_operand(b, b.shape[:-2], batch, nb)
-    shape = batch + (M, N)
-    if accumulate and out is None:
-        raise ValueError("kernels/cuda.sgemm: accumulate=True needs out")
+    M, N, K, nb, a3, s_a, b3, s_b, shape = _gemm_geometry("kernels/cuda.sgemm", a, b, trans_a, trans_b,
+                                                          accumulate, out)
     if out is not None and tuple(out.shape) != shape:
         raise ValueError(f"kernels/cuda.sgemm: out has shape {tuple(out.shape)}, expected {shape}")
     if out is not None and not out.flags.c_contiguous:
@@ -287,17 +295,7 @@ def gemm_tc(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, k
     b, trans_b = _gemm_operand(b, trans_b)
     if trans_a and trans_b:
         b, trans_b = cupy.ascontiguousarray(b.swapaxes(-1, -2)), False
-    M, K = (a.shape[-1], a.shape[-2]) if trans_a else (a.shape[-2], a.shape[-1])
-    Kb, N = (b.shape[-1], b.shape[-2]) if trans_b else (b.shape[-2], b.shape[-1])
-    if K != Kb:
-        raise ValueError(f"gemm_tc: inner dims differ ({K} vs {Kb})")
-    batch = tuple(np.broadcast_shapes(tuple(a.shape[:-2]), tuple(b.shape[:-2])))
-    nb = int(np.prod(batch, dtype=np.int64)) if batch else 1
-    a3, s_a = _batch_operand(a, a.shape[:-2], batch, nb)
-    b3, s_b = _batch_operand(b, b.shape[:-2], batch, nb)
-    shape = batch + (M, N)
-    if accumulate and out is None:
-        raise ValueError("gemm_tc: accumulate=True needs out")
+    M, N, K, nb, a3, s_a, b3, s_b, shape = _gemm_geometry("gemm_tc", a, b, trans_a, trans_b, accumulate, out)
     if out is None:
         out = cupy.empty(shape, dtype=np.float32)
     if out.dtype != np.float32 or tuple(out.shape) != shape or not out.flags.c_contiguous:
