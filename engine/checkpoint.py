@@ -21,6 +21,8 @@ import zlib
 
 import numpy as np
 
+from engine.device import to_host
+
 FORMAT = "ringpipe-checkpoint-1"
 _NAME = re.compile(r"ckpt_(\d{8})\.json$")
 
@@ -65,7 +67,7 @@ def save(directory, step, arrays: dict, meta: dict, keep=3):
     os.makedirs(directory, exist_ok=True)
     base = os.path.join(directory, f"ckpt_{step:08d}")
     npz_path, json_path = base + ".npz", base + ".json"
-    host = {k: (v.get() if hasattr(v, "get") else np.asarray(v)) for k, v in arrays.items()}
+    host = {k: np.asarray(to_host(v)) for k, v in arrays.items()}
     _atomic_write(npz_path, lambda fh: np.savez(fh, **host))
     manifest = dict(meta, format=FORMAT, step=step, npz=os.path.basename(npz_path),
                     npz_bytes=os.path.getsize(npz_path), npz_crc32=_crc32_file(npz_path))

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from engine.device import to_host
 from engine.layers import Block, Embedding, LMHead
 from engine.model import Stage
 
@@ -76,7 +77,7 @@ def generate(model: Stage, prompt: bytes, n_new: int, context: int, temperature=
     for _ in range(n_new):
         window = xp.asarray(np.array(tokens[-context:], dtype=np.int64)[None, :])
         logits, _ = model.forward(window, targets=None, need_grad=False)
-        last = np.asarray(logits[0, -1].get() if hasattr(logits, "get") else logits[0, -1], dtype=np.float64)
+        last = np.asarray(to_host(logits[0, -1]), dtype=np.float64)
         if temperature <= 0:
             nxt = int(last.argmax())
         else:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.device import to_host
+
 
 @dataclass(frozen=True)
 class ParamSpec:
@@ -111,7 +113,7 @@ class ParamBuffer:
         out = {}
         for spec in self.specs:
             lo, hi = self.offsets[spec.name]
-            out[spec.name] = _to_host(flat[lo:hi]).reshape(spec.shape).copy()
+            out[spec.name] = np.asarray(to_host(flat[lo:hi])).reshape(spec.shape).copy()
         return out
 
     def load_flat(self, flat, named, what="parameters"):
@@ -127,7 +129,3 @@ class ParamBuffer:
                                  f"the model expects {tuple(spec.shape)}")
             lo, hi = self.offsets[spec.name]
             flat[lo:hi] = self.xp.asarray(arr.reshape(-1), dtype=self.dtype)
-
-
-def _to_host(a):
-    return a.get() if hasattr(a, "get") else np.asarray(a)

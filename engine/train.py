@@ -581,11 +581,12 @@ def gather_state(params, opt, shard, topo, zero):
     (other ranks get their own part). ZeRO shards are all-gathered within the
     data-parallel group, pipeline stages are gathered over the pipeline group."""
     import comm
+    from engine.device import to_host
     arrays = {f"param/{k}": v for k, v in params.state_dict(params.data).items()}
     for state_name, buf in opt.state().items():
         if zero:
             full = np.zeros(params.size, dtype=params.dtype)
-            full[shard[0]:shard[1]] = buf.get() if hasattr(buf, "get") else buf
+            full[shard[0]:shard[1]] = to_host(buf)
             comm.allgather(full, topo.dp_comm)
         else:
             full = buf

@@ -91,7 +91,7 @@ def test_signal_checkpoints_requeues_and_resume_is_bit_identical(tmp_path):
     p = launch(cut, "--steps", steps, "--resume", "auto")
     out, err = p.communicate(timeout=300)
     assert p.returncode == 0, err
-    assert f"resumed from" in out and f"at step {stopped_at}" in out
+    assert "resumed from" in out and f"at step {stopped_at}" in out
     a, _ = final_arrays(whole)
     b, _ = final_arrays(cut)
     assert a.keys() == b.keys()

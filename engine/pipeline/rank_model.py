@@ -66,7 +66,6 @@ class PipelineModel:
     def __init__(self, layers_fn, topo, dtype, seed, schedule_name, microbatches, chunks,
                  act_shape, partition="uniform", cost_batch=None, xp=np):
         from mpi4py import MPI
-        import comm
         p, v = topo.pp, chunks
         self.topo, self.m = topo, microbatches
         self.schedule = make_schedule(schedule_name, p, microbatches, v)
@@ -102,7 +101,6 @@ class PipelineModel:
                 self.tied_ranges = [self.params.offsets[n] for n in tied]
                 if topo.stage == last_rank:
                     self.duplicate_ranges = list(self.tied_ranges)
-        self._comm = comm
 
     def step(self, x, y, grad_scale, on_ready=None, reduce_grad=None):
         self.executor.trace = self.trace
