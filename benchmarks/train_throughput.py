@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 import kernels as K  # noqa: E402
 from engine.gpt import GPTConfig, build_gpt, flops_per_token  # noqa: E402
 from engine.optim import AdamW  # noqa: E402
+from engine.pipeline.partition import time_layers  # noqa: E402
 
 
 def gemm_peak(n, dtype, repeats):
@@ -88,26 +89,10 @@ def train_step(model, opt, x, y, grad_scale):
     opt.step(model.params.data, model.params.grad, 1e-4)
 
 
-def layer_profile(model, x, y, grad_scale, repeats):
-    fwd, bwd = defaultdict(list), defaultdict(list)
+def layer_profile(model, x, y, repeats):
     names = [type(l).__name__ + (f" {getattr(l, 'name', '')}" if hasattr(l, "name") else "") for l in model.layers]
-    for _ in range(repeats):
-        model.params.zero_grad()
-        h, ctxs = x, []
-        for i, layer in enumerate(model.layers):
-            t = time.perf_counter()
-            if i == len(model.layers) - 1:
-                h, ctx = layer.forward(h, y, grad_scale=grad_scale)
-            else:
-                h, ctx = layer.forward(h)
-            fwd[i].append(time.perf_counter() - t)
-            ctxs.append(ctx)
-        d = None
-        for i in reversed(range(len(model.layers))):
-            t = time.perf_counter()
-            d = model.layers[i].backward(d, ctxs[i])
-            bwd[i].append(time.perf_counter() - t)
-    return [(names[i], float(np.median(fwd[i])), float(np.median(bwd[i]))) for i in range(len(model.layers))]
+    fwd, bwd = time_layers(model.layers, x, y, repeats)
+    return list(zip(names, fwd, bwd))
 
 
 def main():
@@ -153,7 +138,7 @@ def main():
             train_step(model, opt, x, y, scale)
     op_rows = sorted(((k, v / args.repeats) for k, v in timer.totals.items()), key=lambda r: -r[1])
     accounted = sum(v for _, v in op_rows)
-    layers = layer_profile(model, x, y, scale, max(3, args.repeats // 2))
+    layers = layer_profile(model, x, y, max(3, args.repeats // 2))
 
     print(f"# GPT {cfg.to_dict()} | batch {args.batch_size} x seq {args.seq_len} = {tokens} tokens/step | "
           f"{model.params.size:,} params | {args.dtype} | BLAS threads: {os.environ.get('OPENBLAS_NUM_THREADS', 'default')}")

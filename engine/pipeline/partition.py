@@ -83,36 +83,38 @@ def _bounds_from_block_counts(counts, n_layers):
     return bounds
 
 
-def measure_layer_costs(layers, make_batch, dtype, repeats=3):
-    """Median seconds of forward + backward for each layer of a full model on one micro-batch."""
-    from engine.model import Stage
-    stage = Stage(layers, dtype=dtype)
-    stage.params.init(0)
-    x, y = make_batch()
-    times = np.zeros((repeats, len(layers)))
-    for r in range(repeats + 1):            # first pass warms up (Numba compile, caches)
-        h, ctxs, t_fwd = x, [], []
+def time_layers(layers, x, y, repeats=3):
+    """Median seconds of each layer's forward and of its backward on one batch
+    (x into the first layer, targets y for the head); one untimed warm-up pass
+    first (Numba compile, caches). Returns (forward_s, backward_s) lists."""
+    fwd, bwd = np.zeros((repeats, len(layers))), np.zeros((repeats, len(layers)))
+    for r in range(repeats + 1):
+        h, ctxs = x, []
         for i, layer in enumerate(layers):
             t = time.perf_counter()
             if i == len(layers) - 1:
                 h, ctx = layer.forward(h, y, grad_scale=1.0)
             else:
                 h, ctx = layer.forward(h)
-            t_fwd.append(time.perf_counter() - t)
+            if r:
+                fwd[r - 1, i] = time.perf_counter() - t
             ctxs.append(ctx)
         d = None
         for i in reversed(range(len(layers))):
             t = time.perf_counter()
-            d = layer_backward(layers[i], d, ctxs[i])
+            d = layers[i].backward(d, ctxs[i])
             if r:
-                times[r - 1, i] = t_fwd[i] + time.perf_counter() - t
-    return np.median(times, axis=0).tolist()
+                bwd[r - 1, i] = time.perf_counter() - t
+    return np.median(fwd, axis=0).tolist(), np.median(bwd, axis=0).tolist()
 
 
-def layer_backward(layer, dout, ctx):
-    dx, wctx = layer.backward_input(dout, ctx)
-    layer.backward_weight(wctx)
-    return dx
+def measure_layer_costs(layers, make_batch, dtype, repeats=3):
+    """Median seconds of forward + backward for each layer of a full model on one micro-batch."""
+    from engine.model import Stage
+    stage = Stage(layers, dtype=dtype)
+    stage.params.init(0)
+    fwd, bwd = time_layers(layers, *make_batch(), repeats=repeats)
+    return [f + b for f, b in zip(fwd, bwd)]
 
 
 def stage_costs(costs, bounds):
