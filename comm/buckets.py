@@ -31,6 +31,7 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
+from . import device
 from .ring import _allreduce_ctx, _codes, _resolve, _validate
 from .safety import LAYOUT_LEGEND, CommContext, check_consistent
 
@@ -81,7 +82,8 @@ class GradBuckets:
                  op: str = "avg", overlap: bool = True, algorithm: str = "auto"):
         comm = MPI.COMM_WORLD if comm is None else comm
         ranges = [(int(lo), int(hi)) for lo, hi in param_ranges]
-        arr = grad_flat if isinstance(grad_flat, np.ndarray) else np.asarray(grad_flat)
+        on_device = device.is_device_array(grad_flat)
+        arr = grad_flat if (on_device or isinstance(grad_flat, np.ndarray)) else np.asarray(grad_flat)
         flat = arr if (arr.ndim == 1 and arr.flags.c_contiguous) else None
         layout_ok = all(0 <= lo <= hi for lo, hi in ranges) and all(
             ranges[i][1] <= ranges[i + 1][0] for i in range(len(ranges) - 1)
@@ -110,6 +112,10 @@ class GradBuckets:
             raise ValueError(f"GradBuckets: bucket_bytes must be positive, got {bucket_bytes}")
 
         self.grad_flat = flat
+        # Device gradients: reduced on the GPU by a CUDA-aware MPI, else each
+        # bucket goes through pinned host memory (comm/device.py).
+        self._device = on_device
+        self._staged = on_device and not device.cuda_aware()
         self.param_ranges = ranges
         self.op = op
         self.algorithm = algorithm
@@ -186,9 +192,9 @@ class GradBuckets:
             if err is not None:
                 raise RuntimeError("GradBuckets: bucket all-reduce failed") from err
         else:
-            for k, (lo, hi, _, _) in enumerate(self.buckets):
+            for k in range(len(self.buckets)):
                 t = time.perf_counter()
-                _allreduce_ctx(self._ctx, self.grad_flat[lo:hi], self.op, self._algos[k])
+                self._reduce(k)
                 self._comm_s += time.perf_counter() - t
         blocked = time.perf_counter() - t0
         comm_s = self._comm_s
@@ -245,8 +251,22 @@ class GradBuckets:
                     self._cond.wait()
         self._reset()
 
+    def _reduce(self, k: int) -> None:
+        lo, hi, _, _ = self.buckets[k]
+        seg = self.grad_flat[lo:hi]
+        if self._staged:
+            host = device.to_pinned(seg)
+            _allreduce_ctx(self._ctx, host, self.op, self._algos[k])
+            device.copy_back(seg, host)
+            return
+        if self._device:
+            device.synchronize(seg)   # backward's kernels for this bucket must be done
+        _allreduce_ctx(self._ctx, seg, self.op, self._algos[k])
+
     def _run(self) -> None:
         cond = self._cond
+        if self._device:
+            self.grad_flat.device.use()   # cupy's current device is per thread
         try:
             while True:
                 with cond:
@@ -257,9 +277,8 @@ class GradBuckets:
                         return
                     k = self._next
                     self._busy = True
-                lo, hi, _, _ = self.buckets[k]
                 t = time.perf_counter()
-                _allreduce_ctx(self._ctx, self.grad_flat[lo:hi], self.op, self._algos[k])
+                self._reduce(k)
                 dt = time.perf_counter() - t
                 with cond:
                     self._comm_s += dt

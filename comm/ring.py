@@ -17,6 +17,7 @@ import os
 import numpy as np
 from mpi4py import MPI
 
+from . import device
 from .safety import (ALGO_CODES, ALWAYS_CHECK, DTYPE_CODES, LAYOUT_LEGEND, OP_CODES, CommContext,
                      context_for)
 from .small import allreduce_small
@@ -137,13 +138,17 @@ def _schedule(n: int, p: int, r: int, itemsize: int, subchunk: int, t0: int, t1:
 def _ring(ctx: CommContext, flat: np.ndarray, wire: np.ndarray, ufunc, avg: bool,
           t0: int, t1: int) -> None:
     """Run ring phases [t0, t1) in place on `flat`. `wire` is the same memory
-    as MPI should see it (see _wire); numpy does every reduction."""
+    as MPI should see it (see _wire). The reductions run where `flat` lives:
+    numpy on the host, cupy on the GPU (a CUDA-aware MPI moves device memory)."""
     comm, p, r = ctx.comm, ctx.size, ctx.rank
     left, right = (r - 1) % p, (r + 1) % p
     nscratch, init, phases = _schedule(flat.size, p, r, flat.itemsize, _subchunk, t0, t1)
     Isend, Irecv = comm.Isend, comm.Irecv
+    xp, sync = device.array_ops(flat)
+    if ufunc is not None and xp is not np:
+        ufunc = getattr(xp, ufunc.__name__)
     if nscratch:
-        scratch = ctx.scratch(flat.dtype, nscratch)
+        scratch = ctx.scratch(flat.dtype, nscratch, xp)
         swire = scratch if wire is flat else scratch.view(wire.dtype)
 
     # Receives first: a message that finds its receive already posted skips
@@ -183,7 +188,9 @@ def _ring(ctx: CommContext, flat: np.ndarray, wire: np.ndarray, ufunc, avg: bool
                 d = flat[a:b]
                 ufunc(d, scratch[sa:sb], out=d)
                 if last and avg:
-                    np.divide(d, p, out=d)
+                    xp.divide(d, p, out=d)
+                if sync is not None:
+                    sync()            # the GPU must finish the sum before MPI sends it
             if fwd:
                 out.append(Isend(wire[a:b], right, t_next))
         if fwd:
@@ -205,19 +212,22 @@ def _ring(ctx: CommContext, flat: np.ndarray, wire: np.ndarray, ufunc, avg: bool
 
 
 def _host_flat(buf):
-    """(array, flat numpy view or None if not contiguous, writeback or None).
+    """(array, flat view or None if not contiguous, writeback or None).
 
-    Device arrays (anything with __cuda_array_interface__ and .get/.set, i.e.
-    cupy) are staged through a host copy; this is the one place a GPU-aware
-    path would replace. Untested until a GPU build exists.
+    Device arrays (cupy) go to MPI as they are when it is CUDA-aware (the
+    ring then reduces on the GPU), otherwise through a pinned host copy that
+    writeback copies back (comm/device.py).
     """
     if type(buf) is np.ndarray and buf.flags.c_contiguous:  # the hot path
         return buf, (buf if buf.ndim == 1 else buf.reshape(-1)), None
-    if isinstance(buf, np.ndarray):
+    if device.is_device_array(buf):
+        if device.cuda_aware():
+            device.synchronize(buf)
+            return buf, (buf.reshape(-1) if buf.flags.c_contiguous else None), None
+        arr = device.to_pinned(buf)
+        writeback = lambda host: device.copy_back(buf, host)  # noqa: E731
+    elif isinstance(buf, np.ndarray):
         arr, writeback = buf, None
-    elif hasattr(buf, "__cuda_array_interface__") and hasattr(buf, "get"):
-        arr = buf.get()
-        writeback = lambda host: buf.set(host.reshape(buf.shape))  # noqa: E731
     else:
         arr, writeback = np.asarray(buf), None
     if arr.flags.c_contiguous or arr.flags.f_contiguous:
@@ -225,8 +235,12 @@ def _host_flat(buf):
     return arr, None, writeback
 
 
+def _writeable(arr) -> bool:
+    return getattr(arr.flags, "writeable", True)      # cupy arrays are always writeable
+
+
 def _codes(arr, flat, op: str, algo: str) -> tuple:
-    ok = 1 if (flat is not None and arr.flags.writeable) else 0
+    ok = 1 if (flat is not None and _writeable(arr)) else 0
     return (
         arr.size,
         DTYPE_CODES.get(arr.dtype, 0),
@@ -241,7 +255,7 @@ def _validate(what: str, arr, flat, op: str, algo: str) -> None:
     # same error here (or none does).
     if flat is None:
         raise ValueError(f"{what}: buffer must be contiguous (got strides {arr.strides})")
-    if not arr.flags.writeable:
+    if not _writeable(arr):
         raise ValueError(f"{what}: buffer is read-only; the operation is in place")
     if arr.dtype not in DTYPE_CODES:
         raise TypeError(f"{what}: unsupported dtype {arr.dtype}; "
@@ -280,7 +294,7 @@ def _prepare(what: str, comm, arr, flat, op: str, algo: str):
     """Agree on the layout across ranks (first use), then validate it.
     Returns the private context, or None on a single rank."""
     ctx = context_for(comm) if comm.Get_size() > 1 else None
-    ok = flat is not None and arr.flags.writeable
+    ok = flat is not None and _writeable(arr)
     key = (what, arr.size, arr.dtype, op, algo, ok)
     if ctx is not None and key in ctx.valid and not ALWAYS_CHECK:
         return ctx

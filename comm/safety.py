@@ -124,15 +124,17 @@ class CommContext:
         check_consistent(self.comm, what, values, legend)
         self.checked.add(key)
 
-    def scratch(self, dtype: np.dtype, n: int) -> np.ndarray:
-        """n-element receive scratch of `dtype`; grow-only, one per dtype."""
-        buf = self._scratch.get(dtype)
+    def scratch(self, dtype: np.dtype, n: int, xp=np) -> np.ndarray:
+        """n-element receive scratch of `dtype` in xp's memory (host, or the
+        device for cupy); grow-only, one per (module, dtype)."""
+        key = (xp.__name__, dtype)
+        buf = self._scratch.get(key)
         if buf is None or buf.size < n:
             # Grow geometrically so a slowly growing workload does not
             # reallocate on every call.
             size = max(n, 1024, 0 if buf is None else buf.size + buf.size // 2)
-            buf = np.empty(size, dtype=dtype)
-            self._scratch[dtype] = buf
+            buf = xp.empty(size, dtype=dtype)
+            self._scratch[key] = buf
         return buf[:n]
 
     def free(self) -> None:

@@ -15,6 +15,7 @@ import functools
 
 import numpy as np
 
+from .device import array_ops
 from .safety import CommContext
 
 __all__ = ["allreduce_small"]
@@ -48,7 +49,12 @@ def allreduce_small(ctx: CommContext, flat: np.ndarray, wire: np.ndarray, ufunc,
                     avg: bool) -> None:
     comm, p, r = ctx.comm, ctx.size, ctx.rank
     fold, peers = _schedule(p, r)
-    tmp = ctx.scratch(flat.dtype, flat.size)
+    # On a device buffer (CUDA-aware MPI) the combines run on the GPU and
+    # must finish before MPI sends their result.
+    xp, sync = array_ops(flat)
+    if xp is not np:
+        ufunc = getattr(xp, ufunc.__name__)
+    tmp = ctx.scratch(flat.dtype, flat.size, xp)
     tmpw = tmp if wire is flat else tmp.view(wire.dtype)
 
     if fold == 1:
@@ -57,6 +63,8 @@ def allreduce_small(ctx: CommContext, flat: np.ndarray, wire: np.ndarray, ufunc,
         comm.Recv(tmpw, r - 1, _TAG_FOLD)
         ufunc(tmp, flat, out=flat)  # lower rank (r - 1) first
     for peer, lower in peers:
+        if sync is not None:
+            sync()
         comm.Sendrecv(wire, peer, _TAG_DOUBLE, tmpw, peer, _TAG_DOUBLE)
         if lower:
             ufunc(tmp, flat, out=flat)
@@ -64,7 +72,9 @@ def allreduce_small(ctx: CommContext, flat: np.ndarray, wire: np.ndarray, ufunc,
             ufunc(flat, tmp, out=flat)
     if avg and fold != 1:
         # Before the unfold, so the folded-out ranks receive these exact bytes.
-        np.divide(flat, p, out=flat)
+        xp.divide(flat, p, out=flat)
+    if sync is not None:
+        sync()
     if fold == -1:
         comm.Send(wire, r - 1, _TAG_UNFOLD)
     elif fold == 1:

@@ -39,13 +39,3 @@ def select(device: str, local_rank: int = 0):
 def to_host(a):
     return a.get() if hasattr(a, "get") else a
 
-
-def on_host(xp, buf, collective):
-    """Run an MPI call on `buf` in place; device arrays go through a host copy
-    (correct with any MPI; a CUDA-aware MPI could take the device pointer)."""
-    if xp is np:
-        collective(buf)
-        return
-    host = to_host(buf)
-    collective(host)
-    buf[...] = xp.asarray(host)

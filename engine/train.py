@@ -274,7 +274,9 @@ def train(args, world=None):
     from engine.pipeline import ScheduleError
     from engine.pipeline.rank_model import LocalModel, PipelineModel
     from engine import lifecycle
-    from engine.device import on_host, select
+    from comm.device import Transport
+    from comm.device import stats as transfer_stats
+    from engine.device import select
     from engine.trace import Tracer
     from mpi4py import MPI
 
@@ -325,6 +327,7 @@ def train(args, world=None):
     cfg = model_config(args, manifest.get("model_config"))
     dtype = K.resolve_dtype(args.dtype)
     xp = select(args.device, topo.local_rank)
+    transport = Transport(xp)    # how device buffers reach MPI (direct or pinned staging)
     if args.model == "gpt":
         if args.seq_len is None:
             args.seq_len = cfg.context
@@ -374,13 +377,10 @@ def train(args, world=None):
     else:
         # Every rank initialised identically from the seed; broadcasting the first
         # data-parallel replica's copy makes that a guarantee rather than an assumption.
-        on_host(xp, params.data, lambda buf: topo.dp_comm.Bcast(buf, root=0))
+        transport.in_place(params.data, lambda buf: topo.dp_comm.Bcast(buf, root=0))
 
     buckets = None
-    # GPU: the gradient is averaged through host memory after backward (no overlap
-    # yet; a CUDA-aware MPI and device-side buckets would remove the copy).
-    reduce_on_host = dp > 1 and xp is not np
-    if dp > 1 and not reduce_on_host:
+    if dp > 1:
         buckets = comm.GradBuckets(params.grad, params.ranges(), comm=topo.dp_comm,
                                    bucket_bytes=int(args.bucket_mb * 2**20), op="avg",
                                    overlap=not args.no_overlap)
@@ -390,10 +390,8 @@ def train(args, world=None):
     def reduce_grad():
         if buckets:
             buckets.wait()
-        if reduce_on_host:
-            on_host(xp, params.grad, lambda buf: comm.allreduce(buf, topo.dp_comm, op="avg"))
         for a, b in model.tied_ranges:           # tied embedding: first + last stage
-            on_host(xp, params.grad[a:b], lambda buf: comm.allreduce(buf, model.tied_comm, op="sum"))
+            comm.allreduce(params.grad[a:b], model.tied_comm, op="sum")
 
     items_per_step = args.batch_size * items_per_example
     eval_every = args.eval_every or max(1, args.steps // 5)
@@ -409,6 +407,8 @@ def train(args, world=None):
     say(f"data {dataset.name} | global batch {args.batch_size} x {items_per_example} = {items_per_step} "
         f"{'tokens' if args.model == 'gpt' else 'examples'}/step | {world.Get_size()} ranks: {layout}"
         f"{' | zero-1' if args.zero else ''}")
+    if xp is not np and world.Get_size() > 1:
+        say(f"GPU buffers and MPI: {transport.describe()}")
     if args.model == "gpt" and is_main:
         say(f"unigram baseline (val): {dataset.unigram_entropy():.4f} nats/byte")
     if topo.pp > 1 and args.microbatches < 2 * topo.pp:
@@ -479,7 +479,7 @@ def train(args, world=None):
             params.grad *= scale
         if args.zero:
             opt.step(params.data[shard[0]:shard[1]], params.grad[shard[0]:shard[1]], lr)
-            on_host(xp, params.data, lambda buf: comm.allgather(buf, topo.dp_comm))
+            comm.allgather(params.data, topo.dp_comm)
         else:
             opt.step(params.data, params.grad, lr)
 
@@ -549,6 +549,9 @@ def train(args, world=None):
         metrics.close()
         say(f"done: {args.steps - start_step} steps in {_hms(time.perf_counter() - t_start)}; "
             f"checkpoint and metrics.jsonl in {out_dir}")
+        if xp is not np and world.Get_size() > 1:
+            say(f"GPU buffers and MPI on rank 0: {transfer_stats['staged_bytes'] / 2**20:.1f} MiB "
+                f"copied through host memory ({transport.describe()})")
         if args.model == "gpt" and args.sample_bytes > 0 and arrays is not None:
             # Rank 0 may hold only the first pipeline stage: sample from a full copy.
             full = build_gpt(cfg, dtype=dtype)

@@ -45,8 +45,21 @@ class ndarray(_np.ndarray):
     def data(self):  # cupy: arr.data.ptr is the device pointer
         return _Ptr(self.__array_interface__["data"][0])
 
-    def get(self, stream=None):
-        return _np.array(self, copy=True).view(_np.ndarray)
+    @property
+    def device(self):  # cupy: the Device the array lives on
+        return _Device(0)
+
+    @property
+    def __cuda_array_interface__(self):  # what comm/device.py recognises a device array by
+        iface = dict(self.__array_interface__)
+        iface["version"] = 3
+        return iface
+
+    def get(self, stream=None, order="C", out=None):
+        if out is None:
+            return _np.array(self, copy=True).view(_np.ndarray)
+        out[...] = self
+        return out
 
     def set(self, arr):
         self[...] = arr
@@ -207,6 +220,7 @@ def _install_cupyx():
 
     mod = types.ModuleType("cupyx")
     mod.scatter_add = lambda a, slices, value: _np.add.at(a, slices, value)
+    mod.empty_pinned = lambda shape, dtype=float, order="C": _np.empty(shape, dtype=dtype, order=order)
     sys.modules.setdefault("cupyx", mod)
 
 

@@ -21,7 +21,7 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from engine.device import to_host
+from comm.device import Transport
 from engine.pipeline.schedule import B, F, I, OPT_STEP, RECV_B, RECV_F, REDUCE_GRAD, SEND_B, SEND_F, W
 
 
@@ -43,9 +43,9 @@ class PipelineExecutor:
         self.actions = schedule.ranks[rank]
         self.n_stages = schedule.num_stages
         self.trace = trace                       # list to append (name, category, t0, t1), or None
-        # Device arrays travel through host buffers (correct with any MPI; a
-        # CUDA-aware MPI could take device pointers directly).
+        # Device activations go to MPI directly (CUDA-aware MPI) or through pinned host buffers.
         self.xp = xp
+        self.transport = Transport(xp)
         tag_ub = comm.Get_attr(MPI.TAG_UB) or 32767
         if 2 * schedule.m * self.n_stages >= tag_ub:
             raise ValueError(f"{schedule.m} micro-batches x {self.n_stages} stages exceed MPI's tag range "
@@ -93,12 +93,12 @@ class PipelineExecutor:
             t0 = time.perf_counter()
             if a.kind in (RECV_F, RECV_B):
                 peer, _ = self.s.peer(self.rank, a)
-                buf = np.empty(self.act_shape, self.dtype)
+                buf = self.transport.recv_buffer(self.act_shape, self.dtype)
                 req = self.comm.Irecv(buf, source=peer, tag=self._tag(a))
                 (recv_f if a.kind == RECV_F else recv_b)[key] = (buf, req)
             elif a.kind in (SEND_F, SEND_B):
                 peer, _ = self.s.peer(self.rank, a)
-                data = np.ascontiguousarray(to_host(to_send.pop((a.kind, a.mb, a.chunk))))
+                data = self.transport.send_buffer(to_send.pop((a.kind, a.mb, a.chunk)))
                 sends.append((self.comm.Isend(data, dest=peer, tag=self._tag(a)), data))
                 self._event(str(a), "send", t0)
             elif a.kind == F:
@@ -164,7 +164,7 @@ class PipelineExecutor:
         t0 = time.perf_counter()
         req.Wait()
         self._event(f"wait {label}", "recv", t0)
-        return buf if self.xp is np else self.xp.asarray(buf)
+        return self.transport.received(buf)
 
     def _account(self, held_bytes):
         self.peak_in_flight = max(self.peak_in_flight, len(held_bytes))

@@ -22,7 +22,6 @@ from engine.model import Stage
 from engine.pipeline import make_schedule, validate
 from engine.pipeline.executor import PipelineExecutor
 from engine.pipeline.partition import balanced, measure_layer_costs, uniform
-from engine.device import to_host
 from engine.params import ParamBuffer
 
 
@@ -112,6 +111,7 @@ class PipelineModel:
         """Forward only, one micro-batch through the chain of virtual stages."""
         from mpi4py import MPI
         p, comm, n = self.topo.pp, self.topo.pp_comm, len(self.bounds)
+        transport = self.executor.transport
         x, y = self.xp.asarray(x), self.xp.asarray(y)
         h, sends = None, []
         loss = 0.0
@@ -120,15 +120,15 @@ class PipelineModel:
             if stage == 0:
                 h = x
             elif p > 1:
-                h = np.empty((len(x),) + self.executor.act_shape[1:], self.params.dtype)
+                h = transport.recv_buffer((len(x),) + self.executor.act_shape[1:], self.params.dtype)
                 comm.Recv(h, source=(stage - 1) % p, tag=stage)
-                h = self.xp.asarray(h)
+                h = transport.received(h)
             if stage == n - 1:
                 loss += chunk.loss(h, y)
             else:
                 h, _ = chunk.forward(h, need_grad=False)
                 if p > 1:
-                    host = np.ascontiguousarray(to_host(h))
-                    sends.append((comm.Isend(host, dest=(stage + 1) % p, tag=stage + 1), host))
+                    buf = transport.send_buffer(h)
+                    sends.append((comm.Isend(buf, dest=(stage + 1) % p, tag=stage + 1), buf))
         MPI.Request.Waitall([r for r, _ in sends])
         return loss

@@ -1,0 +1,174 @@
+"""Device (GPU) arrays and MPI: pass the device buffer, or stage it through pinned host memory.
+
+A CUDA-aware MPI reads and writes GPU memory itself, so it gets the device
+array (mpi4py takes anything with __cuda_array_interface__). Any other MPI
+gets a copy in pinned (page-locked) host memory: the copy engine DMAs from it
+directly, where pageable memory would take an extra bounce.
+
+Either way the GPU is synchronized before MPI touches the buffer:
+MPI knows nothing of kernels still queued to write it.
+
+Which path: RINGPIPE_CUDA_AWARE_MPI=1 (direct) or 0 (staged) decides;
+unset or "auto" asks the MPI library (MPIX_Query_cuda_support, exported by
+MPICH and Open MPI builds with CUDA). Ranks may even differ: MPI moves the
+same bytes from either kind of memory, so the results do not change.
+
+Host (numpy) arrays pass through untouched; nothing here imports cupy
+unless a device array shows up.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+
+__all__ = ["is_device_array", "cuda_aware", "query_library", "synchronize", "array_ops", "to_pinned", "copy_back", "Transport", "stats",
+           "ENV_CUDA_AWARE"]
+
+ENV_CUDA_AWARE = "RINGPIPE_CUDA_AWARE_MPI"
+
+# Bytes copied between device and host for MPI, for the run summary and the tests.
+stats = {"staged_bytes": 0}
+
+_decided: bool | None = None
+
+
+def is_device_array(a) -> bool:
+    return hasattr(a, "__cuda_array_interface__")
+
+
+def query_library() -> bool:
+    """Does the loaded MPI library say it is CUDA-aware? False when it cannot tell."""
+    from mpi4py import MPI
+
+    try:
+        # dlsym through mpi4py's extension module also searches the libmpi it links.
+        fn = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
+    except (AttributeError, OSError):
+        return False
+    fn.restype = ctypes.c_int
+    return bool(fn())
+
+
+def cuda_aware() -> bool:
+    """Pass device buffers straight to MPI? Decided once per process (see module doc)."""
+    global _decided
+    if _decided is None:
+        value = os.environ.get(ENV_CUDA_AWARE, "auto").strip().lower()
+        if value in ("1", "yes", "true", "on"):
+            _decided = True
+        elif value in ("0", "no", "false", "off"):
+            _decided = False
+        elif value in ("", "auto"):
+            _decided = query_library()
+        else:
+            raise ValueError(f"{ENV_CUDA_AWARE}={value!r}: use 1 (MPI takes GPU buffers), "
+                             "0 (stage through pinned host memory) or auto (ask the MPI library)")
+    return _decided
+
+
+def _reset_decision() -> None:
+    """Forget the cached decision (tests change the environment)."""
+    global _decided
+    _decided = None
+
+
+def synchronize(a=None) -> None:
+    """Wait for every kernel queued on the GPU (before MPI reads or writes a device buffer).
+
+    The whole device, not just this thread's stream: the bucket thread must also
+    wait for the backward kernels the main thread queued."""
+    if a is None or is_device_array(a):
+        import cupy
+
+        cupy.cuda.runtime.deviceSynchronize()
+
+
+def array_ops(flat):
+    """(array module, sync) for reducing into `flat`: (numpy, None) on the host;
+    for a device array cupy, whose ufuncs run on the GPU, and synchronize,
+    to call after a reduction and before MPI sends its result."""
+    if not is_device_array(flat):
+        return np, None
+    import cupy
+
+    return cupy, synchronize
+
+
+def _pinned_empty(shape, dtype):
+    import cupyx
+
+    return cupyx.empty_pinned(shape, dtype=dtype)
+
+
+def to_pinned(a):
+    """A copy of device array `a` in pinned host memory (waits for the copy)."""
+    host = _pinned_empty(a.shape, a.dtype)
+    a.get(out=host)
+    stats["staged_bytes"] += a.nbytes
+    return host
+
+
+def copy_back(a, host) -> None:
+    """Device array `a` = the staged host copy `host` (after MPI changed it)."""
+    a.set(host.reshape(a.shape))
+    stats["staged_bytes"] += host.nbytes
+
+
+class Transport:
+    """How this process hands arrays of one array module to MPI.
+
+    xp is numpy (host arrays go as they are) or cupy (device arrays go
+    directly when `direct`, else through pinned host copies). direct=None
+    takes cuda_aware().
+    """
+
+    def __init__(self, xp, direct: bool | None = None):
+        self.xp = xp
+        self.device = xp is not np
+        self.direct = self.device and (cuda_aware() if direct is None else bool(direct))
+
+    def describe(self) -> str:
+        if not self.device:
+            return "host memory"
+        if self.direct:
+            return "device buffers straight to MPI (CUDA-aware MPI)"
+        return (f"staged through pinned host memory (MPI is not CUDA-aware; "
+                f"set {ENV_CUDA_AWARE}=1 if yours is)")
+
+    def send_buffer(self, a):
+        """A contiguous buffer holding a's values that MPI may read until the send completes."""
+        a = self.xp.ascontiguousarray(a)
+        if not self.device:
+            return a
+        if self.direct:
+            synchronize(a)
+            return a
+        return to_pinned(a)
+
+    def recv_buffer(self, shape, dtype):
+        """Memory for MPI to receive into; pass it to received() once the receive completed."""
+        if self.direct:
+            return self.xp.empty(shape, dtype)
+        return _pinned_empty(shape, dtype) if self.device else np.empty(shape, dtype)
+
+    def received(self, buf):
+        """The array of this module holding a completed receive."""
+        if not self.device or self.direct:
+            return buf
+        stats["staged_bytes"] += buf.nbytes
+        return self.xp.asarray(buf)
+
+    def in_place(self, a, mpi_call) -> None:
+        """Run mpi_call(buf) on a buffer MPI may use in place of `a`, then make `a` hold the result."""
+        if not self.device:
+            mpi_call(a)
+        elif self.direct:
+            synchronize(a)
+            mpi_call(a)
+        else:
+            host = to_pinned(a)
+            mpi_call(host)
+            copy_back(a, host)
