@@ -52,8 +52,8 @@ def gemm_peak(n, dtype, repeats):
 class OpTimer:
     """Wraps the kernels API functions that the layers call to attribute time per op."""
 
-    OPS = ["matmul", "matmul_nt", "matmul_tn", "layernorm_forward", "layernorm_backward", "gelu_forward",
-           "gelu_backward", "softmax_causal_forward", "softmax_causal_backward",
+    OPS = ["matmul", "matmul_nt", "matmul_tn", "linear_forward", "column_sum", "layernorm_forward",
+           "layernorm_backward", "gelu_forward", "gelu_backward", "softmax_causal_forward", "softmax_causal_backward",
            "cross_entropy_forward_backward", "adamw_update", "sum_of_squares"]
 
     def __init__(self):

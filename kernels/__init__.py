@@ -7,6 +7,11 @@ backend (`backend=` per call, else kernels.set_backend's default):
   "numpy"  the plain reference implementations (kernels/reference.py)
 cupy inputs go to kernels.backend._GPU_IMPL, filled in by kernels/cuda.
 
+GEMMs (matmul, matmul_nt, matmul_tn, linear_forward) also take `precision=` (per
+call, else kernels.set_matmul_precision's default): "float32", or "bf16" for float32
+operands rounded to bfloat16 with float32 accumulation (tensor cores on the GPU,
+an exact emulation on the CPU). The layers never pass it: the default decides.
+
 Conventions shared by all ops:
   - arrays are C-contiguous (inputs that are not get a contiguous copy; outputs
     that are not are rejected, since writes into a copy would be lost)
@@ -22,21 +27,27 @@ import numpy as np
 
 from .backend import (  # noqa: F401
     DTYPES,
+    MATMUL_PRECISIONS,
     _dispatch,
     get_array_module,
     get_backend,
+    get_matmul_precision,
     get_num_threads,
     is_gpu_array,
     register_gpu_impl,
     resolve_dtype,
+    resolve_matmul_precision,
     set_backend,
+    set_matmul_precision,
     set_num_threads,
 )
+from .reference import round_to_bf16  # noqa: F401
 
 __all__ = [
     "DTYPES", "KernelDtypeError", "get_array_module", "get_backend", "is_gpu_array", "resolve_dtype", "set_backend",
     "set_num_threads", "get_num_threads",
-    "matmul", "matmul_nt", "matmul_tn",
+    "MATMUL_PRECISIONS", "set_matmul_precision", "get_matmul_precision", "round_to_bf16",
+    "matmul", "matmul_nt", "matmul_tn", "linear_forward", "column_sum",
     "layernorm_forward", "layernorm_backward",
     "gelu_forward", "gelu_backward",
     "softmax_causal_forward", "softmax_causal_backward",
@@ -85,6 +96,18 @@ def _out_ok(op, name, a):
         raise ValueError(f"kernels.{op}: output {name} must be C-contiguous")
 
 
+def _precision(op, precision, dtype):
+    # the precision this GEMM runs at: the per-call one, else the module default
+    p = resolve_matmul_precision(precision)
+    if p == "bf16" and dtype != np.float32:
+        where = "precision='bf16'" if precision is not None else "kernels.set_matmul_precision('bf16')"
+        raise KernelDtypeError(
+            f"kernels.{op}: bf16 precision needs float32 operands (float32 master weights, bf16 GEMM "
+            f"inputs), got {dtype} (from {where})"
+        )
+    return p
+
+
 def _c(a):
     # contiguous inputs pass through untouched
     if a is None or a.flags.c_contiguous:
@@ -96,19 +119,21 @@ def _c(a):
 # matmul
 
 
-def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, backend=None):
+def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, precision=None, backend=None):
     """C = op(a) @ op(b), op = transpose of the last two dims if trans_*.
 
     a (..., M, K) or (..., K, M) if trans_a; b (..., K, N) or (..., N, K) if trans_b;
     leading dims broadcast like xp.matmul. out (..., M, N) is overwritten, or added
     into if accumulate=True (then out is required). Strided inputs are fine here:
-    BLAS takes transposed views without copies.
+    BLAS takes transposed views without copies. precision: "float32" or "bf16"
+    (float32 operands only), None for kernels.get_matmul_precision().
     """
     op = "matmul"
     if a.ndim < 2 or b.ndim < 2:
         raise ValueError(f"kernels.{op}: a and b must be at least 2D, got {tuple(a.shape)} and {tuple(b.shape)}")
     dt = _float_dtype(op, "a", a)
     _same_dtype(op, dt, b=b, out=out)
+    precision = _precision(op, precision, dt)
     M, K = (a.shape[-1], a.shape[-2]) if trans_a else (a.shape[-2], a.shape[-1])
     K2, N = (b.shape[-1], b.shape[-2]) if trans_b else (b.shape[-2], b.shape[-1])
     if K != K2:
@@ -128,7 +153,7 @@ def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, ba
         # checked here because `out += r` would silently broadcast a smaller result
         _shape(op, "out", out, batch + (M, N))
     impl = _dispatch(op, (a, b, out), backend)
-    return impl(a, b, out, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate)
+    return impl(a, b, out, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate, precision=precision)
 
 
 def matmul_nt(a, b, out=None, **kw):
@@ -139,6 +164,51 @@ def matmul_nt(a, b, out=None, **kw):
 def matmul_tn(a, b, out=None, **kw):
     """a.T @ b (e.g. dW = dy.T @ x)."""
     return matmul(a, b, out, trans_a=True, **kw)
+
+
+# ---------------------------------------------------------------------------
+# Linear layer pieces
+
+
+def linear_forward(x, w, bias=None, *, gelu=False, precision=None, backend=None):
+    """A Linear layer's forward, w stored (out_features, in_features):
+
+    x (N, C_in), w (C_out, C_in), bias (C_out,) or None -> (y (N, C_out), pre)
+    y = x @ w.T (+ bias), then GELU (tanh approximation) if gelu; pre is the
+    pre-activation (what gelu_backward needs) if gelu, else None. Both are new arrays.
+    On the GPU (float32) bias and GELU are fused into the GEMM's epilogue.
+    precision as for matmul.
+    """
+    op = "linear_forward"
+    _ndim(op, "x", x, 2)
+    _ndim(op, "w", w, 2)
+    N, C_in = x.shape
+    C_out = w.shape[0]
+    dt = _float_dtype(op, "x", x)
+    _same_dtype(op, dt, w=w, bias=bias)
+    if w.shape[1] != C_in:
+        raise ValueError(f"kernels.{op}: w has shape {tuple(w.shape)}, expected ({C_out}, {C_in}): "
+                         f"stored (out_features, in_features), in_features = x.shape[1]")
+    _shape(op, "bias", bias, (C_out,))
+    precision = _precision(op, precision, dt)
+    impl = _dispatch(op, (x, w, bias), backend)
+    # x and w may be strided, as for matmul; the bias is read by the fused epilogue
+    return impl(x, w, _c(bias), gelu=gelu, precision=precision)
+
+
+def column_sum(x, out=None, *, accumulate=False, backend=None):
+    """x (N, C) -> (C,) column sums (a bias gradient). out is overwritten, or added into
+    if accumulate=True (then out is required); a new array if out is None."""
+    op = "column_sum"
+    _ndim(op, "x", x, 2)
+    dt = _float_dtype(op, "x", x)
+    _same_dtype(op, dt, out=out)
+    _shape(op, "out", out, (x.shape[1],))
+    _out_ok(op, "out", out)
+    if accumulate and out is None:
+        raise ValueError(f"kernels.{op}: accumulate=True needs out")
+    impl = _dispatch(op, (x, out), backend)
+    return impl(_c(x), out, accumulate=accumulate)
 
 
 # ---------------------------------------------------------------------------

@@ -82,6 +82,32 @@ def get_backend():
     return _default_backend
 
 
+# GEMM precision for float32 operands (per call `precision=`, else this default), like
+# torch.set_float32_matmul_precision: "bf16" rounds both inputs to bfloat16 and
+# accumulates in float32 (tensor cores on the GPU); float32 master weights stay as they are.
+MATMUL_PRECISIONS = ("float32", "bf16")
+_default_precision = "float32"
+
+
+def resolve_matmul_precision(name=None):
+    """None -> the module default; a valid name -> itself; anything else -> ValueError."""
+    if name is None:
+        return _default_precision
+    if not isinstance(name, str) or name not in MATMUL_PRECISIONS:
+        raise ValueError(f"unknown matmul precision {name!r}; valid names: {', '.join(MATMUL_PRECISIONS)}")
+    return name
+
+
+def set_matmul_precision(name):
+    """Set the module-wide default precision of matmul / matmul_nt / matmul_tn / linear_forward."""
+    global _default_precision
+    _default_precision = resolve_matmul_precision(name)
+
+
+def get_matmul_precision():
+    return _default_precision
+
+
 def register_gpu_impl(kernel_name, fn, backend_name="cuda", default=True):
     """Called by kernels/cuda: route cupy inputs of `kernel_name` to `fn`. default=False
     registers `fn` only for backend=backend_name (other GPU names keep _GPU_IMPL)."""

@@ -396,10 +396,22 @@ def _sum_of_squares(x, block):
 # ---------------------------------------------------------------------------
 # python wrappers: same signatures as reference.py
 
-# BLAS already is the fast CPU GEMM; numba would only lose to it
+# BLAS already is the fast CPU GEMM; numba would only lose to it. The same goes for
+# numpy's column sums (and keeping them keeps bias gradients bit-identical to before).
 matmul = reference.matmul
 matmul_nt = reference.matmul_nt
 matmul_tn = reference.matmul_tn
+column_sum = reference.column_sum
+
+
+def linear_forward(x, w, bias=None, *, gelu=False, precision="float32"):
+    # as the reference, but with the numba GELU (what a separate GELU layer would run)
+    y = matmul(x, w, trans_b=True, precision=precision)
+    if bias is not None:
+        y += bias
+    if not gelu:
+        return y, None
+    return gelu_forward(y), y
 
 
 def layernorm_forward(x, weight, bias, eps=1e-5, out=None):

@@ -23,8 +23,27 @@ def _op(x, trans):
     return x.swapaxes(-1, -2) if trans else x
 
 
-def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False):
+def round_to_bf16(x):
+    """float32 -> float32 holding the nearest bfloat16 (round half to even), any shape.
+
+    bfloat16 is the top 16 bits of a float32. Adding 0x7FFF plus the lowest kept bit
+    and truncating rounds to nearest, ties to even; a carry out of the mantissa bumps
+    the exponent, which is the right answer (up to inf). A NaN whose payload sits in
+    the low bits would carry into inf, so NaNs keep sign and top bits, quiet bit set.
+    """
+    xp = get_array_module(x)
+    u = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
+    rounded = (u + (0x7FFF + ((u >> 16) & 1))) & 0xFFFF0000
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return xp.where(nan, (u | 0x00400000) & 0xFFFF0000, rounded).view(xp.float32)
+
+
+def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, precision="float32"):
     xp = get_array_module(a, b, out)
+    if precision == "bf16":
+        # bf16 inputs, float32 products and sums: a product of two 8-bit significands
+        # is exact in float32, so only the accumulation rounds, as on tensor cores
+        a, b = round_to_bf16(a), round_to_bf16(b)
     a, b = _op(a, trans_a), _op(b, trans_b)
     if accumulate:
         # BLAS could do beta=1 for us, but xp.matmul has no beta; one temporary is fine
@@ -41,6 +60,29 @@ def matmul_nt(a, b, out=None, **kw):
 
 def matmul_tn(a, b, out=None, **kw):
     return matmul(a, b, out, trans_a=True, **kw)
+
+
+def linear_forward(x, w, bias=None, *, gelu=False, precision="float32"):
+    # x (N, C_in), w (C_out, C_in), bias (C_out,) -> y (N, C_out), pre (N, C_out) or None
+    y = matmul(x, w, trans_b=True, precision=precision)
+    if bias is not None:
+        y += bias
+    if not gelu:
+        return y, None
+    return gelu_forward(y), y
+
+
+def column_sum(x, out=None, *, accumulate=False):
+    # x (N, C) -> out (C,). Summed in x's dtype, the way the engine always summed its
+    # bias gradients, so CPU training stays bit-identical to before this op existed
+    s = x.sum(axis=0)
+    if out is None:
+        return s
+    if accumulate:
+        out += s
+    else:
+        out[...] = s
+    return out
 
 
 # ---------------------------------------------------------------------------

@@ -298,13 +298,15 @@ def test_gemm_benchmark_without_gpu_says_so():
 
 
 @pytest.mark.slow
-def test_engine_trains_on_emulated_gpu_like_on_cpu(tmp_path):
+@pytest.mark.parametrize("precision", ["float32", "bf16"])
+def test_engine_trains_on_emulated_gpu_like_on_cpu(tmp_path, precision):
     # engine.train --device cuda end to end (cupy arrays, these kernels dispatched
-    # through kernels.cuda.register) on the emulation: same losses as the CPU run
+    # through kernels.cuda.register) on the emulation: same losses as the CPU run.
+    # bf16: the tensor-core GEMM against the CPU's emulated bf16 rounding.
     _need_gxx()
     args = ["--steps", "3", "--layers", "1", "--d-model", "32", "--heads", "2", "--context", "16",
             "--batch-size", "2", "--eval-every", "3", "--eval-batches", "1", "--sample-bytes", "0", "--overwrite",
-            "--quiet"]
+            "--quiet", "--precision", precision]
     cpu = _run([sys.executable, "-m", "engine.train", "--device", "cpu", *args, "--out", str(tmp_path / "cpu")])
     if cpu.returncode != 0 and "--device" in cpu.stderr:
         pytest.skip("engine.train has no --device option")
@@ -456,10 +458,10 @@ def test_gpu_sgemm_batched_views_accumulate_epilogues(cp, ck, rng):
     # fused epilogues: x @ W.T + bias, then GELU with the pre-activation saved
     x, w, bias = rnd(rng, (45, 70), np.float32), rnd(rng, (36, 70), np.float32), rnd(rng, (36,), np.float32)
     pre_exp = x.astype(f64) @ w.T.astype(f64) + bias
-    y = ck.linear_forward(cp.asarray(x), cp.asarray(w), cp.asarray(bias))
+    y = ck.sgemm(cp.asarray(x), cp.asarray(w), trans_b=True, bias=cp.asarray(bias))
     assert_close(cp.asnumpy(y), pre_exp, 1e-5, "bias epilogue")
     pre = cp.empty((45, 36), dtype=np.float32)
-    y = ck.linear_forward(cp.asarray(x), cp.asarray(w), cp.asarray(bias), gelu=True, pre=pre)
+    y = ck.sgemm(cp.asarray(x), cp.asarray(w), trans_b=True, bias=cp.asarray(bias), gelu=True, pre=pre)
     assert_close(cp.asnumpy(pre), pre_exp, 1e-5, "pre-activation")
     assert_close(cp.asnumpy(y), ref.gelu_forward(pre_exp), 1e-5, "bias+gelu epilogue")
     # K = 0: zeros (and accumulate leaves out as it was)
@@ -627,6 +629,165 @@ def test_gpu_sum_of_squares(cp, ck, rng, dtype):
     assert ck.sum_of_squares(cp.zeros((0,), dtype=dtype)) == 0.0
 
 
+# ---------------------------------------------------------------------------
+# kernels.linear_forward / column_sum / bf16 precision through the public API
+
+
+@pytest.fixture
+def api(cp, restore_dispatch):
+    """the kernels package with the GPU implementations registered (restored after),
+    and the matmul precision back at float32 whatever the test did"""
+    import kernels
+    from kernels import cuda as kc
+
+    kc.register()
+    yield kernels
+    kernels.set_matmul_precision("float32")
+
+
+def _dev(cp, x):
+    return None if x is None else cp.asarray(x)
+
+
+LINEAR_SHAPES = [(5, 7, 3), (45, 70, 36)] + ([] if EMULATED else [(300, 768, 3072)])
+
+
+# numba_cuda has no linear_forward of its own: it must fall back to the "cuda" one
+@pytest.mark.parametrize("backend", ["cuda", "cublas", "numba_cuda"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_gpu_linear_forward(cp, api, rng, backend, dtype, bias, gelu):
+    f64 = np.float64
+    for N, C_in, C_out in LINEAR_SHAPES:
+        x, w = rnd(rng, (N, C_in), dtype), rnd(rng, (C_out, C_in), dtype)
+        b = rnd(rng, (C_out,), dtype) if bias else None
+        y, pre = api.linear_forward(cp.asarray(x), cp.asarray(w), _dev(cp, b), gelu=gelu, backend=backend)
+        assert type(y).__module__.startswith("cupy") and y.dtype == dtype and y.shape == (N, C_out)
+        pre_exp = x.astype(f64) @ w.T.astype(f64) + (0.0 if b is None else b)
+        tol = (1e-5 if dtype == np.float32 else 1e-12) * max(1.0, C_in / 64)
+        label = f"linear_forward {backend} {np.dtype(dtype).name} bias={bias} gelu={gelu} {N}x{C_in}->{C_out}"
+        if gelu:
+            assert pre is not None and pre.shape == (N, C_out)
+            assert_close(cp.asnumpy(pre), pre_exp, tol, label + " pre")
+            assert_close(cp.asnumpy(y), ref.gelu_forward(pre_exp), tol, label)
+        else:
+            assert pre is None
+            assert_close(cp.asnumpy(y), pre_exp, tol, label)
+
+
+def test_gpu_linear_and_column_sum_dispatch(cp, api):
+    from kernels import backend as kb
+    from kernels import cuda as kc
+
+    z = cp.zeros(1)
+    assert kb._dispatch("linear_forward", (z,)).__name__ == "cupy_kernels.linear_forward"
+    assert kb._dispatch("linear_forward", (z,), "cublas") is kc._cublas_linear_forward
+    assert kb._dispatch("linear_forward", (z,), "numba_cuda").__name__ == "cupy_kernels.linear_forward"
+    assert kb._dispatch("column_sum", (z,)).__name__ == "cupy_kernels.column_sum"
+    assert kb._dispatch("column_sum", (z,), "numba_cuda").__name__ == "numba_kernels.column_sum"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gpu_column_sum_through_kernels_api(cp, api, rng, dtype):
+    f64 = np.float64
+    tol = 4 * TOL[dtype]
+    g = rnd(rng, (3 * 64 + 5, 37), dtype)  # three full row chunks and a partial one
+    s = api.column_sum(cp.asarray(g))
+    assert type(s).__module__.startswith("cupy") and s.dtype == dtype and s.shape == (37,)
+    assert_close(cp.asnumpy(s), g.sum(0, dtype=f64), tol, "colsum")
+    # deterministic: fixed chunks, no atomics
+    np.testing.assert_array_equal(cp.asnumpy(api.column_sum(cp.asarray(g))), cp.asnumpy(s))
+    db0 = rnd(rng, (37,), dtype)
+    o = cp.asarray(db0)
+    assert api.column_sum(cp.asarray(g), out=o, accumulate=True) is o
+    assert_close(cp.asnumpy(o), db0 + g.sum(0, dtype=f64), tol, "colsum +=")
+    assert api.column_sum(cp.asarray(g), out=o) is o
+    assert_close(cp.asnumpy(o), g.sum(0, dtype=f64), tol, "colsum overwrite")
+    # a strided x is made contiguous by the API
+    gt = rnd(rng, (37, 70), dtype)
+    assert_close(cp.asnumpy(api.column_sum(cp.asarray(gt).T)), gt.T.sum(0, dtype=f64), tol, "colsum of a view")
+    # no rows: zeros, and += leaves out as it was
+    e = cp.zeros((0, 37), dtype=dtype)
+    np.testing.assert_array_equal(cp.asnumpy(api.column_sum(e)), np.zeros(37, dtype))
+    o = cp.asarray(db0)
+    api.column_sum(e, out=o, accumulate=True)
+    np.testing.assert_array_equal(cp.asnumpy(o), db0)
+
+
+BF16_SHAPES = [(7, 13, 5), (130, 67, 257)] + ([] if EMULATED else [(1031, 2053, 777)])
+
+
+@pytest.mark.parametrize("M,N,K", BF16_SHAPES)
+@pytest.mark.parametrize("ta,tb", [(False, False), (False, True), (True, False), (True, True)])
+def test_gpu_bf16_matmul_matches_cpu_emulation(cp, api, rng, M, N, K, ta, tb):
+    a = rnd(rng, (K, M) if ta else (M, K), np.float32)
+    b = rnd(rng, (N, K) if tb else (K, N), np.float32)
+    emu = api.matmul(a, b, trans_a=ta, trans_b=tb, precision="bf16")  # numpy: round, then float32 BLAS
+    exact = ref.matmul(api.round_to_bf16(a).astype(np.float64), api.round_to_bf16(b).astype(np.float64),
+                       trans_a=ta, trans_b=tb)
+    tol = 1e-5 * max(1.0, K / 32)  # both sum in float32, in different orders
+    for backend in ("cuda", "cublas"):
+        label = f"bf16 {backend} ta={ta} tb={tb} {M}x{N}x{K}"
+        got = cp.asnumpy(api.matmul(cp.asarray(a), cp.asarray(b), trans_a=ta, trans_b=tb, precision="bf16",
+                                    backend=backend))
+        assert got.dtype == np.float32
+        assert_close(got, emu, tol, label + " vs numpy bf16")
+        assert_close(got, exact, tol, label + " vs float64")
+    # transposed views go in as their contiguous base, flag flipped
+    at = cp.asarray(np.ascontiguousarray(a.swapaxes(-1, -2)))
+    got = api.matmul(at.T, cp.asarray(b), trans_a=ta, trans_b=tb, precision="bf16")
+    assert_close(cp.asnumpy(got), emu, tol, "bf16 a.T view")
+
+
+def test_gpu_bf16_batched_attention_out_and_default(cp, api, rng):
+    B, H, T, hs = (2, 2, 17, 8) if EMULATED else (4, 6, 128, 64)
+    q, k, v, dy = (rnd(rng, (B, H, T, hs), np.float32) for _ in range(4))
+    att = rnd(rng, (B, H, T, T), np.float32, 0.2)
+    tol = 1e-5 * max(1.0, T / 32)
+    # the attention GEMMs: scores = q k^T, y = att v, dv = att^T dy (same inputs on both sides)
+    for name, fn, x, y in (("q k^T", api.matmul_nt, q, k), ("att v", api.matmul, att, v),
+                           ("att^T dy", api.matmul_tn, att, dy)):
+        emu = fn(x, y, precision="bf16")
+        for backend in ("cuda", "cublas"):
+            got = fn(cp.asarray(x), cp.asarray(y), precision="bf16", backend=backend)
+            assert got.shape == emu.shape
+            assert_close(cp.asnumpy(got), emu, tol, f"bf16 {name} {backend}")
+    # into a slice of a bigger buffer (like dqkv[2]), overwrite then accumulate
+    emu = api.matmul(att, v, precision="bf16")
+    buf = cp.zeros((3, B, H, T, hs), dtype=np.float32)
+    api.matmul(cp.asarray(att), cp.asarray(v), out=buf[2], precision="bf16")
+    assert_close(cp.asnumpy(buf[2]), emu, tol, "bf16 out=slice")
+    api.matmul(cp.asarray(att), cp.asarray(v), out=buf[2], accumulate=True, precision="bf16")
+    assert_close(cp.asnumpy(buf[2]), 2 * emu, 2 * tol, "bf16 accumulate")
+    # a strided out goes through a temporary
+    wide = cp.ones((B, H, T, 2 * hs), dtype=np.float32)
+    api.matmul(cp.asarray(att), cp.asarray(v), out=wide[..., ::2], accumulate=True, precision="bf16")
+    assert_close(cp.asnumpy(wide[..., ::2]), emu + 1.0, tol, "bf16 strided out +=")
+    np.testing.assert_array_equal(cp.asnumpy(wide[..., 1::2]), 1.0)
+    # the module default reaches the GPU GEMMs (the layers never pass precision)
+    explicit = cp.asnumpy(api.matmul_nt(cp.asarray(q), cp.asarray(k), precision="bf16"))
+    api.set_matmul_precision("bf16")
+    np.testing.assert_array_equal(cp.asnumpy(api.matmul_nt(cp.asarray(q), cp.asarray(k))), explicit)
+    with pytest.raises(api.KernelDtypeError, match="bf16 precision needs float32"):
+        api.matmul_nt(cp.asarray(q, dtype=np.float64), cp.asarray(k, dtype=np.float64))
+
+
+@pytest.mark.parametrize("backend", ["cuda", "cublas"])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_gpu_bf16_linear_forward_matches_cpu_emulation(cp, api, rng, backend, gelu):
+    x, w, b = rnd(rng, (45, 70), np.float32), rnd(rng, (36, 70), np.float32), rnd(rng, (36,), np.float32)
+    y_emu, pre_emu = api.linear_forward(x, w, b, gelu=gelu, precision="bf16")
+    y, pre = api.linear_forward(cp.asarray(x), cp.asarray(w), cp.asarray(b), gelu=gelu, precision="bf16",
+                                backend=backend)
+    tol = 1e-5 * max(1.0, 70 / 32)
+    assert_close(cp.asnumpy(y), y_emu, tol, f"bf16 linear_forward {backend} gelu={gelu}")
+    if gelu:
+        assert_close(cp.asnumpy(pre), pre_emu, tol, "bf16 pre")
+    else:
+        assert pre is None
+
+
 def test_gpu_dispatch_through_kernels_api(cp, rng, restore_dispatch):
     import kernels
     from kernels import backend as kb
@@ -668,3 +829,7 @@ def test_gpu_numba_kernels_on_device(cp, rng):
     x, w, bb = rnd(rng, (64, 768), np.float32), rnd(rng, (768,), np.float32), rnd(rng, (768,), np.float32)
     y, _, _ = nk.layernorm_forward(cp.asarray(x), cp.asarray(w), cp.asarray(bb))
     assert_close(cp.asnumpy(y), ref.layernorm_forward(x, w, bb)[0], 5e-6, "numba layernorm on cupy arrays")
+    assert_close(cp.asnumpy(nk.column_sum(cp.asarray(x))), x.sum(0, dtype=np.float64), 2e-5, "numba column_sum")
+    # bf16 on numba_cuda: its float32 GEMM on bf16-rounded inputs
+    got = nk.matmul(cp.asarray(a), cp.asarray(b), precision="bf16")
+    assert_close(cp.asnumpy(got), ref.matmul(a, b, precision="bf16"), 1e-5 * 129 / 32, "numba gemm bf16")

@@ -1,7 +1,8 @@
 """
 kernels/: Numba kernels == numpy references (float32 and float64, odd shapes, edge
 cases), references == finite differences (float64), the public API's accumulate /
-overwrite / in-place contracts, backend dispatch, and validation errors.
+overwrite / in-place contracts, backend dispatch, bf16 matmul precision, and
+validation errors.
 
 Shapes are deliberately small and odd (N=7, C=13, T=5, V=37) so that nothing lines
 up with a vector width or block size; the first run pays the numba compile, later
@@ -194,6 +195,253 @@ def test_matmul_errors(rng):
         kernels.matmul(np.zeros(13), a)
     with pytest.raises(TypeError, match="dtype"):
         kernels.matmul(a, a.astype(np.float32), trans_b=True)
+
+
+# ---------------------------------------------------------------------------
+# linear_forward and column_sum (a Linear layer's forward and bias gradient)
+
+BACKENDS = ["numba", "numpy"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,C_in,C_out", [(7, 13, 5), (1, 3, 1), (33, 17, 64)])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_linear_forward_equals_matmul_bias_gelu(rng, backend, dtype, N, C_in, C_out, bias, gelu):
+    x, w = rnd(rng, (N, C_in), dtype), rnd(rng, (C_out, C_in), dtype)
+    b = rnd(rng, (C_out,), dtype) if bias else None
+    # what engine/layers.py did before linear_forward existed: bit for bit the same
+    pre_exp = kernels.matmul_nt(x, w, backend=backend)
+    if bias:
+        pre_exp += b
+    y_exp = kernels.gelu_forward(pre_exp, backend=backend) if gelu else pre_exp
+    y, pre = kernels.linear_forward(x, w, b, gelu=gelu, backend=backend)
+    assert y.dtype == dtype and y.shape == (N, C_out)
+    np.testing.assert_array_equal(y, y_exp)
+    if gelu:
+        np.testing.assert_array_equal(pre, pre_exp)
+        assert pre is not y
+    else:
+        assert pre is None
+    # and against plain float64 math
+    assert_close(pre_exp, (x.astype(np.float64) @ w.T.astype(np.float64) + (b if bias else 0)).astype(dtype),
+                 dtype, scale=10)
+
+
+def test_linear_forward_takes_strided_operands_like_matmul(rng):
+    xt, w = rnd(rng, (13, 7), np.float64).T, rnd(rng, (13, 5), np.float64).T  # (7, 13), (5, 13) views
+    y, _ = kernels.linear_forward(xt, w)
+    np.testing.assert_array_equal(y, kernels.matmul_nt(xt, w))
+
+
+def test_linear_forward_errors():
+    x, w, b = np.zeros((7, 13), np.float32), np.zeros((5, 13), np.float32), np.zeros(5, np.float32)
+    with pytest.raises(ValueError, match=r"kernels.linear_forward: w has shape \(5, 12\), expected \(5, 13\)"):
+        kernels.linear_forward(x, w[:, :12])
+    with pytest.raises(ValueError, match=r"bias has shape \(4,\), expected \(5,\)"):
+        kernels.linear_forward(x, w, b[:4])
+    with pytest.raises(ValueError, match="x must be 2D"):
+        kernels.linear_forward(x[None], w)
+    with pytest.raises(ValueError, match="w must be 2D"):
+        kernels.linear_forward(x, w[None])
+    with pytest.raises(TypeError, match="w has dtype float64"):
+        kernels.linear_forward(x, w.astype(np.float64))
+    with pytest.raises(TypeError, match="bias has dtype float64"):
+        kernels.linear_forward(x, w, b.astype(np.float64))
+    with pytest.raises(kernels.KernelDtypeError, match="x must be float32 or float64"):
+        kernels.linear_forward(x.astype(np.float16), w)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,C", [(7, 13), (1, 5), (0, 4), (130, 3)])
+def test_column_sum(rng, backend, dtype, N, C):
+    x = rnd(rng, (N, C), dtype)
+    s = kernels.column_sum(x, backend=backend)
+    assert s.dtype == dtype and s.shape == (C,)
+    np.testing.assert_array_equal(s, x.sum(axis=0))  # what the engine's bias gradient always was
+    assert_close(s, x.astype(np.float64).sum(axis=0).astype(dtype), dtype, scale=10)
+
+    db0 = rnd(rng, (C,), dtype)
+    db = db0.copy()
+    assert kernels.column_sum(x, out=db, accumulate=True, backend=backend) is db
+    exp = db0.copy()
+    exp += x.sum(axis=0)
+    np.testing.assert_array_equal(db, exp)
+    assert kernels.column_sum(x, out=db, backend=backend) is db  # overwritten
+    np.testing.assert_array_equal(db, x.sum(axis=0))
+
+
+def test_column_sum_errors():
+    x = np.zeros((7, 13), np.float32)
+    with pytest.raises(ValueError, match="accumulate=True needs out"):
+        kernels.column_sum(x, accumulate=True)
+    with pytest.raises(ValueError, match=r"out has shape \(7,\), expected \(13,\)"):
+        kernels.column_sum(x, np.zeros(7, np.float32))
+    with pytest.raises(TypeError, match="out has dtype float64"):
+        kernels.column_sum(x, np.zeros(13))
+    with pytest.raises(ValueError, match="x must be 2D"):
+        kernels.column_sum(x[0])
+    with pytest.raises(ValueError, match="C-contiguous"):
+        kernels.column_sum(x, np.zeros((13, 2), np.float32)[:, 0])
+
+
+# ---------------------------------------------------------------------------
+# bf16 matmul precision (float32 master weights, bf16 GEMM inputs, float32 accumulation)
+
+
+@pytest.fixture(autouse=True)
+def _restore_matmul_precision():
+    yield
+    kernels.set_matmul_precision("float32")
+
+
+def _bits(x):
+    return np.asarray(x, np.float32).view(np.uint32)
+
+
+def test_round_to_bf16_rounds_to_nearest_even():
+    cases = {  # float32 bits -> bfloat16 bits (as float32: the low 16 bits are zero)
+        0x3F800000: 0x3F800000,  # 1.0: exact
+        0x3F807FFF: 0x3F800000,  # just below the halfway point: down
+        0x3F808000: 0x3F800000,  # tie, kept bits even (0x3F80): stays
+        0x3F808001: 0x3F810000,  # just above halfway: up
+        0x3F818000: 0x3F820000,  # tie, kept bits odd (0x3F81): up to even
+        0xBF808000: 0xBF800000,  # negative tie: magnitude to even, sign kept
+        0xBF818000: 0xBF820000,
+        0x3FFF8000: 0x40000000,  # carry through the mantissa into the exponent (1.99.. -> 2.0)
+        0x7F7F0000: 0x7F7F0000,  # largest bfloat16
+        0x7F7FFFFF: 0x7F800000,  # largest float32 rounds past it: inf
+        0xFF7FFFFF: 0xFF800000,
+        0x7F800000: 0x7F800000,  # inf, -inf
+        0xFF800000: 0xFF800000,
+        0x00000000: 0x00000000,  # zeros keep their sign
+        0x80000000: 0x80000000,
+        0x00008000: 0x00000000,  # subnormal tie: to even (zero)
+        0x00018000: 0x00020000,
+        0x00000001: 0x00000000,
+    }
+    src = np.array(list(cases), np.uint32).view(np.float32)
+    np.testing.assert_array_equal(_bits(kernels.round_to_bf16(src)), np.array(list(cases.values()), np.uint32))
+    # NaNs stay NaN, including ones whose payload sits only in the low 16 bits (plain
+    # truncation-with-carry would turn 0x7F800001 into inf)
+    nans = np.array([0x7FC00000, 0x7F800001, 0xFF800001, 0xFFFFFFFF, 0x7FBF0000], np.uint32).view(np.float32)
+    r = kernels.round_to_bf16(nans)
+    assert np.all(np.isnan(r)) and np.all(_bits(r) & 0xFFFF == 0)
+    np.testing.assert_array_equal(np.signbit(r), np.signbit(nans))
+    # any shape, strided input, input untouched, result float32
+    x = np.linspace(-3, 3, 24, dtype=np.float32).reshape(4, 6)
+    before = x.copy()
+    r = kernels.round_to_bf16(x.T)
+    assert r.shape == (6, 4) and r.dtype == np.float32
+    np.testing.assert_array_equal(x, before)
+    np.testing.assert_array_equal(r, kernels.round_to_bf16(np.ascontiguousarray(x.T)))
+
+
+def test_round_to_bf16_matches_a_float64_nearest_even_rounding(rng):
+    # independent check: the nearest of the two neighbouring bfloat16 values, ties to
+    # the one with an even last bit
+    x = np.concatenate([rnd(rng, 20000, np.float32, 100.0), rnd(rng, 20000, np.float32, 1e-30)])
+    u = _bits(x)
+    lo = (u & 0xFFFF0000).view(np.float32).astype(np.float64)  # toward zero
+    hi = ((u & 0xFFFF0000) + 0x10000).view(np.float32).astype(np.float64)  # away from zero
+    d_lo, d_hi = np.abs(x - lo), np.abs(hi - x)
+    even_lo = ((u >> 16) & 1) == 0
+    want = np.where((d_lo < d_hi) | ((d_lo == d_hi) & even_lo), lo, hi)
+    np.testing.assert_array_equal(kernels.round_to_bf16(x), want.astype(np.float32))
+
+
+def test_matmul_precision_default_and_names():
+    assert kernels.get_matmul_precision() == "float32"
+    assert kernels.MATMUL_PRECISIONS == ("float32", "bf16")
+    kernels.set_matmul_precision("bf16")
+    assert kernels.get_matmul_precision() == "bf16"
+    with pytest.raises(ValueError, match=r"unknown matmul precision 'tf32'; valid names: float32, bf16"):
+        kernels.set_matmul_precision("tf32")
+    assert kernels.get_matmul_precision() == "bf16"  # a bad name changes nothing
+    with pytest.raises(ValueError, match="valid names: float32, bf16"):
+        kernels.matmul(np.zeros((2, 2), np.float32), np.zeros((2, 2), np.float32), precision="fp8")
+    kernels.set_matmul_precision("float32")
+    assert kernels.get_matmul_precision() == "float32"
+
+
+def _bf16_expected(a, b, trans_a=False, trans_b=False):
+    # float64 products and sums of the bf16-rounded inputs: the exact answer the
+    # float32 accumulation approximates
+    ar, br = (kernels.round_to_bf16(v).astype(np.float64) for v in (a, b))
+    return ref.matmul(ar, br, trans_a=trans_a, trans_b=trans_b)
+
+
+def _rel_err(got, exp):
+    return float(np.max(np.abs(got.astype(np.float64) - exp))) / max(1.0, float(np.max(np.abs(exp))))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (False, True), (True, False), (True, True)])
+def test_matmul_bf16_is_float32_math_on_rounded_inputs(rng, backend, trans_a, trans_b):
+    M, K, N = 7, 61, 5
+    a = rnd(rng, (K, M) if trans_a else (M, K), np.float32)
+    b = rnd(rng, (N, K) if trans_b else (K, N), np.float32)
+    exp = _bf16_expected(a, b, trans_a, trans_b)
+    c = kernels.matmul(a, b, trans_a=trans_a, trans_b=trans_b, precision="bf16", backend=backend)
+    assert c.dtype == np.float32 and c.shape == (M, N)
+    assert _rel_err(c, exp) < 1e-6
+    # and it really is coarser than float32: bf16 keeps 8 mantissa bits
+    c32 = kernels.matmul(a, b, trans_a=trans_a, trans_b=trans_b, backend=backend)
+    assert _rel_err(c32, exp) > 1e-4
+    # accumulate: out += op(a) @ op(b), same rounding of the inputs
+    out = np.full((M, N), 2.0, np.float32)
+    assert kernels.matmul(a, b, out, trans_a=trans_a, trans_b=trans_b, accumulate=True, precision="bf16",
+                          backend=backend) is out
+    assert _rel_err(out, exp + 2.0) < 1e-6
+
+
+def test_matmul_bf16_batched_attention_shapes(rng):
+    B, H, T, hs = 2, 3, 9, 16
+    q, k, v = (rnd(rng, (B, H, T, hs), np.float32) for _ in range(3))
+    att = kernels.matmul_nt(q, k, precision="bf16")                      # (B, H, T, T)
+    assert _rel_err(att, _bf16_expected(q, k, trans_b=True)) < 1e-6
+    y = kernels.matmul(att, v, precision="bf16")                         # (B, H, T, hs)
+    assert _rel_err(y, _bf16_expected(att, v)) < 1e-6
+    dv = kernels.matmul_tn(att, y, precision="bf16")                     # (B, H, T, hs)
+    assert _rel_err(dv, _bf16_expected(att, y, trans_a=True)) < 1e-6
+
+
+def test_matmul_precision_default_reaches_every_gemm(rng):
+    x, w, b = rnd(rng, (7, 13), np.float32), rnd(rng, (5, 13), np.float32), rnd(rng, (5,), np.float32)
+    dy = rnd(rng, (7, 5), np.float32)
+    explicit = [kernels.matmul(dy, w, precision="bf16"), kernels.matmul_nt(x, w, precision="bf16"),
+                kernels.matmul_tn(dy, x, precision="bf16"),
+                *kernels.linear_forward(x, w, b, gelu=True, precision="bf16")]
+    kernels.set_matmul_precision("bf16")
+    default = [kernels.matmul(dy, w), kernels.matmul_nt(x, w), kernels.matmul_tn(dy, x),
+               *kernels.linear_forward(x, w, b, gelu=True)]
+    for e, d in zip(explicit, default):
+        np.testing.assert_array_equal(d, e)
+    # a per-call precision overrides the default
+    np.testing.assert_array_equal(kernels.matmul_nt(x, w, precision="float32"), x @ w.T)
+    # linear_forward under bf16: the bf16 GEMM, then bias and GELU in float32
+    pre = kernels.matmul_nt(x, w)
+    pre += b
+    y, p = kernels.linear_forward(x, w, b, gelu=True)
+    np.testing.assert_array_equal(p, pre)
+    np.testing.assert_array_equal(y, kernels.gelu_forward(pre))
+    assert _rel_err(p, _bf16_expected(x, w, trans_b=True) + b) < 1e-6
+
+
+def test_bf16_precision_needs_float32():
+    a = np.zeros((3, 4))
+    with pytest.raises(kernels.KernelDtypeError, match=r"bf16 precision needs float32 operands.*float64.*"
+                                                       r"precision='bf16'"):
+        kernels.matmul_nt(a, a, precision="bf16")
+    with pytest.raises(kernels.KernelDtypeError, match="kernels.linear_forward: bf16 precision needs float32"):
+        kernels.linear_forward(a, a, precision="bf16")
+    kernels.set_matmul_precision("bf16")  # from the module default: the message says so
+    with pytest.raises(kernels.KernelDtypeError, match=r"set_matmul_precision\('bf16'\)"):
+        kernels.matmul_tn(a, a)
+    # float64 still runs when the call asks for float32 explicitly
+    assert kernels.matmul_tn(a, a, precision="float32").shape == (4, 4)
 
 
 # ---------------------------------------------------------------------------

@@ -10,10 +10,11 @@ Backend names registered (kernels.set_backend / backend=), for cupy inputs:
   "cuda"        the CUDA C kernels in this folder (kernels/cuda/cupy_kernels.py):
                 float32 SGEMM, fused layernorm / softmax / cross-entropy / GELU / AdamW;
                 float64 GEMMs go to cuBLAS. The default for cupy arrays.
-  "cublas"      matmul through cupy.matmul (cuBLAS), everything else as "cuda":
-                the yardstick for the hand-written GEMM in a training run
+  "cublas"      matmul through cupy.matmul (cuBLAS), linear_forward as cuBLAS + bias
+                + our GELU kernel, everything else as "cuda": the yardstick for the
+                hand-written GEMM in a training run
   "numba_cuda"  the Numba CUDA kernels (kernels/cuda/numba_kernels.py) for every op
-                they cover (unimplemented ones fall back to "cuda")
+                they cover (unimplemented ones, e.g. linear_forward, fall back to "cuda")
 numpy inputs keep running on the CPU kernels whatever the name (kernels/backend.py).
 """
 
@@ -58,19 +59,29 @@ def _lazy(module, name):
     return call
 
 
-def _cublas_matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False):
-    from .. import reference  # xp.matmul on cupy arrays = cuBLAS
+def _cublas_matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, precision="float32"):
+    # xp.matmul on cupy arrays = cuBLAS; bf16 = cuBLAS's float32 GEMM on bf16-rounded inputs
+    from .. import reference
 
-    return reference.matmul(a, b, out, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate)
+    return reference.matmul(a, b, out, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate,
+                            precision=precision)
 
 
-# ops in both kernel sets (kept here so register() imports neither module)
+def _cublas_linear_forward(x, w, bias=None, *, gelu=False, precision="float32"):
+    # unfused: the cuBLAS GEMM, then bias and our GELU kernel
+    from .cupy_kernels import linear_epilogue
+
+    return linear_epilogue(_cublas_matmul(x, w, trans_b=True, precision=precision), bias, gelu)
+
+
+# the ops of each kernel set (kept here so register() imports neither module); a
+# Linear layer's forward under numba_cuda is the "cuda" one (its GEMM epilogues)
 _CUPY_OPS = (
-    "matmul", "layernorm_forward", "layernorm_backward", "gelu_forward", "gelu_backward",
-    "softmax_causal_forward", "softmax_causal_backward", "cross_entropy_forward_backward",
+    "matmul", "linear_forward", "column_sum", "layernorm_forward", "layernorm_backward", "gelu_forward",
+    "gelu_backward", "softmax_causal_forward", "softmax_causal_backward", "cross_entropy_forward_backward",
     "adamw_update", "sgd_momentum_update", "sum_of_squares",
 )
-_NUMBA_OPS = _CUPY_OPS
+_NUMBA_OPS = tuple(op for op in _CUPY_OPS if op != "linear_forward")
 
 
 def register():
@@ -81,6 +92,7 @@ def register():
     for op in _CUPY_OPS:
         kb.register_gpu_impl(op, _lazy("cupy_kernels", op), backend_name="cuda")
     kb.register_gpu_impl("matmul", _cublas_matmul, backend_name="cublas", default=False)
+    kb.register_gpu_impl("linear_forward", _cublas_linear_forward, backend_name="cublas", default=False)
     for op in _NUMBA_OPS:
         kb.register_gpu_impl(op, _lazy("numba_kernels", op), backend_name="numba_cuda", default=False)
     _registered = True

@@ -10,8 +10,9 @@ CuPy host side of the CUDA C kernels in kernels/cuda/*.cu.
 
 Each public function here has the signature of the kernels/__init__.py op of the same
 name (minus `backend`); kernels.cuda.register() puts them in the GPU dispatch table.
-Inputs arrive validated (dtypes, shapes, contiguity) except matmul's, which may be
-strided views (kernels.matmul promises that).
+Inputs arrive validated (dtypes, shapes, contiguity) except matmul's and
+linear_forward's x and w, which may be strided views (kernels.matmul promises that).
+precision="bf16" (float32 operands) runs the GEMM on tensor cores (gemm_bf16).
 
 Importing this module imports cupy. Sources are compiled on first use with
 cupy.RawModule (NVRTC, `-std=c++17`), falling back to CuPy's nvcc backend if NVRTC
@@ -237,8 +238,11 @@ def sgemm(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, bia
     return out
 
 
-def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False):
-    """kernels.matmul for cupy arrays: float32 through sgemm.cu, float64 through cuBLAS."""
+def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, precision="float32"):
+    """kernels.matmul for cupy arrays: float32 through sgemm.cu, float64 through cuBLAS,
+    precision="bf16" (float32 operands) through the tensor-core GEMM."""
+    if precision == "bf16":
+        return gemm_bf16(a, b, out, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate)
     if a.dtype == np.float32:
         return sgemm(a, b, out, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate)
     return _ref.matmul(a, b, out, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate)
@@ -252,10 +256,26 @@ def matmul_tn(a, b, out=None, **kw):
     return matmul(a, b, out, trans_a=True, **kw)
 
 
-def linear_forward(x, w, bias=None, *, gelu=False, pre=None, out=None):
-    """y = x @ w.T (+ bias) (then GELU, with the pre-activation saved in pre): the
-    fused epilogues for a Linear layer with w stored (out_features, in_features)."""
-    return sgemm(x, w, out, trans_b=True, bias=bias, gelu=gelu, pre=pre)
+def linear_forward(x, w, bias=None, *, gelu=False, precision="float32"):
+    """kernels.linear_forward for cupy arrays: x (N, C_in), w (C_out, C_in) ->
+    (y, pre) with y = x @ w.T (+ bias) (then GELU, pre the pre-activation). float32
+    runs the bias and GELU in sgemm's epilogue; float64 (cuBLAS) and bf16 (the
+    tensor-core GEMM has no epilogues) run them as separate kernels."""
+    if x.dtype == np.float32 and precision == "float32":
+        pre = cupy.empty((x.shape[0], w.shape[0]), dtype=np.float32) if gelu else None
+        return sgemm(x, w, trans_b=True, bias=bias, gelu=gelu, pre=pre), pre
+    y = matmul(x, w, trans_b=True, precision=precision)
+    return linear_epilogue(y, bias, gelu)
+
+
+def linear_epilogue(y, bias, gelu):
+    """(y (+ bias) [-> GELU], pre) for a GEMM output y (N, C_out), in place on y: the
+    unfused tail of linear_forward."""
+    if bias is not None:
+        y += bias
+    if not gelu:
+        return y, None
+    return gelu_forward(y), y
 
 
 # ---------------------------------------------------------------------------
@@ -280,6 +300,26 @@ def from_bf16(x):
     if x.size:
         _fn("wmma_gemm.cu", "bf16_to_f32")((_elt_grid(x.size),), (ELT_BLOCK,), (x, y, np.int64(x.size)))
     return y
+
+
+def gemm_bf16(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False):
+    """float32 out (+)= op(a) @ op(b) for float32 a, b rounded to bf16 (nearest even):
+    tensor cores, float32 accumulation. What kernels.matmul(precision="bf16") runs."""
+    for name, x in (("a", a), ("b", b), ("out", out)):
+        if x is not None and x.dtype != np.float32:
+            raise TypeError(f"kernels/cuda.gemm_bf16: {name} must be float32, got {x.dtype}")
+    # convert the contiguous base of a transposed view (W.T), not a transposed copy
+    a, trans_a = _gemm_operand(a, trans_a)
+    b, trans_b = _gemm_operand(b, trans_b)
+    if out is not None and not out.flags.c_contiguous:
+        # gemm_tc writes only contiguous outputs: go through a temporary, as sgemm does
+        tmp = cupy.empty(out.shape, dtype=np.float32)
+        if accumulate:
+            tmp[...] = out
+        gemm_bf16(a, b, tmp, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate)
+        out[...] = tmp
+        return out
+    return gemm_tc(to_bf16(a), to_bf16(b), out, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate, kind="bf16")
 
 
 def gemm_tc(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, kind=None):
@@ -488,7 +528,7 @@ def sum_of_squares(x):
 
 # the kernels/__init__.py ops this module implements (what register() installs)
 OPS = (
-    "matmul", "layernorm_forward", "layernorm_backward", "gelu_forward", "gelu_backward",
-    "softmax_causal_forward", "softmax_causal_backward", "cross_entropy_forward_backward",
+    "matmul", "linear_forward", "column_sum", "layernorm_forward", "layernorm_backward", "gelu_forward",
+    "gelu_backward", "softmax_causal_forward", "softmax_causal_backward", "cross_entropy_forward_backward",
     "adamw_update", "sgd_momentum_update", "sum_of_squares",
 )

@@ -577,9 +577,14 @@ def _reshape(a, shape):
     return a.reshape(shape)
 
 
-def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, tiles=GEMM_TILES):
+def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, precision="float32",
+           tiles=GEMM_TILES):
     """out = op(a) @ op(b) (or out += with accumulate), leading dims broadcast like
-    xp.matmul (a general broadcast is materialized; a plain 2D operand is not)."""
+    xp.matmul (a general broadcast is materialized; a plain 2D operand is not).
+    precision="bf16": the float32 GEMM on bf16-rounded inputs (no tensor cores here;
+    numpy or cupy inputs)."""
+    if precision == "bf16":
+        a, b = _ref.round_to_bf16(a), _ref.round_to_bf16(b)
     if out is not None and not _c_contiguous(out):
         # a strided out (a slice): compute into a temporary, then write through
         tmp = out.copy() if accumulate else None
@@ -805,7 +810,7 @@ def sum_of_squares(x, *, block=ELT_BLOCK):
 
 # the ops that kernels.cuda can register for backend="numba_cuda"
 OPS = (
-    "matmul", "layernorm_forward", "layernorm_backward", "gelu_forward", "gelu_backward",
+    "matmul", "column_sum", "layernorm_forward", "layernorm_backward", "gelu_forward", "gelu_backward",
     "softmax_causal_forward", "softmax_causal_backward", "cross_entropy_forward_backward",
     "adamw_update", "sgd_momentum_update", "sum_of_squares",
 )
