@@ -43,10 +43,14 @@ class Layer:
 
 
 class Linear(Layer):
-    """y = x @ w.T + b ; w (C_out, C_in) like PyTorch, so rows are output features."""
+    """y = x @ w.T + b ; w (C_out, C_in) like PyTorch, so rows are output features.
 
-    def __init__(self, name, c_in, c_out, bias=True, std=0.02):
+    gelu=True applies GELU (tanh approximation) to y in the same kernels call: on the
+    GPU it runs in the GEMM's epilogue instead of another pass over (N, C_out)."""
+
+    def __init__(self, name, c_in, c_out, bias=True, std=0.02, gelu=False):
         self.name, self.c_in, self.c_out, self.has_bias, self.std = name, c_in, c_out, bias, std
+        self.gelu = gelu
 
     def specs(self):
         out = [ParamSpec(f"{self.name}.w", (self.c_out, self.c_in), std=self.std)]
@@ -62,14 +66,15 @@ class Linear(Layer):
     def forward(self, x):
         # x (..., C_in) -> y (..., C_out)
         x2 = x.reshape(-1, self.c_in)
-        y = K.matmul_nt(x2, self.w)                      # (N, C_out)
-        if self.has_bias:
-            y += self.b
-        return y.reshape(*x.shape[:-1], self.c_out), x2
+        b = self.b if self.has_bias else None
+        y, pre = K.linear_forward(x2, self.w, b, gelu=self.gelu)   # (N, C_out); pre: before GELU, or None
+        return y.reshape(*x.shape[:-1], self.c_out), (x2, pre)
 
     def backward_input(self, dy, ctx):
-        x2 = ctx
+        x2, pre = ctx
         dy2 = dy.reshape(-1, self.c_out)
+        if self.gelu:
+            dy2 = K.gelu_backward(dy2, pre)              # (N, C_out) before GELU; a new array: dy is the caller's
         dx = K.matmul(dy2, self.w)                       # (N, C_in)
         return dx.reshape(*dy.shape[:-1], self.c_in), (x2, dy2)
 
@@ -77,7 +82,7 @@ class Linear(Layer):
         x2, dy2 = wctx
         K.matmul_tn(dy2, x2, out=self.dw, accumulate=True)   # (C_out, C_in) += dy.T @ x
         if self.has_bias:
-            self.db += dy2.sum(axis=0)
+            K.column_sum(dy2, out=self.db, accumulate=True)  # (C_out,) += sum over rows of dy
 
 
 class LayerNorm(Layer):
@@ -168,11 +173,10 @@ class CausalSelfAttention(Layer):
 
 
 class MLP(Layer):
-    """fc (C -> 4C), GELU, proj (4C -> C)."""
+    """fc (C -> 4C), GELU, proj (4C -> C); the GELU runs inside fc (Linear(gelu=True))."""
 
     def __init__(self, name, c, n_layer_for_init):
-        self.fc = Linear(f"{name}.fc", c, 4 * c)
-        self.act = GELU()
+        self.fc = Linear(f"{name}.fc", c, 4 * c, gelu=True)
         self.proj = Linear(f"{name}.proj", 4 * c, c, std=0.02 / math.sqrt(2 * n_layer_for_init))
 
     def specs(self):
@@ -183,16 +187,14 @@ class MLP(Layer):
         self.proj.bind(params)
 
     def forward(self, x):
-        h, fc_ctx = self.fc.forward(x)
-        g, act_ctx = self.act.forward(h)
+        g, fc_ctx = self.fc.forward(x)                   # (B, T, 4C), after GELU
         y, proj_ctx = self.proj.forward(g)
-        return y, (fc_ctx, act_ctx, proj_ctx)
+        return y, (fc_ctx, proj_ctx)
 
     def backward_input(self, dy, ctx):
-        fc_ctx, act_ctx, proj_ctx = ctx
+        fc_ctx, proj_ctx = ctx
         dg, proj_w = self.proj.backward_input(dy, proj_ctx)
-        dh, _ = self.act.backward_input(dg, act_ctx)
-        dx, fc_w = self.fc.backward_input(dh, fc_ctx)
+        dx, fc_w = self.fc.backward_input(dg, fc_ctx)    # through the GELU, then fc
         return dx, (fc_w, proj_w)
 
     def backward_weight(self, wctx):
@@ -328,11 +330,10 @@ class LMHead(Layer):
 
 
 class DenseGELU(Layer):
-    """Linear followed by GELU: the hidden layer of the MLP classifier."""
+    """Linear followed by GELU (one fused Linear): the hidden layer of the MLP classifier."""
 
     def __init__(self, name, c_in, c_out):
-        self.fc = Linear(name, c_in, c_out, std=math.sqrt(2.0 / c_in) * 0.5)
-        self.act = GELU()
+        self.fc = Linear(name, c_in, c_out, std=math.sqrt(2.0 / c_in) * 0.5, gelu=True)
 
     def specs(self):
         return self.fc.specs()
@@ -341,14 +342,10 @@ class DenseGELU(Layer):
         self.fc.bind(params)
 
     def forward(self, x):
-        h, fc_ctx = self.fc.forward(x)
-        y, act_ctx = self.act.forward(h)
-        return y, (fc_ctx, act_ctx)
+        return self.fc.forward(x)
 
     def backward_input(self, dy, ctx):
-        fc_ctx, act_ctx = ctx
-        dh, _ = self.act.backward_input(dy, act_ctx)
-        return self.fc.backward_input(dh, fc_ctx)
+        return self.fc.backward_input(dy, ctx)
 
     def backward_weight(self, wctx):
         self.fc.backward_weight(wctx)

@@ -72,6 +72,10 @@ def test_linear_no_bias():
     check_layer(L.Linear("fc", 5, 3, bias=False), rng.normal(size=(6, 5)))
 
 
+def test_linear_with_fused_gelu():
+    check_layer(L.Linear("fc", 5, 7, gelu=True), rng.normal(size=(3, 4, 5)))
+
+
 def test_layernorm():
     check_layer(L.LayerNorm("ln", 7), rng.normal(size=(2, 3, 7)))
 
