@@ -64,6 +64,10 @@ def parse_args(argv=None):
     g.add_argument("--heads", type=int, default=None, help="GPT attention heads (default 4)")
     g.add_argument("--context", type=int, default=None, help="GPT maximum sequence length (default 128)")
     g.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="compute dtype (default float32)")
+    g.add_argument("--precision", choices=["float32", "bf16"], default="float32",
+                   help="matmul inputs: float32, or bf16 (rounded to bfloat16, float32 accumulation, "
+                        "float32 master weights and optimizer state; tensor cores with --device cuda, "
+                        "emulated with no speed-up on the CPU). Needs --dtype float32")
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cpu (numpy + Numba) or cuda (CuPy + CUDA kernels; rank takes GPU local_rank %% n_gpus)")
     g = p.add_argument_group("data")
@@ -222,6 +226,9 @@ def check_layout(args, dp):
                              ("--watchdog", args.watchdog, 0), ("--sample-bytes", args.sample_bytes, 0)):
         if value < low:
             raise SystemExit(f"error: {flag} must be {'> 0' if low == 1e-9 else f'>= {low}'}, got {value}")
+    if args.precision == "bf16" and args.dtype != "float32":
+        raise SystemExit(f"error: --precision bf16 needs --dtype float32 (bf16 matmuls keep float32 master "
+                         f"weights), got --dtype {args.dtype}")
     if args.seq_len is not None and args.seq_len < 1:
         raise SystemExit(f"error: --seq-len must be >= 1, got {args.seq_len}")
     if args.microbatches < 1 or args.chunks < 1:
@@ -265,6 +272,18 @@ def main(argv=None):
 def train(args, world=None):
     """Run training. `world` is the communicator of all ranks of this job (default
     MPI.COMM_WORLD; tests pass COMM_SELF to get a single-process reference)."""
+    import kernels as K
+
+    # --precision is the kernels' module-wide matmul default: the layers never pass one.
+    previous = K.get_matmul_precision()
+    K.set_matmul_precision(args.precision)
+    try:
+        return _train(args, world)
+    finally:
+        K.set_matmul_precision(previous)
+
+
+def _train(args, world):
     import comm
     import kernels as K
     from engine import checkpoint
@@ -397,7 +416,8 @@ def train(args, world=None):
     eval_every = args.eval_every or max(1, args.steps // 5)
     log_every = args.log_every or max(1, args.steps // 20)
 
-    say(f"ringpipe | {args.model} {cfg.to_dict()} | {params.size:,} parameters on rank 0 | {args.dtype}")
+    say(f"ringpipe | {args.model} {cfg.to_dict()} | {params.size:,} parameters on rank 0 | {args.dtype}"
+        f"{', bf16 matmuls' if args.precision == 'bf16' else ''}")
     layout = f"dp {dp} x pp {topo.pp}"
     if isinstance(model, PipelineModel):
         layout += (f" | schedule {args.schedule}, {args.microbatches} micro-batches of {micro}"
@@ -443,7 +463,7 @@ def train(args, world=None):
         arrays = gather_state(params, opt, shard, topo, args.zero)
         if is_main:
             meta = {"model": args.model, "model_config": cfg.to_dict(), "optimizer": args.optimizer,
-                    "opt_step_count": opt.step_count, "loss": loss, "dtype": args.dtype,
+                    "opt_step_count": opt.step_count, "loss": loss, "dtype": args.dtype, "precision": args.precision,
                     "layout": {"dp": dp, "pp": topo.pp, "chunks": args.chunks},
                     "args": {k: v for k, v in vars(args).items()}}
             checkpoint.save(ckpt_dir, step, arrays, meta, keep=args.keep)

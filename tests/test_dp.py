@@ -28,12 +28,13 @@ def result(out):
     return losses, arrays
 
 
-def run_pair(shared_dir, extra, dtype):
+def run_pair(shared_dir, extra, dtype, layout=()):
+    """One process with `extra`, then every rank with `extra` + `layout`."""
     flags = BASE + ["--dtype", dtype] + extra
     ref_out = os.path.join(shared_dir, f"ref{world.rank}")
     train(parse_args(flags + ["--out", ref_out]), world=MPI.COMM_SELF)
     dp_out = os.path.join(shared_dir, "dp")
-    train(parse_args(flags + ["--out", dp_out]), world=world)
+    train(parse_args(flags + list(layout) + ["--out", dp_out]), world=world)
     world.Barrier()
     return result(ref_out), result(dp_out)
 
@@ -51,6 +52,19 @@ def test_dp_equals_single_process(shared_dir, extra, dtype, tol):
     assert ref_arrays.keys() == dp_arrays.keys()
     for k in ref_arrays:                    # parameters and optimizer state
         np.testing.assert_allclose(dp_arrays[k], ref_arrays[k], rtol=tol, atol=tol, err_msg=k)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("layout", [[], ["--pp", "2", "--microbatches", "2"]], ids=["dp", "dp-x-pp"])
+def test_bf16_matmuls_under_parallelism_equal_single_process(shared_dir, layout):
+    # bf16 rounding is deterministic, so mixed precision keeps invariant 1 at float32 tolerance.
+    if 8 % world.size:
+        pytest.skip("global batch 8 must divide among the ranks")
+    (ref_losses, ref_arrays), (par_losses, par_arrays) = run_pair(shared_dir, ["--precision", "bf16"], "float32",
+                                                                  layout)
+    np.testing.assert_allclose(par_losses, ref_losses, rtol=1e-5, atol=1e-5)
+    for k in ref_arrays:
+        np.testing.assert_allclose(par_arrays[k], ref_arrays[k], rtol=1e-5, atol=1e-5, err_msg=k)
 
 
 @pytest.mark.mpi(min_size=2)

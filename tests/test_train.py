@@ -76,6 +76,28 @@ def test_resume_gives_the_uninterrupted_trajectory(tmp_path, optimizer):
     assert all(np.array_equal(pf[k], pp[k]) for k in pf)
 
 
+def test_bf16_precision_reaches_every_layer_and_is_restored(tmp_path):
+    """--precision bf16 is the kernels' module default for the run (the layers never
+    pass a precision): the losses move a little, stay close, and the default is back
+    to float32 afterwards."""
+    import kernels
+
+    f32 = losses(run(tmp_path, "--steps", "4", name="f32"))
+    bf16 = losses(run(tmp_path, "--steps", "4", "--precision", "bf16", name="bf16"))
+    assert kernels.get_matmul_precision() == "float32"
+    assert bf16 != f32
+    np.testing.assert_allclose(bf16, f32, rtol=1e-3)
+    _, manifest = checkpoint.load(str(tmp_path / "bf16" / "checkpoints"))
+    assert manifest["precision"] == "bf16"
+    arrays = final_params(str(tmp_path / "bf16"))
+    assert all(a.dtype == np.float32 for a in arrays.values())      # float32 master weights
+
+
+def test_bf16_precision_needs_float32(tmp_path):
+    with pytest.raises(SystemExit, match="--precision bf16 needs --dtype float32"):
+        run(tmp_path, "--precision", "bf16", "--dtype", "float64")
+
+
 def test_mlp_learns_synthetic(tmp_path):
     out = str(tmp_path / "mlp")
     train(parse_args(["--model", "mlp", "--data", "synthetic", "--steps", "40", "--batch-size", "32",
