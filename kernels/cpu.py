@@ -406,12 +406,7 @@ column_sum = reference.column_sum
 
 def linear_forward(x, w, bias=None, *, gelu=False, precision="float32"):
     # as the reference, but with the numba GELU (what a separate GELU layer would run)
-    y = matmul(x, w, trans_b=True, precision=precision)
-    if bias is not None:
-        y += bias
-    if not gelu:
-        return y, None
-    return gelu_forward(y), y
+    return reference.bias_gelu(matmul(x, w, trans_b=True, precision=precision), bias, gelu, gelu_forward)
 
 
 def layernorm_forward(x, weight, bias, eps=1e-5, out=None):

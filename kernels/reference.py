@@ -64,7 +64,12 @@ def matmul_tn(a, b, out=None, **kw):
 
 def linear_forward(x, w, bias=None, *, gelu=False, precision="float32"):
     # x (N, C_in), w (C_out, C_in), bias (C_out,) -> y (N, C_out), pre (N, C_out) or None
-    y = matmul(x, w, trans_b=True, precision=precision)
+    return bias_gelu(matmul(x, w, trans_b=True, precision=precision), bias, gelu, gelu_forward)
+
+
+def bias_gelu(y, bias, gelu, gelu_forward):
+    """The unfused tail of linear_forward on the GEMM output y (N, C_out), in place:
+    (y (+ bias) [-> gelu_forward], pre or None). Each backend passes its own GELU."""
     if bias is not None:
         y += bias
     if not gelu:

@@ -265,17 +265,7 @@ def linear_forward(x, w, bias=None, *, gelu=False, precision="float32"):
         pre = cupy.empty((x.shape[0], w.shape[0]), dtype=np.float32) if gelu else None
         return sgemm(x, w, trans_b=True, bias=bias, gelu=gelu, pre=pre), pre
     y = matmul(x, w, trans_b=True, precision=precision)
-    return linear_epilogue(y, bias, gelu)
-
-
-def linear_epilogue(y, bias, gelu):
-    """(y (+ bias) [-> GELU], pre) for a GEMM output y (N, C_out), in place on y: the
-    unfused tail of linear_forward."""
-    if bias is not None:
-        y += bias
-    if not gelu:
-        return y, None
-    return gelu_forward(y), y
+    return _ref.bias_gelu(y, bias, gelu, gelu_forward)
 
 
 # ---------------------------------------------------------------------------
