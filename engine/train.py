@@ -69,7 +69,9 @@ def parse_args(argv=None):
                         "float32 master weights and optimizer state; tensor cores with --device cuda, "
                         "emulated with no speed-up on the CPU). Needs --dtype float32")
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cpu (numpy + Numba) or cuda (CuPy + CUDA kernels; rank takes GPU local_rank %% n_gpus)")
+                   help="cpu (numpy + Numba) or cuda (CuPy + CUDA kernels; rank takes GPU local_rank %% n_gpus; "
+                        "MPI gets GPU buffers directly if RINGPIPE_CUDA_AWARE_MPI=1 or the MPI library reports "
+                        "CUDA support, else through pinned host memory)")
     g = p.add_argument_group("data")
     g.add_argument("--data", choices=["stdlib", "synthetic", "fashion-mnist", "text"], default=None,
                    help="dataset: stdlib (default for gpt; the interpreter's own library source), "
@@ -346,7 +348,10 @@ def _train(args, world):
     cfg = model_config(args, manifest.get("model_config"))
     dtype = K.resolve_dtype(args.dtype)
     xp = select(args.device, topo.local_rank)
-    transport = Transport(xp)    # how device buffers reach MPI (direct or pinned staging)
+    try:
+        transport = Transport(xp)    # how device buffers reach MPI (direct or pinned staging)
+    except ValueError as e:          # a bad RINGPIPE_CUDA_AWARE_MPI
+        raise SystemExit(f"error: {e}") from None
     if args.model == "gpt":
         if args.seq_len is None:
             args.seq_len = cfg.context

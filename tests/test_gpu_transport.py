@@ -53,6 +53,18 @@ def test_bad_setting_names_the_variable_and_the_choices(fresh_decision):
         device.cuda_aware()
 
 
+@pytest.mark.slow
+def test_training_refuses_a_bad_setting_before_any_work(tmp_path):
+    _need_gxx()
+    with tempfile.TemporaryDirectory() as tmp:
+        env = _emu_env(tmp, sanitize=False)
+        env[device.ENV_CUDA_AWARE] = "maybe"
+        r = _run([sys.executable, "-m", "engine.train", "--device", "cuda", *TRAIN, "--out", str(tmp_path)], env)
+    assert r.returncode != 0
+    assert "error: RINGPIPE_CUDA_AWARE_MPI='maybe': use 1" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_host_arrays_pass_through_untouched():
     t = device.Transport(np)
     assert not t.device and not t.direct and t.describe() == "host memory"
