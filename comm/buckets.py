@@ -116,6 +116,7 @@ class GradBuckets:
         # bucket goes through pinned host memory (comm/device.py).
         self._device = on_device
         self._staged = on_device and not device.cuda_aware()
+        self._written = [None] * len(buckets)     # device: event per bucket, set by mark_ready
         self.param_ranges = ranges
         self.op = op
         self.algorithm = algorithm
@@ -166,6 +167,10 @@ class GradBuckets:
         k = self._bucket_of[i]
         self._pending[k] -= 1
         if self._pending[k] == 0 and self._thread is not None:
+            if self._device:
+                # The bucket thread must wait for the kernels that wrote these
+                # gradients, and only for those: mark them with an event.
+                self._written[k] = device.record_event()
             with self._cond:
                 self._ready[k] = True
                 self._cond.notify_all()
@@ -254,19 +259,28 @@ class GradBuckets:
     def _reduce(self, k: int) -> None:
         lo, hi, _, _ = self.buckets[k]
         seg = self.grad_flat[lo:hi]
+        if self._device:
+            # backward's kernels for this bucket must be done: on the bucket thread
+            # they were queued by the main thread (its event), else by this one
+            written, self._written[k] = self._written[k], None
+            if written is not None:
+                written.synchronize()
+            else:
+                device.synchronize(seg)
         if self._staged:
             host = device.to_pinned(seg)
             _allreduce_ctx(self._ctx, host, self.op, self._algos[k])
             device.copy_back(seg, host)
             return
-        if self._device:
-            device.synchronize(seg)   # backward's kernels for this bucket must be done
         _allreduce_ctx(self._ctx, seg, self.op, self._algos[k])
 
     def _run(self) -> None:
         cond = self._cond
         if self._device:
             self.grad_flat.device.use()   # cupy's current device is per thread
+            # Its own stream, so reductions and copies overlap backward; kept on self
+            # because a stream is destroyed with its last reference.
+            self._stream = device.use_own_stream()
         try:
             while True:
                 with cond:

@@ -5,8 +5,9 @@ array (mpi4py takes anything with __cuda_array_interface__). Any other MPI
 gets a copy in pinned (page-locked) host memory: the copy engine DMAs from it
 directly, where pageable memory would take an extra bounce.
 
-Either way the GPU is synchronized before MPI touches the buffer:
-MPI knows nothing of kernels still queued to write it.
+Either way the stream is synchronized before MPI touches the buffer: MPI
+knows nothing of kernels still queued to write it (or, for fresh memory from
+CuPy's pool, still using it).
 
 Which path: RINGPIPE_CUDA_AWARE_MPI=1 (direct) or 0 (staged) decides;
 unset or "auto" asks the MPI library (MPIX_Query_cuda_support, exported by
@@ -24,7 +25,7 @@ import os
 
 import numpy as np
 
-__all__ = ["is_device_array", "cuda_aware", "query_library", "synchronize", "array_ops", "to_pinned", "copy_back", "Transport", "stats",
+__all__ = ["is_device_array", "cuda_aware", "query_library", "synchronize", "record_event", "use_own_stream", "empty_for_mpi", "array_ops", "to_pinned", "copy_back", "Transport", "stats",
            "ENV_CUDA_AWARE"]
 
 ENV_CUDA_AWARE = "RINGPIPE_CUDA_AWARE_MPI"
@@ -76,14 +77,43 @@ def _reset_decision() -> None:
 
 
 def synchronize(a=None) -> None:
-    """Wait for every kernel queued on the GPU (before MPI reads or writes a device buffer).
-
-    The whole device, not just this thread's stream: the bucket thread must also
-    wait for the backward kernels the main thread queued."""
+    """Wait for the kernels queued on this thread's current stream (before MPI
+    reads or writes a device buffer those kernels touch). Work queued by another
+    thread is that thread's to hand over: GradBuckets records an event."""
     if a is None or is_device_array(a):
         import cupy
 
-        cupy.cuda.runtime.deviceSynchronize()
+        cupy.cuda.get_current_stream().synchronize()
+
+
+def record_event():
+    """A CUDA event marking the work queued so far on this thread's stream, for
+    another thread to wait on (event.synchronize())."""
+    import cupy
+
+    event = cupy.cuda.Event(disable_timing=True)
+    event.record()
+    return event
+
+
+def use_own_stream():
+    """Give the calling thread its own non-blocking stream (returned: keep it alive),
+    so its kernels neither wait for nor hold up the main thread's."""
+    import cupy
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    stream.use()
+    return stream
+
+
+def empty_for_mpi(xp, shape, dtype):
+    """Memory MPI may write into. On the device, CuPy's pool hands out a block as
+    soon as Python drops it, possibly while queued kernels still use it; they are
+    ordered after each other on the stream, but MPI is not, so wait for them."""
+    buf = xp.empty(shape, dtype=dtype)
+    if xp is not np:
+        synchronize(buf)
+    return buf
 
 
 def array_ops(flat):
@@ -104,7 +134,8 @@ def _pinned_empty(shape, dtype):
 
 
 def to_pinned(a):
-    """A copy of device array `a` in pinned host memory (waits for the copy)."""
+    """A copy of device array `a` in pinned host memory, complete on return."""
+    synchronize(a)                  # get() only waits by itself on the legacy default stream
     host = _pinned_empty(a.shape, a.dtype)
     a.get(out=host)
     stats["staged_bytes"] += a.nbytes
@@ -112,8 +143,10 @@ def to_pinned(a):
 
 
 def copy_back(a, host) -> None:
-    """Device array `a` = the staged host copy `host` (after MPI changed it)."""
+    """Device array `a` = the staged host copy `host` (after MPI changed it),
+    complete on return, so `host` may be freed or reused."""
     a.set(host.reshape(a.shape))
+    synchronize(a)
     stats["staged_bytes"] += host.nbytes
 
 
@@ -151,15 +184,16 @@ class Transport:
     def recv_buffer(self, shape, dtype):
         """Memory for MPI to receive into; pass it to received() once the receive completed."""
         if self.direct:
-            return self.xp.empty(shape, dtype)
+            return empty_for_mpi(self.xp, shape, dtype)
         return _pinned_empty(shape, dtype) if self.device else np.empty(shape, dtype)
 
     def received(self, buf):
         """The array of this module holding a completed receive."""
         if not self.device or self.direct:
             return buf
-        stats["staged_bytes"] += buf.nbytes
-        return self.xp.asarray(buf)
+        dev = self.xp.empty(buf.shape, buf.dtype)
+        copy_back(dev, buf)         # straight from pinned memory (asarray would copy it once more)
+        return dev
 
     def in_place(self, a, mpi_call) -> None:
         """Run mpi_call(buf) on a buffer MPI may use in place of `a`, then make `a` hold the result."""

@@ -221,9 +221,11 @@ def _host_flat(buf):
     if type(buf) is np.ndarray and buf.flags.c_contiguous:  # the hot path
         return buf, (buf if buf.ndim == 1 else buf.reshape(-1)), None
     if device.is_device_array(buf):
+        if not buf.flags.c_contiguous:
+            return buf, None, None          # refused by _validate, on either path
         if device.cuda_aware():
             device.synchronize(buf)
-            return buf, (buf.reshape(-1) if buf.flags.c_contiguous else None), None
+            return buf, buf.reshape(-1), None
         arr = device.to_pinned(buf)
         writeback = lambda host: device.copy_back(buf, host)  # noqa: E731
     elif isinstance(buf, np.ndarray):

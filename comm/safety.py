@@ -15,6 +15,8 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
+from .device import empty_for_mpi
+
 __all__ = [
     "check_consistent",
     "install_abort_handler",
@@ -133,7 +135,7 @@ class CommContext:
             # Grow geometrically so a slowly growing workload does not
             # reallocate on every call.
             size = max(n, 1024, 0 if buf is None else buf.size + buf.size // 2)
-            buf = xp.empty(size, dtype=dtype)
+            buf = empty_for_mpi(xp, size, dtype)
             self._scratch[key] = buf
         return buf[:n]
 

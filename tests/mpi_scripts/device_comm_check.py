@@ -50,6 +50,14 @@ for salt, (n, dtype) in enumerate([(1, np.float32), (37, np.float64), (5000, np.
     comm.allgather(dev, world)
     check(f"allgather n={n}", dev, host)
 
+# A strided device buffer is refused the same way on every rank, whichever the path.
+try:
+    comm.allreduce(cupy.zeros(10, np.float32)[::2], world)
+    problems.append(f"rank {rank}: a strided device buffer was accepted")
+except ValueError as e:
+    if "contiguous" not in str(e):
+        problems.append(f"rank {rank}: strided device buffer: unexpected error {e}")
+
 # Gradient buckets, with and without the progress thread.
 ranges = [(0, 1000), (1000, 1300), (1300, 50_000), (50_000, 50_007)]
 for overlap in (False, True):
