@@ -2,7 +2,9 @@
 
 MPI only, no model knowledge. Hot paths use mpi4py's uppercase (buffer)
 calls on preallocated memory; each parallel axis gets its own communicator,
-and our own traffic runs on private Dup'ed communicators.
+and our own traffic runs on private Dup'ed communicators. Device (cupy)
+buffers work too: handed to a CUDA-aware MPI directly, else staged through
+pinned host memory (comm/device.py).
 """
 
 from .buckets import GradBuckets
