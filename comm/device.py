@@ -25,8 +25,8 @@ import os
 
 import numpy as np
 
-__all__ = ["is_device_array", "cuda_aware", "query_library", "synchronize", "record_event", "use_own_stream", "empty_for_mpi", "array_ops", "to_pinned", "copy_back", "Transport", "stats",
-           "ENV_CUDA_AWARE"]
+__all__ = ["ENV_CUDA_AWARE", "stats", "is_device_array", "query_library", "cuda_aware", "synchronize",
+           "record_event", "use_own_stream", "empty_for_mpi", "array_ops", "to_pinned", "copy_back", "Transport"]
 
 ENV_CUDA_AWARE = "RINGPIPE_CUDA_AWARE_MPI"
 
@@ -116,15 +116,16 @@ def empty_for_mpi(xp, shape, dtype):
     return buf
 
 
-def array_ops(flat):
-    """(array module, sync) for reducing into `flat`: (numpy, None) on the host;
-    for a device array cupy, whose ufuncs run on the GPU, and synchronize,
-    to call after a reduction and before MPI sends its result."""
+def array_ops(flat, ufunc=None):
+    """(array module, ufunc, sync) for reducing into `flat` with the numpy ufunc
+    `ufunc` (or None): on the host (numpy, ufunc, None); for a device array cupy
+    and its ufunc of the same name, which run on the GPU, and synchronize, to
+    call after a reduction and before MPI sends its result."""
     if not is_device_array(flat):
-        return np, None
+        return np, ufunc, None
     import cupy
 
-    return cupy, synchronize
+    return cupy, (getattr(cupy, ufunc.__name__) if ufunc is not None else None), synchronize
 
 
 def _pinned_empty(shape, dtype):
@@ -154,14 +155,13 @@ class Transport:
     """How this process hands arrays of one array module to MPI.
 
     xp is numpy (host arrays go as they are) or cupy (device arrays go
-    directly when `direct`, else through pinned host copies). direct=None
-    takes cuda_aware().
+    directly when cuda_aware(), else through pinned host copies).
     """
 
-    def __init__(self, xp, direct: bool | None = None):
+    def __init__(self, xp):
         self.xp = xp
         self.device = xp is not np
-        self.direct = self.device and (cuda_aware() if direct is None else bool(direct))
+        self.direct = self.device and cuda_aware()
 
     def describe(self) -> str:
         if not self.device:

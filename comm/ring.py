@@ -144,9 +144,7 @@ def _ring(ctx: CommContext, flat: np.ndarray, wire: np.ndarray, ufunc, avg: bool
     left, right = (r - 1) % p, (r + 1) % p
     nscratch, init, phases = _schedule(flat.size, p, r, flat.itemsize, _subchunk, t0, t1)
     Isend, Irecv = comm.Isend, comm.Irecv
-    xp, sync = device.array_ops(flat)
-    if ufunc is not None and xp is not np:
-        ufunc = getattr(xp, ufunc.__name__)
+    xp, ufunc, sync = device.array_ops(flat, ufunc)
     if nscratch:
         scratch = ctx.scratch(flat.dtype, nscratch, xp)
         swire = scratch if wire is flat else scratch.view(wire.dtype)

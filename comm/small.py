@@ -51,9 +51,7 @@ def allreduce_small(ctx: CommContext, flat: np.ndarray, wire: np.ndarray, ufunc,
     fold, peers = _schedule(p, r)
     # On a device buffer (CUDA-aware MPI) the combines run on the GPU and
     # must finish before MPI sends their result.
-    xp, sync = array_ops(flat)
-    if xp is not np:
-        ufunc = getattr(xp, ufunc.__name__)
+    xp, ufunc, sync = array_ops(flat, ufunc)
     tmp = ctx.scratch(flat.dtype, flat.size, xp)
     tmpw = tmp if wire is flat else tmp.view(wire.dtype)
 
