@@ -464,6 +464,8 @@ class Watchdog:
         if self.rank != 0:
             time.sleep(2 * self.interval + 1.0)   # let rank 0's report out first
         self._say(f"[rank {self.rank}] watchdog: aborting the job")
+        from comm.safety import wait_until_output_is_read
+        wait_until_output_is_read()
         try:
             from mpi4py import MPI
             if self.comm is not None and MPI.Is_initialized() and not MPI.Is_finalized():
