@@ -185,7 +185,7 @@ def _where() -> str:
     return f"[ringpipe rank {rank}/{size} on {socket.gethostname()}]"
 
 
-def wait_until_output_is_read(timeout: float = 2.0) -> None:
+def wait_until_output_is_read(timeout: float = 2.0, fds=(1, 2)) -> None:
     """Give the launcher time to forward what this rank just wrote.
 
     Under mpiexec (hydra) and srun, a rank's stdout/stderr are pipes read by a
@@ -195,22 +195,22 @@ def wait_until_output_is_read(timeout: float = 2.0) -> None:
     at most `timeout` seconds, until the reader has drained both pipes.
     FIONREAD on a pipe counts the unread bytes from either end. Files and
     terminals need no wait and are skipped."""
-    fds = []
-    for fd in (1, 2):
+    pipes = []
+    for fd in fds:
         try:
             if stat.S_ISFIFO(os.fstat(fd).st_mode):
-                fds.append(fd)
+                pipes.append(fd)
         except OSError:
             pass
     deadline = time.monotonic() + timeout
     buf = bytearray(4)
-    while fds and time.monotonic() < deadline:
+    while pipes and time.monotonic() < deadline:
         try:
-            fds = [fd for fd in fds if fcntl.ioctl(fd, termios.FIONREAD, buf) == 0
-                   and int.from_bytes(buf, sys.byteorder) > 0]
+            pipes = [fd for fd in pipes if fcntl.ioctl(fd, termios.FIONREAD, buf) == 0
+                     and int.from_bytes(buf, sys.byteorder) > 0]
         except OSError:
             return
-        if fds:
+        if pipes:
             time.sleep(0.01)
     # The proxy has read the bytes; let it pass them on before it is killed.
     time.sleep(0.05)

@@ -562,6 +562,37 @@ def _mpiexec(n, *args, timeout=60):
 
 
 @serial_only
+def test_abort_waits_until_the_launcher_has_read_the_report():
+    # The launcher's proxy reads a rank's stderr through a pipe and is killed
+    # on MPI_Abort: the abort must wait until the pipe is drained, or the
+    # message saying why the job died can be lost.
+    import threading
+    from comm.safety import wait_until_output_is_read
+    r, w = os.pipe()
+    try:
+        os.write(w, b"[ringpipe rank 1/2] ValueError: boom\n")
+        reading = threading.Event()
+
+        def slow_reader():
+            time.sleep(0.3)
+            reading.set()   # before the read: the pipe cannot drain earlier
+            os.read(r, 4096)
+
+        t = threading.Thread(target=slow_reader)
+        t.start()
+        wait_until_output_is_read(timeout=30, fds=(w,))
+        assert reading.is_set()
+        t.join()
+        # Nothing unread: returns at once; a non-pipe fd is ignored.
+        wait_until_output_is_read(timeout=30, fds=(w,))
+        with open(os.devnull, "w") as f:
+            wait_until_output_is_read(timeout=30, fds=(f.fileno(),))
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+@serial_only
 @pytest.mark.parametrize("mode", ["main", "thread", "context"])
 def test_uncaught_exception_aborts_job(mode):
     out, dt = _mpiexec(2, os.path.join(SCRIPTS, "crash.py"), mode)
