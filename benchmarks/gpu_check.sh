@@ -7,9 +7,12 @@
 # budget (GPU_CHECK_BUDGET_S, default 450 s; later steps are skipped rather than
 # overrun it), logging every step's exit code and continuing past failures:
 #   1. environment: nvidia-smi, nvcc, python, packages
-#   2. cupy: use it if it imports and sees the GPU; else try to install the wheel for
+#   2. MPI: use the machine's mpi4py and mpiexec if they work; else install the MPICH
+#      and mpi4py wheels carried in ./.whl (fetched beforehand, where an index is
+#      reachable, by benchmarks/gpu_wheels.sh) into a temporary prefix.
+#      cupy: use it if it imports and sees the GPU; else try to install the wheel for
 #      the machine's CUDA major (cupy-cuda13x / cupy-cuda12x / cupy-cuda11x), first
-#      from ./wheels (carried wheel files) if present, then from the package index
+#      from ./.whl if present, then from the package index
 #   3. the GPU tests: pytest tests/test_cuda_kernels.py -k test_gpu_
 #   4. benchmarks/gemm.py --quick --json
 #   5. short GPU training runs: python -m engine.train --device cuda --steps 30, in
@@ -86,7 +89,35 @@ cat "$OUT/env.txt" >>"$LOG"
 head -n 20 "$OUT/env.txt"
 
 # ---------------------------------------------------------------------------
-# 2. cupy
+# 2. MPI, then cupy
+# Commands on a lent GPU machine run as root: let Open MPI's mpiexec accept that.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+MPIEXEC=$(dirname "$(command -v "$PY")")/mpiexec
+[ -x "$MPIEXEC" ] || MPIEXEC=mpiexec
+have_mpi() {
+    command -v "$MPIEXEC" >/dev/null 2>&1 &&
+        timeout 60 "$MPIEXEC" -n 2 "$PY" -c "from mpi4py import MPI; assert MPI.COMM_WORLD.allreduce(1) == 2" >/dev/null 2>&1
+}
+if have_mpi; then
+    say "=== [mpi] machine's own: $MPIEXEC, $("$PY" -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])' 2>&1)"
+    printf 'mpi\t0\t0\n' >>"$STEPS"
+elif ls .whl/mpich-*.whl .whl/mpi4py-*.whl >/dev/null 2>&1; then
+    SITE=$TMPD/site
+    step "pip-local-mpi" 120 "$PY" -m pip install --no-index --no-deps --no-compile --ignore-installed \
+        --prefix "$SITE" .whl/mpich-*.whl .whl/mpi4py-*.whl
+    # Found, not assumed: some Pythons (Debian's) install a --prefix under PREFIX/local.
+    MPIEXEC=$(find "$SITE" -path '*/bin/mpiexec' | head -n 1)
+    pkgs=$(dirname "$(find "$SITE" -name __init__.py -path '*/mpi4py/__init__.py' | head -n 1)")
+    PYTHONPATH=$(dirname "$pkgs")${PYTHONPATH:+:$PYTHONPATH}
+    PATH=$(dirname "$MPIEXEC"):$PATH
+    MPI4PY_LIBMPI=$(find "$SITE" -name libmpi.so.12 | head -n 1)
+    export PYTHONPATH PATH MPI4PY_LIBMPI
+    if have_mpi; then say "=== [mpi] carried MPICH ready: $MPIEXEC"; else say "=== [mpi] STILL NOT USABLE: MPI steps will fail"; status=1; fi
+else
+    say "=== [mpi] NOT USABLE and no wheels in ./.whl (run benchmarks/gpu_wheels.sh where an index is reachable): MPI steps will fail"
+    status=1
+fi
+
 have_cupy() { "$PY" -c "import cupy; assert cupy.cuda.runtime.getDeviceCount() > 0" >/dev/null 2>&1; }
 if have_cupy; then
     say "=== [cupy] already installed: $("$PY" -c 'import cupy; print(cupy.__version__)' 2>&1)"
@@ -102,8 +133,8 @@ else
     esac
     say "=== [cupy] not usable; CUDA major '${major:-?}', trying: $wheels"
     for w in $wheels; do
-        if [ -d wheels ]; then
-            step "pip-local-$w" 120 "$PY" -m pip install --no-index --find-links wheels "$w"
+        if [ -d .whl ]; then
+            step "pip-local-$w" 120 "$PY" -m pip install --no-index --find-links .whl "$w"
             have_cupy && break
         fi
         step "pip-$w" 150 "$PY" -m pip install --retries 1 --timeout 20 "$w"
@@ -124,15 +155,13 @@ step "gemm-bench" 200 "$PY" benchmarks/gemm.py ${GEMM_BENCH_ARGS:---quick} --jso
 train() {
     local name=$1 result=$2
     shift 2
-    rm -rf "$TMPD/$name"
+    rm -rf "${TMPD:?}/$name"
     # shellcheck disable=SC2086
     step "$name" 120 "$PY" -m engine.train --device cuda --steps 30 --out "$TMPD/$name" --overwrite "$@" ${TRAIN_ARGS:-}
     [ -f "$TMPD/$name/metrics.jsonl" ] && cp "$TMPD/$name/metrics.jsonl" "$OUT/$result"
 }
 train train-cuda train_metrics.jsonl
 train train-cuda-bf16 train_bf16_metrics.jsonl --precision bf16
-MPIEXEC=$(dirname "$(command -v "$PY")")/mpiexec
-[ -x "$MPIEXEC" ] || MPIEXEC=mpiexec
 RINGPIPE_CUDA_AWARE_MPI=0 step "mpi-device-staged" 90 "$MPIEXEC" -n 2 "$PY" tests/mpi_scripts/device_comm_check.py
 if "$PY" -c "from comm.device import query_library as q; raise SystemExit(0 if q() else 1)" 2>/dev/null; then
     RINGPIPE_CUDA_AWARE_MPI=1 step "mpi-device-direct" 90 "$MPIEXEC" -n 2 "$PY" tests/mpi_scripts/device_comm_check.py

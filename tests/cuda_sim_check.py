@@ -462,6 +462,9 @@ def main(argv):
                 only = MUTATIONS[mutation][0].split(",")
         elif a in ("--gpu", "--ptx"):
             pass
+        elif a in ("-h", "--help"):
+            print(__doc__)
+            return 0
         else:
             print(__doc__)
             return 2
