@@ -30,6 +30,8 @@
 # Exit code: 0 if every step that ran passed, 1 otherwise.
 set -u
 cd "$(dirname "$0")/.." || exit 1
+# The checkout itself, not an installed ringpipe: the GPU machine has none.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-gpu_results}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)

@@ -6,14 +6,18 @@ GPU) or 0 (staged through pinned host memory). Prints one JSON line on rank 0:
 {"ok": bool, "problems": [...], "direct": bool, "staged_bytes": int}.
 """
 import json
+import os
+import sys
 
-import cupy
-import numpy as np
-from mpi4py import MPI
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-import comm
-from comm import device
-from comm.ring import set_subchunk_bytes
+import cupy  # noqa: E402
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+import comm  # noqa: E402
+from comm import device  # noqa: E402
+from comm.ring import set_subchunk_bytes  # noqa: E402
 
 world = MPI.COMM_WORLD
 p, rank = world.Get_size(), world.Get_rank()
