@@ -34,14 +34,16 @@ def _launcher_rank():
     return 0
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that prints usage errors once (rank 0), not once per MPI rank."""
+class UsageError(SystemExit):
+    """A refused command line. Raised, not printed: main() first makes sure every
+    rank knows (a rank that exits alone would leave the others waiting)."""
 
+
+class _Parser(argparse.ArgumentParser):
     def error(self, message):
-        if _launcher_rank() == 0:
-            self.print_usage(sys.stderr)
-            sys.stderr.write(f"{self.prog}: error: {message}\n")
-        sys.exit(2)
+        e = UsageError(f"{self.format_usage()}{self.prog}: error: {message}")
+        e.short = f"{self.prog}: error: {message}"      # without the usage block
+        raise e
 
 
 def parse_args(argv=None):
@@ -138,6 +140,9 @@ def model_config(args, saved=None):
         cfg = MLPConfig()
     flag_names = {"n_layer": "--layers", "d_model": "--d-model", "n_head": "--heads",
                   "context": "--context", "hidden": "--d-model"}
+    for key, value in flags.items():
+        if value is not None and value < 1:
+            raise SystemExit(f"error: {flag_names[key]} must be >= 1, got {value}")
     for key, value in (saved or {}).items():
         if key in flags and flags[key] is not None and flags[key] != value:
             raise SystemExit(f"error: the checkpoint was written with {flag_names[key]} {value}, "
@@ -173,11 +178,12 @@ def load_dataset(args, model_cfg):
     raise SystemExit(f"error: --data {kind} is a text corpus; use it with --model gpt")
 
 
-def agree(world, fn, what, same_result=False):
-    """Run a step that depends on this rank's filesystem (a dataset, a checkpoint)
-    and make every rank reach the same outcome: if it failed anywhere, every rank
-    stops with the error (naming the ranks), never some ranks waiting forever in
-    the next collective. same_result: the ranks' results must also be equal."""
+def agree(world, fn, what, same_result=False, hint="is the path on a filesystem every node sees?"):
+    """Run a step that depends on this rank's own state (its filesystem, its GPU,
+    its command line) and make every rank reach the same outcome: if it failed
+    anywhere, every rank stops with the error (naming the ranks, and `hint` when
+    only some failed), never some ranks waiting forever in the next collective.
+    same_result: the ranks' results must also be equal."""
     from engine import checkpoint
     try:
         result, error = fn(), None
@@ -191,8 +197,7 @@ def agree(world, fn, what, same_result=False):
         first = errors[failed[0]]
         if len(failed) == world.Get_size() and all(e == first for e in errors):
             raise SystemExit(first)
-        raise SystemExit(f"error: the {what} failed on rank(s) {failed} only (is the path on a filesystem every "
-                         f"node sees?): rank {failed[0]}: {first}")
+        raise SystemExit(f"error: the {what} failed on rank(s) {failed} only ({hint}): rank {failed[0]}: {first}")
     if same_result:
         results = world.allgather(result)
         if any(r != results[0] for r in results):
@@ -212,7 +217,7 @@ def check_same_args(args, world):
     diffs = []
     for r, theirs in enumerate(everyone):
         for k in mine:
-            if theirs.get(k) != everyone[0].get(k):
+            if not _same_value(theirs.get(k), everyone[0].get(k)):
                 diffs.append(f"rank {r} has --{k.replace('_', '-')} {theirs.get(k)!r} where rank 0 has "
                              f"{everyone[0].get(k)!r}")
     if diffs:
@@ -220,8 +225,28 @@ def check_same_args(args, world):
                          "same command line:\n  " + "\n  ".join(diffs[:10]))
 
 
+def _same_value(a, b):
+    # NaN != NaN: without this, one rank given --lr nan would "differ from itself".
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
 def check_layout(args, dp):
-    """Refuse impossible shapes before any work (and identically on every rank)."""
+    """Refuse impossible shapes and values before any work (and identically on every rank)."""
+    for name, value in sorted(vars(args).items()):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be a finite number, got {value}")
+    if args.lr is not None and args.lr <= 0:
+        raise SystemExit(f"error: --lr must be > 0, got {args.lr}")
+    if not 0 <= args.min_lr_ratio <= 1:
+        raise SystemExit(f"error: --min-lr-ratio is the fraction of --lr the schedule decays to: it must be "
+                         f"between 0 and 1, got {args.min_lr_ratio}")
+    for flag, value in (("--warmup", args.warmup), ("--weight-decay", args.weight_decay),
+                        ("--grad-clip", args.grad_clip)):
+        if value is not None and value < 0:
+            raise SystemExit(f"error: {flag} must be >= 0, got {value}"
+                             f"{' (0 disables clipping)' if flag == '--grad-clip' else ''}")
     for flag, value, low in (("--bucket-mb", args.bucket_mb, 1e-9), ("--checkpoint-every", args.checkpoint_every, 0),
                              ("--keep", args.keep, 0), ("--eval-batches", args.eval_batches, 1),
                              ("--eval-every", args.eval_every or 1, 1), ("--log-every", args.log_every or 1, 1),
@@ -253,21 +278,48 @@ def check_layout(args, dp):
 # ---- the run -------------------------------------------------------------------------
 
 def main(argv=None):
-    args = parse_args(argv)
+    try:
+        args, usage_error = parse_args(argv), None
+    except UsageError as e:
+        args, usage_error = None, e
     import comm
     from engine import lifecycle
     comm.install_abort_handler()
     try:
         # Refuse a launch where srun's MPI plugin did not wire the ranks together.
         lifecycle.check_launcher()
+        agree_on_command_line(usage_error)
         train(args)
     except SystemExit as e:
-        # A configuration error: every rank reached the same conclusion, so exit
-        # quietly on all of them (print once), no abort needed.
+        # A configuration error: every rank reached the same conclusion (agree()
+        # and check_same_args() see to that), so exit quietly on all of them
+        # (print once), no abort needed.
         if isinstance(e.code, str):
             if _launcher_rank() == 0:
                 print(e.code, file=sys.stderr, flush=True)
             sys.exit(2)
+        raise
+
+
+def agree_on_command_line(usage_error):
+    """A command line refused on some ranks only (an MPMD launch, `a : b`) must
+    stop all ranks, not leave the others waiting in their first collective."""
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    if world.Get_size() == 1:
+        if usage_error is not None:
+            raise usage_error
+        return
+
+    def refused_here():
+        if usage_error is not None:
+            raise SystemExit(usage_error.short)
+
+    try:
+        agree(world, refused_here, "command line", hint="were the ranks launched with different arguments?")
+    except SystemExit as e:
+        if usage_error is not None and e.code == usage_error.short:
+            raise usage_error from None    # refused alike on every rank: show the usage, as one process would
         raise
 
 
@@ -297,6 +349,7 @@ def _train(args, world):
     from engine import lifecycle
     from comm.device import Transport
     from comm.device import stats as transfer_stats
+    from engine.device import describe as describe_device
     from engine.device import select
     from engine.trace import Tracer
     from mpi4py import MPI
@@ -347,17 +400,34 @@ def _train(args, world):
     # ---- data and model ----------------------------------------------------------------
     cfg = model_config(args, manifest.get("model_config"))
     dtype = K.resolve_dtype(args.dtype)
-    xp = select(args.device, topo.local_rank)
-    try:
-        transport = Transport(xp)    # how device buffers reach MPI (direct or pinned staging)
-    except ValueError as e:          # a bad RINGPIPE_CUDA_AWARE_MPI
-        raise SystemExit(f"error: {e}") from None
+
+    def pick_device():
+        xp = select(args.device, topo.local_rank)
+        return xp, Transport(xp)     # how device buffers reach MPI (direct or pinned staging)
+
+    # A node without CuPy or a GPU must stop every rank, not only its own.
+    xp, transport = agree(world, pick_device, "device setup",
+                          hint="does every node have CuPy and a visible GPU?")
     if args.model == "gpt":
         if args.seq_len is None:
             args.seq_len = cfg.context
         if not 1 <= args.seq_len <= cfg.context:
             raise SystemExit(f"error: --seq-len {args.seq_len} exceeds the model's context {cfg.context}; "
                              f"lower --seq-len or raise --context (at least {args.seq_len})")
+
+    def make_run_dir():
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+        except OSError as e:
+            raise SystemExit(f"error: cannot create the run directory --out {out_dir} ({e.strerror}: "
+                             f"{e.filename}); pass --out a folder path that can be created") from None
+        if not os.access(out_dir, os.W_OK):
+            raise SystemExit(f"error: the run directory --out {out_dir} is not writable; pass --out a folder "
+                             "you can write to")
+
+    # Before the data is loaded and the model built: a bad --out costs nothing yet.
+    agree(world, make_run_dir, "run directory")
+
     dataset = agree(world, lambda: load_dataset(args, cfg), "dataset")
     if args.model == "gpt":
         layers_fn = lambda: gpt_layers(cfg)  # noqa: E731
@@ -432,8 +502,10 @@ def _train(args, world):
     say(f"data {dataset.name} | global batch {args.batch_size} x {items_per_example} = {items_per_step} "
         f"{'tokens' if args.model == 'gpt' else 'examples'}/step | {world.Get_size()} ranks: {layout}"
         f"{' | zero-1' if args.zero else ''}")
-    if xp is not np and world.Get_size() > 1:
-        say(f"GPU buffers and MPI: {transport.describe()}")
+    if xp is not np:
+        say(f"device: {describe_device(xp)} on rank 0")
+        if world.Get_size() > 1:
+            say(f"GPU buffers and MPI: {transport.describe()}")
     if args.model == "gpt" and is_main:
         say(f"unigram baseline (val): {dataset.unigram_entropy():.4f} nats/byte")
     if topo.pp > 1 and args.microbatches < 2 * topo.pp:
@@ -441,8 +513,6 @@ def _train(args, world):
             f"(bubble {(topo.pp - 1) / (args.microbatches + topo.pp - 1):.0%}); use --microbatches "
             f">= {4 * topo.pp} to fill it")
 
-    os.makedirs(out_dir, exist_ok=True) if is_main else None
-    world.Barrier()
     log = lifecycle.setup_rank_logging(out_dir, rank, world.Get_size())
     log.info("start: %s", " ".join(sys.argv) or "(in-process)")
     stop = lifecycle.StopFlag()                  # SIGUSR1/SIGTERM: checkpoint and exit at the next step
@@ -529,11 +599,12 @@ def _train(args, world):
                 # The first step includes Numba's JIT compile (cached on disk afterwards): leave it out.
                 timed = done - start_step - 1
                 per_step = (time.perf_counter() - t_first_done) / timed if timed > 0 else dt
-                eta = per_step * (args.steps - done)
+                # On the first step itself the compile time would dominate the estimate: give none.
+                eta = _hms(per_step * (args.steps - done)) if timed > 0 or done == args.steps else "--"
                 rate = record.get("tokens_per_s", record.get("examples_per_s"))
                 line = (f"step {done:>{len(str(args.steps))}}/{args.steps} | loss {loss:.4f} | lr {lr:.2e} | "
                         f"{_rate(rate)} {'tok' if args.model == 'gpt' else 'ex'}/s | "
-                        f"{dt * 1e3:.0f} ms | ETA {_hms(eta)}")
+                        f"{dt * 1e3:.0f} ms | ETA {eta}")
                 if "val_loss" in record:
                     line += f" | val {record['val_loss']:.4f}"
                 say(line)
@@ -572,8 +643,9 @@ def _train(args, world):
         say(f"nothing to do: the checkpoint is already at step {start_step} of --steps {args.steps}")
     if is_main:
         metrics.close()
+        final = checkpoint.manifest_path(ckpt_dir, max(args.steps, start_step))
         say(f"done: {args.steps - start_step} steps in {_hms(time.perf_counter() - t_start)}; "
-            f"checkpoint and metrics.jsonl in {out_dir}")
+            f"checkpoint {final}, metrics {os.path.join(out_dir, 'metrics.jsonl')}")
         if xp is not np and world.Get_size() > 1:
             say(f"GPU buffers and MPI on rank 0: {transfer_stats['staged_bytes'] / 2**20:.1f} MiB "
                 f"copied through host memory ({transport.describe()})")

@@ -147,3 +147,32 @@ def test_ranks_that_see_different_checkpoints_are_refused_not_hung(tmp_path):
     assert r.returncode == 2, r
     assert "ranks found different checkpoint to resume froms" not in r.stderr
     assert "rank 0: run/checkpoints/ckpt_00000002.json, rank 1: None" in r.stderr
+
+
+def test_command_line_refused_on_one_rank_only_stops_every_rank(tmp_path):
+    """MPMD launch where one rank's command line does not parse: that rank must not
+    exit alone and leave the other waiting in its first collective."""
+    args = [sys.executable, "-m", "engine.train", *TINY, "--out", str(tmp_path / "m")]
+    t0 = time.time()
+    r = subprocess.run([MPIEXEC, "-n", "1", *args, "--steps", "2", ":", "-n", "1", *args, "--steps", "x"],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r
+    assert ("error: the command line failed on rank(s) [1] only (were the ranks launched with different "
+            "arguments?): rank 1: ringpipe-train: error: argument --steps: invalid int value: 'x'") in r.stderr
+    assert time.time() - t0 < 60
+
+
+def test_node_without_cupy_stops_every_rank_naming_it(tmp_path):
+    """--device cuda where only rank 0 has CuPy (here the CPU emulation of it)."""
+    from tests.test_cuda_kernels import _emu_env
+    emu = _emu_env(str(tmp_path / "emu"), sanitize=False)
+    args = [sys.executable, "-m", "engine.train", *TINY, "--steps", "2", "--device", "cuda",
+            "--out", str(tmp_path / "m")]
+    env_args = [a for k, v in emu.items() for a in ("-env", k, v)]
+    t0 = time.time()
+    r = subprocess.run([MPIEXEC, "-n", "1", *env_args, *args, ":", "-n", "1", "-env", "PYTHONPATH", ROOT, *args],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r
+    assert ("error: the device setup failed on rank(s) [1] only (does every node have CuPy and a visible GPU?): "
+            "rank 1: error: --device cuda needs CuPy") in r.stderr, r.stderr[-2000:]
+    assert time.time() - t0 < 60
