@@ -15,7 +15,10 @@ setup(
         # (see README, "Using your cluster's MPI").
         "mpi": ["mpich"],
         "test": ["pytest>=7", "pytest-mpi>=0.6"],
-        "gpu": ["cupy"],
+        # Prebuilt CuPy wheels (the plain "cupy" package compiles from source):
+        # cupy-cuda12x runs on CUDA 12 and 13 drivers; gpu13 is the CUDA 13 build.
+        "gpu": ["cupy-cuda12x"],
+        "gpu13": ["cupy-cuda13x"],
         "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["ringpipe-train=engine.train:main"]},

@@ -161,11 +161,16 @@ class Transport:
     def __init__(self, xp):
         self.xp = xp
         self.device = xp is not np
-        self.direct = self.device and cuda_aware()
+        # Asked on the CPU too: a bad RINGPIPE_CUDA_AWARE_MPI is refused wherever it is set.
+        self.direct = cuda_aware() and self.device
 
     def describe(self) -> str:
         if not self.device:
             return "host memory"
+        if self.direct and not query_library():
+            return (f"device buffers straight to MPI, as {ENV_CUDA_AWARE}=1 says, although the MPI library "
+                    f"does not report CUDA support (MPIX_Query_cuda_support): if it cannot read GPU memory, "
+                    f"set {ENV_CUDA_AWARE}=0")
         if self.direct:
             return "device buffers straight to MPI (CUDA-aware MPI)"
         return (f"staged through pinned host memory (MPI is not CUDA-aware; "

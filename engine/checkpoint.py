@@ -62,11 +62,16 @@ def _crc32_file(path):
     return crc
 
 
+def manifest_path(directory, step) -> str:
+    """Where checkpoint `step` of `directory` has (or will have) its manifest."""
+    return os.path.join(directory, f"ckpt_{step:08d}.json")
+
+
 def save(directory, step, arrays: dict, meta: dict, keep=3):
     """Write checkpoint `step` atomically; keep the newest `keep` (0 = keep all). Returns the JSON path."""
     os.makedirs(directory, exist_ok=True)
-    base = os.path.join(directory, f"ckpt_{step:08d}")
-    npz_path, json_path = base + ".npz", base + ".json"
+    json_path = manifest_path(directory, step)
+    npz_path = json_path[:-5] + ".npz"
     host = {k: np.asarray(to_host(v)) for k, v in arrays.items()}
     _atomic_write(npz_path, lambda fh: np.savez(fh, **host))
     manifest = dict(meta, format=FORMAT, step=step, npz=os.path.basename(npz_path),

@@ -19,9 +19,9 @@ def select(device: str, local_rank: int = 0):
     try:
         import cupy
     except ImportError:
-        raise SystemExit("error: --device cuda needs CuPy, which is not installed: "
-                         "pip install 'ringpipe[gpu]' (or the cupy-cudaXXx wheel matching your CUDA), "
-                         "or use --device cpu") from None
+        raise SystemExit("error: --device cuda needs CuPy, which is not installed: pip install the wheel for "
+                         "your driver's CUDA major (the 'CUDA Version' nvidia-smi shows): cupy-cuda12x or "
+                         "cupy-cuda13x (pip install -e '.[gpu]' installs cupy-cuda12x); or use --device cpu") from None
     try:
         n_gpus = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:        # CUDARuntimeError when no driver / no device
@@ -34,6 +34,19 @@ def select(device: str, local_rank: int = 0):
     import kernels.cuda
     kernels.cuda.register()
     return cupy
+
+
+def describe(xp) -> str:
+    """Where this rank computes: 'CPU', or e.g. 'GPU 0 of 4 (NVIDIA H200)'."""
+    if xp is np:
+        return "CPU"
+    dev = xp.cuda.Device().id
+    try:
+        name = xp.cuda.runtime.getDeviceProperties(dev)["name"]
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        return f"GPU {dev} of {xp.cuda.runtime.getDeviceCount()} ({name})"
+    except Exception:             # only a name for the log: never fail a run over it
+        return f"GPU {dev}"
 
 
 def to_host(a):

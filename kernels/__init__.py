@@ -67,7 +67,14 @@ class KernelDtypeError(TypeError, ValueError):
 # so they run the same for numpy and cupy
 
 
+def _array(op, name, a):
+    if not (hasattr(a, "dtype") and hasattr(a, "shape") and hasattr(a, "ndim")):
+        raise TypeError(f"kernels.{op}: {name} must be a numpy or cupy array, got {type(a).__name__} "
+                        "(convert it with np.asarray)")
+
+
 def _float_dtype(op, name, a):
+    _array(op, name, a)
     if str(a.dtype) not in _FLOAT_KINDS:
         raise KernelDtypeError(f"kernels.{op}: {name} must be float32 or float64, got {a.dtype}")
     return a.dtype
@@ -87,6 +94,7 @@ def _shape(op, name, a, shape):
 
 
 def _ndim(op, name, a, ndim):
+    _array(op, name, a)
     if a.ndim != ndim:
         raise ValueError(f"kernels.{op}: {name} must be {ndim}D, got shape {tuple(a.shape)}")
 
@@ -129,6 +137,8 @@ def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, pr
     (float32 operands only), None for kernels.get_matmul_precision().
     """
     op = "matmul"
+    _array(op, "a", a)
+    _array(op, "b", b)
     if a.ndim < 2 or b.ndim < 2:
         raise ValueError(f"kernels.{op}: a and b must be at least 2D, got {tuple(a.shape)} and {tuple(b.shape)}")
     dt = _float_dtype(op, "a", a)
@@ -143,15 +153,14 @@ def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, pr
         )
     if accumulate and out is None:
         raise ValueError(f"kernels.{op}: accumulate=True needs out")
-    if out is not None:
-        try:
-            batch = np.broadcast_shapes(tuple(a.shape[:-2]), tuple(b.shape[:-2]))
-        except ValueError:
-            raise ValueError(
-                f"kernels.{op}: batch dims of {tuple(a.shape)} and {tuple(b.shape)} do not broadcast"
-            ) from None
-        # checked here because `out += r` would silently broadcast a smaller result
-        _shape(op, "out", out, batch + (M, N))
+    try:
+        batch = np.broadcast_shapes(tuple(a.shape[:-2]), tuple(b.shape[:-2]))
+    except ValueError:
+        raise ValueError(
+            f"kernels.{op}: batch dims of {tuple(a.shape)} and {tuple(b.shape)} do not broadcast"
+        ) from None
+    # checked here because `out += r` would silently broadcast a smaller result
+    _shape(op, "out", out, batch + (M, N))
     impl = _dispatch(op, (a, b, out), backend)
     return impl(a, b, out, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate, precision=precision)
 
@@ -282,6 +291,7 @@ def gelu_backward(dout, x, dx=None, *, backend=None):
 
 
 def _check_square(op, name, a):
+    _array(op, name, a)
     if a.ndim < 2 or a.shape[-1] != a.shape[-2]:
         raise ValueError(f"kernels.{op}: {name} must be (..., T, T), got shape {tuple(a.shape)}")
 

@@ -195,6 +195,25 @@ def test_matmul_errors(rng):
         kernels.matmul(np.zeros(13), a)
     with pytest.raises(TypeError, match="dtype"):
         kernels.matmul(a, a.astype(np.float32), trans_b=True)
+    with pytest.raises(ValueError, match=r"batch dims of \(2, 7, 13\) and \(3, 13, 5\) do not broadcast"):
+        kernels.matmul(np.zeros((2, 7, 13)), np.zeros((3, 13, 5)))
+
+
+@pytest.mark.parametrize("call", [
+    lambda L: kernels.matmul(L, np.zeros((2, 2))),
+    lambda L: kernels.linear_forward(L, np.zeros((2, 2))),
+    lambda L: kernels.column_sum(L),
+    lambda L: kernels.layernorm_forward(L, L, L),
+    lambda L: kernels.gelu_forward(L),
+    lambda L: kernels.softmax_causal_forward(L, 1.0),
+    lambda L: kernels.cross_entropy_forward_backward(L, [0, 1]),
+    lambda L: kernels.adamw_update(L, L, L, L, lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1),
+    lambda L: kernels.sum_of_squares(L),
+], ids=["matmul", "linear_forward", "column_sum", "layernorm", "gelu", "softmax", "cross_entropy", "adamw",
+        "sum_of_squares"])
+def test_a_list_instead_of_an_array_is_named(call):
+    with pytest.raises(TypeError, match=r"kernels\.\w+: \w+ must be a numpy or cupy array, got list"):
+        call([[1.0, 2.0], [3.0, 4.0]])
 
 
 # ---------------------------------------------------------------------------

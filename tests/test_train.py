@@ -136,6 +136,40 @@ def test_unknown_flag_and_value():
     assert r.returncode == 2 and "invalid choice: 'float16'" in r.stderr
 
 
+@pytest.mark.parametrize("flag, value, says", [
+    ("--lr", "nan", "--lr must be a finite number, got nan"),
+    ("--watchdog", "inf", "--watchdog must be a finite number, got inf"),
+    ("--lr", "-1", "--lr must be > 0, got -1.0"),
+    ("--warmup", "-5", "--warmup must be >= 0, got -5"),
+    ("--min-lr-ratio", "-3", "--min-lr-ratio .* must be between 0 and 1, got -3.0"),
+    ("--weight-decay", "-1", "--weight-decay must be >= 0, got -1.0"),
+    ("--grad-clip", "-1", r"--grad-clip must be >= 0, got -1.0 \(0 disables clipping\)"),
+    ("--layers", "0", "--layers must be >= 1, got 0"),
+    ("--heads", "-2", "--heads must be >= 1, got -2"),
+])
+def test_nonsense_values_are_refused_before_any_work(tmp_path, flag, value, says):
+    with pytest.raises(SystemExit, match=says):
+        run(tmp_path, flag, value)
+    assert not os.path.exists(tmp_path / "run"), "refused before the run directory was made"
+
+
+def test_run_directory_that_cannot_be_made_is_refused_before_the_data_loads(tmp_path):
+    (tmp_path / "afile").write_text("not a folder")
+    with pytest.raises(SystemExit, match=r"cannot create the run directory --out .*afile/run.*pass --out"):
+        train(parse_args(TINY + ["--out", str(tmp_path / "afile" / "run")]))
+
+
+def test_cuda_aware_setting_is_checked_on_the_cpu_too(tmp_path, monkeypatch):
+    from comm import device
+    monkeypatch.setenv(device.ENV_CUDA_AWARE, "maybe")
+    device._reset_decision()
+    try:
+        with pytest.raises(SystemExit, match="RINGPIPE_CUDA_AWARE_MPI='maybe': use 1"):
+            run(tmp_path)
+    finally:
+        device._reset_decision()
+
+
 def test_seq_len_over_context(tmp_path):
     with pytest.raises(SystemExit, match="--seq-len 32 exceeds the model's context 16"):
         run(tmp_path, "--seq-len", "32")
