@@ -11,8 +11,11 @@ CuPy's pool, still using it).
 
 Which path: RINGPIPE_CUDA_AWARE_MPI=1 (direct) or 0 (staged) decides;
 unset or "auto" asks the MPI library (MPIX_Query_cuda_support, exported by
-MPICH and Open MPI builds with CUDA). Ranks may even differ: MPI moves the
-same bytes from either kind of memory, so the results do not change.
+MPICH and Open MPI builds with CUDA), and also takes the variables with which
+Cray MPICH (MPICH_GPU_SUPPORT_ENABLED=1) and MVAPICH2-GDR (MV2_USE_CUDA=1)
+users switch GPU support on, since those libraries may not answer the query.
+Ranks may even differ: MPI moves the same bytes from either kind of memory,
+so the results do not change.
 
 Host (numpy) arrays pass through untouched; nothing here imports cupy
 unless a device array shows up.
@@ -25,10 +28,13 @@ import os
 
 import numpy as np
 
-__all__ = ["ENV_CUDA_AWARE", "stats", "is_device_array", "query_library", "cuda_aware", "synchronize",
+__all__ = ["ENV_CUDA_AWARE", "GPU_SUPPORT_VARIABLES", "stats", "is_device_array", "query_library",
+           "enabled_by_environment", "cuda_aware", "synchronize",
            "record_event", "use_own_stream", "empty_for_mpi", "array_ops", "to_pinned", "copy_back", "Transport"]
 
 ENV_CUDA_AWARE = "RINGPIPE_CUDA_AWARE_MPI"
+# The MPI libraries' own switches for GPU memory (Cray MPICH, MVAPICH2-GDR).
+GPU_SUPPORT_VARIABLES = ("MPICH_GPU_SUPPORT_ENABLED", "MV2_USE_CUDA")
 
 # Bytes copied between device and host for MPI, for the run summary and the tests.
 stats = {"staged_bytes": 0}
@@ -53,6 +59,14 @@ def query_library() -> bool:
     return bool(fn())
 
 
+def enabled_by_environment() -> str | None:
+    """'VAR=1' when one of GPU_SUPPORT_VARIABLES switches the MPI's GPU support on, else None."""
+    for var in GPU_SUPPORT_VARIABLES:
+        if os.environ.get(var, "").strip() == "1":
+            return f"{var}=1"
+    return None
+
+
 def cuda_aware() -> bool:
     """Pass device buffers straight to MPI? Decided once per process (see module doc)."""
     global _decided
@@ -63,7 +77,7 @@ def cuda_aware() -> bool:
         elif value in ("0", "no", "false", "off"):
             _decided = False
         elif value in ("", "auto"):
-            _decided = query_library()
+            _decided = query_library() or enabled_by_environment() is not None
         else:
             raise ValueError(f"{ENV_CUDA_AWARE}={value!r}: use 1 (MPI takes GPU buffers), "
                              "0 (stage through pinned host memory) or auto (ask the MPI library)")
@@ -168,6 +182,8 @@ class Transport:
         if not self.device:
             return "host memory"
         if self.direct and not query_library():
+            if enabled_by_environment():
+                return f"device buffers straight to MPI ({enabled_by_environment()} switches its GPU support on)"
             return (f"device buffers straight to MPI, as {ENV_CUDA_AWARE}=1 says, although the MPI library "
                     f"does not report CUDA support (MPIX_Query_cuda_support): if it cannot read GPU memory, "
                     f"set {ENV_CUDA_AWARE}=0")

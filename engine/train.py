@@ -72,8 +72,9 @@ def parse_args(argv=None):
                         "emulated with no speed-up on the CPU). Needs --dtype float32")
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cpu (numpy + Numba) or cuda (CuPy + CUDA kernels; rank takes GPU local_rank %% n_gpus; "
-                        "MPI gets GPU buffers directly if RINGPIPE_CUDA_AWARE_MPI=1 or the MPI library reports "
-                        "CUDA support, else through pinned host memory)")
+                        "MPI gets GPU buffers directly if RINGPIPE_CUDA_AWARE_MPI=1, or if unset when the MPI "
+                        "library reports CUDA support or MPICH_GPU_SUPPORT_ENABLED=1 / MV2_USE_CUDA=1 is set; "
+                        "else through pinned host memory)")
     g = p.add_argument_group("data")
     g.add_argument("--data", choices=["stdlib", "synthetic", "fashion-mnist", "text"], default=None,
                    help="dataset: stdlib (default for gpt; the interpreter's own library source), "

@@ -47,6 +47,26 @@ def test_auto_asks_the_mpi_library(fresh_decision):
         assert asked is False
 
 
+@pytest.mark.parametrize("var", device.GPU_SUPPORT_VARIABLES)
+def test_auto_takes_the_mpis_own_gpu_switch(fresh_decision, var):
+    # Cray MPICH and MVAPICH2-GDR may not answer MPIX_Query_cuda_support: their
+    # users' switch counts; switched off (or unset) the library's answer stands.
+    for v in device.GPU_SUPPORT_VARIABLES:
+        fresh_decision.delenv(v, raising=False)
+    fresh_decision.setenv(device.ENV_CUDA_AWARE, "auto")
+    fresh_decision.setenv(var, "0")
+    assert device.cuda_aware() is device.query_library()
+    device._reset_decision()
+    fresh_decision.setenv(var, "1")
+    assert device.cuda_aware() is True
+    t = device.Transport(np)
+    assert t.direct is False            # host arrays never take the device path
+    assert device.enabled_by_environment() == f"{var}=1"
+    if not device.query_library():      # the run's header says why it went direct
+        assert device.Transport(object()).describe() == \
+            f"device buffers straight to MPI ({var}=1 switches its GPU support on)"
+
+
 def test_bad_setting_names_the_variable_and_the_choices(fresh_decision):
     fresh_decision.setenv(device.ENV_CUDA_AWARE, "maybe")
     with pytest.raises(ValueError, match=r"RINGPIPE_CUDA_AWARE_MPI='maybe'.*1 .*0 .*auto"):
