@@ -6,7 +6,8 @@
 #
 #   slurm/submit_scaling.sh --ranks "1 2 4 8" --mode both --steps 40 --batch 32 \
 #       --results runs/scaling -- --layers 4 --d-model 128
-#   slurm/submit_scaling.sh --kind allreduce --ranks "2 4 8 16" --tasks-per-node 4 -- --max-bytes 64M
+#   slurm/submit_scaling.sh --kind allreduce --ranks "2 4 8 16" --tasks-per-node 4 \
+#       --allreduce-args "--max-bytes 64M"
 #
 # Options:
 #   --kind train|allreduce|both   what to sweep (default train)
@@ -24,7 +25,7 @@
 #   --allreduce-args "ARGS"       arguments for benchmarks/allreduce.py (e.g. "--quick" or
 #                                 "--max-bytes 64M --algorithms ring,mpi")
 #   --wait                        wait for the merge job, print the table; exit 1 if it failed
-#   -- ARGS                       passed to engine.train
+#   -- ARGS                       passed to engine.train (the training sweep only)
 # The all-reduce sweep skips 1 rank (no communication). Run from the repo root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,7 +48,7 @@ while [ $# -gt 0 ]; do
         --sbatch) EXTRA_SBATCH=$2; shift 2 ;;
         --allreduce-args) AR_ARGS=$2; shift 2 ;;
         --wait) WAIT=1; shift ;;
-        -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
         --) shift; break ;;
         *) echo "submit_scaling.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
@@ -56,6 +57,11 @@ case "$KIND" in train) KINDS=train ;; allreduce) KINDS=allreduce ;; both) KINDS=
     *) echo "submit_scaling.sh: --kind train|allreduce|both" >&2; exit 2 ;; esac
 case "$MODE" in strong|weak) MODES=$MODE ;; both) MODES="strong weak" ;;
     *) echo "submit_scaling.sh: --mode strong|weak|both" >&2; exit 2 ;; esac
+if [ "$KIND" = allreduce ] && [ $# -gt 0 ]; then
+    echo "submit_scaling.sh: arguments after -- go to engine.train, and --kind allreduce trains nothing;" \
+        "pass all-reduce options as --allreduce-args \"$*\"" >&2
+    exit 2
+fi
 mkdir -p "$RESULTS/logs"
 RESULTS=$(cd "$RESULTS" && pwd -P)
 
@@ -91,25 +97,41 @@ PY=python3
 [ -x .venv/bin/python ] && PY=$(pwd -P)/.venv/bin/python
 PY=${RINGPIPE_PYTHON:-$PY}
 MERGE="$PY slurm/collect.py merge $RESULTS"
+# The merge job leaves merge-JOBID.ok behind when it succeeded: its state may be
+# gone from Slurm (MinJobAge) by the time anyone looks.
 # shellcheck disable=SC2086
 mid=$(sbatch --parsable --job-name="$NAME" --dependency=singleton -N 1 -n 1 -c 1 --time=00:10:00 \
-    -o "$RESULTS/logs/merge-%j.out" $EXTRA_SBATCH --wrap "$MERGE")
+    -o "$RESULTS/logs/merge-%j.out" $EXTRA_SBATCH \
+    --wrap "$MERGE && touch $RESULTS/logs/merge-\$SLURM_JOB_ID.ok")
 mid=${mid%%;*}
 echo "submitted merge: job $mid (after ${ids[*]:-nothing})" >&2
+
+job_state() {  # JOBID -> its state, or nothing once Slurm has forgotten it (and has no accounting)
+    local s
+    # squeue fails for a job it has forgotten, or on a busy controller: not fatal here.
+    s=$(squeue -h -j "$1" -t all -o %T 2>/dev/null | head -n 1) || s=""
+    [ -n "$s" ] || s=$(sacct -n -X -P -j "$1" -o State 2>/dev/null | head -n 1 | cut -d' ' -f1) || s=""
+    echo "$s"
+}
+
 if [ $WAIT = 1 ]; then
     # Poll once a second (sbatch --wait backs off to long sleeps).
     while :; do
-        state=$(squeue -h -j "$mid" -t all -o %T 2>/dev/null | head -1)
+        state=$(job_state "$mid")
         case "$state" in
             COMPLETED|FAILED|CANCELLED*|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY|BOOT_FAIL|DEADLINE|PREEMPTED) break ;;
-            "") scontrol show job "$mid" >/dev/null 2>&1 || break ;;   # purged: done long ago
+            "") scontrol show job "$mid" >/dev/null 2>&1 || break ;;   # forgotten: ended a while ago
         esac
         sleep 1
     done
-    cat "$RESULTS/logs/merge-$mid.out"
+    [ -z "$state" ] && [ -e "$RESULTS/logs/merge-$mid.ok" ] && state=COMPLETED
+    cat "$RESULTS/logs/merge-$mid.out" 2>/dev/null || echo "submit_scaling.sh: no merge log at $RESULTS/logs/merge-$mid.out" >&2
     for id in "${ids[@]}"; do
-        st=$(squeue -h -j "$id" -t all -o %T 2>/dev/null | head -1)
-        [ "$st" = COMPLETED ] || echo "submit_scaling.sh: warning: job $id ended $st: see $RESULTS/logs/*-$id.out" >&2
+        st=$(job_state "$id")
+        # Forgotten jobs (no state) are not reported: the merged table shows any missing point.
+        if [ -n "$st" ] && [ "$st" != COMPLETED ]; then
+            echo "submit_scaling.sh: warning: job $id ended $st: see $RESULTS/logs/*-$id.out" >&2
+        fi
     done
     if [ "$state" != COMPLETED ]; then
         echo "submit_scaling.sh: the merge job ended ${state:-?}; log: $RESULTS/logs/merge-$mid.out" >&2

@@ -53,3 +53,63 @@ def test_gpu_check_passes_only_flags_its_targets_accept():
         assert not unknown, f"gpu_check.sh passes {unknown} to {marker}, whose --help lacks them"
         checked += len(flags)
     assert checked >= 8
+
+
+# ---- slurm/submit_scaling.sh against stand-in Slurm commands ----------------------------
+
+FAKE_SBATCH = """#!/bin/bash
+# Stand-in sbatch: prints the next job id; runs a --wrap command at once, as the job.
+n=$(cat "$FAKE_DIR/next" 2>/dev/null || echo 100); echo $((n + 1)) > "$FAKE_DIR/next"
+echo "$*" >> "$FAKE_DIR/sbatch.log"
+out=/dev/null
+while [ $# -gt 0 ]; do
+    case "$1" in
+        -o) out=${2//%j/$n} ;;
+        --wrap) SLURM_JOB_ID=$n sh -c "$2" > "$out" 2>&1 ;;
+    esac
+    shift
+done
+echo "$n"
+"""
+FORGOTTEN = """#!/bin/bash
+echo "slurm_load_jobs error: Invalid job id specified" >&2
+exit 1
+"""
+
+
+def _fake_slurm(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("sbatch", FAKE_SBATCH), ("squeue", FORGOTTEN), ("scontrol", FORGOTTEN),
+                       ("sacct", FORGOTTEN)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_DIR=str(tmp_path))
+
+
+@pytest.mark.parametrize("merge_ok", [True, False])
+def test_submit_scaling_wait_after_slurm_forgot_the_jobs(tmp_path, merge_ok):
+    """Slurm forgets finished jobs (MinJobAge, 300 s by default), and squeue then
+    fails: --wait must still tell a good sweep from a failed merge, not die on
+    squeue's exit code."""
+    env = _fake_slurm(tmp_path)
+    env["RINGPIPE_PYTHON"] = "true" if merge_ok else "false"     # the merge job's python: succeed or fail
+    results = tmp_path / "results"
+    r = subprocess.run(["bash", "slurm/submit_scaling.sh", "--ranks", "1 2", "--results", str(results), "--wait"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    if merge_ok:
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip().splitlines()[-1] == str(results)
+        assert "warning" not in r.stderr, r.stderr
+    else:
+        assert r.returncode == 1, r
+        assert "the merge job ended ?" in r.stderr
+
+
+def test_submit_scaling_refuses_training_args_for_an_allreduce_sweep(tmp_path):
+    env = _fake_slurm(tmp_path)
+    r = subprocess.run(["bash", "slurm/submit_scaling.sh", "--kind", "allreduce", "--results", str(tmp_path / "r"),
+                        "--", "--max-bytes", "64M"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "--allreduce-args \"--max-bytes 64M\"" in r.stderr
+    assert not (tmp_path / "sbatch.log").exists(), "refused before submitting anything"
