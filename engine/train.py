@@ -208,6 +208,17 @@ def agree(world, fn, what, same_result=False, hint="is the path on a filesystem 
     return result
 
 
+def make_writable_dir(flag, path):
+    """Create folder `path` (given by `flag`) or say clearly why it cannot be used."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"error: cannot create the folder {flag} {path} ({e.strerror}: {e.filename}); "
+                         f"pass {flag} a folder path that can be created") from None
+    if not os.access(path, os.W_OK):
+        raise SystemExit(f"error: the folder {flag} {path} is not writable; pass {flag} a folder you can write to")
+
+
 def check_same_args(args, world):
     """Every rank must run the same configuration: ranks launched with different
     flags would take different communication paths and hang. One small
@@ -416,18 +427,13 @@ def _train(args, world):
             raise SystemExit(f"error: --seq-len {args.seq_len} exceeds the model's context {cfg.context}; "
                              f"lower --seq-len or raise --context (at least {args.seq_len})")
 
-    def make_run_dir():
-        try:
-            os.makedirs(out_dir, exist_ok=True)
-        except OSError as e:
-            raise SystemExit(f"error: cannot create the run directory --out {out_dir} ({e.strerror}: "
-                             f"{e.filename}); pass --out a folder path that can be created") from None
-        if not os.access(out_dir, os.W_OK):
-            raise SystemExit(f"error: the run directory --out {out_dir} is not writable; pass --out a folder "
-                             "you can write to")
+    def make_output_dirs():
+        make_writable_dir("--out", out_dir)
+        if args.trace:
+            make_writable_dir("--trace", args.trace)
 
     # Before the data is loaded and the model built: a bad --out costs nothing yet.
-    agree(world, make_run_dir, "run directory")
+    agree(world, make_output_dirs, "output directory")
 
     dataset = agree(world, lambda: load_dataset(args, cfg), "dataset")
     if args.model == "gpt":
@@ -469,6 +475,8 @@ def _train(args, world):
         restore(params, opt, saved_arrays, manifest, shard, args.optimizer)
         start_step = manifest["step"]
         say(f"resumed from {resume_path} at step {start_step}")
+        for line in resume_differences(manifest.get("args", {}), args):
+            say(line)
     else:
         # Every rank initialised identically from the seed; broadcasting the first
         # data-parallel replica's copy makes that a guarantee rather than an assumption.
@@ -660,6 +668,23 @@ def _train(args, world):
                             for ch in text.decode("utf-8", errors="replace"))
             say("---- sample ----\ndef " + shown + "\n----------------")
     return model
+
+
+# Flags whose change on resume makes the run differ from the uninterrupted one
+# (the layout flags --dp/--pp/... and --steps may change freely).
+TRAJECTORY_FLAGS = ("seed", "data", "data_path", "dtype", "precision", "batch_size", "seq_len", "lr", "warmup",
+                    "min_lr_ratio", "weight_decay", "grad_clip")
+
+
+def resume_differences(saved_args, args):
+    """A note for each trajectory flag that differs from the checkpoint's run."""
+    notes = []
+    for key in TRAJECTORY_FLAGS:
+        if key in saved_args and not _same_value(saved_args[key], getattr(args, key)):
+            flag = "--" + key.replace("_", "-")
+            notes.append(f"note: resuming with {flag} {getattr(args, key)} where the checkpoint's run had "
+                         f"{saved_args[key]}: it continues, but no longer as that run would have")
+    return notes
 
 
 def restore(params, opt, arrays, manifest, shard, opt_name):

@@ -153,10 +153,12 @@ def test_nonsense_values_are_refused_before_any_work(tmp_path, flag, value, says
     assert not os.path.exists(tmp_path / "run"), "refused before the run directory was made"
 
 
-def test_run_directory_that_cannot_be_made_is_refused_before_the_data_loads(tmp_path):
+@pytest.mark.parametrize("flag", ["--out", "--trace"])
+def test_output_folder_that_cannot_be_made_is_refused_before_the_data_loads(tmp_path, flag):
     (tmp_path / "afile").write_text("not a folder")
-    with pytest.raises(SystemExit, match=r"cannot create the run directory --out .*afile/run.*pass --out"):
-        train(parse_args(TINY + ["--out", str(tmp_path / "afile" / "run")]))
+    where = ["--out", str(tmp_path / "run")] if flag == "--trace" else []
+    with pytest.raises(SystemExit, match=rf"cannot create the folder {flag} .*afile/x.*pass {flag} a folder"):
+        train(parse_args(TINY + where + [flag, str(tmp_path / "afile" / "x")]))
 
 
 def test_cuda_aware_setting_is_checked_on_the_cpu_too(tmp_path, monkeypatch):
@@ -207,6 +209,15 @@ def test_checkpoint_never_unpickles(tmp_path):
     np.savez(path, x=np.array([object()], dtype=object))
     with pytest.raises(ValueError, match="allow_pickle"):
         dict(np.load(path, allow_pickle=False))
+
+
+def test_resume_with_changed_trajectory_flags_says_so(tmp_path, capsys):
+    out = run(tmp_path, "--steps", "2")
+    capsys.readouterr()
+    train(parse_args(TINY + ["--out", out, "--steps", "3", "--resume", "auto", "--seed", "7", "--dp", "1"]))
+    said = capsys.readouterr().out
+    assert "note: resuming with --seed 7 where the checkpoint's run had 1337" in said
+    assert "--dp" not in said.split("resumed from")[1], "a layout change is not a trajectory change"
 
 
 def test_existing_run_is_not_overwritten(tmp_path):
