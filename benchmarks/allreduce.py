@@ -40,11 +40,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from mpi4py import MPI  # noqa: E402
 
 import comm as rcomm  # noqa: E402
-from _common import fmt_size, median, parse_size, table, write_json  # noqa: E402
+from _common import (choice_list, fmt_size, median, nonneg_float, nonneg_int, output_path,  # noqa: E402
+                     positive_float, positive_int, positive_size, size_arg, table, write_json)
 
 ALGOS = ("ring", "small", "mpi", "naive")
 DTYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float64,
           "int32": np.int32, "int64": np.int64}
+# (key, header, format, width): fixed widths as in nccl-tests, so the rows,
+# printed size by size, line up under the header up to 1 TB messages.
+COLUMNS = [("size", "size", "d", 12), ("count", "count", "d", 12), ("type", "type", "s", 8),
+           ("redop", "redop", "s", 5), ("algo", "algo", "s", 5), ("time_us", "time(us)", ".1f", 10),
+           ("algbw", "algbw(GB/s)", ".3f", 11), ("busbw", "busbw(GB/s)", ".3f", 11),
+           ("wrong", "#wrong", "d", 8)]
 
 
 def make_runner(algo: str, world):
@@ -158,21 +165,15 @@ def measured_crossover(rows: list[dict]):
 def run_bandwidth(world, args) -> None:
     p, rank = world.Get_size(), world.Get_rank()
     dtype = DTYPES[args.dtype]
-    algos = [a.strip() for a in args.algorithms.split(",") if a.strip()]
-    for a in algos:
-        if a not in ALGOS:
-            raise SystemExit(f"unknown algorithm {a!r}; choose from {','.join(ALGOS)}")
+    algos = args.algorithms
     if args.quick:
         sizes = [8, 4096, 64 * 1024, 1 << 20, 4 << 20]
     else:
-        sizes, s = [], max(parse_size(args.min_bytes), np.dtype(dtype).itemsize)
-        while s <= parse_size(args.max_bytes):
+        sizes, s = [], max(args.min_bytes, np.dtype(dtype).itemsize)
+        while s <= args.max_bytes:
             sizes.append(s)
             s *= 2
-    cols = [("size", "size", "d"), ("count", "count", "d"), ("type", "type", "s"),
-            ("redop", "redop", "s"), ("algo", "algo", "s"), ("time_us", "time(us)", ".1f"),
-            ("algbw", "algbw(GB/s)", ".3f"), ("busbw", "busbw(GB/s)", ".3f"),
-            ("wrong", "#wrong", "d")]
+    cols = COLUMNS
     if rank == 0:
         print(f"# ringpipe all-reduce benchmark: {p} ranks on {socket.gethostname()}, "
               f"dtype {args.dtype}, algorithms {','.join(algos)}")
@@ -184,7 +185,7 @@ def run_bandwidth(world, args) -> None:
         new = bench_size(world, nbytes, dtype, algos, args)
         rows += new
         if rank == 0:
-            print(table(new, cols).split("\n", 1)[1], flush=True)
+            print(table(new, cols, header=False), flush=True)
 
     if rank != 0:
         return
@@ -314,30 +315,48 @@ def run_overlap(world, args) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--min-bytes", default="8", help="smallest message (e.g. 8, 4K)")
-    ap.add_argument("--max-bytes", default="256M", help="largest message (e.g. 16M, 256M)")
+    ap.add_argument("--min-bytes", type=size_arg, default="8",
+                    help="smallest message (e.g. 8, 4K; suffixes K, M, G are binary)")
+    ap.add_argument("--max-bytes", type=size_arg, default="256M", help="largest message (e.g. 16M, 256M)")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    ap.add_argument("--iters", type=int, default=0, help="timed iterations per size (default: by size)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed iterations per size")
-    ap.add_argument("--min-iters", type=int, default=10)
-    ap.add_argument("--max-iters", type=int, default=200)
-    ap.add_argument("--budget", type=float, default=0.3,
+    ap.add_argument("--iters", type=nonneg_int, default=0,
+                    help="timed iterations per size; 0 (the default) picks them by size from "
+                    "--budget, within --min-iters..--max-iters (--quick: 5)")
+    ap.add_argument("--warmup", type=nonneg_int, default=2, help="untimed iterations per size")
+    ap.add_argument("--min-iters", type=positive_int, default=10)
+    ap.add_argument("--max-iters", type=positive_int, default=200)
+    ap.add_argument("--budget", type=positive_float, default=0.3,
                     help="seconds per algorithm and size used to pick default iterations")
-    ap.add_argument("--algorithms", default=",".join(ALGOS), help="comma list of " + ",".join(ALGOS))
-    ap.add_argument("--json", default=None, help="write rows + fit to this path (rank 0)")
+    ap.add_argument("--algorithms", type=choice_list(ALGOS), default=",".join(ALGOS),
+                    help="comma list of " + ",".join(ALGOS))
+    ap.add_argument("--json", type=output_path, default=None, help="write rows + fit to this path (rank 0)")
     ap.add_argument("--quick", action="store_true", help="5 sizes up to 4 MiB, 5 iterations")
     ap.add_argument("--overlap", action="store_true", help="measure GradBuckets overlap instead")
-    ap.add_argument("--layers", type=int, default=8, help="--overlap: fake layers")
-    ap.add_argument("--layer-elems", type=int, default=1 << 20, help="--overlap: float32 grads per layer")
+    ap.add_argument("--layers", type=positive_int, default=8, help="--overlap: fake layers")
+    ap.add_argument("--layer-elems", type=positive_int, default=1 << 20, help="--overlap: float32 grads per layer")
     ap.add_argument("--work", choices=["matmul", "sleep"], default="matmul",
                     help="--overlap: fake backward work per layer: CPU-bound matmuls, or a "
                     "sleep that models device compute (CPU idle, GIL released)")
-    ap.add_argument("--sleep-ms", type=float, default=3.0, help="--overlap --work sleep: ms per layer")
-    ap.add_argument("--matmuls", type=int, default=4, help="--overlap: matmuls per layer")
-    ap.add_argument("--matmul-n", type=int, default=256, help="--overlap: matmul size")
-    ap.add_argument("--bucket-bytes", type=parse_size, default=4 << 20, help="--overlap: bucket size")
-    ap.add_argument("--steps", type=int, default=10, help="--overlap: timed steps")
+    ap.add_argument("--sleep-ms", type=nonneg_float, default=3.0, help="--overlap --work sleep: ms per layer")
+    ap.add_argument("--matmuls", type=nonneg_int, default=4, help="--overlap: matmuls per layer")
+    ap.add_argument("--matmul-n", type=positive_int, default=256, help="--overlap: matmul size")
+    ap.add_argument("--bucket-bytes", type=positive_size, default=4 << 20, help="--overlap: bucket size")
+    ap.add_argument("--steps", type=positive_int, default=10, help="--overlap: timed steps")
     args = ap.parse_args(argv)
+    # Every rank parses the same argv, so every rank refuses alike, before
+    # any collective.
+    if args.min_bytes > args.max_bytes:
+        ap.error(f"--min-bytes ({args.min_bytes} B) is larger than --max-bytes ({args.max_bytes} B): "
+                 "no sizes to measure; swap them or raise --max-bytes")
+    itemsize = np.dtype(DTYPES[args.dtype]).itemsize
+    if args.max_bytes < itemsize:
+        ap.error(f"--max-bytes ({args.max_bytes} B) is smaller than one {args.dtype} element "
+                 f"({itemsize} B): give at least {itemsize}")
+    if args.min_iters > args.max_iters:
+        ap.error(f"--min-iters ({args.min_iters}) is larger than --max-iters ({args.max_iters})")
+    if MPI.COMM_WORLD.Get_size() < 2:
+        ap.error("an all-reduce needs at least 2 ranks, and this run has 1: "
+                 "launch with mpiexec -n N python benchmarks/allreduce.py ..., N >= 2")
     if args.quick:
         args.iters = args.iters or 5
         args.warmup = min(args.warmup, 1)

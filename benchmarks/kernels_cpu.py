@@ -21,8 +21,15 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import kernels  # noqa: E402
+from _common import choice_list, output_path, positive_int  # noqa: E402
+
+# The ops cases() yields, plus the BLAS matmul row: the names --only takes.
+OPS = ("layernorm_forward", "layernorm_backward", "gelu_forward", "gelu_backward",
+       "softmax_causal_forward", "softmax_causal_backward", "cross_entropy_fwd_bwd",
+       "adamw_update", "sgd_momentum_update", "sum_of_squares", "matmul")
 
 
 def median_ms(fn, repeats, reset=None):
@@ -101,29 +108,37 @@ def cases(dt, N, C, B, H, T, V, NV, P):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="float32", choices=sorted(kernels.DTYPES))
-    ap.add_argument("--repeats", type=int, default=9, help="timed calls per op and backend (median reported)")
-    ap.add_argument("--N", type=int, default=4096, help="rows B*T for layernorm/gelu")
-    ap.add_argument("--C", type=int, default=768, help="channels")
-    ap.add_argument("--B", type=int, default=8, help="attention batch")
-    ap.add_argument("--H", type=int, default=12, help="attention heads")
-    ap.add_argument("--T", type=int, default=256, help="attention sequence length")
-    ap.add_argument("--V", type=int, default=256, help="vocab size for cross-entropy")
-    ap.add_argument("--NV", type=int, default=8192, help="rows for cross-entropy")
-    ap.add_argument("--P", type=int, default=10_000_000, help="flat parameter count for optimizers")
-    ap.add_argument("--only", default=None, help="comma-separated op names to run")
-    ap.add_argument("--threads", type=int, default=None,
+    ap.add_argument("--repeats", type=positive_int, default=9, help="timed calls per op and backend (median reported)")
+    ap.add_argument("--N", type=positive_int, default=4096, help="rows B*T for layernorm/gelu")
+    ap.add_argument("--C", type=positive_int, default=768, help="channels")
+    ap.add_argument("--B", type=positive_int, default=8, help="attention batch")
+    ap.add_argument("--H", type=positive_int, default=12, help="attention heads")
+    ap.add_argument("--T", type=positive_int, default=256, help="attention sequence length")
+    ap.add_argument("--V", type=positive_int, default=256, help="vocab size for cross-entropy")
+    ap.add_argument("--NV", type=positive_int, default=8192, help="rows for cross-entropy")
+    ap.add_argument("--P", type=positive_int, default=10_000_000, help="flat parameter count for optimizers")
+    ap.add_argument("--only", type=choice_list(OPS), default=None,
+                    help="comma-separated op names to run, from: " + ",".join(OPS))
+    ap.add_argument("--threads", type=positive_int, default=None,
                     help="numba threads (default: all cores; under MPI each rank should get cores/ranks)")
-    ap.add_argument("--json", metavar="PATH", default=None, help="also write the rows as JSON to PATH")
+    ap.add_argument("--json", metavar="PATH", type=output_path, default=None,
+                    help="also write the rows as JSON to PATH")
     args = ap.parse_args(argv)
+    if args.H > args.C:
+        ap.error(f"--H ({args.H}) is larger than --C ({args.C}): heads split the channels, give --H <= --C")
 
     dt = kernels.resolve_dtype(args.dtype)
     if args.threads is not None:
         import numba
 
+        if args.threads > numba.config.NUMBA_NUM_THREADS:
+            ap.error(f"--threads {args.threads} is more than numba's pool of {numba.config.NUMBA_NUM_THREADS} "
+                     "(set by NUMBA_NUM_THREADS or the core count): lower --threads or raise NUMBA_NUM_THREADS")
         numba.set_num_threads(args.threads)
-    only = set(args.only.split(",")) if args.only else None
+    only = set(args.only) if args.only else None
     rows = []
     for op, shape, make in cases(dt, args.N, args.C, args.B, args.H, args.T, args.V, args.NV, args.P):
+        assert op in OPS, f"{op} is missing from OPS"
         if only and op not in only:
             continue
         fn, reset = make("numba")

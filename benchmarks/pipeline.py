@@ -33,10 +33,12 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import comm  # noqa: E402
+from _common import choice_list, int_list, output_path, positive_int  # noqa: E402
 from engine.gpt import GPTConfig, gpt_layers  # noqa: E402
-from engine.pipeline import simulate, theoretical_bubble  # noqa: E402
+from engine.pipeline import SCHEDULE_NAMES, simulate, theoretical_bubble  # noqa: E402
 from engine.pipeline.rank_model import PipelineModel  # noqa: E402
 
 
@@ -84,23 +86,28 @@ def run_config(topo, cfg, schedule, m, v, mb_size, seq, steps):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--schedules", default="gpipe,1f1b,zbh1,interleaved")
-    ap.add_argument("--ms", default=None, help="micro-batch counts (default p,2p,4p,8p)")
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--seq-len", type=int, default=64)
-    ap.add_argument("--mb-size", type=int, default=2, help="sequences per micro-batch")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--schedules", type=choice_list(SCHEDULE_NAMES), default="gpipe,1f1b,zbh1,interleaved",
+                    help="comma list of " + ",".join(SCHEDULE_NAMES))
+    ap.add_argument("--ms", type=int_list(1), default=None,
+                    help="comma list of micro-batch counts, each >= 1 (default p,2p,4p,8p)")
+    ap.add_argument("--d-model", type=positive_int, default=128, help="model width (divisible by the 4 heads)")
+    ap.add_argument("--seq-len", type=positive_int, default=64)
+    ap.add_argument("--mb-size", type=positive_int, default=2, help="sequences per micro-batch")
+    ap.add_argument("--steps", type=positive_int, default=3, help="timed steps (after one warm-up step)")
+    ap.add_argument("--json", type=output_path, default=None)
     args = ap.parse_args()
+    # Every rank parses the same argv, so every rank refuses alike, before any collective.
+    if args.d_model % 4:
+        ap.error(f"--d-model {args.d_model} must be divisible by 4 (the benchmark's GPT has 4 heads)")
     comm.install_abort_handler()
     world = MPI.COMM_WORLD
     p = world.Get_size()
     if p < 2:
-        raise SystemExit("run under mpiexec -n P with P >= 2 (P = pipeline stages)")
+        ap.error("run under mpiexec -n P with P >= 2 (P = pipeline stages)")
     topo = comm.Topology(world, dp=1, pp=p)
-    ms = [int(s) for s in args.ms.split(",")] if args.ms else [p, 2 * p, 4 * p, 8 * p]
+    ms = args.ms or [p, 2 * p, 4 * p, 8 * p]
     rows = []
-    for schedule in args.schedules.split(","):
+    for schedule in args.schedules:
         v = 2 if schedule == "interleaved" else 1
         cfg = GPTConfig(n_layer=2 * p, d_model=args.d_model, n_head=4, context=args.seq_len)
         for m in ms:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -25,6 +26,10 @@ import sys
 import tempfile
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import int_list, nonneg_int, output_path, positive_float, positive_int  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -54,30 +59,42 @@ def run(n, global_batch, args, out):
             "comm_hidden_frac": float(np.median(hidden)) if hidden else None}
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", default="1,2,4")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--per-rank-batch", type=int, default=8, help="weak scaling: sequences per rank")
-    ap.add_argument("--global-batch", type=int, default=16, help="strong scaling: sequences per step")
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=3, help="steps dropped before taking medians")
-    ap.add_argument("--bucket-mb", type=float, default=1.0)
-    ap.add_argument("--threads-per-rank", type=int, default=1, help="BLAS/Numba threads of every rank (default 1)")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    ranks = [int(r) for r in args.ranks.split(",")]
+    ap.add_argument("--ranks", type=int_list(1), default="1,2,4", help="comma list of rank counts (default 1,2,4)")
+    ap.add_argument("--layers", type=positive_int, default=4)
+    ap.add_argument("--d-model", type=positive_int, default=256)
+    ap.add_argument("--heads", type=positive_int, default=4)
+    ap.add_argument("--seq-len", type=positive_int, default=128)
+    ap.add_argument("--per-rank-batch", type=positive_int, default=8, help="weak scaling: sequences per rank")
+    ap.add_argument("--global-batch", type=positive_int, default=16,
+                    help="strong scaling: sequences per step; must divide by every --ranks count")
+    ap.add_argument("--steps", type=positive_int, default=12)
+    ap.add_argument("--warmup", type=nonneg_int, default=3, help="steps dropped before taking medians (< --steps)")
+    ap.add_argument("--bucket-mb", type=positive_float, default=1.0)
+    ap.add_argument("--threads-per-rank", type=positive_int, default=1,
+                    help="BLAS/Numba threads of every rank (default 1)")
+    ap.add_argument("--json", type=output_path, default=None)
+    args = ap.parse_args(argv)
+    ranks = args.ranks
+    if args.warmup >= args.steps:
+        ap.error(f"--warmup ({args.warmup}) must be less than --steps ({args.steps}): "
+                 "the medians use the steps after the warm-up")
+    if args.d_model % args.heads:
+        ap.error(f"--d-model {args.d_model} must be divisible by --heads {args.heads}")
+    odd = [n for n in ranks if args.global_batch % n]
+    if odd:
+        lcm = math.lcm(*ranks)
+        fits = -(-args.global_batch // lcm) * lcm      # smallest multiple of every count >= --global-batch
+        ap.error(f"--global-batch {args.global_batch} does not divide by rank count(s) "
+                 f"{','.join(map(str, odd))} of --ranks {','.join(map(str, ranks))}: strong scaling splits "
+                 f"it evenly; use e.g. --global-batch {fits}, or drop those counts")
     tmp = tempfile.mkdtemp(prefix="ringpipe-scaling-")
     rows = []
     try:
         for mode in ("weak", "strong"):
             for n in ranks:
                 gb = n * args.per_rank_batch if mode == "weak" else args.global_batch
-                if gb % n:
-                    continue
                 row = run(n, gb, args, os.path.join(tmp, f"{mode}{n}"))
                 row["mode"] = mode
                 rows.append(row)
