@@ -182,8 +182,9 @@ class Transport:
         if not self.device:
             return "host memory"
         if self.direct and not query_library():
-            if enabled_by_environment():
-                return f"device buffers straight to MPI ({enabled_by_environment()} switches its GPU support on)"
+            switch = enabled_by_environment()
+            if switch:
+                return f"device buffers straight to MPI ({switch} switches its GPU support on)"
             return (f"device buffers straight to MPI, as {ENV_CUDA_AWARE}=1 says, although the MPI library "
                     f"does not report CUDA support (MPIX_Query_cuda_support): if it cannot read GPU memory, "
                     f"set {ENV_CUDA_AWARE}=0")
