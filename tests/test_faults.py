@@ -164,7 +164,8 @@ def test_command_line_refused_on_one_rank_only_stops_every_rank(tmp_path):
 
 def test_node_without_cupy_stops_every_rank_naming_it(tmp_path):
     """--device cuda where only rank 0 has CuPy (here the CPU emulation of it)."""
-    from tests.test_cuda_kernels import _emu_env
+    from tests.test_cuda_kernels import _emu_env, _need_gxx
+    _need_gxx()
     emu = _emu_env(str(tmp_path / "emu"), sanitize=False)
     args = [sys.executable, "-m", "engine.train", *TINY, "--steps", "2", "--device", "cuda",
             "--out", str(tmp_path / "m")]
