@@ -32,7 +32,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import device
-from .ring import _allreduce_ctx, _codes, _resolve, _validate
+from .ring import _allreduce_ctx, _codes, _resolve, _validate, is_buffer, op_name
 from .safety import LAYOUT_LEGEND, CommContext, check_consistent
 
 __all__ = ["GradBuckets"]
@@ -81,10 +81,12 @@ class GradBuckets:
     def __init__(self, grad_flat, param_ranges, comm=None, bucket_bytes: int = 25 * 2**20,
                  op: str = "avg", overlap: bool = True, algorithm: str = "auto"):
         comm = MPI.COMM_WORLD if comm is None else comm
+        op = op_name(op)
         ranges = [(int(lo), int(hi)) for lo, hi in param_ranges]
         on_device = device.is_device_array(grad_flat)
-        arr = grad_flat if (on_device or isinstance(grad_flat, np.ndarray)) else np.asarray(grad_flat)
-        flat = arr if (arr.ndim == 1 and arr.flags.c_contiguous) else None
+        is_array = is_buffer(grad_flat)
+        arr = grad_flat if is_array else np.asarray(grad_flat)
+        flat = arr if (is_array and arr.ndim == 1 and arr.flags.c_contiguous) else None
         layout_ok = all(0 <= lo <= hi for lo, hi in ranges) and all(
             ranges[i][1] <= ranges[i + 1][0] for i in range(len(ranges) - 1)
         ) and (not ranges or ranges[-1][1] <= arr.size)
@@ -94,13 +96,16 @@ class GradBuckets:
         algos = [_resolve(algorithm, (hi - lo) * arr.itemsize) for lo, hi, _, _ in buckets]
         layout_crc = zlib.crc32(np.asarray(ranges, dtype=np.int64).tobytes()
                                 + ",".join(map(str, algos)).encode())
-        size, dtype_code, op_code, _, ok = _codes(arr, flat, op, "ring")
+        size, dtype_code, op_code, _, ok, _ = _codes(arr, flat, op, "ring", is_array)
         codes = (size, dtype_code, op_code, ok, len(ranges), int(bucket_bytes), layout_crc)
         # Agree first, then validate, so a bad or mismatched layout raises the
         # same error on every rank instead of hanging in the first bucket.
         check_consistent(comm, "GradBuckets layout (length, dtype, op, ok, n_params, "
                          "bucket_bytes, crc of ranges and per-bucket algorithms)", codes,
                          LAYOUT_LEGEND)
+        if not is_array:
+            raise TypeError("GradBuckets: grad_flat must be a numpy or cupy array (the gradients are "
+                            "reduced in place)")
         if flat is None:
             raise ValueError("GradBuckets: grad_flat must be a 1D C-contiguous array")
         for a in set(algos) or {"ring"}:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import zlib
 
 import numpy as np
 from mpi4py import MPI
@@ -57,8 +58,9 @@ _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 def set_crossover(nbytes: int) -> None:
     """Byte size at or below which algorithm="auto" uses the small path.
-    Must be the same on every rank (a differing choice is caught by the layout
-    check instead of hanging)."""
+    Must be the same on every rank. A differing choice is caught by the layout
+    check on a layout's first use; on a layout already used, only with
+    RINGPIPE_COMM_CHECK=always (see comm/safety.py), else it can hang."""
     global _crossover
     _crossover = int(nbytes)
 
@@ -229,7 +231,9 @@ def _host_flat(buf):
     elif isinstance(buf, np.ndarray):
         arr, writeback = buf, None
     else:
-        arr, writeback = np.asarray(buf), None
+        # A list or scalar: _validate refuses it (once the ranks agreed), since
+        # the result would land in a copy the caller never sees.
+        return np.asarray(buf), None, None
     if arr.flags.c_contiguous or arr.flags.f_contiguous:
         return arr, arr.reshape(-1, order="A"), writeback
     return arr, None, writeback
@@ -239,20 +243,47 @@ def _writeable(arr) -> bool:
     return getattr(arr.flags, "writeable", True)      # cupy arrays are always writeable
 
 
-def _codes(arr, flat, op: str, algo: str) -> tuple:
-    ok = 1 if (flat is not None and _writeable(arr)) else 0
+def is_buffer(buf) -> bool:
+    """A numpy or device array: something an in-place collective can write into."""
+    return isinstance(buf, np.ndarray) or device.is_device_array(buf)
+
+
+def op_name(op) -> str:
+    """'sum'/'avg'/'max'/'min' as given, or MPI.SUM/MAX/MIN by name; anything
+    else becomes a string that validation refuses (on every rank alike)."""
+    if isinstance(op, str):
+        return op
+    for name, mpi_op in (("sum", MPI.SUM), ("max", MPI.MAX), ("min", MPI.MIN)):
+        if op == mpi_op:
+            return name
+    return repr(op)
+
+
+def _shape_code(arr) -> int:
+    # Ranks must lay the same elements out the same way: (2, 3) against
+    # (3, 2), or C against Fortran order, would mix up elements silently.
+    order = "C" if arr.flags.c_contiguous else "F" if arr.flags.f_contiguous else "-"
+    return zlib.crc32(repr((tuple(arr.shape), order)).encode()) & 0x7FFFFFFF
+
+
+def _codes(arr, flat, op: str, algo: str, is_array: bool = True) -> tuple:
+    ok = -2 if not is_array else 1 if (flat is not None and _writeable(arr)) else 0
     return (
         arr.size,
         DTYPE_CODES.get(arr.dtype, 0),
         OP_CODES.get(op, -1) if isinstance(op, str) else -1,
         ALGO_CODES.get(algo, -1) if isinstance(algo, str) else -1,
         ok,
+        _shape_code(arr),
     )
 
 
-def _validate(what: str, arr, flat, op: str, algo: str) -> None:
+def _validate(what: str, arr, flat, op: str, algo: str, is_array: bool = True) -> None:
     # Runs only after the ranks agreed on the codes, so every rank raises the
     # same error here (or none does).
+    if not is_array:
+        raise TypeError(f"{what}: buffer must be a numpy or cupy array (the operation is in place: a "
+                        f"list or scalar would be reduced into a copy you never see)")
     if flat is None:
         raise ValueError(f"{what}: buffer must be contiguous (got strides {arr.strides})")
     if not _writeable(arr):
@@ -290,19 +321,19 @@ def _allreduce_ctx(ctx: CommContext, flat: np.ndarray, op: str, algo: str) -> No
         _ring(ctx, flat, _wire(flat), _REDUCE[op], op == "avg", 0, 2 * ctx.size - 2)
 
 
-def _prepare(what: str, comm, arr, flat, op: str, algo: str):
+def _prepare(what: str, comm, arr, flat, op: str, algo: str, is_array: bool = True):
     """Agree on the layout across ranks (first use), then validate it.
     Returns the private context, or None on a single rank."""
     ctx = context_for(comm) if comm.Get_size() > 1 else None
-    ok = flat is not None and _writeable(arr)
-    key = (what, arr.size, arr.dtype, op, algo, ok)
+    ok = is_array and flat is not None and _writeable(arr)
+    key = (what, arr.size, arr.dtype, op, algo, ok, arr.shape, arr.flags.c_contiguous)
     if ctx is not None and key in ctx.valid and not ALWAYS_CHECK:
         return ctx
     if ctx is not None:
-        ctx.ensure_checked(f"{what} layout (length, dtype, op, algorithm, ok)",
-                           _codes(arr, flat, op, algo), LAYOUT_LEGEND)
+        ctx.ensure_checked(f"{what} layout (length, dtype, op, algorithm, ok, shape/order)",
+                           _codes(arr, flat, op, algo, is_array), LAYOUT_LEGEND)
     # Only reached once the ranks agree, so they all raise the same error.
-    _validate(what, arr, flat, op, algo)
+    _validate(what, arr, flat, op, algo, is_array)
     if ctx is not None:
         ctx.valid.add(key)
     return ctx
@@ -311,14 +342,15 @@ def _prepare(what: str, comm, arr, flat, op: str, algo: str):
 def allreduce(buf, comm=None, op: str = "sum", algorithm: str = "auto"):
     """In-place all-reduce of a contiguous buffer; returns `buf`.
 
-    op: 'sum' | 'avg' | 'max' | 'min'. algorithm: 'ring' (bandwidth-optimal),
+    op: 'sum' | 'avg' | 'max' | 'min' (or MPI.SUM / MPI.MAX / MPI.MIN). algorithm: 'ring' (bandwidth-optimal),
     'small' (latency-optimal recursive doubling) or 'auto' (by byte size
     against get_crossover()). Every rank ends with bit-identical bytes.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
+    op = op_name(op)
     arr, flat, writeback = _host_flat(buf)
     algo = _resolve(algorithm, arr.nbytes)
-    ctx = _prepare("allreduce", comm, arr, flat, op, algo)
+    ctx = _prepare("allreduce", comm, arr, flat, op, algo, is_buffer(buf))
     if ctx is not None:
         _allreduce_ctx(ctx, flat, op, algo)
     if writeback is not None:
@@ -331,8 +363,9 @@ def reduce_scatter(buf, comm=None, op: str = "sum"):
     (chunk_bounds(buf.size, p)[rank]) holds the reduced values; returns that
     view of the flattened buffer. The rest of `buf` is left as scratch."""
     comm = MPI.COMM_WORLD if comm is None else comm
+    op = op_name(op)
     arr, flat, writeback = _host_flat(buf)
-    ctx = _prepare("reduce_scatter", comm, arr, flat, op, "ring")
+    ctx = _prepare("reduce_scatter", comm, arr, flat, op, "ring", is_buffer(buf))
     lo, hi = chunk_bounds(flat.size, comm.Get_size())[comm.Get_rank()]
     if ctx is not None and flat.size:
         _ring(ctx, flat, _wire(flat), _REDUCE[op], op == "avg", 0, ctx.size - 1)
@@ -347,7 +380,7 @@ def allgather(buf, comm=None):
     rank r beforehand; afterwards all of `buf` is filled on every rank."""
     comm = MPI.COMM_WORLD if comm is None else comm
     arr, flat, writeback = _host_flat(buf)
-    ctx = _prepare("allgather", comm, arr, flat, "none", "ring")
+    ctx = _prepare("allgather", comm, arr, flat, "none", "ring", is_buffer(buf))
     if ctx is not None and flat.size:
         _ring(ctx, flat, _wire(flat), None, False, ctx.size - 1, 2 * ctx.size - 2)
     if writeback is not None:

@@ -49,7 +49,8 @@ LAYOUT_LEGEND = (
     "dtype " + ", ".join(f"{c}={d}" for d, c in DTYPE_CODES.items()) + "; op "
     + ", ".join(f"{c}={o}" for o, c in OP_CODES.items() if c) + "; algorithm "
     + ", ".join(f"{c}={a}" for a, c in ALGO_CODES.items() if c)
-    + "; ok 1=contiguous and writeable; 0 or -1 = unsupported")
+    + "; ok 1=contiguous and writeable, -2=not an array; 0 or -1 = unsupported"
+    + "; shape/order = a hash of the array's shape and memory order")
 
 # One fixed-size record per rank: a length slot plus up to _SLOTS-1 values.
 # Fixed size matters: if ranks passed tuples of different lengths and we sized
@@ -63,8 +64,15 @@ _CHECK_MODE = os.environ.get("RINGPIPE_COMM_CHECK", "first").lower()
 ALWAYS_CHECK = _CHECK_MODE == "always"
 
 
+def _as_int(v) -> int:
+    if isinstance(v, (bool, int, np.integer)):
+        return int(v)
+    # Anything else (a float, a string) is compared by its repr: 1.4 must not pass for 1.
+    return zlib.crc32(repr(v).encode())
+
+
 def _record(values) -> np.ndarray:
-    vals = [int(v) for v in values]
+    vals = [_as_int(v) for v in values]
     rec = np.zeros(_SLOTS, dtype=np.int64)
     if len(vals) > _SLOTS - 1:
         # Fold the overflow into one slot; a collision only weakens the check.
@@ -79,7 +87,8 @@ def _record(values) -> np.ndarray:
 
 def check_consistent(comm, what: str, values, legend: str = "") -> None:
     """Raise the same RuntimeError on every rank unless all ranks passed equal
-    `values` (a small tuple of ints). One uppercase Allgather; collective.
+    `values` (a small tuple of ints; other values are compared by a CRC32 of
+    their repr, and shown as that). One uppercase Allgather; collective.
     `legend`, if given, is appended to the message to decode the values."""
     comm = MPI.COMM_WORLD if comm is None else comm
     mine = _record(values)
@@ -150,19 +159,30 @@ class CommContext:
         self._scratch.clear()
 
 
-_contexts: dict[int, CommContext] = {}
+# The private context lives on the user's communicator as an MPI attribute:
+# each communicator object has its own (a freed and recycled handle starts
+# without one, on every rank alike), and MPI calls _free_context when the user
+# frees the communicator, so our Dup goes with it instead of leaking.
+_keyval = None
 _contexts_lock = threading.Lock()
 
 
+def _free_context(comm, keyval, ctx) -> None:
+    ctx.free()
+
+
 def context_for(comm) -> CommContext:
-    """The cached private context for `comm` (Dup'ed collectively on first use)."""
-    key = comm.handle
-    ctx = _contexts.get(key)  # a dict read is atomic; only inserts take the lock
-    # A handle can be recycled after the user frees a communicator; a
-    # congruent group means the old Dup still has the right ranks in the right
-    # order, so only a different group forces a new one.
-    if ctx is not None and MPI.Comm.Compare(ctx.comm, comm) == MPI.CONGRUENT:
-        return ctx
+    """The private context of `comm` (Dup'ed collectively on first use, freed
+    when `comm` is freed)."""
+    global _keyval
+    with _contexts_lock:
+        if _keyval is None:
+            _keyval = MPI.Comm.Create_keyval(delete_fn=_free_context)
+        ctx = comm.Get_attr(_keyval)
+        if ctx is None:
+            ctx = CommContext(comm)
+            comm.Set_attr(_keyval, ctx)
+    return ctx
     ctx = CommContext(comm)
     with _contexts_lock:
         _contexts[key] = ctx

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 from mpi4py import MPI
 
 __all__ = ["Topology", "local_rank_from_env"]
@@ -48,6 +49,9 @@ class Topology:
         size, rank = world.Get_size(), world.Get_rank()
         # All validation before any communication: every rank sees the same
         # size and arguments, so every rank raises the same error.
+        # numpy integers are ints here too (a grid computed with numpy, say).
+        pp = int(pp) if isinstance(pp, np.integer) else pp
+        dp = int(dp) if isinstance(dp, np.integer) else dp
         if not isinstance(pp, int) or pp < 1:
             raise ValueError(f"Topology: pp must be a positive int, got {pp!r}")
         if dp is None:

@@ -638,3 +638,61 @@ def test_benchmark_quick_runs_clean(tmp_path):
     assert {r["algo"] for r in res["rows"]} == {"ring", "small", "mpi", "naive"}
     assert all(r["wrong"] == 0 for r in res["rows"])
     assert res["ring_fit"]["alpha_us"] is not None
+
+
+# ---- comm as a library: what a user's own mpi4py program may pass ----------------------
+
+def _raises_everywhere(fn, cls, text):
+    with pytest.raises(cls, match=text):
+        fn()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_private_communicators_go_with_the_users_communicator():
+    # Each use on a new communicator Dups it once; freeing the user's
+    # communicator must free ours, or MPICH runs out of context ids (~2000).
+    x = np.ones(4)
+    for i in range(2500):
+        sub = WORLD.Split(0, RANK if i % 2 else -RANK)
+        comm.allreduce(x, comm=sub, op="max")
+        sub.Free()
+    # A recycled handle on some ranks only must not split the ranks between
+    # "reuse the old Dup" and "Dup anew" (that hung).
+    a = WORLD.Dup()
+    comm.allreduce(np.ones(4), comm=a)
+    a.Free()
+    extra = MPI.COMM_SELF.Dup() if RANK == 1 else None
+    b = WORLD.Dup()
+    y = np.ones(4)
+    comm.allreduce(y, comm=b)
+    assert (y == P).all()
+    b.Free()
+    if extra is not None:
+        extra.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_library_inputs_are_refused_alike_on_every_rank():
+    # Lengths no other test uses: with the default RINGPIPE_COMM_CHECK=first a
+    # layout is compared across ranks on its first use only, so a rank that
+    # used its side of a mismatch before would skip the check (documented).
+    _raises_everywhere(lambda: comm.allreduce([1.0, 2.0]), TypeError, "must be a numpy or cupy array")
+    _raises_everywhere(lambda: comm.GradBuckets([0.0] * 10, [(0, 10)]), TypeError, "numpy or cupy array")
+    # MPI's own ops by name; one rank alone passing an op we lack is a mismatch, not a hang
+    x = np.full(5, float(RANK))
+    comm.allreduce(x, op=MPI.MAX)
+    assert (x == P - 1).all()
+    _raises_everywhere(lambda: comm.allreduce(np.ones(37), op=MPI.PROD if RANK == 0 else "sum"),
+                       RuntimeError, "inconsistent allreduce layout")
+    _raises_everywhere(lambda: comm.allreduce(np.ones(37), op=MPI.PROD), ValueError, "unknown op")
+    # the same elements laid out differently (order, shape) would be mixed up silently
+    a = np.arange(77.0).reshape(7, 11)
+    _raises_everywhere(lambda: comm.allreduce(a if RANK == 0 else np.asfortranarray(a)),
+                       RuntimeError, "inconsistent allreduce layout")
+    _raises_everywhere(lambda: comm.allreduce(np.zeros((7, 11)) if RANK == 0 else np.zeros((11, 7))),
+                       RuntimeError, "inconsistent allreduce layout")
+    # values are compared exactly, not truncated to int
+    _raises_everywhere(lambda: comm.check_consistent(WORLD, "value", (1.0 + 0.4 * RANK,)),
+                       RuntimeError, "inconsistent value")
+    comm.check_consistent(WORLD, "value", (1.5, "x"))
+    assert comm.Topology(WORLD, dp=np.int64(P)).dp == P
