@@ -102,6 +102,8 @@ def _ndim(op, name, a, ndim):
 def _out_ok(op, name, a):
     if a is not None and not a.flags.c_contiguous:
         raise ValueError(f"kernels.{op}: output {name} must be C-contiguous")
+    if a is not None and not getattr(a.flags, "writeable", True):    # cupy arrays have no such flag
+        raise ValueError(f"kernels.{op}: output {name} is read-only")
 
 
 def _precision(op, precision, dtype):
@@ -339,6 +341,7 @@ def cross_entropy_forward_backward(logits, targets, dlogits=None, grad_scale=1.0
     N, V = logits.shape
     dt = _float_dtype(op, "logits", logits)
     _same_dtype(op, dt, dlogits=dlogits)
+    _array(op, "targets", targets)
     _shape(op, "targets", targets, (N,))
     _shape(op, "dlogits", dlogits, (N, V))
     _out_ok(op, "dlogits", dlogits)
@@ -359,14 +362,17 @@ def cross_entropy_forward_backward(logits, targets, dlogits=None, grad_scale=1.0
 # optimizers and norms
 
 
-def _check_flat(op, param, **others):
+def _check_flat(op, param, grad, **state):
+    """param and the optimizer state are updated in place (outputs); grad is an
+    input, which the caller passes on through _c."""
     _ndim(op, "param", param, 1)
+    _array(op, "grad", grad)
     dt = _float_dtype(op, "param", param)
-    _same_dtype(op, dt, **others)
-    for name, a in others.items():
+    _same_dtype(op, dt, grad=grad, **state)
+    for name, a in dict(grad=grad, **state).items():
         _shape(op, name, a, param.shape)
     _out_ok(op, "param", param)
-    for name, a in others.items():
+    for name, a in state.items():
         _out_ok(op, name, a)
 
 
@@ -376,7 +382,8 @@ def _check_mask(op, param, wd_mask):
     _shape(op, "wd_mask", wd_mask, param.shape)
     if str(wd_mask.dtype) not in ("bool", "uint8", "float32", "float64"):
         raise KernelDtypeError(f"kernels.{op}: wd_mask must be bool, uint8, float32 or float64, got {wd_mask.dtype}")
-    _out_ok(op, "wd_mask", wd_mask)
+    if not wd_mask.flags.c_contiguous:
+        raise ValueError(f"kernels.{op}: wd_mask must be C-contiguous (it is read along the flat param)")
 
 
 def adamw_update(param, grad, m, v, *, lr, beta1, beta2, eps, weight_decay, step, wd_mask=None, backend=None):
@@ -386,12 +393,12 @@ def adamw_update(param, grad, m, v, *, lr, beta1, beta2, eps, weight_decay, step
     p -= lr * (m/(1-b1^step) / (sqrt(v/(1-b2^step)) + eps) + weight_decay*mask*p)
     """
     op = "adamw_update"
-    _check_flat(op, param, grad=grad, m=m, v=v)
+    _check_flat(op, param, grad, m=m, v=v)
     _check_mask(op, param, wd_mask)
     if step < 1:
         raise ValueError(f"kernels.{op}: step is 1-based, got {step}")
     impl = _dispatch(op, (param, grad, m, v, wd_mask), backend)
-    impl(param, grad, m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+    impl(param, _c(grad), m, v, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
          weight_decay=weight_decay, step=step, wd_mask=wd_mask)
 
 
@@ -399,10 +406,10 @@ def sgd_momentum_update(param, grad, buf, *, lr, momentum, weight_decay=0.0, wd_
     """SGD with momentum in place (PyTorch convention, no dampening; buf starts at zero):
     g' = g + wd*mask*p ; buf = momentum*buf + g' ; p -= lr*buf"""
     op = "sgd_momentum_update"
-    _check_flat(op, param, grad=grad, buf=buf)
+    _check_flat(op, param, grad, buf=buf)
     _check_mask(op, param, wd_mask)
     impl = _dispatch(op, (param, grad, buf, wd_mask), backend)
-    impl(param, grad, buf, lr=lr, momentum=momentum, weight_decay=weight_decay, wd_mask=wd_mask)
+    impl(param, _c(grad), buf, lr=lr, momentum=momentum, weight_decay=weight_decay, wd_mask=wd_mask)
 
 
 def sum_of_squares(x, *, backend=None):

@@ -207,11 +207,13 @@ def test_matmul_errors(rng):
     lambda L: kernels.gelu_forward(L),
     lambda L: kernels.softmax_causal_forward(L, 1.0),
     lambda L: kernels.cross_entropy_forward_backward(L, [0, 1]),
+    lambda L: kernels.cross_entropy_forward_backward(np.zeros((2, 2)), L[0]),
     lambda L: kernels.adamw_update(L, L, L, L, lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1),
     lambda L: kernels.sum_of_squares(L),
-], ids=["matmul", "linear_forward", "column_sum", "layernorm", "gelu", "softmax", "cross_entropy", "adamw",
-        "sum_of_squares"])
+], ids=["matmul", "linear_forward", "column_sum", "layernorm", "gelu", "softmax", "cross_entropy",
+        "cross_entropy_targets", "adamw", "sum_of_squares"])
 def test_a_list_instead_of_an_array_is_named(call):
+    """Every op names the operand that is not an array."""
     with pytest.raises(TypeError, match=r"kernels\.\w+: \w+ must be a numpy or cupy array, got list"):
         call([[1.0, 2.0], [3.0, 4.0]])
 
@@ -823,3 +825,28 @@ def test_noncontiguous_inputs_are_accepted(rng):
     out, _, _ = kernels.layernorm_forward(xt, w, b)
     assert_close(out, ref.layernorm_forward(np.ascontiguousarray(xt), w, b)[0], np.float64)
     assert_close(kernels.gelu_forward(xt), ref.gelu_forward(xt), np.float64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_read_only_outputs_are_refused_and_strided_grads_copied(backend):
+    x = np.ones((4, 8), np.float32)
+    out = np.empty_like(x)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="kernels.gelu_forward: output out is read-only"):
+        kernels.gelu_forward(x, out, backend=backend)
+    # grad is an input: a strided one is copied, like every other input
+    p, m, v = np.ones(16, np.float32), np.zeros(16, np.float32), np.zeros(16, np.float32)
+    g2 = np.arange(32, dtype=np.float32)
+    p_ref = p.copy()
+    kernels.adamw_update(p_ref, g2[::2].copy(), m.copy(), v.copy(), lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8,
+                         weight_decay=0.1, step=1, backend=backend)
+    kernels.adamw_update(p, g2[::2], m, v, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=1,
+                         backend=backend)
+    np.testing.assert_array_equal(p, p_ref)
+    mask = np.ones(16, bool)
+    mask.flags.writeable = False          # an input: read-only is fine
+    kernels.sgd_momentum_update(p, g2[::2], np.zeros(16, np.float32), lr=1e-2, momentum=0.9, wd_mask=mask,
+                                backend=backend)
+    p.flags.writeable = False
+    with pytest.raises(ValueError, match="output param is read-only"):
+        kernels.sgd_momentum_update(p, g2[::2], np.zeros(16, np.float32), lr=1e-2, momentum=0.9, backend=backend)
