@@ -187,8 +187,8 @@ class StopFlag:
 
 class LauncherError(SystemExit):
     """The launcher and the MPI library do not match. A SystemExit whose code
-    is the message, so the trainer's existing "configuration error" path
-    prints it once (rank 0 by SLURM_PROCID) and exits 2."""
+    is the message, so the trainer's "configuration error" path exits 2; every
+    task prints it (each is alone, and srun may kill task 0 before it prints)."""
 
     def __init__(self, message: str):
         super().__init__(message)

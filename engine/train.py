@@ -307,7 +307,9 @@ def main(argv=None):
         # and check_same_args() see to that), so exit quietly on all of them
         # (print once), no abort needed.
         if isinstance(e.code, str):
-            if _launcher_rank() == 0:
+            # A launcher mismatch leaves every task alone in its own world: each
+            # says so, since srun may kill task 0 before it gets to print.
+            if _launcher_rank() == 0 or isinstance(e, lifecycle.LauncherError):
                 print(e.code, file=sys.stderr, flush=True)
             sys.exit(2)
         raise
