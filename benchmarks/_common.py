@@ -126,12 +126,17 @@ def positive_size(text: str) -> int:
     return value
 
 
+def _comma_items(text: str, wanted: str) -> list[str]:
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"empty list: give {wanted}")
+    return items
+
+
 def choice_list(choices):
     """argparse type: a comma list whose items all come from choices -> list (order kept)."""
     def parse(text: str) -> list[str]:
-        items = [s.strip() for s in text.split(",") if s.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError(f"empty list: give a comma list of {','.join(choices)}")
+        items = _comma_items(text, f"a comma list of {','.join(choices)}")
         unknown = [s for s in items if s not in choices]
         if unknown:
             raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, unknown))}; choose from "
@@ -143,9 +148,7 @@ def choice_list(choices):
 def int_list(low: int = 1):
     """argparse type: a comma list of integers, each >= low -> list[int]."""
     def parse(text: str) -> list[int]:
-        items = [s.strip() for s in text.split(",") if s.strip()]
-        if not items:
-            raise argparse.ArgumentTypeError(f"empty list: give comma-separated integers >= {low}, e.g. 1,2,4")
+        items = _comma_items(text, f"comma-separated integers >= {low}, e.g. 1,2,4")
         values = []
         for s in items:
             try:
