@@ -36,14 +36,17 @@ def _launcher_rank():
 
 class UsageError(SystemExit):
     """A refused command line. Raised, not printed: main() first makes sure every
-    rank knows (a rank that exits alone would leave the others waiting)."""
+    rank knows (a rank that exits alone would leave the others waiting).
+    The code is usage + error, as argparse prints it; `short` is the error alone."""
+
+    def __init__(self, usage: str, short: str):
+        super().__init__(usage + short)
+        self.short = short
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
-        e = UsageError(f"{self.format_usage()}{self.prog}: error: {message}")
-        e.short = f"{self.prog}: error: {message}"      # without the usage block
-        raise e
+        raise UsageError(self.format_usage(), f"{self.prog}: error: {message}")
 
 
 def parse_args(argv=None):
