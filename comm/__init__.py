@@ -5,6 +5,9 @@ calls on preallocated memory; each parallel axis gets its own communicator,
 and our own traffic runs on private Dup'ed communicators. Device (cupy)
 buffers work too: handed to a CUDA-aware MPI directly, else staged through
 pinned host memory (comm/device.py).
+
+Settings come from RINGPIPE_* environment variables (comm/settings.py), read
+at the first collective, not at import; check_settings() reads them at once.
 """
 
 from .buckets import GradBuckets
@@ -17,6 +20,7 @@ from .ring import (
     set_crossover,
 )
 from .safety import abort_on_error, check_consistent, install_abort_handler
+from .settings import check_settings
 from .topology import Topology
 
 __all__ = [
@@ -31,4 +35,5 @@ __all__ = [
     "check_consistent",
     "install_abort_handler",
     "abort_on_error",
+    "check_settings",
 ]

@@ -2,7 +2,10 @@
 
 Buckets are runs of consecutive parameters taken from the END of the model
 (backward produces those gradients first), each a contiguous slice of the
-flat gradient buffer of at most bucket_bytes.
+flat gradient buffer of at most bucket_bytes. A smaller first_bucket_bytes
+caps the first bucket alone, so its all-reduce can start early in backward
+(PyTorch DDP caps its first bucket at 1 MiB for that reason); a parameter
+larger than its bucket's cap forms a bucket of its own.
 
 Overlap is a progress thread that all-reduces buckets on a private Dup'ed
 communicator while the main thread keeps computing. It is real overlap
@@ -32,12 +35,13 @@ import numpy as np
 from mpi4py import MPI
 
 from . import device
-from .ring import _allreduce_ctx, _codes, _resolve, _validate, is_buffer, op_name
+from .ring import _allreduce_ctx, _codes, _resolve, _semantics, _validate, is_buffer, op_name
 from .safety import LAYOUT_LEGEND, CommContext, check_consistent
 
 __all__ = ["GradBuckets"]
 
 _live: "weakref.WeakSet[GradBuckets]" = weakref.WeakSet()
+_BUCKET = "GradBuckets bucket all-reduce"     # for error messages
 
 
 @atexit.register
@@ -48,18 +52,22 @@ def _stop_all() -> None:
         gb._stop_thread()
 
 
-def _make_buckets(param_ranges, itemsize: int, bucket_bytes: int):
-    """[(lo, hi, first_param, last_param)] in reduction order (model end first)."""
+def _make_buckets(param_ranges, itemsize: int, bucket_bytes: int, first_bucket_bytes: int | None = None):
+    """[(lo, hi, first_param, last_param)] in reduction order (model end first).
+    Greedy: a bucket takes parameters until the next would exceed its cap,
+    first_bucket_bytes (if given) for the first bucket, bucket_bytes after."""
     buckets = []
+    cap = bucket_bytes if first_bucket_bytes is None else first_bucket_bytes
     cur_first = cur_last = None
     cur_bytes = 0
     for i in range(len(param_ranges) - 1, -1, -1):
         lo, hi = param_ranges[i]
         nbytes = (hi - lo) * itemsize
-        if cur_last is not None and cur_bytes + nbytes > bucket_bytes:
+        if cur_last is not None and cur_bytes + nbytes > cap:
             buckets.append((param_ranges[cur_first][0], param_ranges[cur_last][1], cur_first, cur_last))
             cur_first = cur_last = None
             cur_bytes = 0
+            cap = bucket_bytes
         if cur_last is None:
             cur_last = i
         cur_first = i
@@ -75,46 +83,29 @@ class GradBuckets:
     grad_flat: 1D contiguous gradient buffer. param_ranges: (lo, hi) slices of
     it, in forward order, sorted and non-overlapping (elements in gaps between
     parameters are reduced along with their bucket). Collective: construct on
-    every rank of `comm` with the same layout.
+    every rank of `comm` with the same layout. first_bucket_bytes: cap of the
+    first bucket (the model's last parameters, reduced first) if smaller
+    buckets should start the communication earlier in backward; default
+    bucket_bytes.
     """
 
     def __init__(self, grad_flat, param_ranges, comm=None, bucket_bytes: int = 25 * 2**20,
-                 op: str = "avg", overlap: bool = True, algorithm: str = "auto"):
+                 op: str = "avg", overlap: bool = True, algorithm: str = "auto",
+                 first_bucket_bytes: int | None = None):
         comm = MPI.COMM_WORLD if comm is None else comm
         op = op_name(op)
-        ranges = [(int(lo), int(hi)) for lo, hi in param_ranges]
+        # First, and collectively: our private communicator (bucket messages
+        # never meet the caller's). Creating it compares the comm settings
+        # across the ranks, among them the crossover that picks the buckets'
+        # algorithms below.
+        self._ctx = CommContext(comm)
+        try:
+            ranges, buckets, algos, flat = self._agree_on_layout(
+                comm, grad_flat, param_ranges, bucket_bytes, first_bucket_bytes, op, algorithm)
+        except BaseException:
+            self._ctx.free()
+            raise
         on_device = device.is_device_array(grad_flat)
-        is_array = is_buffer(grad_flat)
-        arr = grad_flat if is_array else np.asarray(grad_flat)
-        flat = arr if (is_array and arr.ndim == 1 and arr.flags.c_contiguous) else None
-        layout_ok = all(0 <= lo <= hi for lo, hi in ranges) and all(
-            ranges[i][1] <= ranges[i + 1][0] for i in range(len(ranges) - 1)
-        ) and (not ranges or ranges[-1][1] <= arr.size)
-        buckets = _make_buckets(ranges, arr.itemsize, int(bucket_bytes))
-        # "auto" is resolved once per bucket, so every step runs the same
-        # algorithm; the choice depends on the crossover, hence in the check.
-        algos = [_resolve(algorithm, (hi - lo) * arr.itemsize) for lo, hi, _, _ in buckets]
-        layout_crc = zlib.crc32(np.asarray(ranges, dtype=np.int64).tobytes()
-                                + ",".join(map(str, algos)).encode())
-        size, dtype_code, op_code, _, ok, _ = _codes(arr, flat, op, "ring", is_array)
-        codes = (size, dtype_code, op_code, ok, len(ranges), int(bucket_bytes), layout_crc)
-        # Agree first, then validate, so a bad or mismatched layout raises the
-        # same error on every rank instead of hanging in the first bucket.
-        check_consistent(comm, "GradBuckets layout (length, dtype, op, ok, n_params, "
-                         "bucket_bytes, crc of ranges and per-bucket algorithms)", codes,
-                         LAYOUT_LEGEND)
-        if not is_array:
-            raise TypeError("GradBuckets: grad_flat must be a numpy or cupy array (the gradients are "
-                            "reduced in place)")
-        if flat is None:
-            raise ValueError("GradBuckets: grad_flat must be a 1D C-contiguous array")
-        for a in set(algos) or {"ring"}:
-            _validate("GradBuckets", arr, flat, op, a)
-        if not layout_ok:
-            raise ValueError("GradBuckets: param_ranges must be sorted, non-overlapping "
-                             f"(lo, hi) pairs inside grad_flat[0:{arr.size}]")
-        if bucket_bytes < 1:
-            raise ValueError(f"GradBuckets: bucket_bytes must be positive, got {bucket_bytes}")
 
         self.grad_flat = flat
         # Device gradients: reduced on the GPU by a CUDA-aware MPI, else each
@@ -126,8 +117,13 @@ class GradBuckets:
         self.op = op
         self.algorithm = algorithm
         self.bucket_bytes = int(bucket_bytes)
+        self.first_bucket_bytes = None if first_bucket_bytes is None else int(first_bucket_bytes)
         self.buckets = buckets
         self._algos = algos
+        # Each bucket's layout hash for the message fingerprints (comm/fingerprint.py),
+        # so a step whose buckets differ between ranks raises instead of mixing them.
+        self._semantics = [_semantics(_codes(flat[lo:hi], flat[lo:hi], op, a))
+                           for (lo, hi, _, _), a in zip(buckets, algos)]
         self._bucket_of = np.empty(len(ranges), dtype=np.int64)
         self._size = np.empty(len(self.buckets), dtype=np.int64)
         for k, (_, _, first, last) in enumerate(self.buckets):
@@ -139,7 +135,6 @@ class GradBuckets:
                           "falling back to overlap=False", RuntimeWarning, stacklevel=2)
             overlap = False
         self.overlap = bool(overlap)
-        self._ctx = CommContext(comm)  # private: bucket tags never meet the caller's
 
         self._cond = threading.Condition()
         self._marked = np.zeros(len(ranges), dtype=bool)
@@ -158,6 +153,50 @@ class GradBuckets:
             self._thread = threading.Thread(target=self._run, name="ringpipe-buckets", daemon=True)
             self._thread.start()
         _live.add(self)
+
+    @staticmethod
+    def _agree_on_layout(comm, grad_flat, param_ranges, bucket_bytes, first_bucket_bytes, op: str,
+                         algorithm: str):
+        """(ranges, buckets, per-bucket algorithms, flat buffer) once every rank
+        passed the same layout and it is valid; else the same error on every rank."""
+        ranges = [(int(lo), int(hi)) for lo, hi in param_ranges]
+        is_array = is_buffer(grad_flat)
+        arr = grad_flat if is_array else np.asarray(grad_flat)
+        flat = arr if (is_array and arr.ndim == 1 and arr.flags.c_contiguous) else None
+        layout_ok = all(0 <= lo <= hi for lo, hi in ranges) and all(
+            ranges[i][1] <= ranges[i + 1][0] for i in range(len(ranges) - 1)
+        ) and (not ranges or ranges[-1][1] <= arr.size)
+        first = None if first_bucket_bytes is None else int(first_bucket_bytes)
+        buckets = _make_buckets(ranges, arr.itemsize, int(bucket_bytes), first)
+        # "auto" is resolved once per bucket, so every step runs the same
+        # algorithm; the choice depends on the crossover, hence in the check.
+        algos = [_resolve(algorithm, (hi - lo) * arr.itemsize) for lo, hi, _, _ in buckets]
+        layout_crc = zlib.crc32(np.asarray(ranges, dtype=np.int64).tobytes()
+                                + ",".join(map(str, algos)).encode())
+        size, dtype_code, op_code, _, ok, _ = _codes(arr, flat, op, "ring", is_array)
+        codes = (size, dtype_code, op_code, ok, len(ranges), int(bucket_bytes),
+                 0 if first is None else first, layout_crc)
+        # Agree first, then validate, so a bad or mismatched layout raises the
+        # same error on every rank instead of hanging in the first bucket.
+        check_consistent(comm, "GradBuckets layout (length, dtype, op, ok, n_params, "
+                         "bucket_bytes, first_bucket_bytes (0: none), crc of ranges and per-bucket "
+                         "algorithms)", codes, LAYOUT_LEGEND)
+        if not is_array:
+            raise TypeError("GradBuckets: grad_flat must be a numpy or cupy array (the gradients are "
+                            "reduced in place)")
+        if flat is None:
+            raise ValueError("GradBuckets: grad_flat must be a 1D C-contiguous array")
+        for a in set(algos) or {"ring"}:
+            _validate("GradBuckets", arr, flat, op, a)
+        if not layout_ok:
+            raise ValueError("GradBuckets: param_ranges must be sorted, non-overlapping "
+                             f"(lo, hi) pairs inside grad_flat[0:{arr.size}]")
+        if bucket_bytes < 1:
+            raise ValueError(f"GradBuckets: bucket_bytes must be positive, got {bucket_bytes}")
+        if first is not None and first < 1:
+            raise ValueError(f"GradBuckets: first_bucket_bytes must be positive (or None), got "
+                             f"{first_bucket_bytes}")
+        return ranges, buckets, algos, flat
 
     # -- backward side -------------------------------------------------------
 
@@ -274,10 +313,10 @@ class GradBuckets:
                 device.synchronize(seg)
         if self._staged:
             host = device.to_pinned(seg)
-            _allreduce_ctx(self._ctx, host, self.op, self._algos[k])
+            _allreduce_ctx(self._ctx, host, host, self.op, self._algos[k], self._semantics[k], _BUCKET)
             device.copy_back(seg, host)
             return
-        _allreduce_ctx(self._ctx, seg, self.op, self._algos[k])
+        _allreduce_ctx(self._ctx, seg, seg, self.op, self._algos[k], self._semantics[k], _BUCKET)
 
     def _run(self) -> None:
         cond = self._cond

@@ -28,11 +28,12 @@ import os
 
 import numpy as np
 
+from .settings import ENV_CUDA_AWARE, cuda_aware_choice
+
 __all__ = ["ENV_CUDA_AWARE", "GPU_SUPPORT_VARIABLES", "stats", "is_device_array", "query_library",
            "enabled_by_environment", "cuda_aware", "synchronize",
            "record_event", "use_own_stream", "empty_for_mpi", "array_ops", "to_pinned", "copy_back", "Transport"]
 
-ENV_CUDA_AWARE = "RINGPIPE_CUDA_AWARE_MPI"
 # The MPI libraries' own switches for GPU memory (Cray MPICH, MVAPICH2-GDR).
 GPU_SUPPORT_VARIABLES = ("MPICH_GPU_SUPPORT_ENABLED", "MV2_USE_CUDA")
 
@@ -71,16 +72,11 @@ def cuda_aware() -> bool:
     """Pass device buffers straight to MPI? Decided once per process (see module doc)."""
     global _decided
     if _decided is None:
-        value = os.environ.get(ENV_CUDA_AWARE, "auto").strip().lower()
-        if value in ("1", "yes", "true", "on"):
-            _decided = True
-        elif value in ("0", "no", "false", "off"):
-            _decided = False
-        elif value in ("", "auto"):
-            _decided = query_library() or enabled_by_environment() is not None
-        else:
-            raise ValueError(f"{ENV_CUDA_AWARE}={value!r}: use 1 (MPI takes GPU buffers), "
-                             "0 (stage through pinned host memory) or auto (ask the MPI library)")
+        # Parsed where comm's other variables are (comm/settings.py), with the same refusal.
+        choice = cuda_aware_choice(os.environ.get(ENV_CUDA_AWARE, "auto"))
+        if choice is None:
+            choice = query_library() or enabled_by_environment() is not None
+        _decided = choice
     return _decided
 
 

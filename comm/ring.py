@@ -7,20 +7,31 @@ and all-gather phases t = p-1..2p-3. In phase t a rank sends chunk
 rank r owns the fully reduced chunk r, the layout reduce_scatter promises.
 A sub-chunk is forwarded as soon as it is reduced (or, in the gather, as soon
 as it lands), so phase t+1 starts moving before phase t has finished.
+
+Every message carries its sender's layout fingerprint in its tag, and every
+receive takes any tag and compares it (comm/fingerprint.py). Matching does
+not need the tag: all of one rank's messages come from its left neighbour,
+which sends phase t's pieces in order and all of them before any of phase
+t+1; the receives are posted in that same order (all of phase t's before any
+of phase t+1's), and MPI keeps the messages of one sender in order.
+
+Before a call, the ranks compare the layout with one small Allgather on its
+first use per communicator (RINGPIPE_COMM_CHECK, see comm/safety.py's
+CommContext); the fingerprints catch the rest at no cost.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import zlib
 
 import numpy as np
 from mpi4py import MPI
 
-from . import device
-from .safety import (ALGO_CODES, ALWAYS_CHECK, DTYPE_CODES, LAYOUT_LEGEND, OP_CODES, CommContext,
+from . import device, fingerprint, settings
+from .safety import (ALGO_CODES, DTYPE_CODES, LAYOUT_LEGEND, OP_CODES, CommContext, check_consistent,
                      context_for)
+from .settings import DEFAULT_CROSSOVER, DEFAULT_SUBCHUNK  # noqa: F401  (documented there)
 from .small import allreduce_small
 
 __all__ = [
@@ -33,46 +44,29 @@ __all__ = [
     "set_subchunk_bytes",
 ]
 
-# Messages of at most this many bytes go to the latency-optimal path under
-# algorithm="auto". Measured with benchmarks/allreduce.py on the 2-core dev
-# box with the machine otherwise idle (MPICH 5 shared memory, float32, 2
-# ranks, 2026-11-30): recursive doubling wins below 16 KiB, the ring wins from
-# 32 KiB on (2x faster at 256 KiB-2 MiB, where the small path's full-buffer
-# exchanges pay twice the copies). Runs taken while the machine was loaded put
-# the switch at 4 MiB: measure on a quiet machine. With many ranks on a real
-# network the ring's bandwidth advantage grows (log2(p)·n vs 2(p-1)/p·n bytes
-# sent): rerun the benchmark there and set RINGPIPE_ALLREDUCE_CROSSOVER to the
-# crossover it reports.
-DEFAULT_CROSSOVER = 32 * 1024
-# Sub-chunk size for the pipelined ring. Each extra message costs a
-# rendezvous round trip; on the dev box 1 and 2 MiB tie, 512 KiB loses a few
-# %, 256 KiB up to 2x (2 ranks, 1-64 MiB buffers).
-DEFAULT_SUBCHUNK = 1024 * 1024
-
-_crossover = int(os.environ.get("RINGPIPE_ALLREDUCE_CROSSOVER", DEFAULT_CROSSOVER))
-_subchunk = int(os.environ.get("RINGPIPE_RING_SUBCHUNK", DEFAULT_SUBCHUNK))
-
 _REDUCE = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
 def set_crossover(nbytes: int) -> None:
-    """Byte size at or below which algorithm="auto" uses the small path.
-    Must be the same on every rank. A differing choice is caught by the layout
-    check on a layout's first use; on a layout already used, only with
-    RINGPIPE_COMM_CHECK=always (see comm/safety.py), else it can hang."""
-    global _crossover
-    _crossover = int(nbytes)
+    """Byte size at or below which algorithm="auto" uses the small path
+    (default RINGPIPE_ALLREDUCE_CROSSOVER, else 32 KiB). Must be the same on
+    every rank: a rank whose choice differs for a call gets a layout mismatch
+    error (comm/fingerprint.py) instead of a wrong result."""
+    nbytes = int(nbytes)
+    if nbytes < 0:
+        raise ValueError(f"set_crossover: need a size in bytes >= 0, got {nbytes}")
+    settings.current().crossover = nbytes
 
 
 def get_crossover() -> int:
-    return _crossover
+    return settings.current().crossover
 
 
 def set_subchunk_bytes(nbytes: int) -> None:
-    """Ring sub-chunk size in bytes (tuning knob; same on every rank)."""
-    global _subchunk
-    _subchunk = max(1, int(nbytes))
+    """Ring sub-chunk size in bytes (tuning knob; default RINGPIPE_RING_SUBCHUNK,
+    else 1 MiB). Must be the same on every rank, like set_crossover."""
+    settings.current().subchunk = max(1, int(nbytes))
 
 
 def chunk_bounds(n: int, p: int) -> list[tuple[int, int]]:
@@ -102,12 +96,27 @@ def _plan(n: int, p: int, itemsize: int, subchunk: int):
     return tuple(subs)
 
 
+def _ring_tags(n: int, p: int, itemsize: int, subchunk: int, t0: int, t1: int, semantics: int,
+               bits: int) -> tuple[int, int]:
+    """(tag, poisoned tag) of the messages of ring phases [t0, t1) (comm/fingerprint.py)."""
+    structure = ("ring", t0, t1, n, itemsize, subchunk, p)
+    if n < p and t1 - t0 < 2 * p - 2:
+        # A reduce_scatter or allgather alone with some chunk empty: a rank may
+        # receive nothing, so a poisoned rank could not count on every rank
+        # noticing (comm/fingerprint.py). Any difference then is structural.
+        structure += (semantics,)
+    return fingerprint.tags(bits, structure, semantics)
+
+
 @functools.lru_cache(maxsize=256)
-def _schedule(n: int, p: int, r: int, itemsize: int, subchunk: int, t0: int, t1: int):
+def _schedule(n: int, p: int, r: int, itemsize: int, subchunk: int, t0: int, t1: int,
+              semantics: int, bits: int):
     """Everything about phases [t0, t1) that does not depend on the buffer,
     so the hot loop only slices and calls MPI.
 
-    Returns (scratch elements, initial sends, phases); a phase is
+    Returns (scratch elements, initial sends, phases, (tag, poisoned tag));
+    the tags carry the layout fingerprint (`semantics`: the layout record's
+    hash; `bits`: the tag width). A phase is
     (t, recvs, reduce, last_reduce, forward, conflict) where recvs holds
     (a, b, sa, sb): buffer slice [a:b] and, for reduce phases, its receive
     slot scratch[sa:sb] (sa = -1: gather straight into the buffer), and
@@ -134,17 +143,32 @@ def _schedule(n: int, p: int, r: int, itemsize: int, subchunk: int, t0: int, t1:
         # receives was sent by reduce-scatter phase t+2-p, same sub-chunks.
         conflict = t + 2 - p if (t + 1 < t1 and t + 1 >= rs_end and t + 2 - p >= t0) else -1
         phases.append((t, recvs, t < rs_end, t == rs_end - 1, t + 1 < t1, conflict))
-    return nslots * maxc, subs[(r - t0 - 1) % p], tuple(phases)
+    tags = _ring_tags(n, p, itemsize, subchunk, t0, t1, semantics, bits)
+    return nslots * maxc, subs[(r - t0 - 1) % p], tuple(phases), tags
+
+
+def _call_name(t0: int, t1: int, p: int) -> str:
+    """Which collective ring phases [t0, t1) are, for error messages."""
+    if t0 == 0:
+        return "allreduce (ring)" if t1 == 2 * p - 2 else "reduce_scatter"
+    return "allgather"
 
 
 def _ring(ctx: CommContext, flat: np.ndarray, wire: np.ndarray, ufunc, avg: bool,
-          t0: int, t1: int) -> None:
+          t0: int, t1: int, semantics: int) -> bool:
     """Run ring phases [t0, t1) in place on `flat`. `wire` is the same memory
     as MPI should see it (see _wire). The reductions run where `flat` lives:
-    numpy on the host, cupy on the GPU (a CUDA-aware MPI moves device memory)."""
+    numpy on the host, cupy on the GPU (a CUDA-aware MPI moves device memory).
+    `semantics`: the layout's semantics hash for the fingerprint. Returns True
+    if this rank ended the call poisoned: the ranks passed different layouts
+    with the same messages, and the caller must raise (comm/fingerprint.py)."""
+    ctx.ensure_usable()
     comm, p, r = ctx.comm, ctx.size, ctx.rank
     left, right = (r - 1) % p, (r + 1) % p
-    nscratch, init, phases = _schedule(flat.size, p, r, flat.itemsize, _subchunk, t0, t1)
+    nscratch, init, phases, (tag, poisoned_tag) = _schedule(
+        flat.size, p, r, flat.itemsize, ctx.settings.subchunk, t0, t1, semantics, ctx.tag_bits)
+    stag = tag              # what our sends carry: poisoned_tag once a mismatch is seen
+    status, any_tag = ctx.status, MPI.ANY_TAG
     Isend, Irecv = comm.Isend, comm.Irecv
     xp, ufunc, sync = device.array_ops(flat, ufunc)
     if nscratch:
@@ -153,58 +177,75 @@ def _ring(ctx: CommContext, flat: np.ndarray, wire: np.ndarray, ufunc, avg: bool
 
     # Receives first: a message that finds its receive already posted skips
     # MPI's unexpected-message path.
-    rq = [Irecv(swire[sa:sb] if sa >= 0 else wire[a:b], left, t0)
+    rq = [Irecv(swire[sa:sb] if sa >= 0 else wire[a:b], left, any_tag)
           for a, b, sa, sb in phases[0][1]]
-    sends = {t0: [Isend(wire[a:b], right, t0) for a, b in init]}
-    for k, (t, recvs, red, last, fwd, conflict) in enumerate(phases):
-        if fwd:
-            t_next = t + 1
-            nrecvs = phases[k + 1][1]
-            n_next = len(nrecvs)
-            nrq = []
-            out = sends[t_next] = []
-            old = sends[conflict] if conflict >= 0 else None
-            j_next = 0
-        for j, (a, b, sa, sb) in enumerate(recvs):
-            if fwd and j < n_next:
-                na, nb, nsa, nsb = nrecvs[j]
-                if nsa >= 0:
-                    # Into the other scratch slot: post it before blocking on
-                    # phase t's piece j, one sub-chunk of lookahead.
-                    nrq.append(Irecv(swire[nsa:nsb], left, t_next))
-                    rq[j].Wait()
-                else:
-                    # Into memory our own earlier send reads: block on phase
-                    # t's piece first, by when that send has nearly always
-                    # completed too, so its Wait costs no extra round trip.
-                    rq[j].Wait()
-                    if old is not None:
-                        old[j].Wait()
-                    nrq.append(Irecv(wire[na:nb], left, t_next))
-                j_next = j + 1
-            else:
-                rq[j].Wait()
-            if red:
-                d = flat[a:b]
-                ufunc(d, scratch[sa:sb], out=d)
-                if last and avg:
-                    xp.divide(d, p, out=d)
-                if sync is not None:
-                    sync()            # the GPU must finish the sum before MPI sends it
+    nrq = []
+    sends = {t0: [Isend(wire[a:b], right, stag) for a, b in init]}
+    try:
+        for k, (t, recvs, red, last, fwd, conflict) in enumerate(phases):
             if fwd:
-                out.append(Isend(wire[a:b], right, t_next))
-        if fwd:
-            for j in range(j_next, n_next):
-                na, nb, nsa, nsb = nrecvs[j]
-                if nsa >= 0:
-                    nrq.append(Irecv(swire[nsa:nsb], left, t_next))
+                t_next = t + 1
+                nrecvs = phases[k + 1][1]
+                n_next = len(nrecvs)
+                nrq = []
+                out = sends[t_next] = []
+                old = sends[conflict] if conflict >= 0 else None
+                j_next = 0
+            for j, (a, b, sa, sb) in enumerate(recvs):
+                if fwd and j < n_next:
+                    na, nb, nsa, nsb = nrecvs[j]
+                    if nsa >= 0:
+                        # Into the other scratch slot: post it before blocking on
+                        # phase t's piece j, one sub-chunk of lookahead.
+                        nrq.append(Irecv(swire[nsa:nsb], left, any_tag))
+                        rq[j].Wait(status)
+                    else:
+                        # Into memory our own earlier send reads: block on phase
+                        # t's piece first, by when that send has nearly always
+                        # completed too, so its Wait costs no extra round trip.
+                        rq[j].Wait(status)
+                        if old is not None:
+                            old[j].Wait()
+                        nrq.append(Irecv(wire[na:nb], left, any_tag))
+                    j_next = j + 1
                 else:
-                    if old is not None:
-                        old[j].Wait()
-                    nrq.append(Irecv(wire[na:nb], left, t_next))
-            rq = nrq
-    for lst in sends.values():
-        MPI.Request.Waitall(lst)
+                    rq[j].Wait(status)
+                # Checked before this piece is forwarded, so a rank poisoned by
+                # it passes the poison on with it.
+                if status.Get_tag() != tag:
+                    stag = fingerprint.poison_or_raise(ctx, status.Get_tag(), tag, poisoned_tag, left,
+                                                       _call_name(t0, t1, p), flat)
+                if red:
+                    d = flat[a:b]
+                    ufunc(d, scratch[sa:sb], out=d)
+                    if last and avg:
+                        xp.divide(d, p, out=d)
+                    if sync is not None:
+                        sync()            # the GPU must finish the sum before MPI sends it
+                if fwd:
+                    out.append(Isend(wire[a:b], right, stag))
+            if fwd:
+                for j in range(j_next, n_next):
+                    na, nb, nsa, nsb = nrecvs[j]
+                    if nsa >= 0:
+                        nrq.append(Irecv(swire[nsa:nsb], left, any_tag))
+                    else:
+                        if old is not None:
+                            old[j].Wait()
+                        nrq.append(Irecv(wire[na:nb], left, any_tag))
+                rq = nrq
+        for lst in sends.values():
+            MPI.Request.Waitall(lst)
+    except BaseException as e:
+        # Broke off half-way: requests are still pending on our memory.
+        error = e
+        if fingerprint.is_truncation(e):
+            error = fingerprint.truncation_error(ctx, left, _call_name(t0, t1, p), flat)
+        ctx.abandon(rq + (nrq if nrq is not rq else []), sends, f"{type(error).__name__}: {error}")
+        if error is e:
+            raise
+        raise error from e
+    return stag != tag
 
 
 # --------------------------------------------------------------------------
@@ -307,36 +348,76 @@ def _wire(flat: np.ndarray) -> np.ndarray:
 
 def _resolve(algorithm: str, nbytes: int) -> str:
     if algorithm == "auto":
-        return "small" if nbytes <= _crossover else "ring"
+        return "small" if nbytes <= settings.current().crossover else "ring"
     return algorithm
 
 
-def _allreduce_ctx(ctx: CommContext, flat: np.ndarray, op: str, algo: str) -> None:
-    """All-reduce a validated flat buffer on a private context (no checks)."""
+_LAYOUT = "{} layout (length, dtype, op, algorithm, ok, shape/order)"
+
+
+def _semantics(record: tuple) -> int:
+    """The semantics half of a layout fingerprint: a CRC of the whole record
+    that the layout check compares."""
+    return zlib.crc32(repr(record).encode())
+
+
+def _raise_poisoned(ctx: CommContext, what: str, arr, flat, op: str, algo: str):
+    """End a call this rank finished poisoned. Every rank of the call did
+    (comm/fingerprint.py), so every rank enters this Allgather and raises the
+    same error."""
+    garbage = ("\n  The call had run to its end with these layouts before the ranks could tell: the "
+               "buffer holds garbage now, on every rank.")
+    try:
+        check_consistent(ctx.comm, _LAYOUT.format(what), _codes(arr, flat, op, algo), LAYOUT_LEGEND)
+    except RuntimeError as e:
+        raise RuntimeError(f"{e}{garbage}") from None
+    raise RuntimeError(f"ringpipe: the ranks' layout fingerprints in {what} differed, although their "
+                       "layout records agree (do all ranks run the same ringpipe version?)" + garbage)
+
+
+def _allreduce_ctx(ctx: CommContext, arr, flat: np.ndarray, op: str, algo: str, semantics: int,
+                   what: str = "allreduce") -> None:
+    """All-reduce a validated flat buffer (`arr` reshaped) on a private context.
+    No layout check of its own: the fingerprints with `semantics` (the hash of
+    the layout record) still catch ranks passing different layouts."""
     if ctx.size == 1 or flat.size == 0:
         return
     if algo == "small":
-        allreduce_small(ctx, flat, _wire(flat), _REDUCE[op], op == "avg")
+        poisoned = allreduce_small(ctx, flat, _wire(flat), _REDUCE[op], op == "avg", semantics)
     else:
-        _ring(ctx, flat, _wire(flat), _REDUCE[op], op == "avg", 0, 2 * ctx.size - 2)
+        poisoned = _ring(ctx, flat, _wire(flat), _REDUCE[op], op == "avg", 0, 2 * ctx.size - 2, semantics)
+    if poisoned:
+        _raise_poisoned(ctx, what, arr, flat, op, algo)
 
 
-def _prepare(what: str, comm, arr, flat, op: str, algo: str, is_array: bool = True):
-    """Agree on the layout across ranks (first use), then validate it.
-    Returns the private context, or None on a single rank."""
-    ctx = context_for(comm) if comm.Get_size() > 1 else None
+def _context(comm):
+    """The private context of `comm`, or None on a single rank. Creating it
+    compares the comm settings across the ranks, so a bad or differing
+    RINGPIPE_* value raises on every rank alike (a single rank checks its own)."""
+    if comm.Get_size() == 1:
+        settings.current()
+        return None
+    return context_for(comm)
+
+
+def _prepare(what: str, ctx, arr, flat, op: str, algo: str, is_array: bool = True) -> int:
+    """Agree on the layout across ranks (per RINGPIPE_COMM_CHECK), then
+    validate it. Returns the layout's semantics hash for the fingerprints."""
+    if ctx is None:
+        _validate(what, arr, flat, op, algo, is_array)
+        return 0
     ok = is_array and flat is not None and _writeable(arr)
     key = (what, arr.size, arr.dtype, op, algo, ok, arr.shape, arr.flags.c_contiguous)
-    if ctx is not None and key in ctx.valid and not ALWAYS_CHECK:
-        return ctx
-    if ctx is not None:
-        ctx.ensure_checked(f"{what} layout (length, dtype, op, algorithm, ok, shape/order)",
-                           _codes(arr, flat, op, algo, is_array), LAYOUT_LEGEND)
+    semantics = ctx.valid.get(key)
+    if semantics is not None and not ctx.always_check:
+        return semantics
+    record = _codes(arr, flat, op, algo, is_array)
+    ctx.ensure_checked(_LAYOUT.format(what), record, LAYOUT_LEGEND)
     # Only reached once the ranks agree, so they all raise the same error.
     _validate(what, arr, flat, op, algo, is_array)
-    if ctx is not None:
-        ctx.valid.add(key)
-    return ctx
+    semantics = _semantics(record)
+    ctx.valid[key] = semantics
+    return semantics
 
 
 def allreduce(buf, comm=None, op: str = "sum", algorithm: str = "auto"):
@@ -347,12 +428,13 @@ def allreduce(buf, comm=None, op: str = "sum", algorithm: str = "auto"):
     against get_crossover()). Every rank ends with bit-identical bytes.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
+    ctx = _context(comm)
     op = op_name(op)
     arr, flat, writeback = _host_flat(buf)
     algo = _resolve(algorithm, arr.nbytes)
-    ctx = _prepare("allreduce", comm, arr, flat, op, algo, is_buffer(buf))
+    semantics = _prepare("allreduce", ctx, arr, flat, op, algo, is_buffer(buf))
     if ctx is not None:
-        _allreduce_ctx(ctx, flat, op, algo)
+        _allreduce_ctx(ctx, arr, flat, op, algo, semantics)
     if writeback is not None:
         writeback(arr)
     return buf
@@ -363,12 +445,14 @@ def reduce_scatter(buf, comm=None, op: str = "sum"):
     (chunk_bounds(buf.size, p)[rank]) holds the reduced values; returns that
     view of the flattened buffer. The rest of `buf` is left as scratch."""
     comm = MPI.COMM_WORLD if comm is None else comm
+    ctx = _context(comm)
     op = op_name(op)
     arr, flat, writeback = _host_flat(buf)
-    ctx = _prepare("reduce_scatter", comm, arr, flat, op, "ring", is_buffer(buf))
+    semantics = _prepare("reduce_scatter", ctx, arr, flat, op, "ring", is_buffer(buf))
     lo, hi = chunk_bounds(flat.size, comm.Get_size())[comm.Get_rank()]
     if ctx is not None and flat.size:
-        _ring(ctx, flat, _wire(flat), _REDUCE[op], op == "avg", 0, ctx.size - 1)
+        if _ring(ctx, flat, _wire(flat), _REDUCE[op], op == "avg", 0, ctx.size - 1, semantics):
+            _raise_poisoned(ctx, "reduce_scatter", arr, flat, op, "ring")
     if writeback is not None:
         writeback(arr)
         return buf.reshape(-1)[lo:hi]
@@ -379,10 +463,12 @@ def allgather(buf, comm=None):
     """In-place ring all-gather: chunk r of `buf` (chunk_bounds) is valid on
     rank r beforehand; afterwards all of `buf` is filled on every rank."""
     comm = MPI.COMM_WORLD if comm is None else comm
+    ctx = _context(comm)
     arr, flat, writeback = _host_flat(buf)
-    ctx = _prepare("allgather", comm, arr, flat, "none", "ring", is_buffer(buf))
+    semantics = _prepare("allgather", ctx, arr, flat, "none", "ring", is_buffer(buf))
     if ctx is not None and flat.size:
-        _ring(ctx, flat, _wire(flat), None, False, ctx.size - 1, 2 * ctx.size - 2)
+        if _ring(ctx, flat, _wire(flat), None, False, ctx.size - 1, 2 * ctx.size - 2, semantics):
+            _raise_poisoned(ctx, "allgather", arr, flat, "none", "ring")
     if writeback is not None:
         writeback(arr)
     return buf

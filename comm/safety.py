@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import signal
 import socket
 import stat
 import sys
@@ -19,11 +20,14 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
+from . import fingerprint, settings
 from .device import empty_for_mpi
 
 __all__ = [
     "check_consistent",
     "install_abort_handler",
+    "abort_job",
+    "remove_own_shm_segments",
     "abort_on_error",
     "context_for",
     "CommContext",
@@ -55,13 +59,7 @@ LAYOUT_LEGEND = (
 # One fixed-size record per rank: a length slot plus up to _SLOTS-1 values.
 # Fixed size matters: if ranks passed tuples of different lengths and we sized
 # the Allgather by the tuple, the collective itself would be mismatched.
-_SLOTS = 8
-# RINGPIPE_COMM_CHECK: "first" (default) checks a layout on its first use per
-# communicator; "always" checks every call (one extra small Allgather each),
-# which also catches a mismatch where one rank has used the layout before and
-# another has not (with "first" that case can still hang); "off" never checks.
-_CHECK_MODE = os.environ.get("RINGPIPE_COMM_CHECK", "first").lower()
-ALWAYS_CHECK = _CHECK_MODE == "always"
+_SLOTS = 9
 
 
 def _as_int(v) -> int:
@@ -113,31 +111,89 @@ def check_consistent(comm, what: str, values, legend: str = "") -> None:
 class CommContext:
     """Our private view of a user communicator.
 
-    A Dup gives our point-to-point traffic its own context, so our tags can
-    never match a message the caller (say, a pipeline stage) has in flight on
-    the same communicator. It also owns the receive scratch and the set of
-    layouts already checked, so those are reused call after call. A context
-    must be driven by one thread at a time, which MPI requires for collectives
-    on one communicator anyway.
+    A Dup gives our point-to-point traffic its own context, so our messages
+    can never match one the caller (say, a pipeline stage) has in flight on
+    the same communicator. It also owns the receive scratch, the MPI.Status
+    the receives reuse and the layouts already checked, so those are reused
+    call after call. A context must be driven by one thread at a time, which
+    MPI requires for collectives on one communicator anyway.
+
+    Creating one is collective: the Dup, then one small allgather in which the
+    ranks compare their comm settings (comm/settings.py: check mode, crossover,
+    ring sub-chunk size, tag range). Settings that differ would make the ranks
+    send different messages (one rank skipping a layout check the others make
+    hangs them all), so instead every rank raises the same error here.
+
+    RINGPIPE_COMM_CHECK decides when the ranks compare a layout (length,
+    dtype, op, algorithm, shape and memory order) with one small Allgather:
+      first   (default) on its first use on this communicator;
+      always  on every call (one small extra Allgather each; for debugging a
+              program whose ranks may diverge: names the call and each rank's
+              layout);
+      off     never.
+    In every mode each message carries a fingerprint of its sender's layout in
+    its tag (comm/fingerprint.py), which costs nothing: ranks passing
+    different layouts they have each used before (or, with "off", at all) get
+    an error instead of wrong bytes. A difference in what decides the message
+    sizes (length, dtype size, algorithm) raises on the ranks that receive the
+    odd message, and may leave the others waiting: under comm.abort_on_error()
+    the job ends. Any other difference (dtype, op, shape) raises the same
+    error on every rank. A rank that skips a call or makes an extra one can
+    still hang the others (with "first", in the layout check it alone makes).
     """
 
     def __init__(self, comm, dup: bool = True):
         self.parent = comm
+        self._scratch: dict = {}
         self.comm = comm.Dup() if dup else comm
         self.size = self.comm.Get_size()
         self.rank = self.comm.Get_rank()
+        self.tag_bits = fingerprint.tag_bits(self.comm)
+        try:
+            # Shared with every context of this process: set_crossover() and
+            # set_subchunk_bytes() act on all of them.
+            self.settings = settings.agree(self.comm, self.tag_bits)
+        except BaseException:
+            self.free()      # every rank raises alike, so every rank frees its Dup
+            raise
+        self.always_check = self.settings.check == "always"
         self.checked: set = set()   # layouts all ranks agreed on
-        self.valid: set = set()     # layouts agreed on and validated (fast path)
-        self._scratch: dict = {}
+        self.valid: dict = {}       # layouts agreed on and validated -> semantics hash (fast path)
+        self.status = MPI.Status()  # for the receives of one call at a time
+        self.broken: str | None = None   # why our messages no longer line up, if they do not
+        self._abandoned: list = []
 
     def ensure_checked(self, what: str, values: tuple, legend: str = "") -> None:
-        if _CHECK_MODE == "off":
+        mode = self.settings.check
+        if mode == "off":
             return
         key = (what,) + tuple(values)
-        if _CHECK_MODE == "first" and key in self.checked:
+        if mode == "first" and key in self.checked:
             return
         check_consistent(self.comm, what, values, legend)
         self.checked.add(key)
+
+    def ensure_usable(self) -> None:
+        """Refuse to send anything once a collective broke off half-way."""
+        if self.broken is not None:
+            raise RuntimeError(
+                "ringpipe: collectives on this communicator no longer work: an earlier call broke off "
+                f"half-way, leaving messages in flight that would be mistaken for the next call's. "
+                f"It failed with: {self.broken}")
+
+    def abandon(self, receives, sends, why: str) -> None:
+        """A collective broke off half-way (`why`). Cancel its receives still
+        pending, so MPI writes no late message into the caller's buffer, and
+        keep every request alive: mpi4py would free an active request with
+        its Python object, while MPI may still touch the memory."""
+        for req in receives:
+            if req:                      # not yet completed
+                try:
+                    req.Cancel()
+                except MPI.Exception:
+                    pass
+        self._abandoned.append((list(receives), sends))
+        self.broken = why
 
     def scratch(self, dtype: np.dtype, n: int, xp=np) -> np.ndarray:
         """n-element receive scratch of `dtype` in xp's memory (host, or the
@@ -182,10 +238,6 @@ def context_for(comm) -> CommContext:
         if ctx is None:
             ctx = CommContext(comm)
             comm.Set_attr(_keyval, ctx)
-    return ctx
-    ctx = CommContext(comm)
-    with _contexts_lock:
-        _contexts[key] = ctx
     return ctx
 
 
@@ -236,27 +288,87 @@ def wait_until_output_is_read(timeout: float = 2.0, fds=(1, 2)) -> None:
     time.sleep(0.05)
 
 
+def _shield_from_signals() -> None:
+    """Nothing may interrupt the way to MPI_Abort: a second Ctrl-C used to land
+    in the sleep of wait_until_output_is_read as a KeyboardInterrupt, the rank
+    then went into MPI_Finalize instead, and the other ranks waited forever.
+    Signals that Python turns into exceptions or handler calls are ignored from
+    here on; SIGTERM gets its default action back, which ends the rank (the
+    launcher then ends the job) should the abort itself ever stall. Handlers
+    can only be changed on the main thread; on another thread Python runs none
+    of them anyway."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for name in ("SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGTERM"):
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            try:
+                signal.signal(sig, signal.SIG_DFL if name == "SIGTERM" else signal.SIG_IGN)
+            except (ValueError, OSError):
+                pass
+
+
+def remove_own_shm_segments() -> list[str]:
+    """Unlink the shared-memory files MPICH mapped for this job (/dev/shm/mpich_shm_*).
+
+    MPICH removes them in MPI_Finalize; after an MPI_Abort (or any abnormal
+    end) they stay behind, 4 MB or more per job, until someone deletes them.
+    The aborting rank knows its own segments: they are the ones mapped into
+    its address space. Unlinking them is safe while the other ranks still use
+    them (the memory lives until the last mapping goes) and the job is being
+    ended anyway. Returns the paths removed (Linux only; elsewhere nothing)."""
+    removed = []
+    try:
+        with open("/proc/self/maps") as fh:
+            maps = fh.read().splitlines()
+    except OSError:
+        return removed
+    for line in maps:
+        path = line.split(maxsplit=5)[5] if len(line.split(maxsplit=5)) == 6 else ""
+        if path.startswith("/dev/shm/mpich_shm_") and not path.endswith("(deleted)") and path not in removed:
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
+
+
+def abort_job(code: int = 1, comm=None) -> None:
+    """End the whole MPI job from this rank (MPI_Abort of `comm`, default
+    COMM_WORLD): let the launcher read what was written, remove our
+    shared-memory segments, abort, and exit for sure."""
+    try:
+        wait_until_output_is_read()
+        remove_own_shm_segments()
+        if MPI.Is_initialized() and not MPI.Is_finalized():
+            (MPI.COMM_WORLD if comm is None else comm).Abort(code)
+    finally:
+        os._exit(code)
+
+
 def _report_and_abort(exc_type, exc, tb, thread_name: str | None = None,
                       with_traceback: bool = True, code: int = 1) -> None:
-    # Serialize: two failing threads on one rank must not interleave output.
-    with _abort_lock:
-        head = _where()
-        if thread_name is not None:
-            head += f" (thread {thread_name})"
-        try:
-            msg = "".join(traceback.format_exception(exc_type, exc, tb)) if with_traceback else ""
-            sys.stderr.write(f"{head} {exc_type.__name__}: {exc}\n{msg}")
-            sys.stderr.flush()
-        except Exception:
-            pass
-        try:
-            sys.stdout.flush()
-        except Exception:
-            pass
-        wait_until_output_is_read()
-        if MPI.Is_initialized() and not MPI.Is_finalized():
-            MPI.COMM_WORLD.Abort(code)
-        os._exit(code)
+    _shield_from_signals()
+    try:
+        # Serialize: two failing threads on one rank must not interleave output.
+        with _abort_lock:
+            head = _where()
+            if thread_name is not None:
+                head += f" (thread {thread_name})"
+            try:
+                msg = "".join(traceback.format_exception(exc_type, exc, tb)) if with_traceback else ""
+                sys.stderr.write(f"{head} {exc_type.__name__}: {exc}\n{msg}")
+                sys.stderr.flush()
+            except Exception:
+                pass
+            try:
+                sys.stdout.flush()
+            except Exception:
+                pass
+            abort_job(code)
+    finally:
+        os._exit(code)        # whatever happened above, this rank does not live on
 
 
 def _excepthook(exc_type, exc, tb):

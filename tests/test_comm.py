@@ -675,7 +675,9 @@ def test_private_communicators_go_with_the_users_communicator():
 def test_library_inputs_are_refused_alike_on_every_rank():
     # Lengths no other test uses: with the default RINGPIPE_COMM_CHECK=first a
     # layout is compared across ranks on its first use only, so a rank that
-    # used its side of a mismatch before would skip the check (documented).
+    # used its side of a mismatch before would skip that check (the message
+    # fingerprints would still catch it, with another error: see
+    # tests/test_comm_fingerprint.py).
     _raises_everywhere(lambda: comm.allreduce([1.0, 2.0]), TypeError, "must be a numpy or cupy array")
     _raises_everywhere(lambda: comm.GradBuckets([0.0] * 10, [(0, 10)]), TypeError, "numpy or cupy array")
     # MPI's own ops by name; one rank alone passing an op we lack is a mismatch, not a hang
