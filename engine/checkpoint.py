@@ -44,7 +44,6 @@ a good one is deleted). Validity for pruning is remembered per process by
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import math
@@ -59,6 +58,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.device import to_host
+from engine.rundir import describe_write_error
 
 FORMAT = "ringpipe-checkpoint-2"
 FORMAT_1 = "ringpipe-checkpoint-1"      # no checksum; still read, since users have such files
@@ -205,20 +205,8 @@ def save(directory, step, arrays: dict, meta: dict, keep=3):
 
 
 def _write_error_message(e, directory, step):
-    not_written = f"the checkpoint for step {step} was not written; the previous checkpoints are intact"
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        try:
-            st = os.statvfs(directory)
-            free = f"{st.f_bavail * st.f_frsize / 1e6:.0f} MB free"
-        except OSError:
-            free = "free space unknown"
-        return (f"disk full at {directory} ({free}): {not_written}. "
-                "Free space or point --out elsewhere, then --resume auto")
-    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        why = "read-only filesystem" if e.errno == errno.EROFS else "permission denied"
-        return (f"cannot write to {directory} ({why}): {not_written}. "
-                "Make it writable or point --out elsewhere, then --resume auto")
-    return f"cannot write to {directory} ({e.strerror or e}): {not_written}"
+    return describe_write_error(e, directory, f"the checkpoint for step {step}",
+                                "; the previous checkpoints are intact")
 
 
 def _prune(directory, keep, just_written):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import stat
 import struct
 import sysconfig
 import zlib
@@ -24,17 +25,25 @@ def _rng(seed, step, split):
 
 class TokenDataset:
     """Byte-level tokens; a training example is a window of seq_len bytes and the
-    same window shifted by one as targets."""
+    same window shifted by one as targets. The splits may be memory-mapped files:
+    a batch reads only the windows it samples."""
 
     kind = "tokens"
 
-    def __init__(self, train: np.ndarray, val: np.ndarray, seq_len: int, seed: int, name: str):
+    def __init__(self, train: np.ndarray, val: np.ndarray, seq_len: int, seed: int, name: str,
+                 description: str | None = None):
         for split, arr in (("train", train), ("val", val)):
             if len(arr) < seq_len + 2:
                 raise ValueError(f"{name}: the {split} split has {len(arr)} tokens, fewer than "
                                  f"--seq-len {seq_len} + 2; use a shorter --seq-len or more data")
         self.splits = {"train": train, "val": val}
         self.seq_len, self.seed, self.name = seq_len, seed, name
+        self.description = description or name
+
+    def describe(self) -> str:
+        """What was read, for the run's start-up lines."""
+        train, val = (len(self.splits[k]) for k in ("train", "val"))
+        return f"{self.description} | train {_size(train)}, val {_size(val)}"
 
     def batch(self, step, batch_size, lo=0, hi=None, split="train"):
         hi = batch_size if hi is None else hi
@@ -47,10 +56,25 @@ class TokenDataset:
 
     def unigram_entropy(self):
         """Cross-entropy (nats/byte) of the best context-free model on the validation set,
-        fit on the training set: the bar a language model must clear to have learned anything."""
-        counts = np.bincount(self.splits["train"], minlength=256).astype(np.float64) + 1.0
+        fit on the training set: the bar a language model must clear to have learned anything.
+        On a corpus of more than 256 MiB per split, from its first 256 MiB."""
+        counts = _byte_counts(self.splits["train"]) + 1.0
         logp = np.log(counts / counts.sum())
-        return float(-logp[self.splits["val"]].mean())
+        val = _byte_counts(self.splits["val"])
+        return float(-(val * logp).sum() / val.sum())
+
+
+def _byte_counts(tokens, limit=256 << 20, block=16 << 20):
+    """Histogram of byte values, in blocks: np.bincount of a whole memory-mapped
+    file would first copy it into an int64 array (8x its size)."""
+    counts = np.zeros(256, dtype=np.float64)
+    for a in range(0, min(len(tokens), limit), block):
+        counts += np.bincount(np.asarray(tokens[a:min(a + block, limit)]), minlength=256)[:256]
+    return counts
+
+
+def _size(n_bytes):
+    return f"{n_bytes / 2**20:.1f} MiB" if n_bytes >= 2**20 else f"{n_bytes / 2**10:.1f} KiB"
 
 
 class ClassificationDataset:
@@ -61,6 +85,11 @@ class ClassificationDataset:
         self.seed, self.name, self.n_classes = seed, name, n_classes
         self.n_features = x_train.shape[1]
 
+    def describe(self) -> str:
+        (x_train, _), (x_val, _) = self.splits["train"], self.splits["val"]
+        return (f"{self.name}: {len(x_train)} train / {len(x_val)} val examples, {self.n_features} features, "
+                f"{self.n_classes} classes")
+
     def batch(self, step, batch_size, lo=0, hi=None, split="train"):
         hi = batch_size if hi is None else hi
         x, y = self.splits[split]
@@ -68,61 +97,121 @@ class ClassificationDataset:
         return x[idx], y[idx].astype(np.int64)
 
 
-# ---- the stdlib corpus ----------------------------------------------------------------
+# ---- the stdlib corpus and text folders ---------------------------------------------
+
+_SKIP_DIRS = ("site-packages", "dist-packages", "__pycache__")
+
 
 def stdlib_files(root=None, extensions=(".py",)):
     """Sorted source files of the running interpreter's standard library (no site-packages),
-    or of any folder `root`."""
+    or of any folder `root`. extensions None: every regular file (hidden ones excluded)."""
     root = root or sysconfig.get_paths()["stdlib"]
     found = []
     for dirpath, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d not in ("site-packages", "dist-packages", "__pycache__"))
+        dirs[:] = sorted(d for d in dirs if d not in _SKIP_DIRS and not d.startswith("."))
         for f in sorted(files):
-            if f.endswith(extensions):
+            if (f.endswith(extensions) if extensions else not f.startswith(".")):
                 found.append(os.path.join(dirpath, f))
     return root, found
 
 
+def _looks_like_text(head: bytes) -> bool:
+    """No NUL byte and valid UTF-8 (a character cut at the end of the sample is fine)."""
+    if b"\0" in head:
+        return False
+    try:
+        head.decode("utf-8")
+        return True
+    except UnicodeDecodeError as e:
+        return e.start >= len(head) - 3
+
+
+def _read_regular(path):
+    """The bytes of a regular file, or None for anything else (a FIFO would block)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            return fh.read()
+    finally:
+        os.close(fd)
+
+
 def load_stdlib_corpus(seq_len, seed, max_bytes=64 << 20, val_every=10, root=None, extensions=(".py",),
                        name=None):
-    """Concatenate stdlib sources; each file goes to validation when crc32(path) % val_every == 0,
-    so the split is deterministic and a file never straddles train and val."""
+    """Concatenate source files; each file goes to validation when crc32(path) % val_every == 0,
+    so the split is deterministic and a file never straddles train and val.
+    extensions None (text folders): every file that looks like text, binaries skipped.
+    Reading stops once max_bytes are in (the file that crosses the limit included);
+    the description says what was read and what was left out."""
     root, files = stdlib_files(root, extensions)
     if not files:
         if name:
-            raise FileNotFoundError(f"no {'/'.join(extensions)} files under {root}")
+            raise FileNotFoundError(f"no {'/'.join(extensions) if extensions else 'readable'} files under {root}")
         raise FileNotFoundError(f"no .py files under {root}: the stdlib corpus needs the Python "
                                 "standard library sources (some minimal images strip them); "
                                 "use --data synthetic, or --data text --data-path FOLDER")
-    train, val, total = [], [], 0
+    train, val, total, n_read, skipped = [], [], 0, 0, []
     for path in files:
         rel = os.path.relpath(path, root)
-        with open(path, "rb") as fh:
-            data = fh.read()
+        data = _read_regular(path)
+        if data is None or (extensions is None and not _looks_like_text(data[:8192])):
+            skipped.append(rel)
+            continue
         (val if zlib.crc32(rel.encode()) % val_every == 0 else train).append(data)
         total += len(data)
+        n_read += 1
         if total >= max_bytes:
             break
-    if not val or not train:
-        # Too few files for a per-file split: hold out the last tenth of the bytes instead.
+    left_out = len(files) - n_read - len(skipped)
+    if total == 0:
+        raise ValueError(f"{name or root}: the {n_read} text file(s) found are empty"
+                         + (f" ({len(skipped)} binary or special file(s) skipped, e.g. {skipped[0]})"
+                            if skipped else ""))
+    if sum(map(len, val)) < seq_len + 2 or sum(map(len, train)) < seq_len + 2:
+        # Too few (or too small) files for a per-file split: hold out the last tenth of the bytes instead.
         data = b"\n".join(train + val)
         cut = len(data) * 9 // 10
         train, val = [data[:cut]], [data[cut:]]
-    as_tokens = lambda parts: np.frombuffer(b"\n".join(parts), dtype=np.uint8)
-    return TokenDataset(as_tokens(train), as_tokens(val), seq_len, seed, name or f"stdlib ({root})")
+    description = f"{name or f'stdlib ({root})'}: {n_read} file(s), {_size(total)} read"
+    if skipped:
+        description += f"; {len(skipped)} binary or special file(s) skipped (e.g. {skipped[0]})"
+    if left_out:
+        description += (f"; stopped at the {max_bytes / 2**20:.3g} MiB limit, {left_out} file(s) not read "
+                        "(--max-data-mb raises it)")
+    as_tokens = lambda parts: np.frombuffer(b"\n".join(parts), dtype=np.uint8)  # noqa: E731
+    return TokenDataset(as_tokens(train), as_tokens(val), seq_len, seed, name or f"stdlib ({root})",
+                        description=description)
 
 
-def load_text_folder(path, seq_len, seed, val_every=10):
-    """Same as the stdlib corpus, for any folder of .py/.txt/.md files (or one file)."""
-    if os.path.isfile(path):
-        data = open(path, "rb").read()
-        cut = len(data) * 9 // 10
-        return TokenDataset(np.frombuffer(data[:cut], np.uint8), np.frombuffer(data[cut:], np.uint8),
-                            seq_len, seed, path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"--data-path {path!r} does not exist")
-    return load_stdlib_corpus(seq_len, seed, val_every=val_every, root=path,
-                              extensions=(".py", ".txt", ".md", ".rst"), name=f"text ({path})")
+def load_text_folder(path, seq_len, seed, val_every=10, max_bytes=64 << 20):
+    """A text file (memory-mapped: any size, nothing held in RAM; the last tenth is
+    validation) or a folder of text files (read like the stdlib corpus, every
+    file that looks like text, up to max_bytes)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--data-path {path!r} does not exist") from None
+    if stat.S_ISDIR(mode):
+        return load_stdlib_corpus(seq_len, seed, max_bytes=max_bytes, val_every=val_every, root=path,
+                                  extensions=None, name=f"text ({path})")
+    if not stat.S_ISREG(mode):
+        kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
+                else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "not a regular file")
+        raise ValueError(f"--data-path {path!r} is {kind}; pass a text file or a folder of text files")
+    size = os.stat(path).st_size
+    if size == 0:
+        raise ValueError(f"--data-path {path!r} is empty")
+    with open(path, "rb") as fh:
+        if not _looks_like_text(fh.read(8192)):
+            raise ValueError(f"--data-path {path!r} does not look like text (NUL bytes or invalid UTF-8 in "
+                             "its first 8 KiB); the GPT trains on text bytes")
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    cut = size * 9 // 10
+    return TokenDataset(data[:cut], data[cut:], seq_len, seed, path,
+                        description=f"text ({path}): 1 file, {_size(size)}, memory-mapped")
 
 
 def synthetic_tokens(seq_len, seed, n=20000):

@@ -40,7 +40,13 @@ class GPTConfig:
 
 
 def _divisor_near(n, k):
-    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - k))
+    """The divisor of n closest to k (the lower one on a tie). Searches outwards
+    from k, so it stops within k steps (1 divides everything) even for a huge n."""
+    for delta in range(n + k):
+        for d in (k - delta, k + delta):
+            if 1 <= d <= n and n % d == 0:
+                return d
+    return 1
 
 
 def gpt_layers(cfg: GPTConfig):

@@ -6,7 +6,7 @@ The pieces, as the trainer uses them:
     from engine import lifecycle
     lifecycle.check_launcher(world)          # before any work: wrong `srun --mpi`?
     log = lifecycle.setup_rank_logging(out_dir, rank, size)
-    stop = lifecycle.StopFlag()              # SIGUSR1/SIGTERM only set a flag
+    stop = lifecycle.StopFlag()              # SIGUSR1/SIGTERM/SIGINT only set a flag
     dog = lifecycle.Watchdog(world, timeout_s, run_dir=out_dir)   # 0 = off
     for step in ...:
         ...one optimizer step...
@@ -37,11 +37,11 @@ import threading
 import time
 import traceback
 
-import numpy as np
-
 __all__ = [
     "REQUEUE_EXIT_CODE",
+    "INTERRUPT_EXIT_CODE",
     "StopFlag",
+    "StopError",
     "LauncherError",
     "check_launcher",
     "Watchdog",
@@ -50,35 +50,65 @@ __all__ = [
 
 #: Exit code meaning "checkpointed on request; requeue me" (see module docstring).
 REQUEUE_EXIT_CODE = 85
+#: Exit code after Ctrl-C (SIGINT): stopped and checkpointed, by the user's wish
+#: (128 + SIGINT, the shell's code for an interrupted command; not requeued).
+INTERRUPT_EXIT_CODE = 130
 
 
 # ---------------------------------------------------------------------------
 # Stop on a signal, at a step boundary every rank agrees on.
 
 class StopFlag:
-    """Turn SIGUSR1/SIGTERM into a request to stop at the next step boundary.
+    """Turn SIGUSR1/SIGTERM/SIGINT into a request to stop at the next step boundary.
 
     The handlers only store the signal number (no I/O, no MPI, no allocation
     beyond Python's own), so a signal can arrive at any moment, including
     while the main thread is inside an MPI call. `should_stop(comm)` is the
-    only place the flag is read: one tiny uppercase Allreduce (MAX of an
+    only place the flag is read: one tiny uppercase Allreduce (MAX of two
     int64) per call, so if any rank got a signal, every rank returns True at
     the same step, and they all checkpoint and exit together. Call it at the
     same point of every step on every rank of `comm` (it is a collective).
 
     Slurm's `--signal=USR1@T` (time limit ahead), `scancel --signal=USR1`,
-    and the SIGTERM that precedes SIGKILL on preemption or cancel all end up
-    here. Handlers can only be installed from the main thread.
+    the SIGTERM that precedes SIGKILL on preemption or cancel, and Ctrl-C
+    (SIGINT, which mpiexec forwards to the ranks) all end up here. A second
+    SIGTERM or SIGINT means "stop now": the process exits at once, even from
+    inside a blocking MPI call, with `forced_exit_code` (see there).
+
+    The same flag also carries a failure of one rank that the others must
+    hear of at the next boundary (`fail(message)`, e.g. rank 0 could not
+    write metrics.jsonl): should_stop() then raises StopError on every rank.
+
+    Create it as early as possible (the trainer does so before MPI starts,
+    since MPICH installs a SIGUSR1 handler of its own during MPI_Init that
+    would swallow the signal) and call `install()` again once MPI is up.
+    Handlers can only be installed from the main thread.
     """
 
-    DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+    DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+    # A second one of these ends the process at once ("stop now").
+    FORCE_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self, signals=DEFAULT_SIGNALS, install: bool = True):
         self.signals = tuple(signals)
         self._received = 0       # written by the handler only
         self._agreed = 0         # the MAX over ranks from the last should_stop
-        self._buf = np.zeros(1, dtype=np.int64)   # preallocated for the Allreduce
+        self._failure: str | None = None
+        self._buf = None         # preallocated for the Allreduce (numpy imported lazily)
         self._previous: dict = {}
+        self._wakeup = None
+        # What a forced exit (second SIGTERM/SIGINT) returns. None: 128 + the
+        # signal, the shell's convention for "killed by it". The trainer sets
+        # it once the exit is already decided and covered by a checkpoint
+        # (REQUEUE_EXIT_CODE after a stop checkpoint, 0 after the final one),
+        # so the code tells the truth however the process ends.
+        self.forced_exit_code: int | None = None
+        self.forced_note = ""
+        # A stop signal that came before this flag existed (runtime.catch_stop_signals_early).
+        from engine import runtime
+        if runtime.pending_stop_signals:
+            self._received = runtime.pending_stop_signals[-1]
+            runtime.pending_stop_signals.clear()
         if install:
             self.install()
 
@@ -86,29 +116,40 @@ class StopFlag:
         self._received = signum
 
     def install(self) -> "StopFlag":
+        """Install the handlers (again: after MPI_Init, to take SIGUSR1 back from MPICH)."""
         for s in self.signals:
-            if s not in self._previous:
-                self._previous[s] = signal.signal(s, self._handler)
+            old = signal.signal(s, self._handler)
+            self._previous.setdefault(s, old)
         self._start_escape()
         return self
+
+    def ignore_from_now_on(self) -> None:
+        """Ignore these signals for the rest of the process: for its last moments,
+        once the exit code is decided. (Python resets the handlers it installed
+        to the default, "terminate", while it shuts down; ignored ones it keeps.)"""
+        for s in self.signals:
+            signal.signal(s, signal.SIG_IGN)
 
     def uninstall(self) -> None:
         """Restore the handlers that were there before install()."""
         for s, old in self._previous.items():
             signal.signal(s, old if old is not None else signal.SIG_DFL)
         self._previous.clear()
-        if getattr(self, "_wakeup", None):
+        if self._wakeup:
             signal.set_wakeup_fd(-1)
             os.close(self._wakeup[1])
             self._wakeup = None
 
     def _start_escape(self):
-        """A second SIGTERM ends the process at once, even while the main thread
-        is blocked inside MPI (where Python-level handlers cannot run): the C
-        signal handler writes the signal number to a wakeup pipe, and a thread
-        watching it exits the process. The first SIGTERM still means "checkpoint
-        at the next step"; a hang would otherwise only yield to SIGKILL."""
-        if getattr(self, "_wakeup", None) or signal.SIGTERM not in self.signals:
+        """A second SIGTERM or SIGINT ends the process at once, even while the
+        main thread is blocked inside MPI (where Python-level handlers cannot
+        run): the C signal handler writes the signal number to a wakeup pipe,
+        and a thread watching it exits the process. The first one still means
+        "checkpoint at the next step"; a hang would otherwise only yield to
+        SIGKILL. The exit skips cleanup on purpose: the launcher sees the rank
+        end and ends the job."""
+        force = [s for s in self.FORCE_SIGNALS if s in self.signals]
+        if self._wakeup or not force:
             return
         try:
             r, w = os.pipe()
@@ -117,9 +158,10 @@ class StopFlag:
         except (ValueError, OSError):        # not the main thread, or no pipes: no escape hatch
             return
         self._wakeup = (r, w)
+        force_numbers = {int(s) for s in force}
 
         def watch():
-            terms = 0
+            seen = 0
             while True:
                 try:
                     data = os.read(r, 64)
@@ -127,13 +169,23 @@ class StopFlag:
                     return
                 if not data:
                     return
-                terms += data.count(bytes([int(signal.SIGTERM)]))
-                if terms >= 2:
-                    sys.stderr.write(f"[ringpipe pid {os.getpid()}] second SIGTERM while busy: exiting now\n")
-                    sys.stderr.flush()
-                    os._exit(128 + int(signal.SIGTERM))
+                for number in data:          # one byte per signal that arrived
+                    if number in force_numbers:
+                        seen += 1
+                        if seen >= 2:
+                            self._exit_now(signal.Signals(number))
 
-        threading.Thread(target=watch, name="ringpipe-sigterm-escape", daemon=True).start()
+        threading.Thread(target=watch, name="ringpipe-signal-escape", daemon=True).start()
+
+    def _exit_now(self, sig) -> None:
+        code = self.forced_exit_code if self.forced_exit_code is not None else 128 + int(sig)
+        note = self.forced_note or "no checkpoint of the current step was written"
+        try:
+            os.write(2, f"[ringpipe pid {os.getpid()}] second {sig.name}: stopping now ({note}); "
+                        f"exit code {code}\n".encode())
+        except OSError:
+            pass
+        os._exit(code)
 
     def __enter__(self):
         return self
@@ -146,6 +198,11 @@ class StopFlag:
         """Request a stop without a signal (tests, programmatic stops)."""
         self._received = int(signum)
 
+    def fail(self, message: str) -> None:
+        """Report a failure of this rank that every rank must stop for at the
+        next should_stop() (which then raises StopError with the message)."""
+        self._failure = message
+
     @property
     def requested(self) -> bool:
         """This rank got a signal (local; no communication)."""
@@ -153,14 +210,23 @@ class StopFlag:
 
     def should_stop(self, comm=None) -> bool:
         """Collective over `comm` (default COMM_WORLD): True on every rank iff
-        any rank has received a stop signal. One 8-byte Allreduce."""
+        any rank has received a stop signal; StopError on every rank iff any
+        rank called fail(). One 16-byte Allreduce."""
+        if self._buf is None:
+            import numpy as np
+            self._buf = np.zeros(2, dtype=np.int64)
         self._buf[0] = self._received
+        self._buf[1] = self._failure is not None
         if comm is None:
             from mpi4py import MPI
             comm = MPI.COMM_WORLD
         if comm.Get_size() > 1:
             from mpi4py import MPI
             comm.Allreduce(MPI.IN_PLACE, self._buf, op=MPI.MAX)
+        if self._buf[1]:
+            failures = comm.allgather(self._failure) if comm.Get_size() > 1 else [self._failure]
+            rank, message = next((r, m) for r, m in enumerate(failures) if m is not None)
+            raise StopError(message if comm.Get_size() == 1 else f"{message} (on rank {rank})")
         if self._buf[0]:
             self._agreed = int(self._buf[0])
         return bool(self._buf[0])
@@ -180,6 +246,10 @@ class StopFlag:
             return signal.Signals(s).name
         except ValueError:
             return f"signal {s}"
+
+
+class StopError(RuntimeError):
+    """A rank reported a failure (StopFlag.fail); every rank stops with it."""
 
 
 # ---------------------------------------------------------------------------
@@ -223,7 +293,11 @@ def check_launcher(world=None, environ=None, library_version: str | None = None)
     disables the check.
     """
     env = os.environ if environ is None else environ
-    if env.get("RINGPIPE_SKIP_LAUNCHER_CHECK", "") not in ("", "0"):
+    skip = env.get("RINGPIPE_SKIP_LAUNCHER_CHECK", "")
+    if skip not in ("", "0", "1"):
+        raise LauncherError(f"error: RINGPIPE_SKIP_LAUNCHER_CHECK={skip!r}: use 1 to skip the launcher check, "
+                            "or 0 (or unset) to keep it")
+    if skip == "1":
         return
     if world is None:
         from mpi4py import MPI
@@ -464,14 +538,8 @@ class Watchdog:
         if self.rank != 0:
             time.sleep(2 * self.interval + 1.0)   # let rank 0's report out first
         self._say(f"[rank {self.rank}] watchdog: aborting the job")
-        from comm.safety import wait_until_output_is_read
-        wait_until_output_is_read()
-        try:
-            from mpi4py import MPI
-            if self.comm is not None and MPI.Is_initialized() and not MPI.Is_finalized():
-                self.comm.Abort(1)
-        finally:
-            os._exit(1)
+        from comm.safety import abort_job
+        abort_job(1, self.comm)
 
 
 def _ranks(rs) -> str:

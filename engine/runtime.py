@@ -3,20 +3,51 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import difflib
 import os
+import signal
+
+# Stop signals that arrived before the trainer's StopFlag existed (see
+# catch_stop_signals_early); the StopFlag takes them over.
+pending_stop_signals: list[int] = []
+_EARLY_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+
+
+def _note_early_signal(signum, frame):
+    # A second SIGTERM/SIGINT before training started: nothing to save yet, stop now.
+    if signum != signal.SIGUSR1 and signum in pending_stop_signals:
+        os._exit(128 + signum)
+    pending_stop_signals.append(signum)
+
+
+def catch_stop_signals_early() -> None:
+    """From the first lines of the trainer on, a SIGUSR1/SIGTERM/SIGINT is kept
+    for the StopFlag instead of killing the process (or being swallowed by
+    MPICH's own SIGUSR1 handler): a job told to stop while it starts up stops
+    at its first step boundary, with a checkpoint. Stdlib only, so it runs
+    before numpy is imported."""
+    for s in _EARLY_SIGNALS:
+        signal.signal(s, _note_early_signal)
+
+
+_LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+
+
+def local_rank_count() -> int:
+    """How many ranks share this node, as the launcher says (MPICH/Hydra, Open MPI,
+    Slurm's "2(x3)" form); 1 when not launched by one."""
+    local = next((os.environ[k] for k in _LOCAL_SIZE_VARS if os.environ.get(k)), None)
+    try:
+        return max(1, int(local.split("(")[0])) if local else 1
+    except ValueError:
+        return 1
 
 
 def set_thread_defaults():
     """Several ranks on one node must not each start one BLAS/Numba thread per
     core: split the cores among local ranks unless the user already chose. Call
     before numpy is imported, since BLAS reads these once at load time."""
-    local = next((os.environ[k] for k in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE",
-                                          "SLURM_NTASKS_PER_NODE") if os.environ.get(k)), None)
-    try:
-        local = int(local.split("(")[0]) if local else 1
-    except ValueError:
-        local = 1
-    per_rank = str(max(1, (os.cpu_count() or 1) // max(1, local)))
+    per_rank = str(max(1, (os.cpu_count() or 1) // local_rank_count()))
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
         os.environ.setdefault(var, per_rank)
     # Numba's OpenMP threads spin after each parallel kernel and starve BLAS's
@@ -42,3 +73,29 @@ def reuse_freed_memory():
         return bool(ok)
     except (OSError, AttributeError):
         return False
+
+
+# Every RINGPIPE_* variable something in this repository reads: the trainer and
+# comm, the Slurm batch scripts, the local Slurm, the tests. (A test checks the
+# list against the repository.) Any other name is most likely a typo.
+KNOWN_VARIABLES = (
+    "RINGPIPE_ALLREDUCE_CROSSOVER", "RINGPIPE_COMM_CHECK", "RINGPIPE_CUDA_AWARE_MPI", "RINGPIPE_RING_SUBCHUNK",
+    "RINGPIPE_SKIP_LAUNCHER_CHECK",
+    "RINGPIPE_MAX_RESTARTS", "RINGPIPE_PYTHON", "RINGPIPE_ROOT", "RINGPIPE_RUN_DIR", "RINGPIPE_SRUN_ARGS",
+    "RINGPIPE_SRUN_MPI",
+    "RINGPIPE_SLURM_CPUS", "RINGPIPE_SLURM_DIR", "RINGPIPE_SLURM_FIRST_JOB_ID", "RINGPIPE_SLURM_NO_INSTALL",
+    "RINGPIPE_SLURM_PORT", "RINGPIPE_SLURM_PURGE", "RINGPIPE_SLURM_TIMEOUT",
+    "RINGPIPE_CUDA_EMU", "RINGPIPE_KEEP_SLURM", "RINGPIPE_REQUIRE_SLURM", "RINGPIPE_TEST_SLURM_DIR",
+)
+
+
+def unknown_variables(environ=None) -> list[str]:
+    """A note for each RINGPIPE_* variable in the environment that nothing reads,
+    naming the known one it most resembles (a typo would otherwise do nothing)."""
+    environ = os.environ if environ is None else environ
+    notes = []
+    for name in sorted(n for n in environ if n.startswith("RINGPIPE_") and n not in KNOWN_VARIABLES):
+        close = difflib.get_close_matches(name, KNOWN_VARIABLES, n=1)
+        notes.append(f"note: {name} is set but ringpipe reads no such variable"
+                     + (f"; did you mean {close[0]}?" if close else ""))
+    return notes

@@ -13,8 +13,12 @@ run() {  # pytest exit 5 = "no tests collected": not a failure for a selection t
     if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then status=$rc; fi
 }
 
-echo "== serial tests =="
-run "$PY" -m pytest -q -m "not mpi" tests "$@"
+echo "== serial tests (about 5 minutes on 2 cores; a line per test file) =="
+if [ "${RINGPIPE_SLURM_NO_INSTALL:-0}" = 0 ] && ! command -v slurmctld >/dev/null 2>&1; then
+    echo "note: tests/test_slurm.py installs slurm-wlm and munge with apt-get for its real-Slurm jobs" \
+         "(root only; RINGPIPE_SLURM_NO_INSTALL=1 skips those tests instead)"
+fi
+run "$PY" -m pytest -m "not mpi" tests "$@"
 for n in 2 4; do
     echo "== MPI tests, $n ranks =="
     run timeout 900 mpiexec -n "$n" "$PY" tests/mpi_pytest.py -q -m mpi --with-mpi tests "$@"
