@@ -41,12 +41,13 @@ from engine import checkpoint  # noqa: E402
 
 PY = sys.executable
 MPIEXEC = os.path.join(os.path.dirname(PY), "mpiexec")
-STEPS = 24
+STEPS = 80
 MODEL = ["--data", "synthetic", "--layers", "2", "--d-model", "16", "--heads", "2", "--context", "16",
          "--batch-size", "8", "--sample-bytes", "0", "--dtype", "float64", "--lr", "1e-3", "--log-every", "1",
          "--decay-steps", str(STEPS)]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
            PYTHONUNBUFFERED="1")
+LONG = 10**6       # steps of a run that is stopped by its fault long before it ends
 SCENARIOS = ("kill", "double-signal", "disk-full", "bad-checkpoint", "concurrent")
 
 
@@ -142,10 +143,12 @@ def resume_is_exact(out, reference, *extra):
 
 def kill(rng, folder, reference, deadline):
     out = os.path.join(folder, "run")
-    at, victim = rng.randint(2, STEPS - 4), rng.randint(0, 1)
-    proc = launch(out, "--checkpoint-every", "2", "--keep", "0")
+    at, victim = rng.randint(2, STEPS // 2), rng.randint(0, 1)
+    # A run that would go on and on (same schedule: --decay-steps), so the kill
+    # always meets it running; resuming to STEPS then gives the reference's end.
+    proc = launch(out, "--checkpoint-every", "2", "--keep", "0", steps=LONG)
     wait_for_step(out, at, proc)
-    time.sleep(rng.uniform(0, 0.2))                     # anywhere in the step: forward, ring, checkpoint
+    time.sleep(rng.uniform(0, 0.05))                    # anywhere in the step: forward, ring, checkpoint
     before = valid_checkpoints(out)
     os.kill(rank_pids(proc.pid)[victim], signal.SIGKILL)
     rc, output, seconds, ended = finish(proc, deadline)
@@ -159,8 +162,8 @@ def double_signal(rng, folder, reference, deadline):
     out = os.path.join(folder, "run")
     sig = rng.choice([signal.SIGINT, signal.SIGTERM, signal.SIGUSR1])
     second = signal.SIGTERM if sig == signal.SIGUSR1 else sig
-    at, victim, gap = rng.randint(2, STEPS - 4), rng.randint(0, 1), rng.uniform(0, 0.2)
-    proc = launch(out, "--checkpoint-every", "4", "--keep", "0")
+    at, victim, gap = rng.randint(2, STEPS // 2 - 10), rng.randint(0, 1), rng.uniform(0, 0.1)
+    proc = launch(out, "--checkpoint-every", "4", "--keep", "0", steps=LONG)
     wait_for_step(out, at, proc)
     before = valid_checkpoints(out)
     pid = rank_pids(proc.pid)[victim]
@@ -311,7 +314,7 @@ def concurrent(rng, folder, reference, deadline):
     out = os.path.join(folder, "run")
     how = rng.choice([[], ["--resume", "auto"], ["--overwrite"]])
     # The first run trains until told to stop, so the second surely meets it running.
-    first = launch(out, "--checkpoint-every", "2", "--keep", "0", steps=10**6)
+    first = launch(out, "--checkpoint-every", "2", "--keep", "0", steps=LONG)
     wait_for_step(out, rng.randint(1, 8), first)
     t0 = time.time()
     rc2, output2, _, ended2 = finish(launch(out, *how), deadline)
