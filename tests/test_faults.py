@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from benchmarks.fault_matrix import rank_pids
 from engine import checkpoint
 from engine.lifecycle import REQUEUE_EXIT_CODE
 
@@ -28,26 +29,14 @@ def launch(out, *extra, n=2):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def rank_pids(mpiexec_pid):
-    """PIDs of the python ranks below an mpiexec (through hydra's proxy)."""
-    children = {}
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/stat") as fh:
-                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-                with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                    cmd = fh.read()
-            except OSError:
-                continue
-            children.setdefault(ppid, []).append((int(pid), cmd))
-    found, todo = [], [mpiexec_pid]
-    while todo:
-        for pid, cmd in children.get(todo.pop(), []):
-            todo.append(pid)
-            if b"engine.train" in cmd and b"mpiexec" not in cmd and b"hydra" not in cmd:
-                found.append(pid)
-    return sorted(found)
+def ends_within(proc, seconds, what):
+    """(stdout, stderr) of a job that must end within `seconds`; fails the test (and kills it) if not."""
+    try:
+        return proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail(f"the job was still running {seconds} s after {what}")
 
 
 def wait_for_steps(out, n, proc, timeout=120):
@@ -111,11 +100,7 @@ def test_sigkill_of_one_rank_ends_the_job_quickly(tmp_path):
     pids = rank_pids(p.pid)
     t0 = time.time()
     os.kill(pids[-1], signal.SIGKILL)
-    try:
-        p.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        pytest.fail("the job was still running 30 s after one rank was killed")
+    ends_within(p, 30, "one rank was killed")
     assert p.returncode != 0
     assert time.time() - t0 < 30
 
