@@ -18,7 +18,7 @@ $(VENV)/.installed: setup.py
 venv: $(VENV)/.installed
 
 train: venv
-	$(VENV)/bin/mpiexec -n $(NP) $(PY) -m engine.train --overwrite $(ARGS)
+	$(VENV)/bin/mpiexec -n $(NP) $(PY) -m ringpipe.train --overwrite $(ARGS)
 
 test: venv
 	PATH=$(abspath $(VENV))/bin:$$PATH bash tests/run_all.sh

@@ -1,12 +1,26 @@
 from setuptools import setup
 
+# The repository keeps one folder per package at its top (engine/, kernels/,
+# comm/); they are installed as ringpipe.engine, ringpipe.kernels and
+# ringpipe.comm, so the only top-level import name ringpipe adds is `ringpipe`
+# (a bare `comm` would overwrite Jupyter's, a bare `kernels` Hugging Face's).
+PACKAGES = {
+    "ringpipe": "ringpipe",
+    "ringpipe.engine": "engine",
+    "ringpipe.engine.pipeline": "engine/pipeline",
+    "ringpipe.kernels": "kernels",
+    "ringpipe.kernels.cuda": "kernels/cuda",
+    "ringpipe.comm": "comm",
+}
+
 setup(
     name="ringpipe",
     version="0.1.0",
     description="A lean MPI training engine: hand-written layers and kernels, "
     "our own ring all-reduce, pipeline schedules as data.",
-    packages=["engine", "engine.pipeline", "kernels", "kernels.cuda", "comm"],
-    package_data={"kernels.cuda": ["*.cu"]},
+    packages=list(PACKAGES),
+    package_dir=PACKAGES,
+    package_data={"ringpipe.kernels.cuda": ["*.cu"]},
     python_requires=">=3.10",
     install_requires=["numpy>=1.24", "numba>=0.58", "mpi4py>=3.1"],
     extras_require={
@@ -14,12 +28,13 @@ setup(
         # skip this extra and build mpi4py against the site MPI instead
         # (see README, "Using your cluster's MPI").
         "mpi": ["mpich"],
-        "test": ["pytest>=7", "pytest-mpi>=0.6"],
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "ruff"],
         # Prebuilt CuPy wheels (the plain "cupy" package compiles from source):
         # cupy-cuda12x runs on CUDA 12 and 13 drivers; gpu13 is the CUDA 13 build.
         "gpu": ["cupy-cuda12x"],
         "gpu13": ["cupy-cuda13x"],
         "plot": ["matplotlib"],
     },
-    entry_points={"console_scripts": ["ringpipe-train=engine.train:main"]},
+    entry_points={"console_scripts": ["ringpipe=ringpipe.cli:main",
+                                      "ringpipe-train=ringpipe.engine.cli:main"]},
 )

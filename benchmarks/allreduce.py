@@ -34,12 +34,10 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from mpi4py import MPI  # noqa: E402
 
-import comm as rcomm  # noqa: E402
+from ringpipe import comm as rcomm  # noqa: E402
 from _common import (choice_list, fmt_size, median, nonneg_float, nonneg_int, output_path,  # noqa: E402
                      positive_float, positive_int, positive_size, size_arg, table, write_json)
 

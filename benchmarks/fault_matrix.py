@@ -5,7 +5,7 @@ with random timing, and what happened.
     python benchmarks/fault_matrix.py --repeat 10 --json faults.json     # ~10 minutes on 2 cores
     python benchmarks/fault_matrix.py --repeat 1 --only kill,disk-full   # what CI runs, in seconds
 
-Every trial is a real `mpiexec -n 2 python -m engine.train` job of a tiny
+Every trial is a real `mpiexec -n 2 python -m ringpipe.train` job of a tiny
 float64 GPT. For each one the table counts:
 
     ended   the job ended within --deadline seconds of the fault (no hang)
@@ -33,11 +33,9 @@ import zipfile
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from ringpipe.engine import checkpoint
 
-from engine import checkpoint  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PY = sys.executable
 MPIEXEC = os.path.join(os.path.dirname(PY), "mpiexec")
@@ -54,7 +52,7 @@ SCENARIOS = ("kill", "double-signal", "disk-full", "bad-checkpoint", "concurrent
 # ---- running jobs -------------------------------------------------------------------------
 
 def launch(out, *extra, steps=STEPS):
-    return subprocess.Popen([MPIEXEC, "-n", "2", PY, "-m", "engine.train", *MODEL, "--steps", str(steps),
+    return subprocess.Popen([MPIEXEC, "-n", "2", PY, "-m", "ringpipe.train", *MODEL, "--steps", str(steps),
                              "--out", out, *extra], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -94,7 +92,7 @@ def rank_pids(mpiexec_pid):
     while todo:
         for pid, cmd in children.get(todo.pop(), []):
             todo.append(pid)
-            if b"engine.train" in cmd and b"mpiexec" not in cmd and b"hydra" not in cmd:
+            if b"ringpipe.train" in cmd and b"mpiexec" not in cmd and b"hydra" not in cmd:
                 found.append(pid)
     return sorted(found)
 

@@ -41,9 +41,8 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from benchmarks._common import median, table, write_json  # noqa: E402
+from _common import median, table, write_json  # noqa: E402
 
 SQUARE = [512, 1024, 2048, 4096, 8192]
 SQUARE_QUICK = [1024, 4096]
@@ -301,7 +300,7 @@ def main(argv=None):
                    help="tiny shapes, one sample: checks that the script runs (numbers meaningless)")
     args = p.parse_args(argv)
 
-    from kernels.cuda import available
+    from ringpipe.kernels.cuda import available
 
     ok, why = available()
     if not ok:
@@ -309,8 +308,8 @@ def main(argv=None):
         return 2
     import cupy as cp
 
-    from kernels import reference as ref
-    from kernels.cuda import cupy_kernels as ck
+    from ringpipe.kernels import reference as ref
+    from ringpipe.kernels.cuda import cupy_kernels as ck
 
     def log(msg):
         print(msg, flush=True)
@@ -334,7 +333,7 @@ def main(argv=None):
             from numba import cuda as ncuda
 
             if ncuda.is_available():
-                from kernels.cuda import numba_kernels as nk
+                from ringpipe.kernels.cuda import numba_kernels as nk
             else:
                 log("numba.cuda sees no GPU: numba_tiled rows skipped")
         except Exception as exc:

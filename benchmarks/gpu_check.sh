@@ -13,14 +13,14 @@
 #      cupy: use it if it imports and sees the GPU; else try to install the wheel for
 #      the machine's CUDA major (cupy-cuda13x / cupy-cuda12x / cupy-cuda11x), first
 #      from ./.whl if present, then from the package index
-#   3. the GPU tests: pytest tests/test_cuda_kernels.py -k test_gpu_
+#   3. the GPU tests: pytest tests/kernels/test_cuda_kernels.py -k test_gpu_
 #   4. benchmarks/gemm.py --quick --json
-#   5. short GPU training runs: python -m engine.train --device cuda --steps 30, in
+#   5. short GPU training runs: python -m ringpipe.train --device cuda --steps 30, in
 #      float32 and with --precision bf16 (tokens/s and model FLOP/s of each)
-#   6. device buffers and MPI on the GPU: tests/mpi_scripts/device_comm_check.py under
+#   6. device buffers and MPI on the GPU: tests/support/mpi_scripts/device_comm_check.py under
 #      mpiexec -n 2, staged through pinned memory and (if the MPI says it is
 #      CUDA-aware) direct
-#   7. the Numba CUDA kernels on the device: tests/cuda_sim_check.py --gpu
+#   7. the Numba CUDA kernels on the device: tests/support/cuda_sim_check.py --gpu
 #   8. nvcc compile checks with the ptxas register/spill report
 # Results go to ${OUT:-gpu_results}, at most 8 files (what a device run brings back):
 #   check.log (everything, in order), steps.tsv (step, exit code, seconds), env.txt,
@@ -149,7 +149,7 @@ fi
 
 # ---------------------------------------------------------------------------
 # 3-7
-step "pytest-gpu" 180 "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_cuda_kernels.py -k test_gpu_ \
+step "pytest-gpu" 180 "$PY" -m pytest -q -rs -p no:cacheprovider tests/kernels/test_cuda_kernels.py -k test_gpu_ \
     --junitxml "$OUT/pytest_gpu.xml"
 # shellcheck disable=SC2086  # GEMM_BENCH_ARGS / TRAIN_ARGS are word lists on purpose
 step "gemm-bench" 200 "$PY" benchmarks/gemm.py ${GEMM_BENCH_ARGS:---quick} --json "$OUT/gemm.json"
@@ -159,19 +159,19 @@ train() {
     shift 2
     rm -rf "${TMPD:?}/$name"
     # shellcheck disable=SC2086
-    step "$name" 120 "$PY" -m engine.train --device cuda --steps 30 --out "$TMPD/$name" --overwrite "$@" ${TRAIN_ARGS:-}
+    step "$name" 120 "$PY" -m ringpipe.train --device cuda --steps 30 --out "$TMPD/$name" --overwrite "$@" ${TRAIN_ARGS:-}
     [ -f "$TMPD/$name/metrics.jsonl" ] && cp "$TMPD/$name/metrics.jsonl" "$OUT/$result"
 }
 train train-cuda train_metrics.jsonl
 train train-cuda-bf16 train_bf16_metrics.jsonl --precision bf16
-RINGPIPE_CUDA_AWARE_MPI=0 step "mpi-device-staged" 90 "$MPIEXEC" -n 2 "$PY" tests/mpi_scripts/device_comm_check.py
+RINGPIPE_CUDA_AWARE_MPI=0 step "mpi-device-staged" 90 "$MPIEXEC" -n 2 "$PY" tests/support/mpi_scripts/device_comm_check.py
 if "$PY" -c "from comm.device import query_library as q; raise SystemExit(0 if q() else 1)" 2>/dev/null; then
-    RINGPIPE_CUDA_AWARE_MPI=1 step "mpi-device-direct" 90 "$MPIEXEC" -n 2 "$PY" tests/mpi_scripts/device_comm_check.py
+    RINGPIPE_CUDA_AWARE_MPI=1 step "mpi-device-direct" 90 "$MPIEXEC" -n 2 "$PY" tests/support/mpi_scripts/device_comm_check.py
 else
     say "=== [mpi-device-direct] SKIPPED: this MPI does not report CUDA support (MPIX_Query_cuda_support)"
 fi
-step "numba-gpu" 120 "$PY" tests/cuda_sim_check.py --gpu
-step "nvcc-ptxas" 90 "$PY" -m pytest -q -s -p no:cacheprovider tests/test_cuda_kernels.py -k "nvcc or nvrtc"
+step "numba-gpu" 120 "$PY" tests/support/cuda_sim_check.py --gpu
+step "nvcc-ptxas" 90 "$PY" -m pytest -q -s -p no:cacheprovider tests/kernels/test_cuda_kernels.py -k "nvcc or nvrtc"
 
 # ---------------------------------------------------------------------------
 say "=== summary ($(($(date +%s) - START))s of ${BUDGET}s budget)"

@@ -20,10 +20,8 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import kernels  # noqa: E402
+from ringpipe import kernels  # noqa: E402
 from _common import choice_list, output_path, positive_int  # noqa: E402
 
 # The ops cases() yields, plus the BLAS matmul row: the names --only takes.

@@ -32,14 +32,12 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS", "MK
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import comm  # noqa: E402
+from ringpipe import comm  # noqa: E402
 from _common import choice_list, int_list, output_path, positive_int  # noqa: E402
-from engine.gpt import GPTConfig, gpt_layers  # noqa: E402
-from engine.pipeline import SCHEDULE_NAMES, simulate, theoretical_bubble  # noqa: E402
-from engine.pipeline.rank_model import PipelineModel  # noqa: E402
+from ringpipe.engine.gpt import GPTConfig, gpt_layers  # noqa: E402
+from ringpipe.engine.pipeline import SCHEDULE_NAMES, simulate, theoretical_bubble  # noqa: E402
+from ringpipe.engine.pipeline.rank_model import PipelineModel  # noqa: E402
 
 
 def run_config(topo, cfg, schedule, m, v, mb_size, seq, steps):

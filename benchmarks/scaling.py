@@ -2,7 +2,7 @@
 
     python benchmarks/scaling.py [--ranks 1,2,4] [--json scaling.json]
 
-Launches `mpiexec -n N python -m engine.train --dp N` for each N and reads each
+Launches `mpiexec -n N python -m ringpipe.train --dp N` for each N and reads each
 run's metrics.jsonl: median tokens/s after warm-up steps, and the fraction of
 all-reduce time hidden behind backward (GradBuckets' own accounting).
   weak scaling:   per-rank batch fixed (global batch = N x --per-rank-batch);
@@ -27,7 +27,6 @@ import tempfile
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import int_list, nonneg_int, output_path, positive_float, positive_int  # noqa: E402
 
@@ -40,7 +39,7 @@ def mpiexec():
 
 
 def run(n, global_batch, args, out):
-    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "engine.train", "--dp", str(n),
+    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "ringpipe.train", "--dp", str(n),
            "--layers", str(args.layers), "--d-model", str(args.d_model), "--heads", str(args.heads),
            "--context", str(args.seq_len), "--batch-size", str(global_batch), "--steps", str(args.steps),
            "--bucket-mb", str(args.bucket_mb), "--eval-every", str(10 ** 9), "--eval-batches", "1",

@@ -21,19 +21,18 @@ import sys
 import time
 from collections import defaultdict
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from engine import runtime  # noqa: E402
+from ringpipe.engine import runtime  # noqa: E402
 
 runtime.set_thread_defaults()       # as engine.train does, before numpy loads BLAS
 runtime.reuse_freed_memory()
 
 import numpy as np  # noqa: E402
 
-import kernels as K  # noqa: E402
-from engine.gpt import GPTConfig, build_gpt, flops_per_token  # noqa: E402
-from engine.optim import AdamW  # noqa: E402
-from engine.pipeline.partition import time_layers  # noqa: E402
+from ringpipe import kernels as K  # noqa: E402
+from ringpipe.engine.gpt import GPTConfig, build_gpt, flops_per_token  # noqa: E402
+from ringpipe.engine.optim import AdamW  # noqa: E402
+from ringpipe.engine.pipeline.partition import time_layers  # noqa: E402
 
 
 def gemm_peak(n, dtype, repeats):

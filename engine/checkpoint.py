@@ -57,8 +57,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.device import to_host
-from engine.rundir import describe_write_error
+from ringpipe.engine.device import to_host
+from ringpipe.engine.rundir import describe_write_error
 
 FORMAT = "ringpipe-checkpoint-2"
 FORMAT_1 = "ringpipe-checkpoint-1"      # no checksum; still read, since users have such files

@@ -31,8 +31,8 @@ def select(device: str, local_rank: int = 0):
         raise SystemExit("error: --device cuda: no CUDA GPU visible (check CUDA_VISIBLE_DEVICES), "
                          "or use --device cpu")
     cupy.cuda.Device(local_rank % n_gpus).use()
-    import kernels.cuda
-    kernels.cuda.register()
+    from ringpipe.kernels import cuda as kernels_cuda
+    kernels_cuda.register()
     return cupy
 
 

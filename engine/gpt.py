@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from engine.device import to_host
-from engine.layers import Block, Embedding, LMHead
-from engine.model import Stage
+from ringpipe.engine.device import to_host
+from ringpipe.engine.layers import Block, Embedding, LMHead
+from ringpipe.engine.model import Stage
 
 VOCAB_SIZE = 256   # bytes
 

@@ -22,8 +22,8 @@ import math
 
 import numpy as np
 
-import kernels as K
-from engine.params import ParamSpec
+from ringpipe import kernels as K
+from ringpipe.engine.params import ParamSpec
 
 
 class Layer:

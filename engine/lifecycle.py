@@ -3,7 +3,7 @@ check, a hang watchdog, and per-rank logs.
 
 The pieces, as the trainer uses them:
 
-    from engine import lifecycle
+    from ringpipe.engine import lifecycle
     lifecycle.check_launcher(world)          # before any work: wrong `srun --mpi`?
     log = lifecycle.setup_rank_logging(out_dir, rank, size)
     stop = lifecycle.StopFlag()              # SIGUSR1/SIGTERM/SIGINT only set a flag
@@ -105,7 +105,7 @@ class StopFlag:
         self.forced_exit_code: int | None = None
         self.forced_note = ""
         # A stop signal that came before this flag existed (runtime.catch_stop_signals_early).
-        from engine import runtime
+        from ringpipe.engine import runtime
         if runtime.pending_stop_signals:
             self._received = runtime.pending_stop_signals[-1]
             runtime.pending_stop_signals.clear()
@@ -538,7 +538,7 @@ class Watchdog:
         if self.rank != 0:
             time.sleep(2 * self.interval + 1.0)   # let rank 0's report out first
         self._say(f"[rank {self.rank}] watchdog: aborting the job")
-        from comm.safety import abort_job
+        from ringpipe.comm.safety import abort_job
         abort_job(1, self.comm)
 
 

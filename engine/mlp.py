@@ -5,8 +5,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from engine.layers import ClassifierHead, DenseGELU
-from engine.model import Stage
+from ringpipe.engine.layers import ClassifierHead, DenseGELU
+from ringpipe.engine.model import Stage
 
 
 @dataclass

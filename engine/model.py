@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.params import ParamBuffer
+from ringpipe.engine.params import ParamBuffer
 
 
 class Stage:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-import kernels as K
+from ringpipe import kernels as K
 
 
 class AdamW:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.device import to_host
+from ringpipe.engine.device import to_host
 
 
 @dataclass(frozen=True)

@@ -1,162 +1,31 @@
-"""ringpipe training entry point: `python -m engine.train --help` (or `ringpipe-train`).
-
-Runs the same way under plain `python`, `mpiexec -n N` and `srun`. Defaults
-train the small byte-level GPT on the Python standard library's own source.
+"""The trainer: train(args) runs one training job on every rank of `world`.
 
 The loop reads top to bottom: build the communicators, the data, the model and
 the optimizer; then each step: gradients (data-parallel buckets all-reduced
 while backward runs), loss across ranks, clip, update, log, evaluate,
-checkpoint.
+checkpoint. The command line is engine/cli.py.
 """
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+import signal
 import sys
+import threading
+import time
 
+import numpy as np
 
-from engine import runtime  # noqa: E402  (stdlib only: safe before numpy)
-
-if __name__ == "__main__":
-    runtime.catch_stop_signals_early()   # imports and MPI_Init take seconds: keep signals meanwhile
-runtime.set_thread_defaults()
-runtime.reuse_freed_memory()
-
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import math  # noqa: E402
-import signal  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-
-import numpy as np  # noqa: E402
-
-
-def _launcher_rank():
-    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
-
-
-class UsageError(SystemExit):
-    """A refused command line. Raised, not printed: main() first makes sure every
-    rank knows (a rank that exits alone would leave the others waiting).
-    The code is usage + error, as argparse prints it; `short` is the error alone."""
-
-    def __init__(self, usage: str, short: str):
-        super().__init__(usage + short)
-        self.short = short
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(self.format_usage(), f"{self.prog}: error: {message}")
-
-
-def parse_args(argv=None):
-    p = _Parser(
-        prog="ringpipe-train",
-        description="Train a hand-written GPT or MLP (numpy + Numba on the CPU, CuPy on a GPU) with MPI "
-                    "data parallelism (our ring all-reduce, ZeRO-1) and pipeline stages (GPipe, 1F1B, "
-                    "interleaved, zero-bubble), alone or as a DP x PP grid. "
-                    "Launch with plain python, `mpiexec -n N`, or `srun`.",
-        epilog="Examples:\n"
-               "  python -m engine.train --steps 50                 # small GPT, stdlib corpus, 1 rank\n"
-               "  mpiexec -n 4 python -m engine.train --dp 4        # data-parallel over 4 ranks\n"
-               "  python -m engine.train --model mlp --data synthetic\n"
-               "  python -m engine.train --resume auto --out runs/gpt  # continue from the latest checkpoint",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("model")
-    g.add_argument("--model", choices=["gpt", "mlp"], default="gpt", help="model to train (default gpt)")
-    g.add_argument("--layers", type=int, default=None, help="transformer blocks / MLP hidden layers (default 4 / 2)")
-    g.add_argument("--d-model", type=int, default=None, help="GPT width / MLP hidden width (default 128 / 256)")
-    g.add_argument("--heads", type=int, default=None, help="GPT attention heads (default 4)")
-    g.add_argument("--context", type=int, default=None, help="GPT maximum sequence length (default 128)")
-    g.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="compute dtype (default float32)")
-    g.add_argument("--precision", choices=["float32", "bf16"], default="float32",
-                   help="matmul inputs: float32, or bf16 (rounded to bfloat16, float32 accumulation, "
-                        "float32 master weights and optimizer state; tensor cores with --device cuda, "
-                        "emulated with no speed-up on the CPU). Needs --dtype float32")
-    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cpu (numpy + Numba) or cuda (CuPy + CUDA kernels; rank takes GPU local_rank %% n_gpus; "
-                        "MPI gets GPU buffers directly if RINGPIPE_CUDA_AWARE_MPI=1, or if unset when the MPI "
-                        "library reports CUDA support or MPICH_GPU_SUPPORT_ENABLED=1 / MV2_USE_CUDA=1 is set; "
-                        "else through pinned host memory)")
-    g = p.add_argument_group("data")
-    g.add_argument("--data", choices=["stdlib", "synthetic", "fashion-mnist", "text"], default=None,
-                   help="dataset: stdlib (default for gpt; the interpreter's own library source), "
-                        "fashion-mnist (default for mlp; Debian package dataset-fashion-mnist), "
-                        "synthetic (tiny, for tests), text (a file or folder given by --data-path)")
-    g.add_argument("--data-path", default=None,
-                   help="file/folder for --data text (given alone, it implies --data text for the GPT), or the "
-                        "IDX folder for fashion-mnist; a folder's text files are read in sorted order, binary "
-                        "files skipped, and what was read is printed")
-    g.add_argument("--max-data-mb", type=float, default=64.0,
-                   help="--data text folders (and stdlib): read at most this many MiB into memory on every "
-                        "rank (default 64; the run says when the folder holds more). A single file is "
-                        "memory-mapped instead, whatever its size")
-    g.add_argument("--seq-len", type=int, default=None, help="GPT training sequence length (default: the context)")
-    g.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch size in sequences/examples (default 16)")
-    g = p.add_argument_group("optimization")
-    g.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
-    g.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    g.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3 adamw, 0.05 sgd)")
-    g.add_argument("--warmup", type=int, default=None, help="warmup steps (default 5%% of --decay-steps)")
-    g.add_argument("--decay-steps", type=int, default=None,
-                   help="steps the warmup + cosine LR schedule spans (default --steps); after them the LR stays "
-                        "at --min-lr-ratio x --lr. To continue a finished run to a larger --steps on its "
-                        "original schedule, pass its old --steps here (the run says so when resuming)")
-    g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to this fraction of --lr")
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip (0 disables)")
-    g.add_argument("--seed", type=int, default=1337, help="initialisation and data order (>= 0; default 1337)")
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--dp", type=int, default=None, help="data-parallel ranks (default: all ranks)")
-    g.add_argument("--bucket-mb", type=float, default=None,
-                   help="gradient bucket size in MiB (default: auto, about 1/8 of the gradients, between "
-                        "0.25 and 25 MiB, so backward overlaps several all-reduces; the first bucket is "
-                        "capped at 1 MiB like PyTorch DDP's)")
-    g.add_argument("--no-overlap", action="store_true", help="all-reduce after backward instead of during it")
-    g.add_argument("--zero", type=int, choices=[0, 1], default=0,
-                   help="1: shard optimizer state across data-parallel ranks (ZeRO-1)")
-    g.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1); ranks = pp x dp")
-    g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zbh1"], default=None,
-                   help="pipeline schedule (default 1f1b; zbh1 = zero-bubble H1; interleaved needs --chunks "
-                        ">= 2); needs --pp >= 2 or --chunks >= 2")
-    g.add_argument("--microbatches", type=int, default=1,
-                   help="micro-batches per step on each data-parallel replica (pipeline depth / accumulation)")
-    g.add_argument("--chunks", type=int, default=1, help="model chunks per pipeline rank (interleaved schedule)")
-    g.add_argument("--partition", choices=["uniform", "balanced"], default=None,
-                   help="split layers evenly (default), or balance measured per-layer cost across stages")
-    g.add_argument("--trace", default=None, metavar="DIR",
-                   help="write a Chrome/Perfetto trace per rank and a merged DIR/trace.json")
-    g = p.add_argument_group("output")
-    g.add_argument("--out", default=None, help="run directory (default runs/<model>)")
-    g.add_argument("--overwrite", action="store_true",
-                   help="start fresh even if --out holds checkpoints: the earlier run's checkpoints, metrics "
-                        "and logs are moved to OUT/previous/ (replacing what was kept there before)")
-    g.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
-    g.add_argument("--keep", type=int, default=3, help="checkpoints to keep (0: all)")
-    g.add_argument("--resume", default=None, help="checkpoint (.json), run directory, or 'auto' (latest valid "
-                                                  "checkpoint in --out, or a fresh start if none)")
-    g.add_argument("--eval-every", type=int, default=None, help="steps between validation passes (default steps/5)")
-    g.add_argument("--eval-batches", type=int, default=4, help="global batches per validation pass")
-    g.add_argument("--log-every", type=int, default=None, help="steps between progress lines (default ~20 lines)")
-    g.add_argument("--sample-bytes", type=int, default=200, help="GPT: bytes of text to sample at the end (0: none)")
-    g.add_argument("--quiet", action="store_true", help="no progress lines (metrics.jsonl is still written)")
-    g = p.add_argument_group("cluster")
-    g.add_argument("--watchdog", type=float, default=0.0, metavar="SECONDS",
-                   help="report ranks that made no progress for this long (0: off); names the stuck ranks")
-    g.add_argument("--watchdog-abort", action="store_true", help="abort the job after a watchdog report")
-    return p.parse_args(argv)
+from ringpipe.engine import runtime
 
 
 # ---- configuration -------------------------------------------------------------------
 
 def model_config(args, saved=None):
     """Model shape from the flags, or from a checkpoint when resuming (flags given explicitly must agree)."""
-    from engine.gpt import GPTConfig
-    from engine.mlp import MLPConfig
+    from ringpipe.engine.gpt import GPTConfig
+    from ringpipe.engine.mlp import MLPConfig
     if args.model == "gpt":
         flags = {"n_layer": args.layers, "d_model": args.d_model, "n_head": args.heads, "context": args.context}
         cfg = GPTConfig()
@@ -183,7 +52,7 @@ def model_config(args, saved=None):
 
 
 def load_dataset(args, model_cfg):
-    from engine import data
+    from ringpipe.engine import data
     kind = args.data or ("stdlib" if args.model == "gpt" else "fashion-mnist")
     dtype = np.dtype(args.dtype)
     if args.model == "gpt":
@@ -211,7 +80,7 @@ def agree(world, fn, what, same_result=False, hint="is the path on a filesystem 
     anywhere, every rank stops with the error (naming the ranks, and `hint` when
     only some failed), never some ranks waiting forever in the next collective.
     same_result: the ranks' results (or what `compared` picks of them) must also be equal."""
-    from engine import checkpoint
+    from ringpipe.engine import checkpoint
     try:
         result, error = fn(), None
     except SystemExit as e:
@@ -427,74 +296,14 @@ class JobFailure(SystemExit):
         self.message = message
 
 
-def main(argv=None):
-    # Catch stop signals before anything else, MPI_Init included: MPICH installs
-    # a SIGUSR1 handler of its own there that would swallow the signal.
-    from engine import lifecycle
-    stop = lifecycle.StopFlag()
-    try:
-        args, usage_error = parse_args(argv), None
-    except UsageError as e:
-        args, usage_error = None, e
-    import comm                      # MPI_Init happens here
-    stop.install()                   # take SIGUSR1 back from MPICH
-    comm.install_abort_handler()
-    try:
-        # Refuse a launch where srun's MPI plugin did not wire the ranks together.
-        lifecycle.check_launcher()
-        agree_on_command_line(usage_error)
-        train(args, stop=stop)
-    except JobFailure as e:
-        if _launcher_rank() == 0:
-            print(f"error: {e.message}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    except SystemExit as e:
-        # A configuration error: every rank reached the same conclusion (agree()
-        # and check_same_args() see to that), so exit quietly on all of them
-        # (print once), no abort needed.
-        if isinstance(e.code, str):
-            # A launcher mismatch leaves every task alone in its own world: each
-            # says so, since srun may kill task 0 before it gets to print.
-            if _launcher_rank() == 0 or isinstance(e, lifecycle.LauncherError):
-                print(e.code, file=sys.stderr, flush=True)
-            sys.exit(2)
-        raise
-    finally:
-        # The outcome is decided (and its checkpoint written): a signal during
-        # interpreter and MPI shutdown must not turn the exit code into "killed".
-        stop.ignore_from_now_on()
-
-
-def agree_on_command_line(usage_error):
-    """A command line refused on some ranks only (an MPMD launch, `a : b`) must
-    stop all ranks, not leave the others waiting in their first collective."""
-    from mpi4py import MPI
-    world = MPI.COMM_WORLD
-    if world.Get_size() == 1:
-        if usage_error is not None:
-            raise usage_error
-        return
-
-    def refused_here():
-        if usage_error is not None:
-            raise SystemExit(usage_error.short)
-
-    try:
-        agree(world, refused_here, "command line", hint="were the ranks launched with different arguments?")
-    except SystemExit as e:
-        if usage_error is not None and e.code == usage_error.short:
-            raise usage_error from None    # refused alike on every rank: show the usage, as one process would
-        raise
-
-
 def train(args, world=None, stop=None):
     """Run training. `world` is the communicator of all ranks of this job (default
     MPI.COMM_WORLD; tests pass COMM_SELF to get a single-process reference).
     `stop`: the lifecycle.StopFlag to use; by default one is installed for the
     run and removed when it returns (main() installs its own before MPI starts
     and keeps it to the end, so no signal is ever lost)."""
-    import kernels as K
-    from engine import lifecycle
+    from ringpipe import kernels as K
+    from ringpipe.engine import lifecycle
 
     # What must be undone however the run ends (the run directory's lock, ...).
     with contextlib.ExitStack() as cleanup:
@@ -510,7 +319,7 @@ def train(args, world=None, stop=None):
 def agree_on_rank0(world, fn, what):
     """Run `fn` on world rank 0 only (the owner of the run directory) and give
     every rank its result, or make every rank stop with its error."""
-    from engine import checkpoint, rundir
+    from ringpipe.engine import checkpoint, rundir
     result = error = None
     if world.Get_rank() == 0:
         try:
@@ -528,7 +337,7 @@ def agree_on_rank0(world, fn, what):
 
 def prepare_run_dir(run, args, ckpt_dir):
     """Rank 0: own --out for the run's life and start it clean. Returns notes."""
-    from engine import checkpoint
+    from ringpipe.engine import checkpoint
     notes = run.lock()
     existing = checkpoint.list_checkpoints(ckpt_dir)
     if not args.resume:
@@ -553,7 +362,7 @@ def prepare_run_dir(run, args, ckpt_dir):
 def find_resume(args, ckpt_dir):
     """(manifest path or None, notes): the checkpoint this run continues from.
     Every rank resolves it itself; the caller makes sure they agree."""
-    from engine import checkpoint
+    from ringpipe.engine import checkpoint
     if not args.resume:
         return None, []
     if args.resume != "auto":
@@ -573,20 +382,20 @@ def find_resume(args, ckpt_dir):
 
 
 def _train(args, world, stop, cleanup):
-    import comm
-    import kernels as K
-    from engine import checkpoint, rundir
-    from engine.gpt import build_gpt, flops_per_token, generate, gpt_layers
-    from engine.mlp import flops_per_example, mlp_layers
-    from engine.optim import clip_scale, lr_at, make_optimizer
-    from engine.pipeline import ScheduleError
-    from engine.pipeline.rank_model import LocalModel, PipelineModel
-    from engine import lifecycle
-    from comm.device import Transport
-    from comm.device import stats as transfer_stats
-    from engine.device import describe as describe_device
-    from engine.device import select
-    from engine.trace import Tracer
+    from ringpipe import comm
+    from ringpipe import kernels as K
+    from ringpipe.engine import checkpoint, rundir
+    from ringpipe.engine.gpt import build_gpt, flops_per_token, generate, gpt_layers
+    from ringpipe.engine.mlp import flops_per_example, mlp_layers
+    from ringpipe.engine.optim import clip_scale, lr_at, make_optimizer
+    from ringpipe.engine.pipeline import ScheduleError
+    from ringpipe.engine.pipeline.rank_model import LocalModel, PipelineModel
+    from ringpipe.engine import lifecycle
+    from ringpipe.comm.device import Transport
+    from ringpipe.comm.device import stats as transfer_stats
+    from ringpipe.engine.device import describe as describe_device
+    from ringpipe.engine.device import select
+    from ringpipe.engine.trace import Tracer
     from mpi4py import MPI
 
     # ---- communicators -------------------------------------------------------------
@@ -974,7 +783,7 @@ def schedule_change(saved_args, args, start_step, lr_base, decay_steps, warmup):
     checkpoint's run (typically: continuing to a larger --steps)."""
     if not saved_args.get("steps"):
         return []
-    from engine.optim import lr_at
+    from ringpipe.engine.optim import lr_at
     saved_decay = saved_args.get("decay_steps") or saved_args["steps"]
     if saved_decay == decay_steps:
         return []
@@ -1028,8 +837,8 @@ def gather_state(params, opt, shard, topo, zero):
     """Named host arrays of all parameters and the full optimizer state, on world rank 0
     (other ranks get their own part). ZeRO shards are all-gathered within the
     data-parallel group, pipeline stages are gathered over the pipeline group."""
-    import comm
-    from engine.device import to_host
+    from ringpipe import comm
+    from ringpipe.engine.device import to_host
     arrays = {f"param/{k}": v for k, v in params.state_dict(params.data).items()}
     for state_name, buf in opt.state().items():
         if zero:
@@ -1055,7 +864,3 @@ def _rate(per_s):
 def _hms(seconds):
     seconds = int(max(0, seconds))
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
-if __name__ == "__main__":
-    main()

@@ -15,12 +15,12 @@ run() {  # pytest exit 5 = "no tests collected": not a failure for a selection t
 
 echo "== serial tests (about 5 minutes on 2 cores; a line per test file) =="
 if [ "${RINGPIPE_SLURM_NO_INSTALL:-0}" = 0 ] && ! command -v slurmctld >/dev/null 2>&1; then
-    echo "note: tests/test_slurm.py installs slurm-wlm and munge with apt-get for its real-Slurm jobs" \
+    echo "note: tests/slurm/test_slurm.py installs slurm-wlm and munge with apt-get for its real-Slurm jobs" \
          "(root only; RINGPIPE_SLURM_NO_INSTALL=1 skips those tests instead)"
 fi
 run "$PY" -m pytest -m "not mpi" tests "$@"
 for n in 2 4; do
     echo "== MPI tests, $n ranks =="
-    run timeout 900 mpiexec -n "$n" "$PY" tests/mpi_pytest.py -q -m mpi --with-mpi tests "$@"
+    run timeout 900 mpiexec -n "$n" "$PY" tests/support/mpi_pytest.py -q -m mpi --with-mpi tests "$@"
 done
 exit $status

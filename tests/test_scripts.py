@@ -30,10 +30,10 @@ def test_shell_script_parses(script):
 # Lines of gpu_check.sh that call each Python target (matched by these words),
 # and the command that prints that target's --help.
 GPU_CHECK_TARGETS = {
-    "engine.train": [sys.executable, "-m", "engine.train", "--help"],
-    "train train-": [sys.executable, "-m", "engine.train", "--help"],   # the train() helper's calls
+    "ringpipe.train": [sys.executable, "-m", "ringpipe.train", "--help"],
+    "train train-": [sys.executable, "-m", "ringpipe.train", "--help"],   # the train() helper's calls
     "benchmarks/gemm.py": [sys.executable, "benchmarks/gemm.py", "--help"],
-    "tests/cuda_sim_check.py": [sys.executable, "tests/cuda_sim_check.py", "--help"],
+    "tests/support/cuda_sim_check.py": [sys.executable, "tests/support/cuda_sim_check.py", "--help"],
 }
 
 

@@ -1,6 +1,6 @@
 """Pipeline schedules as data: IR, generators, validator, offline simulator.
 
-    from engine.pipeline import make_schedule, validate, simulate, ascii_timeline
+    from ringpipe.engine.pipeline import make_schedule, validate, simulate, ascii_timeline
     s = make_schedule("1f1b", p=4, m=8)
     validate(s)
     print(ascii_timeline(simulate(s)))

@@ -1,8 +1,8 @@
 """Inspect a pipeline schedule: action lists, validation, simulated timeline.
 
-    python -m engine.pipeline --schedule 1f1b -p 4 -m 8
-    python -m engine.pipeline --schedule interleaved -p 4 -m 8 -v 2 --plot out.png
-    python -m engine.pipeline --schedule zbh1 -p 4 -m 8 --costs F=1,I=1,W=1
+    ringpipe pipeline --schedule 1f1b -p 4 -m 8           (or python -m ringpipe.pipeline ...)
+    ringpipe pipeline --schedule interleaved -p 4 -m 8 -v 2 --plot out.png
+    ringpipe pipeline --schedule zbh1 -p 4 -m 8 --costs F=1,I=1,W=1
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ def _parse_costs(text: str) -> dict[str, float]:
     return costs
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "ringpipe pipeline") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m engine.pipeline",
+        prog=prog,
         description="Generate a pipeline schedule, print each rank's action list, validate it, "
                     "simulate it under the executor's semantics and draw the timeline.",
         epilog="Compact actions: F3 forward of micro-batch 3; B3 full backward; I3 input-grad backward; "
@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "ringpipe pipeline") -> int:
+    args = build_parser(prog).parse_args(argv)
     try:
         schedule = make_schedule(args.schedule, args.p, args.m, args.v)
     except ScheduleError as error:

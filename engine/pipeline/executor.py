@@ -21,8 +21,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from comm.device import Transport
-from engine.pipeline.schedule import B, F, I, OPT_STEP, RECV_B, RECV_F, REDUCE_GRAD, SEND_B, SEND_F, W
+from ringpipe.comm.device import Transport
+from ringpipe.engine.pipeline.schedule import B, F, I, OPT_STEP, RECV_B, RECV_F, REDUCE_GRAD, SEND_B, SEND_F, W
 
 
 def nbytes(obj):

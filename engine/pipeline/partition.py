@@ -110,7 +110,7 @@ def time_layers(layers, x, y, repeats=3):
 
 def measure_layer_costs(layers, make_batch, dtype, repeats=3):
     """Median seconds of forward + backward for each layer of a full model on one micro-batch."""
-    from engine.model import Stage
+    from ringpipe.engine.model import Stage
     stage = Stage(layers, dtype=dtype)
     stage.params.init(0)
     fwd, bwd = time_layers(layers, *make_batch(), repeats=repeats)

@@ -18,11 +18,11 @@ import time
 
 import numpy as np
 
-from engine.model import Stage
-from engine.pipeline import make_schedule, validate
-from engine.pipeline.executor import PipelineExecutor
-from engine.pipeline.partition import balanced, measure_layer_costs, uniform
-from engine.params import ParamBuffer
+from ringpipe.engine.model import Stage
+from ringpipe.engine.pipeline import make_schedule, validate
+from ringpipe.engine.pipeline.executor import PipelineExecutor
+from ringpipe.engine.pipeline.partition import balanced, measure_layer_costs, uniform
+from ringpipe.engine.params import ParamBuffer
 
 
 def split_micro(arr, m):

@@ -36,7 +36,7 @@ from functools import lru_cache
 import cupy
 import numpy as np
 
-from kernels import reference as _ref
+from ringpipe.kernels import reference as _ref
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
 SOURCES = ("sgemm.cu", "fused.cu", "wmma_gemm.cu")

@@ -44,7 +44,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda
 
-from kernels import reference as _ref
+from ringpipe.kernels import reference as _ref
 
 GELU_SCALE = _ref.GELU_SCALE
 GELU_CUBE = _ref.GELU_CUBE

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Start a real single-node Slurm (slurmctld + slurmd + a private munged) on this
-# machine, for trying slurm/*.sbatch and for tests/test_slurm.py.
+# machine, for trying slurm/*.sbatch and for tests/slurm/test_slurm.py.
 #
 #   eval "$(slurm/local/start.sh)"      # starts (or finds running) and exports SLURM_CONF
 #   sbatch --wait slurm/train.sbatch --steps 20 ...

@@ -1,0 +1,4 @@
+"""`python -m ringpipe COMMAND ...`: the same as the `ringpipe` command."""
+from ringpipe.cli import main
+
+main()

@@ -1,0 +1,37 @@
+"""The `ringpipe` command: one entry point, a subcommand per job.
+
+    ringpipe train ...       train a model (= python -m ringpipe.train; ringpipe-train)
+    ringpipe pipeline ...    print, validate and simulate a pipeline schedule (= python -m ringpipe.pipeline)
+"""
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {
+    "train": ("ringpipe.engine.cli", "train a GPT or MLP on one or many MPI ranks"),
+    "pipeline": ("ringpipe.engine.pipeline.__main__", "print, validate and simulate a pipeline schedule"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: ringpipe COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<10} {about}" for name, (_, about) in COMMANDS.items()]
+    lines += ["", "`ringpipe COMMAND --help` explains each one."]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"ringpipe: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        sys.exit(2)
+    from importlib import import_module
+    sys.exit(import_module(COMMANDS[name][0]).main(rest, prog=f"ringpipe {name}") or 0)
+
+
+if __name__ == "__main__":
+    main()

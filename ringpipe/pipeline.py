@@ -1,0 +1,7 @@
+"""`python -m ringpipe.pipeline ...`: the same as `ringpipe pipeline ...`."""
+if __name__ == "__main__":
+    import sys
+
+    from ringpipe.engine.pipeline.__main__ import main
+
+    sys.exit(main(prog="python -m ringpipe.pipeline"))

@@ -1,0 +1,16 @@
+"""What the tests share: where things are, and helpers that are not tests.
+
+    mpi_pytest.py      pytest on every MPI rank (tests/run_all.sh runs it under mpiexec)
+    mpi_scripts/       small MPI programs the tests launch as jobs
+    slurm_jobs/        batch scripts and programs for the real-Slurm tests
+    fake_cupy.py       a CPU emulation of CuPy that runs our CUDA C kernels (with cuda_emu.h)
+    cuda_sim_check.py  the Numba CUDA kernels under NUMBA_ENABLE_CUDASIM
+"""
+import os
+import sys
+
+SUPPORT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(SUPPORT))          # the repository
+MPI_SCRIPTS = os.path.join(SUPPORT, "mpi_scripts")
+SLURM_JOBS = os.path.join(SUPPORT, "slurm_jobs")
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
