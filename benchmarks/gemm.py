@@ -152,7 +152,7 @@ def gemm_rows(cp, ck, nk, torch, timer, shapes, log):
                              tflops=flops / t / 1e12, vs_cublas=(base / t) if base else None, max_rel_err=err))
             log(f"  {label:20s} {shape:22s} float32 {name:12s} {t * 1e3:9.3f} ms {flops / t / 1e12:7.2f} TFLOP/s "
                 f"err {err:.1e}")
-        del ref
+        ref = None    # free the GPU memory (the timed lambdas are done with it)
         # ---- bf16 and fp16 (same float32 operands, rounded)
         for kind in ("bf16", "f16"):
             if kind == "bf16":
@@ -200,8 +200,8 @@ def gemm_rows(cp, ck, nk, torch, timer, shapes, log):
                                  tflops=flops / t / 1e12, vs_cublas=(base / t) if base else None, max_rel_err=err))
                 log(f"  {label:20s} {shape:22s} {kind:7s} {name:12s} {t * 1e3:9.3f} ms {flops / t / 1e12:7.2f} "
                     f"TFLOP/s err {err:.1e}")
-            del ref, out32
-        del a, b, out
+            ref = out32 = None    # free the GPU memory (the timed lambdas are done with it)
+        a = b = out = None    # free the GPU memory (the timed lambdas are done with it)
         cp.get_default_memory_pool().free_all_blocks()
     return rows
 
@@ -262,13 +262,13 @@ def fused_rows(cp, ck, ref, timer, peak_bw, copy_bw, quick, log):
         lambda: ck.layernorm_backward(dy, x, w, mean, rstd, dx, dw, db),
         lambda: ref.layernorm_backward(dy, x, w, mean, rstd, None, dw, db),
         lambda: rel(ck.layernorm_backward(dy, x, w, mean, rstd), ref.layernorm_backward(dy, x, w, mean, rstd)))
-    del x, out, dy, dx
+    x = out = dy = dx = None    # free the GPU memory (the timed lambdas are done with it)
     s = rs.standard_normal((B, H, T, T), dtype=f32)
     p = cp.empty_like(s)
     add("softmax_causal_forward", f"{B}x{H}x{T}x{T} f32", 4 * 2 * s.size,
         lambda: ck.softmax_causal_forward(s, 0.125, p), lambda: ref.softmax_causal_forward(s, 0.125),
         lambda: rel(p, ref.softmax_causal_forward(s, 0.125)))
-    del s, p
+    s = p = None    # free the GPU memory (the timed lambdas are done with it)
     cp.get_default_memory_pool().free_all_blocks()
     logits = rs.standard_normal((NCE, V), dtype=f32)
     tg = rs.randint(0, V, size=NCE).astype(cp.int64)
@@ -277,7 +277,7 @@ def fused_rows(cp, ck, ref, timer, peak_bw, copy_bw, quick, log):
         lambda: ck.cross_entropy_forward_backward(logits, tg, dl, 1.0 / NCE),
         lambda: ref.cross_entropy_forward_backward(logits, tg, cp.empty_like(logits), 1.0 / NCE),
         lambda: rel(dl, ref.cross_entropy_forward_backward(logits, tg, cp.empty_like(logits), 1.0 / NCE)[1]))
-    del logits, dl
+    logits = dl = None    # free the GPU memory (the timed lambdas are done with it)
     cp.get_default_memory_pool().free_all_blocks()
     return rows
 

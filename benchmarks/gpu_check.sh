@@ -145,7 +145,7 @@ else
     if have_cupy; then say "=== [cupy] ready"; else say "=== [cupy] STILL NOT USABLE: GPU steps will fail/skip"; status=1; fi
 fi
 "$PY" -c "import pytest" >/dev/null 2>&1 || step "pip-pytest" 60 "$PY" -m pip install --retries 1 --timeout 20 pytest
-"$PY" -c "from kernels.cuda import available; print('kernels.cuda.available():', available())" 2>&1 | tee -a "$LOG"
+"$PY" -c "from ringpipe.kernels.cuda import available; print('ringpipe.kernels.cuda.available():', available())" 2>&1 | tee -a "$LOG"
 
 # ---------------------------------------------------------------------------
 # 3-7

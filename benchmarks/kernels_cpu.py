@@ -15,19 +15,22 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
 
 
 from ringpipe import kernels  # noqa: E402
+from ringpipe.kernels.ops import OP_NAMES  # noqa: E402
 from _common import choice_list, output_path, positive_int  # noqa: E402
 
-# The ops cases() yields, plus the BLAS matmul row: the names --only takes.
+# The ops this benchmark times (cases() yields them, plus the BLAS matmul row), by
+# their names in the kernel op table (kernels/ops.py): the names --only takes.
 OPS = ("layernorm_forward", "layernorm_backward", "gelu_forward", "gelu_backward",
-       "softmax_causal_forward", "softmax_causal_backward", "cross_entropy_fwd_bwd",
+       "softmax_causal_forward", "softmax_causal_backward", "cross_entropy_forward_backward",
        "adamw_update", "sgd_momentum_update", "sum_of_squares", "matmul")
+if not set(OPS) <= set(OP_NAMES):
+    raise SystemExit(f"benchmarks/kernels_cpu.py: {sorted(set(OPS) - set(OP_NAMES))} not in the kernel op table")
 
 
 def median_ms(fn, repeats, reset=None):
@@ -87,7 +90,7 @@ def cases(dt, N, C, B, H, T, V, NV, P):
     def reset_logits():
         logits[...] = logits0
 
-    yield "cross_entropy_fwd_bwd", f"N={NV} V={V}", lambda be: (
+    yield "cross_entropy_forward_backward", f"N={NV} V={V}", lambda be: (
         lambda: kernels.cross_entropy_forward_backward(logits, targets, logits, 1.0 / NV, backend=be), reset_logits)
 
     # optimizer over a flat parameter vector
@@ -157,11 +160,11 @@ def main(argv=None):
         rows.append(dict(op="matmul_nt (BLAS)", shape=f"{M}x{K} @ ({Nn}x{K}).T", dtype=args.dtype,
                          numba_ms=None, numpy_ms=t, speedup=None, gflops=2.0 * M * K * Nn / (t * 1e-3) / 1e9))
 
-    print(f"{'op':<26} {'shape':<26} {'dtype':<8} {'numba_ms':>9} {'numpy_ms':>9} {'speedup':>8}")
+    print(f"{'op':<30} {'shape':<26} {'dtype':<8} {'numba_ms':>9} {'numpy_ms':>9} {'speedup':>8}")
     for r in rows:
         nb = f"{r['numba_ms']:9.2f}" if r["numba_ms"] is not None else f"{'-':>9}"
         sp = f"{r['speedup']:7.2f}x" if r["speedup"] is not None else f"{r['gflops']:.0f} GF/s".rjust(8)
-        print(f"{r['op']:<26} {r['shape']:<26} {r['dtype']:<8} {nb} {r['numpy_ms']:9.2f} {sp}")
+        print(f"{r['op']:<30} {r['shape']:<26} {r['dtype']:<8} {nb} {r['numpy_ms']:9.2f} {sp}")
     try:
         import numba
 

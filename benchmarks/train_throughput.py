@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from collections import defaultdict
 
@@ -31,6 +30,7 @@ import numpy as np  # noqa: E402
 
 from ringpipe import kernels as K  # noqa: E402
 from ringpipe.engine.gpt import GPTConfig, build_gpt, flops_per_token  # noqa: E402
+from ringpipe.kernels.ops import OP_NAMES  # noqa: E402
 from ringpipe.engine.optim import AdamW  # noqa: E402
 from ringpipe.engine.pipeline.partition import time_layers  # noqa: E402
 
@@ -51,9 +51,8 @@ def gemm_peak(n, dtype, repeats):
 class OpTimer:
     """Wraps the kernels API functions that the layers call to attribute time per op."""
 
-    OPS = ["matmul", "matmul_nt", "matmul_tn", "linear_forward", "column_sum", "layernorm_forward",
-           "layernorm_backward", "gelu_forward", "gelu_backward", "softmax_causal_forward", "softmax_causal_backward",
-           "cross_entropy_forward_backward", "adamw_update", "sum_of_squares"]
+    # Every op of the kernel table, and the two GEMM layouts the layers call (matmul underneath).
+    OPS = list(OP_NAMES) + ["matmul_nt", "matmul_tn"]
 
     def __init__(self):
         self.totals = defaultdict(float)

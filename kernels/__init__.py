@@ -1,16 +1,25 @@
 """
 kernels: the compute ops of ringpipe. Pure compute, no MPI, no model knowledge.
 
-Every op dispatches on the array module of its inputs (numpy or cupy) and on the
+The ops are listed once, in the op table of kernels/ops.py (name, what it computes, the
+arguments its implementations take). Each public function below validates its inputs
+at the boundary (cheap metadata checks, the same for numpy and cupy), then dispatches
+through the table (kernels/backend.py) on the array module of its inputs and on the
 backend (`backend=` per call, else kernels.set_backend's default):
-  "numba"  fast CPU kernels (kernels/cpu.py), the default for numpy arrays
-  "numpy"  the plain reference implementations (kernels/reference.py)
-cupy inputs go to kernels.backend._GPU_IMPL, filled in by kernels/cuda.
+  "numba"   fast CPU kernels (kernels/cpu.py), the default for numpy arrays
+  "numpy"   the plain reference implementations (kernels/reference.py), any device
+  "cuda"    the CUDA C kernels (kernels/cuda/cupy_kernels.py + *.cu): the one
+            production GPU path, the default for cupy arrays
+  "cublas", "numba_cuda"  opt-in GPU alternatives for comparison and teaching
+The GPU backends exist once kernels.cuda.register() has run (the engine calls it for
+--device cuda); kernels/cuda/__init__.py says why the Numba CUDA kernels stay as an
+opt-in backend rather than a second production path.
 
 GEMMs (matmul, matmul_nt, matmul_tn, linear_forward) also take `precision=` (per
 call, else kernels.set_matmul_precision's default): "float32", or "bf16" for float32
 operands rounded to bfloat16 with float32 accumulation (tensor cores on the GPU,
 an exact emulation on the CPU). The layers never pass it: the default decides.
+matmul_nt and matmul_tn are matmul with a transpose flag, not ops of their own.
 
 Conventions shared by all ops:
   - arrays are C-contiguous (inputs that are not get a contiguous copy; outputs
@@ -18,6 +27,26 @@ Conventions shared by all ops:
   - float32 or float64, one dtype per call
   - "accumulate" outputs are parameter gradients and are added into (+=);
     activation gradients (dx, dlogits, ...) are overwritten
+
+How to add a kernel op:
+  1. Add an Op to OPS in kernels/ops.py: its name, what it computes, and the
+     arguments the implementations take (the public ones minus `backend=`, with
+     `precision` already resolved).
+  2. Implement it, as a top-level function of that name taking exactly those
+     arguments, in every backend that claims the whole table: kernels/reference.py
+     (the ground truth, written against `xp`), kernels/cpu.py (Numba, or an alias of
+     the reference where numpy/BLAS is already the fast path) and
+     kernels/cuda/cupy_kernels.py (CUDA C). The Numba CUDA backend
+     (kernels/cuda/numba_kernels.py) claims every op but those in
+     kernels.cuda.NUMBA_CUDA_LEAVES_OUT: implement it there too, or add it to that
+     tuple (it then runs on "cuda"). kernels/cuda/cublas.py has only the GEMMs.
+  3. Add the public function here: validate with the helpers below, then
+     `impl = _dispatch(op, arrays, backend)` and call impl; list it in __all__.
+  4. Tests: tests/kernels/test_kernels.py iterates the table (a public function for
+     every op, reference and Numba implementations with the table's arguments) and
+     needs a numba-vs-reference test of the numbers; tests/kernels/test_cuda_kernels.py
+     checks the GPU backends define what they claim (no GPU needed) and needs a
+     test_gpu_* test, which the CPU emulation of the CUDA C runs here too.
 
 Importing this package does not import numba or cupy; numba loads on the first
 "numba" call and compiles (or loads from its on-disk cache) per dtype.
@@ -34,7 +63,6 @@ from .backend import (  # noqa: F401
     get_matmul_precision,
     get_num_threads,
     is_gpu_array,
-    register_gpu_impl,
     resolve_dtype,
     resolve_matmul_precision,
     set_backend,

@@ -1,43 +1,50 @@
 """
-Array-module detection and backend dispatch for kernels/.
+Array-module detection, the backend registry, and dispatch for kernels/.
 
 Two independent choices decide which code runs for a kernel call:
   - the array module of the inputs (numpy, or cupy for GPU arrays), and
-  - the backend name (per call `backend=`, else the module default):
-      "numpy"  the plain reference implementations (kernels/reference.py); they are
-               written against `xp`, so they also run on cupy arrays
-      "numba"  the fast CPU kernels (kernels/cpu.py); the default
-      other    names registered by kernels/cuda (e.g. "cuda"): fast GPU kernels
+  - the backend name (per call `backend=`, else the module default, set_backend).
 
-Rule: "numpy" always means the reference. Any other name means "the fast path for
-the device the arrays live on": numba for numpy arrays, _GPU_IMPL for cupy arrays.
-So set_backend("cuda") on a GPU run still leaves stray host-side calls on numba.
+A backend is a module whose top-level functions, named after the ops of the table in
+kernels/ops.py, implement them. Registered here on import:
+  "numpy"  kernels/reference.py, the plain reference implementations; written against
+           `xp`, so they run on numpy and cupy arrays alike
+  "numba"  kernels/cpu.py, the fast CPU kernels: the default, and the one host backend
+and by kernels.cuda.register(), for cupy arrays (see kernels/cuda/__init__.py):
+  "cuda"        the CUDA C kernels: the production GPU path, what cupy arrays run on
+  "cublas"      cuBLAS GEMMs, the rest as "cuda" (a yardstick)
+  "numba_cuda"  the Numba CUDA kernels, opt-in only
+
+Rule: "numpy" always means the reference. Any other name means "the fast path for the
+device the arrays live on": "numba" for numpy arrays; for cupy arrays the named backend
+if it is a GPU one, else "cuda" (GPU_DEFAULT). So set_backend("cuda") on a GPU run still
+leaves stray host-side calls on numba, and no name but "numpy" moves cupy arrays off
+the GPU kernels.
+
+A backend implements every op in the table, or names a fallback backend that runs the
+ones it leaves out ("cublas" and "numba_cuda" fall back to "cuda"). register_backend
+checks the op names against the table when it is called; the module is imported on the
+first call dispatched to it (numba and cupy are slow to import), and then every op it
+claims must be there, taking the table's arguments (RegistrationError otherwise).
+tests/kernels check both for every backend without a GPU.
 
 This module never imports cupy unless an input already is a cupy array.
 """
 
+import importlib
+from typing import NamedTuple
+
 import numpy as np
+
+from .ops import BY_NAME, OP_NAMES, signature_problem
 
 DTYPES = {"float32": np.float32, "float64": np.float64}
 
-# Backend names accepted by set_backend / backend=. kernels/cuda adds its own via
-# register_gpu_impl(..., backend_name="cuda").
-_BACKENDS = {"numba", "numpy"}
-_default_backend = "numba"
-
-# The GPU dispatch point: kernel name (e.g. "layernorm_forward") -> callable with the
-# same positional/keyword signature as the public function in kernels/__init__.py,
-# minus `backend`. Inputs are already validated (shapes, dtypes, contiguity).
-# kernels/cuda fills this in; until a name is present, cupy inputs raise.
-_GPU_IMPL = {}
-# Per-backend overrides for cupy inputs: (backend_name, kernel_name) -> callable, tried
-# before _GPU_IMPL (e.g. backend="cublas" swaps only matmul). Filled by
-# register_gpu_impl(..., default=False).
-_GPU_IMPL_BY_BACKEND = {}
-
 
 def is_gpu_array(x):
-    # by module name, so we never import cupy just to ask
+    """True for a cupy array: the one test of "GPU array" in kernels/, what dispatch
+    sends to the GPU backends. By module name, so cupy is never imported just to ask.
+    (Numba device arrays are not GPU arrays here: kernels never dispatch on them.)"""
     return type(x).__module__.startswith("cupy")
 
 
@@ -66,6 +73,85 @@ def resolve_dtype(name):
     raise ValueError(f"unknown dtype {name!r}; valid names: {', '.join(sorted(DTYPES))}")
 
 
+# ---------------------------------------------------------------------------
+# the backend registry
+
+
+class RegistrationError(Exception):
+    """A backend claims an op the table does not have, leaves one out with no fallback,
+    or its module does not define an op it claims with the table's arguments."""
+
+
+class Backend(NamedTuple):
+    name: str
+    module: str  # import path; its functions named after ops implement them
+    device: str  # "cpu" (numpy arrays), "gpu" (cupy arrays) or "any" (the xp-generic reference)
+    ops: frozenset  # the op names it implements
+    fallback: str | None  # the backend that runs the ops it leaves out; None: it has them all
+
+
+DEVICES = ("any", "cpu", "gpu")
+# The backend a non-"numpy" name resolves to when it does not fit the arrays' device.
+CPU_DEFAULT = "numba"
+GPU_DEFAULT = "cuda"
+
+_BACKENDS = {}  # name -> Backend
+_LOADED = {}  # name -> {op name: function}, filled on the first call dispatched to it
+_default_backend = CPU_DEFAULT
+
+
+def register_backend(name, module, *, device, ops=None, fallback=None):
+    """Declare backend `name`: the functions of `module` (an import path, imported on the
+    first call dispatched to it) named after ops implement them.
+
+    ops: the op names it implements, None for the whole table. A backend that leaves
+    ops out names a fallback: a registered backend with every op, for the same device
+    (or "any"). Registering a name again replaces it."""
+    if device not in DEVICES:
+        raise RegistrationError(f"kernel backend {name!r}: device must be one of {', '.join(DEVICES)}, "
+                                f"got {device!r}")
+    claimed = OP_NAMES if ops is None else tuple(ops)
+    unknown = [op for op in claimed if op not in BY_NAME]
+    if unknown:
+        raise RegistrationError(f"kernel backend {name!r}: {', '.join(unknown)} not in the op table "
+                                "(kernels/ops.py)")
+    left_out = [op for op in OP_NAMES if op not in claimed]
+    if fallback is None and left_out:
+        raise RegistrationError(f"kernel backend {name!r} leaves out {', '.join(left_out)} and names no "
+                                "fallback backend to run them")
+    if fallback is not None:
+        fb = _BACKENDS.get(fallback)
+        if fb is None or fb.fallback is not None or fb.device not in (device, "any"):
+            raise RegistrationError(f"kernel backend {name!r}: fallback {fallback!r} must be a registered "
+                                    f"backend with every op, for {device} arrays")
+    _BACKENDS[name] = Backend(name, module, device, frozenset(claimed), fallback)
+    _LOADED.pop(name, None)
+
+
+def load_backend(name):
+    """Import backend `name`'s module and return {op name: its function}, checking that
+    every op it claims is defined there with the table's arguments. _dispatch calls this
+    on first use; tests call it to check a backend without running anything."""
+    b = _BACKENDS[name]
+    module = importlib.import_module(b.module)
+    impls, problems = {}, []
+    for op in OP_NAMES:
+        if op not in b.ops:
+            continue
+        fn = getattr(module, op, None)
+        if not callable(fn):
+            problems.append(f"{op} is not defined there")
+            continue
+        problem = signature_problem(BY_NAME[op], fn)
+        if problem:
+            problems.append(problem)
+        impls[op] = fn
+    if problems:
+        raise RegistrationError(f"kernel backend {name!r} (module {b.module}): " + "; ".join(problems))
+    _LOADED[name] = impls
+    return impls
+
+
 def _check_backend_name(name):
     if name not in _BACKENDS:
         raise ValueError(f"unknown kernel backend {name!r}; valid names: {', '.join(sorted(_BACKENDS))}")
@@ -82,6 +168,46 @@ def get_backend():
     return _default_backend
 
 
+def gpu_backend_for(name, backend):
+    """The backend that runs op `name` on cupy arrays when `backend` (a registered name,
+    not "numpy") is asked for: a GPU backend itself, any other name GPU_DEFAULT; then
+    that backend's fallback if it leaves the op out."""
+    b = _BACKENDS[backend]
+    if b.device != "gpu":
+        b = _BACKENDS.get(GPU_DEFAULT)
+        if b is None:
+            raise NotImplementedError(
+                f"kernels.{name}: no GPU backend registered for cupy arrays yet "
+                f"(kernels.cuda.register() registers them); "
+                f"pass backend='numpy' to run the reference implementation on cupy"
+            )
+    return b.name if name in b.ops else b.fallback
+
+
+def _impl(backend, name):
+    impls = _LOADED.get(backend)
+    if impls is None:
+        impls = load_backend(backend)
+    return impls[name]
+
+
+def _dispatch(name, arrays, backend=None):
+    """Return the implementation of op `name` for these input arrays and backend."""
+    backend = _default_backend if backend is None else _check_backend_name(backend)
+    if backend == "numpy":
+        return _impl("numpy", name)
+    for x in arrays:
+        if x is not None and is_gpu_array(x):
+            return _impl(gpu_backend_for(name, backend), name)
+    return _impl(CPU_DEFAULT, name)
+
+
+# the two backends every process has; kernels.cuda.register() adds the GPU ones
+register_backend("numpy", f"{__package__}.reference", device="any")
+register_backend("numba", f"{__package__}.cpu", device="cpu")
+
+
+# ---------------------------------------------------------------------------
 # GEMM precision for float32 operands (per call `precision=`, else this default), like
 # torch.set_float32_matmul_precision: "bf16" rounds both inputs to bfloat16 and
 # accumulates in float32 (tensor cores on the GPU); float32 master weights stay as they are.
@@ -108,14 +234,8 @@ def get_matmul_precision():
     return _default_precision
 
 
-def register_gpu_impl(kernel_name, fn, backend_name="cuda", default=True):
-    """Called by kernels/cuda: route cupy inputs of `kernel_name` to `fn`. default=False
-    registers `fn` only for backend=backend_name (other GPU names keep _GPU_IMPL)."""
-    if default:
-        _GPU_IMPL[kernel_name] = fn
-    else:
-        _GPU_IMPL_BY_BACKEND[(backend_name, kernel_name)] = fn
-    _BACKENDS.add(backend_name)
+# ---------------------------------------------------------------------------
+# numba threads
 
 
 def set_num_threads(n):
@@ -131,35 +251,3 @@ def get_num_threads():
     import numba
 
     return numba.get_num_threads()
-
-
-_cpu_module = None
-
-
-def _cpu():
-    # numba import + cache load is the slow part of `import kernels`; defer it to first use
-    global _cpu_module
-    if _cpu_module is None:
-        from . import cpu
-
-        _cpu_module = cpu
-    return _cpu_module
-
-
-def _dispatch(name, arrays, backend=None):
-    """Return the implementation of kernel `name` for these input arrays and backend."""
-    backend = _default_backend if backend is None else _check_backend_name(backend)
-    if backend == "numpy":
-        from . import reference
-
-        return getattr(reference, name)
-    if any(x is not None and is_gpu_array(x) for x in arrays):
-        fn = _GPU_IMPL_BY_BACKEND.get((backend, name)) or _GPU_IMPL.get(name)
-        if fn is None:
-            raise NotImplementedError(
-                f"kernels.{name}: no GPU implementation registered for cupy arrays yet "
-                f"(kernels/cuda registers them in kernels.backend._GPU_IMPL); "
-                f"pass backend='numpy' to run the reference implementation on cupy"
-            )
-        return fn
-    return getattr(_cpu(), name)

@@ -15,7 +15,8 @@ Conventions:
   - fastmath stays off, so LLVM never vectorizes a float reduction on its own: the
     row helpers below sum in a few explicit chains, and elementwise loops are kept
     free of reductions (and of libm calls, see _expf) so that they do vectorize
-  - the python wrappers at the bottom allocate outputs and mirror reference.py;
+  - the python wrappers at the bottom implement every op of the table in
+    kernels/ops.py (the "numba" backend): they allocate outputs and mirror reference.py;
     inputs arrive validated (C-contiguous, matching dtypes and shapes) from
     kernels/__init__.py, which matters: numba does no bounds checking
 
@@ -394,13 +395,12 @@ def _sum_of_squares(x, block):
 
 
 # ---------------------------------------------------------------------------
-# python wrappers: same signatures as reference.py
+# python wrappers: the "numba" backend's implementations of the op table
+# (kernels/ops.py), same arguments as reference.py
 
 # BLAS already is the fast CPU GEMM; numba would only lose to it. The same goes for
 # numpy's column sums (and keeping them keeps bias gradients bit-identical to before).
 matmul = reference.matmul
-matmul_nt = reference.matmul_nt
-matmul_tn = reference.matmul_tn
 column_sum = reference.column_sum
 
 

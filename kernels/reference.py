@@ -1,5 +1,5 @@
 """
-Plain array-module reference implementations of every kernel.
+Plain array-module reference implementations of every op in the table (kernels/ops.py).
 
 These are the ground truth the fast kernels are tested against, and what runs for
 backend="numpy". They favour obviousness over speed, but stay vectorized so the
@@ -52,14 +52,6 @@ def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, pr
     if out is None:
         return xp.matmul(a, b)
     return xp.matmul(a, b, out=out)
-
-
-def matmul_nt(a, b, out=None, **kw):
-    return matmul(a, b, out, trans_b=True, **kw)
-
-
-def matmul_tn(a, b, out=None, **kw):
-    return matmul(a, b, out, trans_a=True, **kw)
 
 
 def linear_forward(x, w, bias=None, *, gelu=False, precision="float32"):

@@ -1,24 +1,37 @@
 """
-kernels.cuda: GPU implementations of the kernels/ ops, for cupy arrays.
+kernels.cuda: GPU implementations of the ops in the kernels/ op table, for cupy arrays.
 
-  register()   fill kernels.backend's GPU dispatch table (call once, e.g. when a run
-               starts with --device cuda). Cheap: it imports neither cupy nor numba;
-               each entry imports its implementation on first call.
+  register()   register the GPU backends with kernels.backend (call once, e.g. when a
+               run starts with --device cuda). Cheap: it imports neither cupy nor
+               numba; each backend's module is imported on the first call sent to it.
   available()  (ok, reason): is there a cupy that sees a GPU?
 
-Backend names registered (kernels.set_backend / backend=), for cupy inputs:
-  "cuda"        the CUDA C kernels in this folder (kernels/cuda/cupy_kernels.py):
-                float32 SGEMM, fused layernorm / softmax / cross-entropy / GELU / AdamW;
-                float64 GEMMs go to cuBLAS. The default for cupy arrays.
-  "cublas"      matmul through cupy.matmul (cuBLAS), linear_forward as cuBLAS + bias
-                + our GELU kernel, everything else as "cuda": the yardstick for the
-                hand-written GEMM in a training run
-  "numba_cuda"  the Numba CUDA kernels (kernels/cuda/numba_kernels.py) for every op
-                they cover (unimplemented ones, e.g. linear_forward, fall back to "cuda")
+Backends registered (kernels.set_backend / backend=), for cupy inputs:
+  "cuda"        the CUDA C kernels in this folder (cupy_kernels.py + sgemm.cu,
+                wmma_gemm.cu, fused.cu): float32 SGEMM, bf16 tensor-core GEMM, fused
+                layernorm / softmax / cross-entropy / GELU / AdamW; float64 GEMMs go
+                to cuBLAS. Every op of the table. THE production GPU path: the default
+                for cupy arrays, what engine.train --device cuda runs.
+  "cublas"      cublas.py: matmul through cupy.matmul (cuBLAS), linear_forward as
+                cuBLAS + bias + our GELU kernel, every other op as "cuda": the
+                yardstick for the hand-written GEMM in a training run
+  "numba_cuda"  numba_kernels.py: the Numba CUDA kernels, every op but linear_forward
+                (which falls back to "cuda"). Opt-in only.
 numpy inputs keep running on the CPU kernels whatever the name (kernels/backend.py).
-"""
 
-from importlib import import_module
+Why the Numba CUDA twin stays, and stays opt-in. It duplicates the CUDA C kernels op
+for op, which is a cost: two GPU implementations to keep in step. It earns its place
+because it is the only GPU code that runs, and is checked against the reference,
+with no GPU at all (Numba's CUDA simulator, tests/support/cuda_sim_check.py, with
+planted-bug checks), and it is the readable first rung of the kernel ladder
+(benchmarks/gemm.py's "numba tiled" row sits under the tuned SGEMM and cuBLAS). A
+separate ladder folder outside the installed package (as llm.c keeps dev/cuda) would
+need setup.py to leave it out and the tests to find it elsewhere; registering it from
+the same op table instead means it cannot drift from the op names and arguments the
+production kernels implement (tests/kernels check both registrations without a GPU).
+It is never a second production path: nothing selects it by default, so a training
+run on cupy arrays always runs "cuda" unless asked otherwise, and the tests say so.
+"""
 
 _registered = False
 
@@ -43,59 +56,25 @@ def available():
         return True, f"{n} device(s)"
 
 
-def _lazy(module, name):
-    """A dispatch entry that imports kernels.cuda.<module> (and so cupy / numba.cuda)
-    on first call, then forwards."""
-    target = {}
-
-    def call(*args, **kwargs):
-        fn = target.get("fn")
-        if fn is None:
-            fn = target["fn"] = getattr(import_module(f"{__name__}.{module}"), name)
-        return fn(*args, **kwargs)
-
-    call.__name__ = f"{module}.{name}"
-    call.__qualname__ = call.__name__
-    return call
-
-
-def _cublas_matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, precision="float32"):
-    # xp.matmul on cupy arrays = cuBLAS; bf16 = cuBLAS's float32 GEMM on bf16-rounded inputs
-    from .. import reference
-
-    return reference.matmul(a, b, out, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate,
-                            precision=precision)
-
-
-def _cublas_linear_forward(x, w, bias=None, *, gelu=False, precision="float32"):
-    # unfused: the cuBLAS GEMM, then bias and our GELU kernel
-    from .. import reference
-    from .cupy_kernels import gelu_forward
-
-    return reference.bias_gelu(_cublas_matmul(x, w, trans_b=True, precision=precision), bias, gelu, gelu_forward)
-
-
-# the ops of each kernel set (kept here so register() imports neither module); a
-# Linear layer's forward under numba_cuda is the "cuda" one (its GEMM epilogues)
-_CUPY_OPS = (
-    "matmul", "linear_forward", "column_sum", "layernorm_forward", "layernorm_backward", "gelu_forward",
-    "gelu_backward", "softmax_causal_forward", "softmax_causal_backward", "cross_entropy_forward_backward",
-    "adamw_update", "sgd_momentum_update", "sum_of_squares",
-)
-_NUMBA_OPS = tuple(op for op in _CUPY_OPS if op != "linear_forward")
+# The ops the Numba CUDA backend leaves to "cuda": a Linear layer's forward is the
+# "cuda" one (its fused GEMM epilogues). A new op in the table is claimed by
+# numba_cuda unless listed here, so the twin cannot silently fall behind.
+NUMBA_CUDA_LEAVES_OUT = ("linear_forward",)
+# cublas swaps only the GEMMs
+CUBLAS_OPS = ("matmul", "linear_forward")
 
 
 def register():
-    """Install the GPU implementations in kernels.backend (idempotent)."""
+    """Register the GPU backends with kernels.backend (idempotent). The op names each
+    claims are checked against the table now; the modules load on first use."""
     global _registered
     from .. import backend as kb
+    from ..ops import OP_NAMES
 
-    for op in _CUPY_OPS:
-        kb.register_gpu_impl(op, _lazy("cupy_kernels", op), backend_name="cuda")
-    kb.register_gpu_impl("matmul", _cublas_matmul, backend_name="cublas", default=False)
-    kb.register_gpu_impl("linear_forward", _cublas_linear_forward, backend_name="cublas", default=False)
-    for op in _NUMBA_OPS:
-        kb.register_gpu_impl(op, _lazy("numba_kernels", op), backend_name="numba_cuda", default=False)
+    kb.register_backend("cuda", f"{__name__}.cupy_kernels", device="gpu")
+    kb.register_backend("cublas", f"{__name__}.cublas", device="gpu", ops=CUBLAS_OPS, fallback="cuda")
+    kb.register_backend("numba_cuda", f"{__name__}.numba_kernels", device="gpu",
+                        ops=[op for op in OP_NAMES if op not in NUMBA_CUDA_LEAVES_OUT], fallback="cuda")
     _registered = True
 
 

@@ -8,8 +8,11 @@ CuPy host side of the CUDA C kernels in kernels/cuda/*.cu.
   fused.cu      layernorm fwd/bwd, GELU fwd/bwd, causal softmax fwd/bwd, softmax
                 cross-entropy fwd+bwd, AdamW, SGD, column sums, sum of squares
 
-Each public function here has the signature of the kernels/__init__.py op of the same
-name (minus `backend`); kernels.cuda.register() puts them in the GPU dispatch table.
+This module is the "cuda" backend, the production GPU path: it implements every op of
+the table in kernels/ops.py, each as a function of the op's name taking the table's
+arguments; kernels.cuda.register() registers it. The other public functions (sgemm,
+gemm_bf16, gemm_tc, to_bf16, from_bf16) are the GEMM building blocks, for the tests
+and benchmarks/gemm.py.
 Inputs arrive validated (dtypes, shapes, contiguity) except matmul's and
 linear_forward's x and w, which may be strided views (kernels.matmul promises that).
 precision="bf16" (float32 operands) runs the GEMM on tensor cores (gemm_bf16).
@@ -246,14 +249,6 @@ def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, pr
     if a.dtype == np.float32:
         return sgemm(a, b, out, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate)
     return _ref.matmul(a, b, out, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate)
-
-
-def matmul_nt(a, b, out=None, **kw):
-    return matmul(a, b, out, trans_b=True, **kw)
-
-
-def matmul_tn(a, b, out=None, **kw):
-    return matmul(a, b, out, trans_a=True, **kw)
 
 
 def linear_forward(x, w, bias=None, *, gelu=False, precision="float32"):
@@ -514,11 +509,3 @@ def sum_of_squares(x):
     partial = cupy.empty((grid,), dtype=np.float64)
     _fused("sum_of_squares_partial", x.dtype)((grid,), (ELT_BLOCK,), (x, np.int64(n), partial))
     return float(math.fsum(cupy.asnumpy(partial).tolist()))
-
-
-# the kernels/__init__.py ops this module implements (what register() installs)
-OPS = (
-    "matmul", "linear_forward", "column_sum", "layernorm_forward", "layernorm_backward", "gelu_forward",
-    "gelu_backward", "softmax_causal_forward", "softmax_causal_backward", "cross_entropy_forward_backward",
-    "adamw_update", "sgd_momentum_update", "sum_of_squares",
-)

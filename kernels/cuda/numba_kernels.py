@@ -1,13 +1,18 @@
 """
-Numba CUDA kernels for every kernels/ op, plus a tiled GEMM and a column sum.
+Numba CUDA kernels for the ops of the table in kernels/ops.py (all but linear_forward),
+plus a tiled GEMM and a column sum: the "numba_cuda" backend.
 
-Two jobs:
+It is registered from the same op table as the production "cuda" backend (CUDA C,
+kernels/cuda/cupy_kernels.py) but only ever runs when asked for, with
+backend="numba_cuda" or kernels.set_backend("numba_cuda"); ops it leaves out run on
+"cuda". kernels/cuda/__init__.py says why it is kept. Its jobs:
   - a readable GPU implementation that runs (slowly, but exactly) under Numba's CUDA
     simulator (NUMBA_ENABLE_CUDASIM=1), so every kernel is checked against
-    kernels/reference.py on machines with no GPU (tests/cuda_sim_check.py);
+    kernels/reference.py on machines with no GPU (tests/support/cuda_sim_check.py):
+    the teaching ladder's first rungs next to the tuned CUDA C;
   - the "numba tiled" row of benchmarks/gemm.py and the backend="numba_cuda"
-    dispatch on real GPUs. The tuned GPU path is kernels/cuda/cupy_kernels.py (CUDA
-    C through CuPy); nothing here uses warp shuffles, because the simulator has none.
+    comparison on real GPUs. Nothing here uses warp shuffles, because the simulator
+    has none.
 
 Design:
   - kernels are built by factories keyed on dtype (and GEMM tile shape / transposes),
@@ -26,7 +31,9 @@ Design:
     on numpy scalars, where (NEP 50) python_float * float32 stays float32: without
     the casts the simulator would check different arithmetic than the GPU runs.
 
-Host wrappers mirror kernels/__init__.py (minus `backend`) and accept:
+Host wrappers are named after the ops and take the table's arguments, plus launch
+knobs with defaults (block=, tiles=, rows_per_chunk=) that the simulator checks use
+to cross tile edges with tiny shapes. They accept:
   - numpy arrays: copied to the device, computed, copied back (results are numpy,
     outputs passed in are written in place) -- this is what runs in the simulator;
   - device arrays (numba device arrays, or anything with __cuda_array_interface__,
@@ -35,7 +42,7 @@ Inputs are assumed validated by kernels/__init__.py (C-contiguous, dtypes, shape
 
 This module imports numba.cuda at import time: import it lazily (kernels.cuda does).
 It deliberately imports nothing relative, so tests can exec a mutated copy of its
-source (the planted-bug checks in tests/cuda_sim_check.py).
+source (the planted-bug checks in tests/support/cuda_sim_check.py).
 """
 
 import math
@@ -45,6 +52,7 @@ import numpy as np
 from numba import cuda
 
 from ringpipe.kernels import reference as _ref
+from ringpipe.kernels.backend import is_gpu_array
 
 GELU_SCALE = _ref.GELU_SCALE
 GELU_CUBE = _ref.GELU_CUBE
@@ -492,16 +500,6 @@ def row_kernels(dtype):
 # host side: numpy in -> device -> numpy out, or device arrays straight through
 
 
-def _is_device(a):
-    # anything that is not a numpy array: numba device arrays (and the simulator's
-    # fakes), cupy arrays and other __cuda_array_interface__ exporters
-    return a is not None and not isinstance(a, np.ndarray)
-
-
-def _is_cupy(a):
-    return a is not None and type(a).__module__.startswith("cupy")
-
-
 class _Launch:
     """Moves one call's arrays to the device and the written ones back.
 
@@ -512,8 +510,11 @@ class _Launch:
 
     def __init__(self, *arrays):
         present = [a for a in arrays if a is not None]
-        self.host = not any(_is_device(a) for a in present)
-        self.cupy = any(_is_cupy(a) for a in present)
+        # host: a call on numpy arrays only (the simulator's case). Anything else is
+        # already on the device: cupy arrays, or numba device arrays (which are not
+        # GPU arrays to kernels' dispatch, but these wrappers take them too)
+        self.host = all(isinstance(a, np.ndarray) for a in present)
+        self.cupy = any(is_gpu_array(a) for a in present)
         self._dev = {}
         self._back = []
 
@@ -604,7 +605,7 @@ def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, pr
         nx = int(np.prod(xbatch, dtype=np.int64))
         if xbatch != batch and nx != 1:
             # a partial broadcast (e.g. (2,1,..) with (1,3,..)): materialize it
-            if _is_cupy(x):
+            if is_gpu_array(x):
                 import cupy
 
                 x = cupy.ascontiguousarray(cupy.broadcast_to(x, batch + mat))
@@ -628,14 +629,6 @@ def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, pr
         kern[grid, (BN // TN, BM // TM)](L.dev(a3), L.dev(b3), c3, bool(accumulate))
     L.finish()
     return L.result(d_out, out)
-
-
-def matmul_nt(a, b, out=None, **kw):
-    return matmul(a, b, out, trans_b=True, **kw)
-
-
-def matmul_tn(a, b, out=None, **kw):
-    return matmul(a, b, out, trans_a=True, **kw)
 
 
 def layernorm_forward(x, weight, bias, eps=1e-5, out=None, *, block=None):
@@ -804,13 +797,5 @@ def sum_of_squares(x, *, block=ELT_BLOCK):
     grid = min(_elt_grid(n, block), 1024)
     partial = L.out(None, (grid,), np.float64)
     row_kernels(x.dtype.name)["sum_of_squares_partial"][grid, block](_reshape(L.dev(x), (n,)), partial)
-    host = partial.get() if _is_cupy(partial) else partial.copy_to_host()
+    host = partial.get() if is_gpu_array(partial) else partial.copy_to_host()
     return float(np.sum(host))
-
-
-# the ops that kernels.cuda can register for backend="numba_cuda"
-OPS = (
-    "matmul", "column_sum", "layernorm_forward", "layernorm_backward", "gelu_forward", "gelu_backward",
-    "softmax_causal_forward", "softmax_causal_backward", "cross_entropy_forward_backward",
-    "adamw_update", "sgd_momentum_update", "sum_of_squares",
-)

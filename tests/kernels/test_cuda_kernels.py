@@ -54,18 +54,84 @@ def _run(cmd, env=None, timeout=600):
 
 def test_register_is_lazy_and_import_stays_light():
     # kernels.cuda.register() must be callable on any machine: it imports neither
-    # cupy nor numba.cuda (each dispatch entry imports its module on first use)
+    # cupy nor numba.cuda (each backend's module is imported on its first call)
     code = (
         "import sys; from ringpipe.kernels import cuda as kc; kc.register(); "
         "from ringpipe.kernels import backend as kb; "
         "bad = {'cupy', 'numba.cuda'} & set(sys.modules); assert not bad, bad; "
-        "assert {'cuda', 'cublas', 'numba_cuda'} <= kb._BACKENDS; "
-        "assert kb._GPU_IMPL['matmul'].__name__ == 'cupy_kernels.matmul'; "
-        "assert kb._GPU_IMPL_BY_BACKEND[('cublas', 'matmul')] is kc._cublas_matmul; "
+        "assert {'cuda', 'cublas', 'numba_cuda'} <= set(kb._BACKENDS); "
+        "assert kb.gpu_backend_for('matmul', 'numba') == 'cuda'; "
+        "assert kb._BACKENDS['cuda'].module == 'ringpipe.kernels.cuda.cupy_kernels'; "
+        "assert kb.gpu_backend_for('matmul', 'cublas') == 'cublas'; "
+        "assert kb._BACKENDS['cublas'].module == 'ringpipe.kernels.cuda.cublas'; "
         "assert kc.available()[0] in (True, False)"
     )
     r = _run([sys.executable, "-c", code])
     assert r.returncode == 0, r.stderr
+
+
+def test_cuda_is_the_one_default_gpu_path_and_numba_cuda_is_opt_in(restore_dispatch):
+    from ringpipe import kernels
+    from ringpipe.kernels import backend as kb
+    from ringpipe.kernels import cuda as kc
+    from ringpipe.kernels.ops import OP_NAMES
+
+    kc.register()
+    assert kb.GPU_DEFAULT == "cuda" and kernels.get_backend() == "numba"
+    cuda = kb._BACKENDS["cuda"]
+    assert cuda.device == "gpu" and cuda.ops == set(OP_NAMES) and cuda.fallback is None
+    for op in OP_NAMES:
+        # a cupy array under the default backend (or any host name) runs the CUDA C kernels ...
+        assert kb.gpu_backend_for(op, kernels.get_backend()) == "cuda"
+        assert kb.gpu_backend_for(op, "cuda") == "cuda"
+        # ... and the Numba CUDA kernels only when asked for (what they leave out runs on cuda)
+        assert kb.gpu_backend_for(op, "numba_cuda") == ("cuda" if op in kc.NUMBA_CUDA_LEAVES_OUT else "numba_cuda")
+        assert kb.gpu_backend_for(op, "cublas") == ("cublas" if op in kc.CUBLAS_OPS else "cuda")
+    assert kb._BACKENDS["numba_cuda"].module == "ringpipe.kernels.cuda.numba_kernels"
+    kernels.set_backend("numba_cuda")  # opting in for a whole run
+    assert kb.gpu_backend_for("gelu_forward", kernels.get_backend()) == "numba_cuda"
+
+
+GPU_BACKEND_MODULES = """
+import sys
+
+import cupy  # tests/support/fake_cupy.py: no GPU needed to import the host code
+from ringpipe.kernels import backend as kb
+from ringpipe.kernels import cuda as kc
+from ringpipe.kernels.ops import OP_NAMES
+
+kc.register()
+from ringpipe.kernels.cuda import cublas, cupy_kernels as ck, numba_kernels as nk
+
+modules = {"cuda": ck, "cublas": cublas, "numba_cuda": nk}
+for name, module in modules.items():
+    impls = kb.load_backend(name)  # every op it claims, defined there with the table's arguments
+    assert set(impls) == kb._BACKENDS[name].ops, name
+    assert all(fn is getattr(module, op) for op, fn in impls.items()), name
+    print(name, "implements", len(impls), "ops")
+assert list(kb.load_backend("cuda")) == list(OP_NAMES)
+# matmul_nt / matmul_tn live in kernels/__init__.py only
+assert not [m.__name__ for m in modules.values() for f in ("matmul_nt", "matmul_tn") if hasattr(m, f)]
+
+# dispatch of cupy arrays: cuda by default, the others when asked for
+x = cupy.zeros(3)
+for op in OP_NAMES:
+    assert kb._dispatch(op, (x,)) is getattr(ck, op), op
+    assert kb._dispatch(op, (x,), "numba_cuda") is getattr(nk if op not in kc.NUMBA_CUDA_LEAVES_OUT else ck, op), op
+    assert kb._dispatch(op, (x,), "cublas") is getattr(cublas if op in kc.CUBLAS_OPS else ck, op), op
+print("ok")
+"""
+
+
+def test_gpu_backends_define_the_ops_they_claim():
+    # without a GPU: the host code imports against fake cupy, the Numba CUDA kernels
+    # under the simulator; loading a backend checks its module against the op table
+    with tempfile.TemporaryDirectory() as tmp:
+        env = _emu_env(tmp, sanitize=False)
+        env["NUMBA_ENABLE_CUDASIM"] = "1"
+        r = _run([sys.executable, "-c", GPU_BACKEND_MODULES], env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "cuda implements 13 ops" in r.stdout and r.stdout.strip().endswith("ok")
 
 
 # ---------------------------------------------------------------------------
@@ -381,15 +447,13 @@ def ck(cp):
 def restore_dispatch():
     from ringpipe.kernels import backend as kb
 
-    saved = (dict(kb._GPU_IMPL), dict(kb._GPU_IMPL_BY_BACKEND), set(kb._BACKENDS), kb.get_backend())
+    saved = (dict(kb._BACKENDS), dict(kb._LOADED), kb.get_backend())
     yield
-    kb._GPU_IMPL.clear()
-    kb._GPU_IMPL.update(saved[0])
-    kb._GPU_IMPL_BY_BACKEND.clear()
-    kb._GPU_IMPL_BY_BACKEND.update(saved[1])
     kb._BACKENDS.clear()
-    kb._BACKENDS.update(saved[2])
-    kb._default_backend = saved[3]
+    kb._BACKENDS.update(saved[0])
+    kb._LOADED.clear()
+    kb._LOADED.update(saved[1])
+    kb._default_backend = saved[2]
 
 
 TOL = {np.float32: 5e-6, np.float64: 1e-12}
@@ -676,16 +740,17 @@ def test_gpu_linear_forward(cp, api, rng, backend, dtype, bias, gelu):
             assert_close(cp.asnumpy(y), pre_exp, tol, label)
 
 
-def test_gpu_linear_and_column_sum_dispatch(cp, api):
+def test_gpu_linear_and_column_sum_dispatch(cp, ck, api):
     from ringpipe.kernels import backend as kb
-    from ringpipe.kernels import cuda as kc
+    from ringpipe.kernels.cuda import cublas
 
     z = cp.zeros(1)
-    assert kb._dispatch("linear_forward", (z,)).__name__ == "cupy_kernels.linear_forward"
-    assert kb._dispatch("linear_forward", (z,), "cublas") is kc._cublas_linear_forward
-    assert kb._dispatch("linear_forward", (z,), "numba_cuda").__name__ == "cupy_kernels.linear_forward"
-    assert kb._dispatch("column_sum", (z,)).__name__ == "cupy_kernels.column_sum"
-    assert kb._dispatch("column_sum", (z,), "numba_cuda").__name__ == "numba_kernels.column_sum"
+    assert kb._dispatch("linear_forward", (z,)) is ck.linear_forward
+    assert kb._dispatch("linear_forward", (z,), "cublas") is cublas.linear_forward
+    assert kb._dispatch("linear_forward", (z,), "numba_cuda") is ck.linear_forward
+    assert kb._dispatch("column_sum", (z,)) is ck.column_sum
+    # (by name: the emulation runs this too, and numba.cuda cannot load there)
+    assert kb.gpu_backend_for("column_sum", "numba_cuda") == "numba_cuda"
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -788,10 +853,12 @@ def test_gpu_bf16_linear_forward_matches_cpu_emulation(cp, api, rng, backend, ge
         assert pre is None
 
 
-def test_gpu_dispatch_through_kernels_api(cp, rng, restore_dispatch):
+def test_gpu_dispatch_through_kernels_api(cp, ck, rng, restore_dispatch):
     from ringpipe import kernels
     from ringpipe.kernels import backend as kb
+    from ringpipe.kernels import cpu
     from ringpipe.kernels import cuda as kc
+    from ringpipe.kernels.cuda import cublas
 
     kc.register()
     x = rnd(rng, (6, 10), np.float32)
@@ -799,17 +866,17 @@ def test_gpu_dispatch_through_kernels_api(cp, rng, restore_dispatch):
     y, _, _ = kernels.layernorm_forward(cp.asarray(x), cp.asarray(w), cp.asarray(b))
     assert type(y).__module__.startswith("cupy")
     assert_close(cp.asnumpy(y), ref.layernorm_forward(x, w, b)[0], 5e-6, "dispatched layernorm")
-    assert kb._dispatch("matmul", (cp.zeros(1),)).__name__ == "cupy_kernels.matmul"
-    assert kb._dispatch("matmul", (cp.zeros(1),), "cublas") is kc._cublas_matmul
-    assert kb._dispatch("gelu_forward", (cp.zeros(1),), "cublas").__name__ == "cupy_kernels.gelu_forward"
-    assert kb._dispatch("gelu_forward", (cp.zeros(1),), "numba_cuda").__name__ == "numba_kernels.gelu_forward"
+    assert kb._dispatch("matmul", (cp.zeros(1),)) is ck.matmul
+    assert kb._dispatch("matmul", (cp.zeros(1),), "cublas") is cublas.matmul
+    assert kb._dispatch("gelu_forward", (cp.zeros(1),), "cublas") is ck.gelu_forward
+    assert kb.gpu_backend_for("gelu_forward", "numba_cuda") == "numba_cuda"
     a, c = rnd(rng, (4, 3, 8), np.float32), rnd(rng, (5, 8), np.float32)
     for backend in ("cuda", "cublas"):
         out = kernels.matmul_nt(cp.asarray(a), cp.asarray(c), backend=backend)
         assert_close(cp.asnumpy(out), a.astype(np.float64) @ c.T, 1e-5, f"matmul_nt backend={backend}")
     # numpy arrays keep running on the CPU kernels whatever the backend
     kernels.set_backend("cuda")
-    assert kb._dispatch("gelu_forward", (np.zeros(2),)) is kb._cpu().gelu_forward
+    assert kb._dispatch("gelu_forward", (np.zeros(2),)) is cpu.gelu_forward
 
 
 @pytest.mark.skipif(EMULATED, reason="numba.cuda cannot run on the CPU emulation (its simulator covers it)")

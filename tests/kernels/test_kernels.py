@@ -9,15 +9,19 @@ up with a vector width or block size; the first run pays the numba compile, late
 runs load it from the on-disk cache.
 """
 
+import inspect
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
 
 from ringpipe import kernels
 from ringpipe.kernels import backend as kb
+from ringpipe.kernels import cpu
 from ringpipe.kernels import reference as ref
+from ringpipe.kernels.ops import OP_NAMES, OPS
 
 DTYPES = [np.float32, np.float64]
 # relative to the largest magnitude involved: float32 kernels round differently from
@@ -77,7 +81,22 @@ class _FakeCupyArray:
     __module__ = "cupy._core.core"
 
 
-def test_gpu_arrays_dispatch_to_registered_impl(monkeypatch):
+@pytest.fixture
+def restore_registry(monkeypatch):
+    """The backend registry as it was, after the test, whatever it registers."""
+    monkeypatch.setattr(kb, "_BACKENDS", dict(kb._BACKENDS))
+    monkeypatch.setattr(kb, "_LOADED", dict(kb._LOADED))
+
+
+def _fake_backend_module(monkeypatch, name, **functions):
+    # a backend module is anything importable whose functions are named after ops
+    mod = types.ModuleType(name)
+    mod.__dict__.update(functions)
+    monkeypatch.setitem(sys.modules, name, mod)
+    return mod
+
+
+def test_gpu_arrays_dispatch_to_registered_impl(monkeypatch, restore_registry):
     fake = _FakeCupyArray()
     assert kernels.is_gpu_array(fake)
     with pytest.raises(NotImplementedError, match="gelu_forward"):
@@ -88,13 +107,16 @@ def test_gpu_arrays_dispatch_to_registered_impl(monkeypatch):
     def gpu_gelu(x, out=None):
         return "gpu"
 
-    monkeypatch.setitem(kb._GPU_IMPL, "gelu_forward", gpu_gelu)
-    monkeypatch.setattr(kb, "_BACKENDS", kb._BACKENDS | {"cuda"})
+    _fake_backend_module(monkeypatch, "fake_gpu_kernels", gelu_forward=gpu_gelu)
+    kb.register_backend("cuda", "fake_gpu_kernels", device="gpu", ops=["gelu_forward"], fallback="numpy")
     assert kb._dispatch("gelu_forward", (np.zeros(2), fake)) is gpu_gelu
     assert kb._dispatch("gelu_forward", (fake,), "cuda") is gpu_gelu
+    # a host backend name on GPU arrays runs the GPU default; ops it leaves out, its fallback
+    assert kb._dispatch("gelu_forward", (fake,), "numba") is gpu_gelu
+    assert kb._dispatch("gelu_backward", (fake,)) is ref.gelu_backward
     # a GPU backend name on host arrays still runs the fast CPU kernels
     kernels.set_backend("cuda")
-    assert kb._dispatch("gelu_forward", (np.zeros(2),)) is kb._cpu().gelu_forward
+    assert kb._dispatch("gelu_forward", (np.zeros(2),)) is cpu.gelu_forward
 
 
 def test_set_backend(monkeypatch, rng):
@@ -106,7 +128,8 @@ def test_set_backend(monkeypatch, rng):
 
     calls = []
     real = ref.gelu_forward
-    monkeypatch.setattr(ref, "gelu_forward", lambda *a: calls.append(1) or real(*a))
+    # the reference's entry in the dispatch table (what backend="numpy" runs)
+    monkeypatch.setitem(kb.load_backend("numpy"), "gelu_forward", lambda *a: calls.append(1) or real(*a))
     x = rnd(rng, (4, 5), np.float64)
     kernels.gelu_forward(x)
     assert calls == []  # default: numba
@@ -118,13 +141,92 @@ def test_set_backend(monkeypatch, rng):
 
 
 # ---------------------------------------------------------------------------
+# the op table (kernels/ops.py): one list of ops, every backend registered against it
+
+
+def _table_args(fn):
+    """fn's parameters as the table writes an implementation's: without backend=, and
+    precision as the boundary hands it on (resolved from None to a name)."""
+    params = [p for p in inspect.signature(fn).parameters.values() if p.name != "backend"]
+    params = [p.replace(default="float32") if p.name == "precision" else p for p in params]
+    return str(inspect.Signature(params))[1:-1]
+
+
+@pytest.mark.parametrize("op", OPS, ids=OP_NAMES)
+def test_every_op_in_the_table_is_a_public_function(op):
+    fn = getattr(kernels, op.name)
+    assert op.name in kernels.__all__
+    assert inspect.signature(fn).parameters["backend"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert _table_args(fn) == op.args
+
+
+def test_the_public_ops_are_the_table_and_the_matmul_helpers():
+    functions = [name for name in kernels.__all__ if inspect.isfunction(getattr(kernels, name))]
+    public_ops = {name for name in functions if "backend" in inspect.signature(getattr(kernels, name)).parameters}
+    assert public_ops == set(OP_NAMES)
+    # matmul_nt / matmul_tn are matmul with a flag, defined once, in kernels/__init__.py
+    for name in ("matmul_nt", "matmul_tn"):
+        assert name not in OP_NAMES and name in kernels.__all__
+        for module in (ref, cpu):
+            assert not hasattr(module, name), f"{module.__name__}.{name} duplicates kernels.{name}"
+
+
+@pytest.mark.parametrize("backend,module", [("numpy", ref), ("numba", cpu)])
+def test_host_backends_implement_every_op_in_the_table(backend, module):
+    impls = kb.load_backend(backend)  # raises if an op is missing or takes other arguments
+    assert kb._BACKENDS[backend].module == module.__name__
+    assert list(impls) == list(OP_NAMES)
+    for op in OPS:
+        assert impls[op.name] is getattr(module, op.name)
+        assert kb._dispatch(op.name, (np.zeros(1),), backend) is impls[op.name]
+
+
+def test_registration_refuses_ops_not_in_the_table_and_missing_ones(restore_registry):
+    with pytest.raises(kb.RegistrationError, match="gelu_fwd not in the op table"):
+        kb.register_backend("x", "fake_kernels", device="gpu", ops=["gelu_fwd"], fallback="numpy")
+    with pytest.raises(kb.RegistrationError, match="leaves out sum_of_squares and names no fallback"):
+        kb.register_backend("x", "fake_kernels", device="gpu", ops=[op for op in OP_NAMES if op != "sum_of_squares"])
+    with pytest.raises(kb.RegistrationError, match="fallback 'nope' must be a registered backend with every op"):
+        kb.register_backend("x", "fake_kernels", device="gpu", ops=["gelu_forward"], fallback="nope")
+    with pytest.raises(kb.RegistrationError, match="fallback 'numba' must be .* for gpu arrays"):
+        kb.register_backend("x", "fake_kernels", device="gpu", ops=["gelu_forward"], fallback="numba")
+    with pytest.raises(kb.RegistrationError, match="device must be one of"):
+        kb.register_backend("x", "fake_kernels", device="tpu")
+    assert "x" not in kb._BACKENDS  # a refused registration registers nothing
+    with pytest.raises(ValueError, match="unknown kernel backend 'x'"):
+        kernels.set_backend("x")
+
+
+def test_loading_a_backend_checks_its_module_against_the_table(monkeypatch, restore_registry):
+    def gelu_forward(x, out=None, *, block=256):  # a launch knob with a default: allowed
+        return "fake"
+
+    def gelu_backward(dout, x):  # the table has dx=None
+        pass
+
+    def sum_of_squares(x, block):  # an extra argument without a default
+        pass
+
+    _fake_backend_module(monkeypatch, "fake_gpu_kernels", gelu_forward=gelu_forward, gelu_backward=gelu_backward,
+                         sum_of_squares=sum_of_squares)
+    kb.register_backend("fake", "fake_gpu_kernels", device="gpu", fallback="numpy",
+                        ops=["gelu_forward", "gelu_backward", "softmax_causal_forward", "sum_of_squares"])
+    with pytest.raises(kb.RegistrationError) as err:
+        kb._dispatch("gelu_forward", (_FakeCupyArray(),), "fake")  # the first call loads the module
+    msg = str(err.value)
+    assert "kernel backend 'fake' (module fake_gpu_kernels)" in msg
+    assert "gelu_backward(dout, x) does not take the table's arguments (dout, x, dx=None)" in msg
+    assert "softmax_causal_forward is not defined there" in msg
+    assert "sum_of_squares: arguments beyond the table's must be keywords with defaults: block" in msg
+    assert "gelu_forward(" not in msg and "fake" not in kb._LOADED
+
+
+# ---------------------------------------------------------------------------
 # the float32 exp inside the numba kernels (vectorizable Cephes expf)
 
 
 def test_float32_exp_accuracy_and_special_values():
     from numba import njit
-
-    from ringpipe.kernels import cpu
 
     @njit(cache=True)
     def expf_array(x, out):
