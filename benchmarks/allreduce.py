@@ -27,9 +27,7 @@ measured ring-vs-small crossover next to the one "auto" uses.
 from __future__ import annotations
 
 import argparse
-import os
 import socket
-import sys
 import time
 
 import numpy as np

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from collections import defaultdict
 
@@ -37,12 +36,12 @@ from ringpipe import comm  # noqa: E402
 from _common import choice_list, int_list, output_path, positive_int  # noqa: E402
 from ringpipe.engine.gpt import GPTConfig, gpt_layers  # noqa: E402
 from ringpipe.engine.pipeline import SCHEDULE_NAMES, simulate, theoretical_bubble  # noqa: E402
-from ringpipe.engine.pipeline.rank_model import PipelineModel  # noqa: E402
+from ringpipe.engine.parallel.pipeline import PipelineModel  # noqa: E402
 
 
-def run_config(topo, cfg, schedule, m, v, mb_size, seq, steps):
-    world, p = topo.world, topo.pp
-    model = PipelineModel(lambda: gpt_layers(cfg), topo, np.float32, 0, schedule, m, v,
+def run_config(grid, cfg, schedule, m, v, mb_size, seq, steps):
+    world, p = grid.world, grid.size("pipe")
+    model = PipelineModel(lambda: gpt_layers(cfg), grid, np.float32, 0, schedule, m, v,
                           act_shape=(mb_size, seq, cfg.d_model))
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, size=(m * mb_size, seq))
@@ -50,11 +49,11 @@ def run_config(topo, cfg, schedule, m, v, mb_size, seq, steps):
     bubbles, step_times, costs = [], [], defaultdict(list)
     for step in range(steps + 1):                       # step 0 warms up
         events = []
-        model.trace = events
+        model.executor.trace = events
         model.params.zero_grad()
         world.Barrier()
         t0 = time.perf_counter()
-        model.step(x, y, 1.0 / (m * mb_size * seq))
+        model.forward_backward(x, y, 1.0 / (m * mb_size * seq))
         t_end = time.perf_counter()
         span = np.array([t_end - t0])
         world.Allreduce(MPI.IN_PLACE, span, op=MPI.MAX)
@@ -102,14 +101,14 @@ def main():
     p = world.Get_size()
     if p < 2:
         ap.error("run under mpiexec -n P with P >= 2 (P = pipeline stages)")
-    topo = comm.Topology(world, dp=1, pp=p)
+    grid = comm.ProcessGrid(world, [("pipe", p), ("data", 1)])
     ms = args.ms or [p, 2 * p, 4 * p, 8 * p]
     rows = []
     for schedule in args.schedules:
         v = 2 if schedule == "interleaved" else 1
         cfg = GPTConfig(n_layer=2 * p, d_model=args.d_model, n_head=4, context=args.seq_len)
         for m in ms:
-            row = run_config(topo, cfg, schedule, m, v, args.mb_size, args.seq_len, args.steps)
+            row = run_config(grid, cfg, schedule, m, v, args.mb_size, args.seq_len, args.steps)
             rows.append(row)
             if world.rank == 0:
                 print(f"{schedule:<12}{p:>3}{m:>4} | meas {row['measured_bubble_mean']:6.1%} "

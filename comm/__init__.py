@@ -1,27 +1,44 @@
 """ringpipe.comm: MPI collectives for data/pipeline parallel training.
 
-MPI only, no model knowledge. Hot paths use mpi4py's uppercase (buffer)
-calls on preallocated memory; each parallel axis gets its own communicator,
-and our own traffic runs on private Dup'ed communicators. Device (cupy)
-buffers work too: handed to a CUDA-aware MPI directly, else staged through
-pinned host memory (comm/device.py).
+MPI only, no model knowledge: comm imports nothing of ringpipe.engine or
+ringpipe.kernels. Hot paths use mpi4py's uppercase (buffer) calls on
+preallocated memory; each parallel axis gets its own communicator, and our
+own traffic runs on private Dup'ed communicators. Device (cupy) buffers work
+too: handed to a CUDA-aware MPI directly, else staged through pinned host
+memory (comm/device.py).
 
 Settings come from RINGPIPE_* environment variables (comm/settings.py), read
 at the first collective, not at import; check_settings() reads them at once.
+
+One module per concern:
+
+    collectives.py  the public allreduce / reduce_scatter / allgather: buffer
+                    handling, layout check and validation, algorithm choice
+                    (set_crossover); allreduce_on_context, the entry point for
+                    callers with their own private context (GradBuckets)
+    ring.py         the ring algorithm: chunk_bounds, its schedule and hot loop
+                    (set_subchunk_bytes)
+    small.py        recursive doubling, the latency-optimal all-reduce
+    layout.py       what the ranks compare before a call: the layout record,
+                    its codes and legend, and validation
+    fingerprint.py  the layout fingerprints in the message tags
+    consistency.py  check_consistent: do all ranks hold the same values?
+    context.py      CommContext, our private view of a communicator, and
+                    context_for, which keeps one per communicator
+    buckets.py      GradBuckets: bucketed all-reduce overlapped with backward
+    grid.py         ProcessGrid: named parallel axes, one communicator each
+    abort.py        the abort handler: one rank's uncaught exception ends the job
+    device.py       device (GPU) arrays and MPI: direct or staged
+    settings.py     the RINGPIPE_* variables, parsed, checked and agreed on
 """
 
+from .abort import abort_on_error, install_abort_handler
 from .buckets import GradBuckets
-from .ring import (
-    allgather,
-    allreduce,
-    chunk_bounds,
-    get_crossover,
-    reduce_scatter,
-    set_crossover,
-)
-from .safety import abort_on_error, check_consistent, install_abort_handler
+from .collectives import allgather, allreduce, get_crossover, reduce_scatter, set_crossover
+from .consistency import check_consistent
+from .grid import ProcessGrid
+from .ring import chunk_bounds
 from .settings import check_settings
-from .topology import Topology
 
 __all__ = [
     "allreduce",
@@ -31,7 +48,7 @@ __all__ = [
     "set_crossover",
     "get_crossover",
     "GradBuckets",
-    "Topology",
+    "ProcessGrid",
     "check_consistent",
     "install_abort_handler",
     "abort_on_error",

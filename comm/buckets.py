@@ -35,8 +35,10 @@ import numpy as np
 from mpi4py import MPI
 
 from . import device
-from .ring import _allreduce_ctx, _codes, _resolve, _semantics, _validate, is_buffer, op_name
-from .safety import LAYOUT_LEGEND, CommContext, check_consistent
+from .collectives import allreduce_on_context, choose_algorithm
+from .consistency import check_consistent
+from .context import CommContext
+from .layout import LAYOUT_LEGEND, is_buffer, layout_record, op_name, semantics_hash, validate
 
 __all__ = ["GradBuckets"]
 
@@ -122,7 +124,7 @@ class GradBuckets:
         self._algos = algos
         # Each bucket's layout hash for the message fingerprints (comm/fingerprint.py),
         # so a step whose buckets differ between ranks raises instead of mixing them.
-        self._semantics = [_semantics(_codes(flat[lo:hi], flat[lo:hi], op, a))
+        self._semantics = [semantics_hash(layout_record(flat[lo:hi], flat[lo:hi], op, a))
                            for (lo, hi, _, _), a in zip(buckets, algos)]
         self._bucket_of = np.empty(len(ranges), dtype=np.int64)
         self._size = np.empty(len(self.buckets), dtype=np.int64)
@@ -170,10 +172,10 @@ class GradBuckets:
         buckets = _make_buckets(ranges, arr.itemsize, int(bucket_bytes), first)
         # "auto" is resolved once per bucket, so every step runs the same
         # algorithm; the choice depends on the crossover, hence in the check.
-        algos = [_resolve(algorithm, (hi - lo) * arr.itemsize) for lo, hi, _, _ in buckets]
+        algos = [choose_algorithm(algorithm, (hi - lo) * arr.itemsize) for lo, hi, _, _ in buckets]
         layout_crc = zlib.crc32(np.asarray(ranges, dtype=np.int64).tobytes()
                                 + ",".join(map(str, algos)).encode())
-        size, dtype_code, op_code, _, ok, _ = _codes(arr, flat, op, "ring", is_array)
+        size, dtype_code, op_code, _, ok, _ = layout_record(arr, flat, op, "ring", is_array)
         codes = (size, dtype_code, op_code, ok, len(ranges), int(bucket_bytes),
                  0 if first is None else first, layout_crc)
         # Agree first, then validate, so a bad or mismatched layout raises the
@@ -187,7 +189,7 @@ class GradBuckets:
         if flat is None:
             raise ValueError("GradBuckets: grad_flat must be a 1D C-contiguous array")
         for a in set(algos) or {"ring"}:
-            _validate("GradBuckets", arr, flat, op, a)
+            validate("GradBuckets", arr, flat, op, a)
         if not layout_ok:
             raise ValueError("GradBuckets: param_ranges must be sorted, non-overlapping "
                              f"(lo, hi) pairs inside grad_flat[0:{arr.size}]")
@@ -313,10 +315,10 @@ class GradBuckets:
                 device.synchronize(seg)
         if self._staged:
             host = device.to_pinned(seg)
-            _allreduce_ctx(self._ctx, host, host, self.op, self._algos[k], self._semantics[k], _BUCKET)
+            allreduce_on_context(self._ctx, host, host, self.op, self._algos[k], self._semantics[k], _BUCKET)
             device.copy_back(seg, host)
             return
-        _allreduce_ctx(self._ctx, seg, seg, self.op, self._algos[k], self._semantics[k], _BUCKET)
+        allreduce_on_context(self._ctx, seg, seg, self.op, self._algos[k], self._semantics[k], _BUCKET)
 
     def _run(self) -> None:
         cond = self._cond

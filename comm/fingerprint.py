@@ -1,13 +1,13 @@
 """Layout fingerprints in the MPI tags of the ring's and the small path's messages.
 
-The layout check (comm/safety.py) compares a layout across the ranks with an
-Allgather only on its first use per communicator. Ranks that pass different
-layouts they have each used before skip it, and when the layouts happen to
-need the same messages (float32[5000] on one rank, int32[5000] on another)
-the call would "succeed" with different bytes on every rank. So every message
-of a collective carries its sender's layout in its tag, and every receive
-takes any tag (MPI.ANY_TAG) and compares it with its own. That costs no extra
-message and no extra byte.
+The layout check (comm/collectives.py) compares a layout across the ranks
+with an Allgather only on its first use per communicator. Ranks that pass
+different layouts they have each used before skip it, and when the layouts
+happen to need the same messages (float32[5000] on one rank, int32[5000] on
+another) the call would "succeed" with different bytes on every rank. So
+every message of a collective carries its sender's layout in its tag, and
+every receive takes any tag (MPI.ANY_TAG) and compares it with its own. That
+costs no extra message and no extra byte.
 
 The tag is not needed for matching: MPI delivers the messages of one sender
 on one communicator in the order they were sent, and the ring and the small
@@ -23,7 +23,7 @@ structure: what decides the size and the number of the messages: algorithm,
     collective (its ring phases), element count, element size, ring
     sub-chunk size, communicator size.
 semantics: a hash of the whole layout record (dtype, op, shape and memory
-    order, ...: what comm/ring.py's _codes compares).
+    order, ...: comm/layout.py's layout_record).
 
 A rank receiving a tag unlike its own:
 

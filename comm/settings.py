@@ -1,7 +1,7 @@
 """The environment variables comm reads, parsed and checked in one place.
 
     RINGPIPE_COMM_CHECK           first (default) | always | off: when the ranks compare a
-                                  layout before a collective (comm/safety.py)
+                                  layout before a collective (comm/context.py)
     RINGPIPE_ALLREDUCE_CROSSOVER  bytes at or below which algorithm="auto" takes the
                                   small-message path (default 32K); 0 or more
     RINGPIPE_RING_SUBCHUNK        bytes per ring message (default 1M); 1 or more

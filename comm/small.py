@@ -18,43 +18,61 @@ MPI keeps the messages of one sender in order.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import numpy as np
 from mpi4py import MPI
 
 from . import fingerprint
+from .context import CommContext
 from .device import array_ops
-from .safety import CommContext
 
-__all__ = ["allreduce_small"]
+__all__ = ["allreduce_small", "Plan"]
 
 _CALL = "allreduce (small path)"     # for error messages
 
 
+class Plan(NamedTuple):
+    """A rank's part in one call. _plan returns it as a plain tuple in this
+    field order, tuple(Plan(...)), for the unpacking fast path (see the
+    schedule in comm/ring.py); Plan(*plan) reads it by name."""
+    hand_to: int | None     # fold: hand our data to this rank (r + 1) and sit out the
+                            # doubling; it hands the result back
+    take_from: int | None   # fold: combine this rank's (r - 1) data into ours first,
+                            # hand it the result at the end
+    exchanges: tuple[tuple[int, bool], ...]   # (peer, peer_is_lower) per doubling step: swap whole
+                                              # buffers; the lower rank's operand goes first
+    tag: int                # what our messages carry (comm/fingerprint.py)
+    poisoned_tag: int       # what they carry once this rank saw a mismatch
+
+
 @functools.lru_cache(maxsize=256)
-def _schedule(p: int, r: int, n: int, itemsize: int, semantics: int, bits: int):
-    """(fold, peers, (tag, poisoned tag)): fold is +1 (hand data up to r+1,
-    sit out), -1 (take r-1's data) or 0; peers lists (peer, peer_is_lower)
-    per doubling step; the tags carry the layout fingerprint of n elements of
-    `itemsize` bytes (`semantics`: the layout record's hash; `bits`: the tag
-    width), comm/fingerprint.py."""
+def _plan(p: int, r: int, n: int, itemsize: int, semantics: int, bits: int) -> tuple:
+    """Rank r's Plan among p ranks, as a plain tuple; the tags carry the
+    layout fingerprint of n elements of `itemsize` bytes (`semantics`: the
+    layout record's hash; `bits`: the tag width), comm/fingerprint.py."""
     pof2 = 1 << (p.bit_length() - 1)
     rem = p - pof2
+    hand_to = take_from = None
     if r < 2 * rem:
-        fold = 1 if r % 2 == 0 else -1
-        newrank = -1 if fold == 1 else r // 2
-    else:
-        fold, newrank = 0, r - rem
-    peers = []
-    if newrank >= 0:
+        if r % 2 == 0:
+            hand_to = r + 1
+        else:
+            take_from = r - 1
+    exchanges = []
+    if hand_to is None:
+        # Our rank among the pof2 ranks that double: the odd ranks of the
+        # folded pairs, then the rest.
+        newrank = r // 2 if r < 2 * rem else r - rem
         mask = 1
         while mask < pof2:
             peer_new = newrank ^ mask
             peer = peer_new * 2 + 1 if peer_new < rem else peer_new + rem
-            peers.append((peer, peer < r))
+            exchanges.append((peer, peer < r))
             mask <<= 1
-    tags = fingerprint.tags(bits, ("small", n, itemsize, p), semantics)
-    return fold, tuple(peers), tags
+    tag, poisoned_tag = fingerprint.tags(bits, ("small", n, itemsize, p), semantics)
+    return tuple(Plan(hand_to=hand_to, take_from=take_from, exchanges=tuple(exchanges), tag=tag,
+                      poisoned_tag=poisoned_tag))
 
 
 def allreduce_small(ctx: CommContext, flat: np.ndarray, wire: np.ndarray, ufunc,
@@ -64,8 +82,9 @@ def allreduce_small(ctx: CommContext, flat: np.ndarray, wire: np.ndarray, ufunc,
     if this rank ended the call poisoned: the ranks passed different layouts
     with the same messages, and the caller must raise (comm/fingerprint.py)."""
     ctx.ensure_usable()
-    comm, p, r = ctx.comm, ctx.size, ctx.rank
-    fold, peers, (tag, poisoned_tag) = _schedule(p, r, flat.size, flat.itemsize, semantics, ctx.tag_bits)
+    comm, p = ctx.comm, ctx.size
+    hand_to, take_from, exchanges, tag, poisoned_tag = _plan(
+        p, ctx.rank, flat.size, flat.itemsize, semantics, ctx.tag_bits)
     stag = tag              # what our sends carry: poisoned_tag once a mismatch is seen
     status, any_tag = ctx.status, MPI.ANY_TAG
     # On a device buffer (CUDA-aware MPI) the combines run on the GPU and
@@ -76,35 +95,35 @@ def allreduce_small(ctx: CommContext, flat: np.ndarray, wire: np.ndarray, ufunc,
 
     peer = None             # whom we last received from, for the error message
     try:
-        if fold == 1:
-            comm.Send(wire, r + 1, stag)
-        elif fold == -1:
-            peer = r - 1
+        if hand_to is not None:
+            comm.Send(wire, hand_to, stag)
+        elif take_from is not None:
+            peer = take_from
             comm.Recv(tmpw, peer, any_tag, status)
             if status.Get_tag() != tag:
                 stag = fingerprint.poison_or_raise(ctx, status.Get_tag(), tag, poisoned_tag, peer,
                                                    _CALL, flat)
-            ufunc(tmp, flat, out=flat)  # lower rank (r - 1) first
-        for peer, lower in peers:
+            ufunc(tmp, flat, out=flat)  # the lower rank (take_from) first
+        for peer, peer_is_lower in exchanges:
             if sync is not None:
                 sync()
             comm.Sendrecv(wire, peer, stag, tmpw, peer, any_tag, status)
             if status.Get_tag() != tag:
                 stag = fingerprint.poison_or_raise(ctx, status.Get_tag(), tag, poisoned_tag, peer,
                                                    _CALL, flat)
-            if lower:
+            if peer_is_lower:
                 ufunc(tmp, flat, out=flat)
             else:
                 ufunc(flat, tmp, out=flat)
-        if avg and fold != 1:
+        if avg and hand_to is None:
             # Before the unfold, so the folded-out ranks receive these exact bytes.
             xp.divide(flat, p, out=flat)
         if sync is not None:
             sync()
-        if fold == -1:
-            comm.Send(wire, r - 1, stag)
-        elif fold == 1:
-            peer = r + 1
+        if take_from is not None:
+            comm.Send(wire, take_from, stag)
+        elif hand_to is not None:
+            peer = hand_to
             comm.Recv(wire, peer, any_tag, status)
             if status.Get_tag() != tag:
                 stag = fingerprint.poison_or_raise(ctx, status.Get_tag(), tag, poisoned_tag, peer,

@@ -9,27 +9,30 @@ from __future__ import annotations
 
 import numpy as np
 
+from ringpipe.engine.errors import ConfigError
+from ringpipe.kernels import is_gpu_array
+
 
 def select(device: str, local_rank: int = 0):
     """Return the array module for `device` ("cpu" or "cuda"), binding this rank's GPU."""
     if device == "cpu":
         return np
     if device != "cuda":
-        raise SystemExit(f"error: unknown --device {device!r}: use cpu or cuda")
+        raise ConfigError(f"unknown <device> {device!r}: use cpu or cuda")
     try:
         import cupy
     except ImportError:
-        raise SystemExit("error: --device cuda needs CuPy, which is not installed: pip install the wheel for "
-                         "your driver's CUDA major (the 'CUDA Version' nvidia-smi shows): cupy-cuda12x or "
-                         "cupy-cuda13x (pip install -e '.[gpu]' installs cupy-cuda12x); or use --device cpu") from None
+        raise ConfigError("<device> cuda needs CuPy, which is not installed: pip install the wheel for "
+                          "your driver's CUDA major (the 'CUDA Version' nvidia-smi shows): cupy-cuda12x or "
+                          "cupy-cuda13x (pip install -e '.[gpu]' installs cupy-cuda12x); or use <device> cpu") from None
     try:
         n_gpus = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:        # CUDARuntimeError when no driver / no device
-        raise SystemExit(f"error: --device cuda: CuPy is installed but sees no CUDA GPU ({e}); "
-                         "check nvidia-smi and CUDA_VISIBLE_DEVICES, or use --device cpu") from None
+        raise ConfigError(f"<device> cuda: CuPy is installed but sees no CUDA GPU ({e}); "
+                          "check nvidia-smi and CUDA_VISIBLE_DEVICES, or use <device> cpu") from None
     if n_gpus < 1:
-        raise SystemExit("error: --device cuda: no CUDA GPU visible (check CUDA_VISIBLE_DEVICES), "
-                         "or use --device cpu")
+        raise ConfigError("<device> cuda: no CUDA GPU visible (check CUDA_VISIBLE_DEVICES), "
+                          "or use <device> cpu")
     cupy.cuda.Device(local_rank % n_gpus).use()
     from ringpipe.kernels import cuda as kernels_cuda
     kernels_cuda.register()
@@ -50,5 +53,6 @@ def describe(xp) -> str:
 
 
 def to_host(a):
-    return a.get() if hasattr(a, "get") else a
+    """A numpy array of `a` (a copy off the GPU for cupy arrays)."""
+    return a.get() if is_gpu_array(a) else a
 

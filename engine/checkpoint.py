@@ -57,7 +57,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ringpipe.engine.device import to_host
+from ringpipe.engine.array_module import to_host
 from ringpipe.engine.rundir import describe_write_error
 
 FORMAT = "ringpipe-checkpoint-2"

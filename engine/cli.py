@@ -1,5 +1,6 @@
 """The `ringpipe train` command line (also `python -m ringpipe.train`, `ringpipe-train`):
-flags in, engine.train.train() out, library errors to messages and exit codes.
+flags in (each the Config field of the same name), engine.run.run() out,
+library errors to messages and exit codes.
 
 Runs the same way under plain `python`, `mpiexec -n N` and `srun`. Defaults
 train the small byte-level GPT on the Python standard library's own source.
@@ -18,6 +19,10 @@ runtime.set_thread_defaults()        # before numpy loads BLAS
 runtime.reuse_freed_memory()
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+
+from ringpipe.engine.config import Config  # noqa: E402
+from ringpipe.engine.errors import ConfigError, Diverged, JobFailure, spell  # noqa: E402
 
 
 def _launcher_rank():
@@ -56,6 +61,13 @@ def parse_args(argv=None, prog="ringpipe train"):
                "  ringpipe train --resume auto --out runs/gpt    # continue from the latest checkpoint\n"
                "(python -m ringpipe.train ... is the same command)",
         formatter_class=argparse.RawDescriptionHelpFormatter)
+    for add_flags in (_model_flags, _data_flags, _optimization_flags, _parallelism_flags, _output_flags,
+                      _cluster_flags):
+        add_flags(p)
+    return p.parse_args(argv)
+
+
+def _model_flags(p):
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=["gpt", "mlp"], default="gpt", help="model to train (default gpt)")
     g.add_argument("--layers", type=int, default=None, help="transformer blocks / MLP hidden layers (default 4 / 2)")
@@ -72,6 +84,9 @@ def parse_args(argv=None, prog="ringpipe train"):
                         "MPI gets GPU buffers directly if RINGPIPE_CUDA_AWARE_MPI=1, or if unset when the MPI "
                         "library reports CUDA support or MPICH_GPU_SUPPORT_ENABLED=1 / MV2_USE_CUDA=1 is set; "
                         "else through pinned host memory)")
+
+
+def _data_flags(p):
     g = p.add_argument_group("data")
     g.add_argument("--data", choices=["stdlib", "synthetic", "fashion-mnist", "text"], default=None,
                    help="dataset: stdlib (default for gpt; the interpreter's own library source), "
@@ -87,6 +102,9 @@ def parse_args(argv=None, prog="ringpipe train"):
                         "memory-mapped instead, whatever its size")
     g.add_argument("--seq-len", type=int, default=None, help="GPT training sequence length (default: the context)")
     g.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch size in sequences/examples (default 16)")
+
+
+def _optimization_flags(p):
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
     g.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
@@ -100,6 +118,9 @@ def parse_args(argv=None, prog="ringpipe train"):
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip (0 disables)")
     g.add_argument("--seed", type=int, default=1337, help="initialisation and data order (>= 0; default 1337)")
+
+
+def _parallelism_flags(p):
     g = p.add_argument_group("parallelism")
     g.add_argument("--dp", type=int, default=None, help="data-parallel ranks (default: all ranks)")
     g.add_argument("--bucket-mb", type=float, default=None,
@@ -120,6 +141,9 @@ def parse_args(argv=None, prog="ringpipe train"):
                    help="split layers evenly (default), or balance measured per-layer cost across stages")
     g.add_argument("--trace", default=None, metavar="DIR",
                    help="write a Chrome/Perfetto trace per rank and a merged DIR/trace.json")
+
+
+def _output_flags(p):
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="run directory (default runs/<model>)")
     g.add_argument("--overwrite", action="store_true",
@@ -134,56 +158,103 @@ def parse_args(argv=None, prog="ringpipe train"):
     g.add_argument("--log-every", type=int, default=None, help="steps between progress lines (default ~20 lines)")
     g.add_argument("--sample-bytes", type=int, default=200, help="GPT: bytes of text to sample at the end (0: none)")
     g.add_argument("--quiet", action="store_true", help="no progress lines (metrics.jsonl is still written)")
+
+
+def _cluster_flags(p):
     g = p.add_argument_group("cluster")
     g.add_argument("--watchdog", type=float, default=0.0, metavar="SECONDS",
                    help="report ranks that made no progress for this long (0: off); names the stuck ranks")
     g.add_argument("--watchdog-abort", action="store_true", help="abort the job after a watchdog report")
-    return p.parse_args(argv)
 
+
+# ---- settings as flags ---------------------------------------------------------------
+
+# Names that messages use (<field>) and the flag that sets each.
+_MODEL_FIELD_FLAGS = {"n_layer": "--layers", "n_head": "--heads", "hidden": "--d-model", "d_model": "--d-model",
+                      "context": "--context"}
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(Config)}
+
+
+def flag_name(field: str) -> str | None:
+    """The flag for a Config (or model shape) field; None for any other word."""
+    if field in _MODEL_FIELD_FLAGS:
+        return _MODEL_FIELD_FLAGS[field]
+    if field in _CONFIG_FIELDS:
+        return "--" + field.replace("_", "-")
+    return None
+
+
+def config_from_args(args) -> Config:
+    return Config(**vars(args))
+
+
+def run_flags(argv, world=None, stop=None):
+    """Train from a command line, in this process (tests and notebooks): what `ringpipe
+    train ARGV` does, with errors raised as SystemExit("error: ...") as the command
+    line prints them, and a stop with a checkpoint as SystemExit(code)."""
+    from ringpipe.engine.run import run
+    cfg = config_from_args(parse_args(argv))
+    try:
+        result = run(cfg, world=world, stop=stop, render=flag_name)
+    except (ConfigError, JobFailure, Diverged) as e:
+        raise SystemExit(f"error: {_spelled(e)}") from None
+    if result.exit_code:
+        raise SystemExit(result.exit_code)
+    return result
+
+
+def _spelled(e: BaseException) -> str:
+    return e.render(flag_name) if isinstance(e, ConfigError) else spell(str(e), flag_name)
+
+
+# ---- the command ---------------------------------------------------------------------
 
 def main(argv=None, prog="ringpipe train"):
     # Catch stop signals before anything else, MPI_Init included: MPICH installs
     # a SIGUSR1 handler of its own there that would swallow the signal.
     from ringpipe.engine import lifecycle
-    from ringpipe.engine.train import JobFailure, train
     stop = lifecycle.StopFlag()
     try:
         args, usage_error = parse_args(argv, prog), None
     except UsageError as e:
         args, usage_error = None, e
-    from ringpipe import comm                      # MPI_Init happens here
+    from ringpipe import comm        # MPI_Init happens here
+    from ringpipe.engine.run import run
     stop.install()                   # take SIGUSR1 back from MPICH
     comm.install_abort_handler()
+    code = 0
     try:
         # Refuse a launch where srun's MPI plugin did not wire the ranks together.
         lifecycle.check_launcher()
         agree_on_command_line(usage_error)
-        train(args, stop=stop)
-    except JobFailure as e:
+        code = run(config_from_args(args), stop=stop, render=flag_name).exit_code
+    except lifecycle.LauncherError as e:
+        # Every task is alone in its own world: each says so, since srun may
+        # kill task 0 before it gets to print.
+        print(f"error: {_spelled(e)}", file=sys.stderr, flush=True)
+        code = 2
+    except UsageError as e:
+        print(e.code, file=sys.stderr, flush=True)
+        code = 2
+    except (ConfigError, JobFailure, Diverged) as e:
+        # Every rank reached the same verdict (engine/agreement.py sees to that),
+        # so every rank exits quietly, no abort needed; rank 0 prints it.
         if _launcher_rank() == 0:
-            print(f"error: {e.message}", file=sys.stderr, flush=True)
-        sys.exit(1)
-    except SystemExit as e:
-        # A configuration error: every rank reached the same conclusion (agree()
-        # and check_same_args() see to that), so exit quietly on all of them
-        # (print once), no abort needed.
-        if isinstance(e.code, str):
-            # A launcher mismatch leaves every task alone in its own world: each
-            # says so, since srun may kill task 0 before it gets to print.
-            if _launcher_rank() == 0 or isinstance(e, lifecycle.LauncherError):
-                print(e.code, file=sys.stderr, flush=True)
-            sys.exit(2)
-        raise
+            print(f"error: {_spelled(e)}", file=sys.stderr, flush=True)
+        code = 1 if isinstance(e, JobFailure) else 2
     finally:
         # The outcome is decided (and its checkpoint written): a signal during
         # interpreter and MPI shutdown must not turn the exit code into "killed".
         stop.ignore_from_now_on()
+    sys.exit(code)
 
 
 def agree_on_command_line(usage_error):
     """A command line refused on some ranks only (an MPMD launch, `a : b`) must
     stop all ranks, not leave the others waiting in their first collective."""
     from mpi4py import MPI
+
+    from ringpipe.engine.agreement import agree
     world = MPI.COMM_WORLD
     if world.Get_size() == 1:
         if usage_error is not None:
@@ -192,13 +263,12 @@ def agree_on_command_line(usage_error):
 
     def refused_here():
         if usage_error is not None:
-            raise SystemExit(usage_error.short)
+            raise ConfigError(usage_error.short)
 
     try:
-        from ringpipe.engine.train import agree
         agree(world, refused_here, "command line", hint="were the ranks launched with different arguments?")
-    except SystemExit as e:
-        if usage_error is not None and e.code == usage_error.short:
+    except ConfigError as e:
+        if usage_error is not None and e.message == usage_error.short:
             raise usage_error from None    # refused alike on every rank: show the usage, as one process would
         raise
 

@@ -2,7 +2,7 @@
 
     tokens (B, T) -> Embedding (token + position) -> n_layer x Block -> LMHead (tied wte) -> loss
 
-`gpt_layers(cfg)` returns the list of layers; `engine.model.Stage` runs any
+`gpt_layers(cfg)` returns the list of layers; `engine.model.LayerChain` runs any
 contiguous slice of it, so the same list serves one process and a pipeline.
 """
 from __future__ import annotations
@@ -11,9 +11,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ringpipe.engine.device import to_host
+from ringpipe.engine.array_module import to_host
+from ringpipe.engine.errors import ConfigError
 from ringpipe.engine.layers import Block, Embedding, LMHead
-from ringpipe.engine.model import Stage
+from ringpipe.engine.model import LayerChain
 
 VOCAB_SIZE = 256   # bytes
 
@@ -29,10 +30,10 @@ class GPTConfig:
     def validate(self):
         for name in ("n_layer", "d_model", "n_head", "context", "vocab"):
             if getattr(self, name) < 1:
-                raise ValueError(f"GPT {name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"GPT <{name}> must be >= 1, got {getattr(self, name)}")
         if self.d_model % self.n_head:
-            raise ValueError(f"--d-model {self.d_model} must be divisible by --heads {self.n_head} "
-                             f"(try --heads {_divisor_near(self.d_model, self.n_head)})")
+            raise ConfigError(f"<d_model> {self.d_model} must be divisible by <n_head> {self.n_head} "
+                              f"(try <n_head> {_divisor_near(self.d_model, self.n_head)})")
         return self
 
     def to_dict(self):
@@ -58,7 +59,7 @@ def gpt_layers(cfg: GPTConfig):
 
 
 def build_gpt(cfg: GPTConfig, dtype=np.float32, xp=np, seed=0):
-    model = Stage(gpt_layers(cfg), dtype=dtype, xp=xp)
+    model = LayerChain(gpt_layers(cfg), dtype=dtype, xp=xp)
     model.params.init(seed)
     return model
 
@@ -75,7 +76,7 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
     return 3.0 * forward
 
 
-def generate(model: Stage, prompt: bytes, n_new: int, context: int, temperature=1.0, seed=0):
+def generate(model: LayerChain, prompt: bytes, n_new: int, context: int, temperature=1.0, seed=0):
     """Sample n_new bytes after prompt (runs the full model on the last `context` bytes each step)."""
     xp = model.params.xp
     rng = np.random.default_rng(seed)

@@ -37,6 +37,8 @@ import threading
 import time
 import traceback
 
+from ringpipe.engine.errors import ConfigError
+
 __all__ = [
     "REQUEUE_EXIT_CODE",
     "INTERRUPT_EXIT_CODE",
@@ -255,17 +257,10 @@ class StopError(RuntimeError):
 # ---------------------------------------------------------------------------
 # Launcher check: `srun --mpi=<wrong plugin>` silently gives N singletons.
 
-class LauncherError(SystemExit):
-    """The launcher and the MPI library do not match. A SystemExit whose code
-    is the message, so the trainer's "configuration error" path exits 2; every
-    task prints it (each is alone, and srun may kill task 0 before it prints)."""
-
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.message = message
-
-    def __str__(self):
-        return self.message
+class LauncherError(ConfigError):
+    """The launcher and the MPI library do not match (or a launcher setting is
+    bad). Every task prints it: each is alone in its own world, and srun may
+    kill task 0 before it gets to print."""
 
 
 def _slurm_tasks(env) -> tuple[int, str] | None:
@@ -295,7 +290,7 @@ def check_launcher(world=None, environ=None, library_version: str | None = None)
     env = os.environ if environ is None else environ
     skip = env.get("RINGPIPE_SKIP_LAUNCHER_CHECK", "")
     if skip not in ("", "0", "1"):
-        raise LauncherError(f"error: RINGPIPE_SKIP_LAUNCHER_CHECK={skip!r}: use 1 to skip the launcher check, "
+        raise LauncherError(f"RINGPIPE_SKIP_LAUNCHER_CHECK={skip!r}: use 1 to skip the launcher check, "
                             "or 0 (or unset) to keep it")
     if skip == "1":
         return
@@ -316,7 +311,7 @@ def check_launcher(world=None, environ=None, library_version: str | None = None)
     good, other = ("pmix", "pmi2") if is_ompi else ("pmi2", "pmix")
     task = env.get("SLURM_PROCID", "?")
     raise LauncherError(
-        f"error: MPI launcher mismatch: Slurm started {ntasks} tasks ({var}={ntasks}), but this "
+        f"MPI launcher mismatch: Slurm started {ntasks} tasks ({var}={ntasks}), but this "
         f"process (Slurm task {task}) is MPI rank 0 of 1: every task thinks it is alone and would "
         f"train its own copy of the model.\n"
         f"  MPI library: {lib}\n"
@@ -538,7 +533,7 @@ class Watchdog:
         if self.rank != 0:
             time.sleep(2 * self.interval + 1.0)   # let rank 0's report out first
         self._say(f"[rank {self.rank}] watchdog: aborting the job")
-        from ringpipe.comm.safety import abort_job
+        from ringpipe.comm.abort import abort_job
         abort_job(1, self.comm)
 
 

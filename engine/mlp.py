@@ -5,8 +5,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ringpipe.engine.errors import ConfigError
 from ringpipe.engine.layers import ClassifierHead, DenseGELU
-from ringpipe.engine.model import Stage
+from ringpipe.engine.model import LayerChain
 
 
 @dataclass
@@ -19,7 +20,7 @@ class MLPConfig:
     def validate(self):
         for name in ("n_in", "hidden", "n_layer", "n_classes"):
             if getattr(self, name) < 1:
-                raise ValueError(f"MLP {name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"MLP <{name}> must be >= 1, got {getattr(self, name)}")
         return self
 
     def to_dict(self):
@@ -35,7 +36,7 @@ def mlp_layers(cfg: MLPConfig):
 
 
 def build_mlp(cfg: MLPConfig, dtype=np.float32, xp=np, seed=0):
-    model = Stage(mlp_layers(cfg), dtype=dtype, xp=xp)
+    model = LayerChain(mlp_layers(cfg), dtype=dtype, xp=xp)
     model.params.init(seed)
     return model
 

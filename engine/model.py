@@ -1,8 +1,13 @@
-"""A model (or one pipeline stage of it) is a contiguous run of layers over one ParamBuffer.
+"""A LayerChain: a contiguous run of layers over one ParamBuffer.
 
 The first layer takes the batch input (tokens or features); the last layer of the
 whole model is a head that takes targets and returns the summed loss. A single
-process runs every layer in one Stage; a pipeline stage runs a slice of them.
+process runs every layer in one LayerChain; a pipeline rank holds one chain per
+model chunk (each chunk a virtual stage of the schedule), all on one buffer.
+
+Words with one meaning each: a *layer chain* is this container; a *pipeline
+rank* is a process of the pipeline axis; a *(virtual) stage* is a position in
+the pipeline's order of chunks (engine/pipeline/schedule.py).
 """
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import numpy as np
 from ringpipe.engine.params import ParamBuffer
 
 
-class Stage:
+class LayerChain:
     def __init__(self, layers, dtype=np.float32, xp=np, has_head=True, params=None):
         """`params`: an existing ParamBuffer to bind to (a pipeline rank's model
         chunks share one buffer); by default the stage gets its own."""

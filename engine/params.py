@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ringpipe.engine.device import to_host
+from ringpipe.engine.array_module import to_host
 
 
 @dataclass(frozen=True)

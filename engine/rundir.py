@@ -38,6 +38,10 @@ RUN_ENTRIES = ("checkpoints", METRICS_NAME, "logs", "heartbeat")
 _NO_LOCKING = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
 
+def metrics_path(out_dir: str) -> str:
+    return os.path.join(out_dir, METRICS_NAME)
+
+
 class RunDirError(RuntimeError):
     """The run directory cannot be used (another live run owns it, a full disk, ...)."""
 

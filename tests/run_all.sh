@@ -13,6 +13,9 @@ run() {  # pytest exit 5 = "no tests collected": not a failure for a selection t
     if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then status=$rc; fi
 }
 
+echo "== lint (ruff: undefined names, unused imports, syntax errors; config in ruff.toml) =="
+run "$PY" -m ruff check --quiet .
+
 echo "== serial tests (about 5 minutes on 2 cores; a line per test file) =="
 if [ "${RINGPIPE_SLURM_NO_INSTALL:-0}" = 0 ] && ! command -v slurmctld >/dev/null 2>&1; then
     echo "note: tests/slurm/test_slurm.py installs slurm-wlm and munge with apt-get for its real-Slurm jobs" \

@@ -9,8 +9,8 @@ No MPI here; the executor consumes ``Schedule.ranks``.
 """
 
 from .schedule import (
-    ALL_KINDS, B, COMM_KINDS, COMPUTE_KINDS, F, I, OPT_STEP, RECV_B, RECV_F, RECV_KINDS, REDUCE_GRAD,
-    SCHEDULE_NAMES, SEND_B, SEND_F, SEND_KINDS, STEP_KINDS, W, Action, Schedule, ScheduleError, gpipe,
+    ALL_KINDS, B, COMM_KINDS, COMPUTE_KINDS, F, I, RECV_B, RECV_F, RECV_KINDS, REDUCE_GRAD,
+    SCHEDULE_NAMES, SEND_B, SEND_F, SEND_KINDS, STEP_KINDS, W, Action, Schedule, ScheduleError, forward_only, gpipe,
     interleaved_1f1b, make_schedule, one_f_one_b, parse_actions, parse_schedule, schedule_from_compute_orders,
     zero_bubble_h1,
 )
@@ -21,9 +21,9 @@ from .simulate import (
 from .validate import validate
 
 __all__ = [
-    "ALL_KINDS", "B", "COMM_KINDS", "COMPUTE_KINDS", "F", "I", "OPT_STEP", "RECV_B", "RECV_F", "RECV_KINDS",
+    "ALL_KINDS", "B", "COMM_KINDS", "COMPUTE_KINDS", "F", "I", "RECV_B", "RECV_F", "RECV_KINDS",
     "REDUCE_GRAD", "SCHEDULE_NAMES", "SEND_B", "SEND_F", "SEND_KINDS", "STEP_KINDS", "W", "Action", "Schedule",
-    "ScheduleError", "gpipe", "interleaved_1f1b", "make_schedule", "one_f_one_b", "parse_actions",
+    "ScheduleError", "forward_only", "gpipe", "interleaved_1f1b", "make_schedule", "one_f_one_b", "parse_actions",
     "parse_schedule", "schedule_from_compute_orders", "zero_bubble_h1",
     "DEFAULT_COSTS", "SimResult", "ascii_timeline", "bubble_formula", "plot_timeline", "resolve_costs", "simulate",
     "theoretical_bubble", "validate",

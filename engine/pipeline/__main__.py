@@ -35,7 +35,7 @@ def build_parser(prog: str = "ringpipe pipeline") -> argparse.ArgumentParser:
                     "simulate it under the executor's semantics and draw the timeline.",
         epilog="Compact actions: F3 forward of micro-batch 3; B3 full backward; I3 input-grad backward; "
                "W3 weight-grad backward; SF/RF send/receive activations; SB/RB send/receive gradients; "
-               "RG gradient all-reduce; OPT optimizer step.  '.c' suffix = model chunk (when v > 1).  "
+               "RG gradients complete (the data-parallel all-reduce finishes).  '.c' suffix = model chunk (when v > 1).  "
                f"Default costs: {', '.join(f'{k}={v:g}' for k, v in DEFAULT_COSTS.items() if v)}, "
                "everything else 0.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -44,7 +44,7 @@ def build_parser(prog: str = "ringpipe pipeline") -> argparse.ArgumentParser:
     parser.add_argument("-m", type=int, default=8, help="micro-batches per step")
     parser.add_argument("-v", type=int, default=1, help="model chunks per rank (interleaved only)")
     parser.add_argument("--costs", type=_parse_costs, default=None,
-                        help="action times, e.g. F=1,B=2,I=1,W=1 (also SF, RF, SB, RB, RG, OPT); "
+                        help="action times, e.g. F=1,B=2,I=1,W=1 (also SF, RF, SB, RB, RG); "
                              "unlisted kinds keep their defaults")
     parser.add_argument("--latency", type=float, default=0.0, help="time a message spends in flight")
     parser.add_argument("--width", type=int, default=120, help="max characters per timeline row")

@@ -110,8 +110,8 @@ def time_layers(layers, x, y, repeats=3):
 
 def measure_layer_costs(layers, make_batch, dtype, repeats=3):
     """Median seconds of forward + backward for each layer of a full model on one micro-batch."""
-    from ringpipe.engine.model import Stage
-    stage = Stage(layers, dtype=dtype)
+    from ringpipe.engine.model import LayerChain
+    stage = LayerChain(layers, dtype=dtype)
     stage.params.init(0)
     fwd, bwd = time_layers(layers, *make_batch(), repeats=repeats)
     return [f + b for f, b in zip(fwd, bwd)]

@@ -25,7 +25,12 @@ Communication placement (the contract the MPI executor implements):
   that consumed an earlier one.  So every transfer can overlap at least one
   compute, even in a burst of forwards (GPipe), at the price of two receive
   buffers per direction.
-* Each rank ends with REDUCE_GRAD (data-parallel all-reduce) then OPT_STEP.
+* A training step ends on each rank with REDUCE_GRAD: its gradients are
+  complete there (the executor lets the data-parallel axis finish their
+  all-reduce and sums the tied embedding). The optimizer step is not part of
+  a schedule: it follows the global gradient norm, across every stage.
+* A forward-only schedule (``forward_only``, for evaluation) holds F and its
+  communication only.
 """
 
 from __future__ import annotations
@@ -38,19 +43,19 @@ from typing import Iterable, Sequence
 # Action kinds.  Plain strings, so the executor can dispatch on them cheaply.
 F, B, I, W = "F", "B", "I", "W"
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
-REDUCE_GRAD, OPT_STEP = "REDUCE_GRAD", "OPT_STEP"
+REDUCE_GRAD = "REDUCE_GRAD"
 
 COMPUTE_KINDS = frozenset({F, B, I, W})
 SEND_KINDS = frozenset({SEND_F, SEND_B})
 RECV_KINDS = frozenset({RECV_F, RECV_B})
 COMM_KINDS = SEND_KINDS | RECV_KINDS
-STEP_KINDS = frozenset({REDUCE_GRAD, OPT_STEP})
+STEP_KINDS = frozenset({REDUCE_GRAD})
 ALL_KINDS = COMPUTE_KINDS | COMM_KINDS | STEP_KINDS
 
 SHORT_NAMES = {
     F: "F", B: "B", I: "I", W: "W",
     SEND_F: "SF", RECV_F: "RF", SEND_B: "SB", RECV_B: "RB",
-    REDUCE_GRAD: "RG", OPT_STEP: "OPT",
+    REDUCE_GRAD: "RG",
 }
 _KIND_OF_SHORT = {short: kind for kind, short in SHORT_NAMES.items()}
 _TOKEN = re.compile(r"^(SF|RF|SB|RB|F|B|I|W)(\d+)(?:\.(\d+))?$")
@@ -79,7 +84,7 @@ class ScheduleError(ValueError):
 class Action:
     """One step of one rank: ``Action(kind, mb, chunk)``.
 
-    ``mb`` is None only for the per-step kinds REDUCE_GRAD and OPT_STEP.
+    ``mb`` is None only for the per-step kind REDUCE_GRAD.
     """
 
     kind: str
@@ -120,17 +125,17 @@ class Action:
 
 
 def parse_actions(text: str) -> list[Action]:
-    """Read compact tokens (``F3 SF3 RB2.1 RG OPT``; spaces or commas) into actions."""
+    """Read compact tokens (``F3 SF3 RB2.1 RG``; spaces or commas) into actions."""
     actions = []
     for token in text.replace(",", " ").split():
-        if token in ("RG", "OPT"):
+        if token == "RG":
             actions.append(Action(_KIND_OF_SHORT[token]))
             continue
         match = _TOKEN.match(token)
         if not match:
             raise ScheduleError(
                 f"cannot parse {token!r}; expected F|B|I|W|SF|RF|SB|RB followed by the "
-                "micro-batch and an optional .chunk (e.g. F3, SB2.1), or RG, OPT", rule="parse")
+                "micro-batch and an optional .chunk (e.g. F3, SB2.1), or RG", rule="parse")
         short, mb, chunk = match.groups()
         actions.append(Action(_KIND_OF_SHORT[short], int(mb), int(chunk or 0)))
     return actions
@@ -143,6 +148,7 @@ class Schedule:
     m: int
     v: int
     ranks: list[list[Action]]
+    training: bool = True      # False: forward only (F and its messages; no backward, no REDUCE_GRAD)
 
     def __str__(self) -> str:
         show_chunk = self.v > 1
@@ -278,8 +284,8 @@ def _check_sizes(p, m, v=1):
 
 
 def _add_communication(p: int, m: int, v: int, name: str, orders: Sequence[Sequence[Action]],
-                       receive_depth: dict[str, int] | None = None) -> Schedule:
-    """Wrap per-rank compute orders with SEND/RECV and the per-step tail.
+                       receive_depth: dict[str, int] | None = None, training: bool = True) -> Schedule:
+    """Wrap per-rank compute orders with SEND/RECV and (training) the per-step REDUCE_GRAD.
 
     ``receive_depth`` is how many receives per direction (F, B) stay posted
     ahead of the computes that consume them; each is a buffer the executor
@@ -289,7 +295,7 @@ def _add_communication(p: int, m: int, v: int, name: str, orders: Sequence[Seque
     out the latency; two overlap it with a compute.
     """
     depth = {F: 2, B: 2, **(receive_depth or {})}
-    schedule = Schedule(name, p, m, v, [])
+    schedule = Schedule(name, p, m, v, [], training)
     for rank, order in enumerate(orders):
         inputs = {F: deque(), B: deque()}  # receives per direction, in consumption order
         for action in order:
@@ -314,7 +320,8 @@ def _add_communication(p: int, m: int, v: int, name: str, orders: Sequence[Seque
             if schedule.needs_remote_input(rank, action):
                 outstanding[F if action.kind == F else B] -= 1
                 post_ahead()
-        actions += [Action(REDUCE_GRAD), Action(OPT_STEP)]
+        if training:
+            actions.append(Action(REDUCE_GRAD))
         schedule.ranks.append(actions)
     return schedule
 
@@ -443,6 +450,15 @@ def zero_bubble_h1(p: int, m: int) -> Schedule:
     return _add_communication(p, m, 1, "zbh1", orders)
 
 
+def forward_only(p: int, m: int, v: int = 1) -> Schedule:
+    """Evaluation: each (micro-batch, chunk) forward once, micro-batch by
+    micro-batch, with the same communication placement as training and no
+    backward. The last virtual stage's F computes the loss."""
+    _check_sizes(p, m, v)
+    orders = [[Action(F, mb, chunk) for mb in range(m) for chunk in range(v)] for _ in range(p)]
+    return _add_communication(p, m, v, "forward", orders, training=False)
+
+
 def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """Build a schedule by name: "gpipe", "1f1b", "interleaved" or "zbh1"."""
     key = name.lower().replace("-", "").replace("_", "")
@@ -468,7 +484,7 @@ def schedule_from_compute_orders(name: str, p: int, m: int, v: int,
                                  orders: Iterable[Iterable[Action]]) -> Schedule:
     """Turn hand-written per-rank compute orders into a full schedule.
 
-    Adds SEND/RECV and REDUCE_GRAD/OPT_STEP with the same placement rules as
+    Adds SEND/RECV and REDUCE_GRAD with the same placement rules as
     the built-in generators, for experimenting with new orders.
     """
     _check_sizes(p, m, v)

@@ -3,7 +3,7 @@
 Executor semantics modelled here (the MPI executor implements the same):
 
 * Each rank runs its list in order; every action occupies the rank for its
-  cost (comm, REDUCE_GRAD and OPT_STEP cost 0 by default).
+  cost (comm and REDUCE_GRAD cost 0 by default).
 * SEND_* is an Isend: it never blocks the rank.
 * RECV_* is an Irecv: posting it never blocks the rank.
 * A message starts moving once its SEND action has ended *and* its RECV is
@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from .schedule import (
-    ALL_KINDS, B, F, I, OPT_STEP, RECV_B, RECV_F, REDUCE_GRAD, SEND_B, SEND_F, SHORT_NAMES, W, Action, Schedule,
+    ALL_KINDS, B, F, I, RECV_B, RECV_F, REDUCE_GRAD, SEND_B, SEND_F, SHORT_NAMES, W, Action, Schedule,
 )
 
 DEFAULT_COSTS = {F: 1.0, B: 2.0, I: 1.0, W: 1.0,
                  SEND_F: 0.0, RECV_F: 0.0, SEND_B: 0.0, RECV_B: 0.0,
-                 REDUCE_GRAD: 0.0, OPT_STEP: 0.0}
+                 REDUCE_GRAD: 0.0}
 _KIND_BY_NAME = {**{k: k for k in ALL_KINDS}, **{short: k for k, short in SHORT_NAMES.items()}}
 
 

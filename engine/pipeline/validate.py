@@ -7,14 +7,14 @@ position in the rank's list) and the rule broken.  Rule names:
   range               mb < m, chunk < v
   no-peer             SEND/RECV across the ends of the pipeline
   local-stages        SEND/RECV with p == 1 (stages there are passed locally)
-  compute-count       exactly one F and one B (or one I and one W) per (mb, chunk)
+  compute-count       exactly one F and one B (or one I and one W) per (mb, chunk);
+                      forward-only schedules: one F and nothing else
   order               F before B/I, I before W on a rank
   local-dependency    p == 1: stage k-1 before k forward, k+1 before k backward
   recv-before-compute a compute needing a remote input has its RECV earlier
   send-after-compute  a SEND comes after the compute producing its data
   send-recv-match     every SEND meets exactly one RECV on the peer, and back
-  reduce-grad         one REDUCE_GRAD, after the rank's last B/W
-  opt-step            one OPT_STEP, last
+  reduce-grad         training: one REDUCE_GRAD, last; forward-only: none
   deadlock            replay with unit costs does not finish
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .schedule import (
-    B, F, I, OPT_STEP, RECV_B, RECV_F, REDUCE_GRAD, SEND_B, SEND_F, W, Action, Schedule, ScheduleError,
+    B, F, I, RECV_B, RECV_F, REDUCE_GRAD, SEND_B, SEND_F, W, Action, Schedule, ScheduleError,
 )
 
 UNIT_COSTS = {"F": 1, "B": 1, "I": 1, "W": 1}
@@ -54,12 +54,31 @@ def _check_shape(s: Schedule) -> None:
 
 
 def _check_rank(s: Schedule, rank: int) -> None:
+    where = _check_actions(s, rank)
+    for chunk in range(s.v):
+        for mb in range(s.m):
+            _check_micro_batch(s, rank, where, mb, chunk)
+    _check_reduce_grad(s, rank, where)
+
+
+def _failing(s: Schedule, rank: int):
+    """fail(index, message, rule) and missing(message, rule) for one rank's list."""
     actions = s.ranks[rank]
-    last_stage = s.num_stages - 1
-    where: dict[tuple, int] = {}  # (kind, mb, chunk) -> index of its only occurrence
 
     def fail(index, message, rule):
         raise ScheduleError(message, rank=rank, index=index, action=actions[index], rule=rule)
+
+    def missing(message, rule):
+        raise ScheduleError(message, rank=rank, rule=rule)
+    return fail, missing
+
+
+def _check_actions(s: Schedule, rank: int) -> dict:
+    """Rules about single actions; returns {(kind, mb, chunk): index} (each occurs once)."""
+    actions = s.ranks[rank]
+    last_stage = s.num_stages - 1
+    where: dict[tuple, int] = {}
+    fail, _ = _failing(s, rank)
 
     for index, a in enumerate(actions):
         if a.mb is not None and not (a.mb < s.m and a.chunk < s.v):
@@ -76,78 +95,91 @@ def _check_rank(s: Schedule, rank: int) -> None:
         key = (a.kind, a.mb, a.chunk)
         if key in where:
             rule = "compute-count" if a.is_compute else "send-recv-match"
-            if a.kind in (REDUCE_GRAD, OPT_STEP):
-                rule = "reduce-grad" if a.kind == REDUCE_GRAD else "opt-step"
+            if a.kind == REDUCE_GRAD:
+                rule = "reduce-grad"
             fail(index, f"{a} appears twice on this rank (first at #{where[key]})", rule)
         where[key] = index
+    return where
 
-    def missing(message, rule):
-        raise ScheduleError(message, rank=rank, rule=rule)
 
+def _check_micro_batch(s: Schedule, rank: int, where: dict, mb: int, chunk: int) -> None:
+    """The computes of one (micro-batch, chunk) on this rank: counts, order, and
+    the messages they need."""
+    actions = s.ranks[rank]
+    last_stage = s.num_stages - 1
+    fail, missing = _failing(s, rank)
     show_chunk = s.v > 1
-    for chunk in range(s.v):
-        stage = s.stage(rank, chunk)
-        for mb in range(s.m):
-            name = lambda kind: Action(kind, mb, chunk).compact(show_chunk)  # noqa: E731
-            f_at = where.get((F, mb, chunk))
-            b_at, i_at, w_at = (where.get((k, mb, chunk)) for k in (B, I, W))
-            if f_at is None:
-                missing(f"{name(F)} is missing (every micro-batch needs one F per chunk)", "compute-count")
-            if b_at is not None and (i_at is not None or w_at is not None):
-                fail(b_at, f"mixes a full B with split I/W for mb {mb} chunk {chunk}; use one or the other",
-                     "compute-count")
-            if b_at is None and (i_at is None or w_at is None):
-                missing(f"mb {mb} chunk {chunk} needs either one B or one I and one W "
-                        f"(has {'I' if i_at is not None else 'no I'}, {'W' if w_at is not None else 'no W'})",
-                        "compute-count")
-            grad_at = b_at if b_at is not None else i_at
-            if grad_at < f_at:
-                fail(grad_at, f"backward runs before {name(F)} on this rank", "order")
-            if w_at is not None and w_at < i_at:
-                fail(w_at, f"weight gradient runs before {name(I)}", "order")
+    stage = s.stage(rank, chunk)
+    name = lambda kind: Action(kind, mb, chunk).compact(show_chunk)  # noqa: E731
+    f_at = where.get((F, mb, chunk))
+    b_at, i_at, w_at = (where.get((k, mb, chunk)) for k in (B, I, W))
+    if f_at is None:
+        missing(f"{name(F)} is missing (every micro-batch needs one F per chunk)", "compute-count")
+    if not s.training:
+        grad = next((at for at in (b_at, i_at, w_at) if at is not None), None)
+        if grad is not None:
+            fail(grad, "a forward-only schedule has no backward", "compute-count")
+        grad_at = None
+    else:
+        if b_at is not None and (i_at is not None or w_at is not None):
+            fail(b_at, f"mixes a full B with split I/W for mb {mb} chunk {chunk}; use one or the other",
+                 "compute-count")
+        if b_at is None and (i_at is None or w_at is None):
+            missing(f"mb {mb} chunk {chunk} needs either one B or one I and one W "
+                    f"(has {'I' if i_at is not None else 'no I'}, {'W' if w_at is not None else 'no W'})",
+                    "compute-count")
+        grad_at = b_at if b_at is not None else i_at
+        if grad_at < f_at:
+            fail(grad_at, f"backward runs before {name(F)} on this rank", "order")
+        if w_at is not None and w_at < i_at:
+            fail(w_at, f"weight gradient runs before {name(I)}", "order")
 
-            if s.p == 1:
-                if stage > 0 and where[(F, mb, chunk - 1)] > f_at:
-                    fail(f_at, f"needs the output of {Action(F, mb, chunk - 1).compact(show_chunk)}, "
-                               "which comes later on this rank", "local-dependency")
-                if stage < last_stage:
-                    up = where.get((B, mb, chunk + 1), where.get((I, mb, chunk + 1)))
-                    if up is not None and up > grad_at:
-                        fail(grad_at, f"needs the input gradient of mb {mb} chunk {chunk + 1}, "
-                                      "which is computed later on this rank", "local-dependency")
-                continue
+    if s.p == 1:
+        if stage > 0 and where[(F, mb, chunk - 1)] > f_at:
+            fail(f_at, f"needs the output of {Action(F, mb, chunk - 1).compact(show_chunk)}, "
+                       "which comes later on this rank", "local-dependency")
+        if grad_at is not None and stage < last_stage:
+            up = where.get((B, mb, chunk + 1), where.get((I, mb, chunk + 1)))
+            if up is not None and up > grad_at:
+                fail(grad_at, f"needs the input gradient of mb {mb} chunk {chunk + 1}, "
+                              "which is computed later on this rank", "local-dependency")
+        return
 
-            for compute_at, recv_kind in ((f_at, RECV_F), (grad_at, RECV_B)):
-                if not s.needs_remote_input(rank, actions[compute_at]):
-                    continue
-                recv = Action(recv_kind, mb, chunk)
-                recv_at = where.get((recv_kind, mb, chunk))
-                peer, _ = s.peer(rank, recv)
-                what = "activation" if recv_kind == RECV_F else "output gradient"
-                if recv_at is None:
-                    fail(compute_at, f"needs the {what} from rank {peer} but no "
-                                     f"{recv.compact(show_chunk)} is posted before it", "recv-before-compute")
-                if recv_at > compute_at:
-                    fail(compute_at, f"needs the {what} from rank {peer} but its {recv.compact(show_chunk)} "
-                                     f"is only posted later, at #{recv_at}", "recv-before-compute")
-            for compute_at, send_kind in ((f_at, SEND_F), (grad_at, SEND_B)):
-                send_at = where.get((send_kind, mb, chunk))
-                if send_at is not None and send_at < compute_at:
-                    fail(send_at, f"sends data before {actions[compute_at].compact(show_chunk)} computes it",
-                         "send-after-compute")
+    computes = [(f_at, RECV_F, SEND_F)] + ([(grad_at, RECV_B, SEND_B)] if grad_at is not None else [])
+    for compute_at, recv_kind, send_kind in computes:
+        if s.needs_remote_input(rank, actions[compute_at]):
+            recv = Action(recv_kind, mb, chunk)
+            recv_at = where.get((recv_kind, mb, chunk))
+            peer, _ = s.peer(rank, recv)
+            what = "activation" if recv_kind == RECV_F else "output gradient"
+            if recv_at is None:
+                fail(compute_at, f"needs the {what} from rank {peer} but no "
+                                 f"{recv.compact(show_chunk)} is posted before it", "recv-before-compute")
+            if recv_at > compute_at:
+                fail(compute_at, f"needs the {what} from rank {peer} but its {recv.compact(show_chunk)} "
+                                 f"is only posted later, at #{recv_at}", "recv-before-compute")
+        send_at = where.get((send_kind, mb, chunk))
+        if send_at is not None and send_at < compute_at:
+            fail(send_at, f"sends data before {actions[compute_at].compact(show_chunk)} computes it",
+                 "send-after-compute")
 
-    last_grad = max((i for i, a in enumerate(actions) if a.kind in (B, W)), default=-1)
+
+def _check_reduce_grad(s: Schedule, rank: int, where: dict) -> None:
+    actions = s.ranks[rank]
+    fail, missing = _failing(s, rank)
     rg_at = where.get((REDUCE_GRAD, None, 0))
+    if not s.training:
+        if rg_at is not None:
+            fail(rg_at, "a forward-only schedule has no gradients to reduce", "reduce-grad")
+        return
+    last_grad = max((i for i, a in enumerate(actions) if a.kind in (B, W)), default=-1)
     if rg_at is None:
         missing("REDUCE_GRAD is missing (one per step, after the last B/W)", "reduce-grad")
     if rg_at < last_grad:
         fail(rg_at, f"all-reduces gradients before the last weight-gradient compute "
-                    f"{actions[last_grad].compact(show_chunk)} at #{last_grad}", "reduce-grad")
-    opt_at = where.get((OPT_STEP, None, 0))
-    if opt_at is None:
-        missing("OPT_STEP is missing (one per step, last)", "opt-step")
-    if opt_at != len(actions) - 1:
-        fail(opt_at, "OPT_STEP must be the last action of the rank", "opt-step")
+                    f"{actions[last_grad].compact(show_chunk=s.v > 1)} at #{last_grad}", "reduce-grad")
+    if rg_at != len(actions) - 1:
+        fail(rg_at, "REDUCE_GRAD must be the last action of the rank", "reduce-grad")
 
 
 def _check_matching(s: Schedule) -> None:

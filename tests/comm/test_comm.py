@@ -1,4 +1,4 @@
-"""Tests for comm/: collectives against MPI's own, GradBuckets, Topology,
+"""Tests for comm/: collectives against MPI's own, GradBuckets, ProcessGrid,
 consistency checks and the abort handler.
 
     python -m pytest tests/comm/test_comm.py                                   # serial part
@@ -20,8 +20,9 @@ import pytest
 from mpi4py import MPI
 
 from ringpipe import comm
+from ringpipe.comm.grid import local_rank_by_split, local_rank_from_env
 from ringpipe.comm.ring import set_subchunk_bytes
-from ringpipe.comm.topology import local_rank_by_split, local_rank_from_env
+from ringpipe.comm.settings import DEFAULT_SUBCHUNK
 
 from tests.support import ROOT
 SCRIPTS = os.path.join(ROOT, "tests", "support", "mpi_scripts")
@@ -128,6 +129,8 @@ def test_single_rank_is_identity_and_validates():
         comm.allreduce(np.zeros(10, np.float32)[::2], MPI.COMM_SELF)
     with pytest.raises(ValueError, match="algorithm"):
         comm.allreduce(np.zeros(3, np.float32), MPI.COMM_SELF, algorithm="tree")
+    with pytest.raises(ValueError, match="algorithm"):
+        comm.allreduce(np.zeros(3, np.float32), MPI.COMM_SELF, algorithm="none")
 
 
 def test_crossover_setting():
@@ -217,7 +220,7 @@ def test_allreduce_multidim_and_subchunking():
             if not close(x, ref, np.float32, P) or not same_bytes_everywhere(x):
                 problems.append(f"shape {shape}")
     finally:
-        set_subchunk_bytes(comm.ring.DEFAULT_SUBCHUNK)
+        set_subchunk_bytes(DEFAULT_SUBCHUNK)
     agree(problems)
 
 
@@ -495,57 +498,108 @@ def test_check_consistent():
 
 
 # ---------------------------------------------------------------------------
-# MPI: Topology
+# MPI: ProcessGrid
 
 
-def factorizations(size):
-    return [(size // pp, pp) for pp in range(1, size + 1) if size % pp == 0]
+def factorizations(size, k):
+    """Every k-tuple of positive ints whose product is `size`."""
+    if k == 1:
+        return [(size,)]
+    return [(d,) + rest for d in range(1, size + 1) if size % d == 0 for rest in factorizations(size // d, k - 1)]
+
+
+def grid_problems(axes):
+    """What is wrong with ProcessGrid(WORLD, axes) on this rank (sizes given, none None)."""
+    names, shape = tuple(n for n, _ in axes), tuple(s for _, s in axes)
+    label = "x".join(f"{n}={s}" for n, s in axes)
+    strides = [int(np.prod(shape[k + 1:])) for k in range(len(shape))]
+    coords = tuple(RANK // stride % size for stride, size in zip(strides, shape))
+    grid = comm.ProcessGrid(WORLD, axes)
+    problems = []
+    try:
+        if (grid.axes, grid.shape, grid.rank, grid.world_size) != (names, shape, RANK, P):
+            problems.append(f"{label}: attributes {grid}")
+        if tuple(grid.index(n) for n in names) != coords or tuple(grid.size(n) for n in names) != shape:
+            problems.append(f"{label}: index/size {grid}, expected coordinates {coords}")
+        for k, name in enumerate(names):
+            c = grid.comm(name)
+            # the ranks that differ from this one only along `name`, in the order of that coordinate
+            expected = [RANK + (i - coords[k]) * strides[k] for i in range(shape[k])]
+            members = c.allgather(RANK)
+            if members != expected:
+                problems.append(f"{label}: comm({name!r}) members {members} != {expected}")
+            if c.Get_rank() != grid.index(name):
+                problems.append(f"{label}: rank in comm({name!r}) {c.Get_rank()} != index {grid.index(name)}")
+            x = np.ones(10)
+            comm.allreduce(x, c)        # what the collectives run on
+            if not np.all(x == shape[k]):
+                problems.append(f"{label}: allreduce over comm({name!r})")
+        if len(set(WORLD.allgather(coords))) != P:
+            problems.append(f"{label}: two ranks share coordinates")
+    finally:
+        grid.free()
+    return problems
 
 
 @pytest.mark.mpi
-def test_topology_factorizations():
+def test_grid_factorizations():
     problems = []
-    for dp, pp in factorizations(P):
-        topo = comm.Topology(dp=dp, pp=pp)
-        t = topo
-        exp_stage, exp_dp_rank = divmod(RANK, dp)
-        if (t.dp, t.pp, t.stage, t.dp_rank, t.rank, t.size) != (dp, pp, exp_stage, exp_dp_rank, RANK, P):
-            problems.append(f"{dp}x{pp}: attributes {t}")
-        dp_members = t.dp_comm.allgather(RANK)
-        if dp_members != [exp_stage * dp + d for d in range(dp)]:
-            problems.append(f"{dp}x{pp}: dp_comm members {dp_members}")
-        pp_members = t.pp_comm.allgather(RANK)
-        if pp_members != [s * dp + exp_dp_rank for s in range(pp)]:
-            problems.append(f"{dp}x{pp}: pp_comm members {pp_members}")
-        if t.pp_comm.Get_rank() != t.stage or t.dp_comm.Get_rank() != t.dp_rank:
-            problems.append(f"{dp}x{pp}: ranks within axis communicators")
-        prev = None if exp_stage == 0 else exp_stage - 1
-        nxt = None if exp_stage == pp - 1 else exp_stage + 1
-        if (t.prev_stage_rank, t.next_stage_rank) != (prev, nxt):
-            problems.append(f"{dp}x{pp}: prev/next {t.prev_stage_rank}/{t.next_stage_rank}")
-        if (t.is_first_stage, t.is_last_stage) != (exp_stage == 0, exp_stage == pp - 1):
-            problems.append(f"{dp}x{pp}: first/last")
-        # the data-parallel communicator is what allreduce runs on
-        x = np.ones(10)
-        comm.allreduce(x, t.dp_comm)
-        if not np.all(x == dp):
-            problems.append(f"{dp}x{pp}: allreduce over dp_comm")
-        topo.free()
-    t = comm.Topology()  # dp defaults to size // pp
-    if (t.dp, t.pp) != (P, 1):
-        problems.append(f"default {t}")
-    if t.local_rank != local_rank_by_split(WORLD):  # one node: env and split agree
-        problems.append(f"local_rank {t.local_rank} vs split {local_rank_by_split(WORLD)}")
-    t.free()
+    for pp, dp in factorizations(P, 2):
+        problems += grid_problems([("pipe", pp), ("data", dp)])
+        # today's layout: the data-parallel ranks of one stage are contiguous
+        grid = comm.ProcessGrid(WORLD, [("pipe", pp), ("data", dp)])
+        if (grid.index("pipe"), grid.index("data")) != divmod(RANK, dp):
+            problems.append(f"pipe={pp}xdata={dp}: rank {RANK} at {grid}")
+        grid.free()
+    for axes, shape in [([("pipe", 1), ("data", None)], (1, P)), ([("data", None)], (P,)),
+                        ([("pipe", P), ("data", None)], (P, 1)), ([("pipe", None), ("data", 1)], (P, 1))]:
+        grid = comm.ProcessGrid(WORLD, axes)  # None: whatever divides the world
+        if grid.shape != shape:
+            problems.append(f"{axes}: shape {grid.shape} != {shape}")
+        grid.free()
+    grid = comm.ProcessGrid(WORLD, [("data", P)])
+    if grid.local_rank != local_rank_by_split(WORLD):  # one node: env and split agree
+        problems.append(f"local_rank {grid.local_rank} vs split {local_rank_by_split(WORLD)}")
+    grid.free()
     agree(problems)
 
 
 @pytest.mark.mpi
-def test_topology_bad_shape_raises_everywhere():
-    for kw in [dict(dp=P + 1, pp=1), dict(pp=P + 1), dict(dp=P, pp=2), dict(pp=0)]:
-        with pytest.raises(ValueError, match="Topology"):
-            comm.Topology(**kw)
+def test_grid_with_a_tensor_axis():
+    # The tensor axis goes innermost; under -n 4 this covers (1, 2, 2) and (2, 1, 2).
+    problems = []
+    for pp, dp, tp in factorizations(P, 3):
+        problems += grid_problems([("pipe", pp), ("data", dp), ("tensor", tp)])
+    agree(problems)
+
+
+@pytest.mark.mpi
+def test_grid_bad_shape_raises_everywhere():
+    for axes, text in [([("pipe", 1), ("data", P + 1)], "multiply to the world size"),
+                       ([("pipe", P + 1), ("data", None)], "multiply to the world size"),
+                       ([("pipe", 2), ("data", P)], "multiply to the world size"),
+                       ([("pipe", 0), ("data", None)], "pipe must be a positive int"),
+                       ([("pipe", 1), ("data", 1.0 * P)], "data must be a positive int"),
+                       ([("pipe", None), ("data", None)], "at most one axis size may be None"),
+                       ([("data", 1), ("data", P)], "distinct"),
+                       ([], "non-empty list"),
+                       ([("pipe", 1, 2)], "non-empty list")]:
+        with pytest.raises(ValueError, match=f"ProcessGrid: .*{text}"):
+            comm.ProcessGrid(WORLD, axes)
     WORLD.Barrier()  # nobody got stuck in a Split
+
+
+def test_grid_names_its_axes():
+    grid = comm.ProcessGrid(MPI.COMM_SELF, [("pipe", 1), ("data", None), ("tensor", 1)])
+    assert grid.axes == ("pipe", "data", "tensor") and grid.shape == (1, 1, 1)
+    assert [grid.index(a) for a in grid.axes] == [0, 0, 0]
+    with pytest.raises(ValueError, match="no axis 'expert'; its axes are pipe, data, tensor"):
+        grid.size("expert")
+    assert "pipe=0/1" in repr(grid)
+    grid.free()
+    with pytest.raises(ValueError, match=r"ProcessGrid: the axis sizes must multiply to the world size: "
+                                         r"pipe=2 \* data=1 = 2 != 1 ranks"):
+        comm.ProcessGrid(MPI.COMM_SELF, [("pipe", 2), ("data", 1)])
 
 
 # ---------------------------------------------------------------------------
@@ -567,7 +621,7 @@ def test_abort_waits_until_the_launcher_has_read_the_report():
     # on MPI_Abort: the abort must wait until the pipe is drained, or the
     # message saying why the job died can be lost.
     import threading
-    from ringpipe.comm.safety import wait_until_output_is_read
+    from ringpipe.comm.abort import wait_until_output_is_read
     r, w = os.pipe()
     try:
         os.write(w, b"[ringpipe rank 1/2] ValueError: boom\n")
@@ -697,4 +751,6 @@ def test_library_inputs_are_refused_alike_on_every_rank():
     _raises_everywhere(lambda: comm.check_consistent(WORLD, "value", (1.0 + 0.4 * RANK,)),
                        RuntimeError, "inconsistent value")
     comm.check_consistent(WORLD, "value", (1.5, "x"))
-    assert comm.Topology(WORLD, dp=np.int64(P)).dp == P
+    grid = comm.ProcessGrid(WORLD, [("pipe", np.int64(1)), ("data", np.int64(P))])
+    assert grid.shape == (1, P) and isinstance(grid.size("data"), int)
+    grid.free()

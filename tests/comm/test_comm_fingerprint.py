@@ -109,7 +109,7 @@ def test_layouts_swapped_after_first_use_raise_the_same_error_everywhere(kind, n
         if not np.all(x == P * (P + 1) / 2):
             problems.append(f"the next call gave {x}")
     finally:
-        set_subchunk_bytes(comm.ring.DEFAULT_SUBCHUNK)
+        set_subchunk_bytes(settings.DEFAULT_SUBCHUNK)
         c.Free()
     agree(problems)
 

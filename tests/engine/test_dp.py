@@ -1,8 +1,9 @@
 """Data parallelism never changes the math: DP=N equals one process on the same global batch.
 
-Run with `mpiexec -n 2|4 python -m pytest --with-mpi tests/engine/test_dp.py`. Every rank
-first trains the single-process reference on COMM_SELF, then all ranks train
-together; losses and final weights must agree (float64 ~1e-10, float32 ~1e-5).
+Run with `mpiexec -n 2|4 python tests/support/mpi_pytest.py -m mpi --with-mpi tests/engine/test_dp.py`.
+Every rank first trains the single-process reference on COMM_SELF, then all ranks
+train together, both through the library entry point run(Config(...), world);
+losses and final weights must agree (float64 ~1e-10, float32 ~1e-5).
 """
 import json
 import os
@@ -12,14 +13,13 @@ import pytest
 from mpi4py import MPI
 
 from ringpipe.engine import checkpoint
-from ringpipe.engine.cli import parse_args
-from ringpipe.engine.train import train
+from ringpipe.engine.config import Config
+from ringpipe.engine.errors import ConfigError
+from ringpipe.engine.run import run
 
 world = MPI.COMM_WORLD
-BASE = ["--data", "synthetic", "--layers", "2", "--d-model", "16", "--heads", "2", "--context", "16",
-        "--batch-size", "8", "--steps", "4", "--sample-bytes", "0", "--quiet", "--overwrite"]
-
-
+BASE = dict(data="synthetic", layers=2, d_model=16, heads=2, context=16, batch_size=8, steps=4, sample_bytes=0,
+            quiet=True, overwrite=True)
 
 
 def result(out):
@@ -29,22 +29,23 @@ def result(out):
     return losses, arrays
 
 
-def run_pair(shared_dir, extra, dtype, layout=()):
+def run_pair(shared_dir, extra, dtype, layout=None):
     """One process with `extra`, then every rank with `extra` + `layout`."""
-    flags = BASE + ["--dtype", dtype] + extra
+    settings = dict(BASE, dtype=dtype, **extra)
     ref_out = os.path.join(shared_dir, f"ref{world.rank}")
-    train(parse_args(flags + ["--out", ref_out]), world=MPI.COMM_SELF)
+    run(Config(**settings, out=ref_out), world=MPI.COMM_SELF)
     dp_out = os.path.join(shared_dir, "dp")
-    train(parse_args(flags + list(layout) + ["--out", dp_out]), world=world)
+    run(Config(**settings, **(layout or {}), out=dp_out), world=world)
     world.Barrier()
     return result(ref_out), result(dp_out)
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("dtype,tol", [("float64", 1e-10), ("float32", 1e-5)])
-@pytest.mark.parametrize("extra", [[], ["--bucket-mb", "0.001"], ["--bucket-mb", "0.001", "--no-overlap"],
-                                   ["--zero", "1"], ["--optimizer", "sgd", "--zero", "1"]],
-                         ids=["one-bucket", "many-buckets", "no-overlap", "zero1", "sgd-zero1"])
+@pytest.mark.parametrize("extra", [dict(bucket_mb=25), dict(), dict(bucket_mb=0.001),
+                                   dict(bucket_mb=0.001, no_overlap=True), dict(zero=1),
+                                   dict(optimizer="sgd", zero=1)],
+                         ids=["one-bucket", "auto-buckets", "many-buckets", "no-overlap", "zero1", "sgd-zero1"])
 def test_dp_equals_single_process(shared_dir, extra, dtype, tol):
     if 8 % world.size:
         pytest.skip("global batch 8 must divide among the ranks")
@@ -56,12 +57,12 @@ def test_dp_equals_single_process(shared_dir, extra, dtype, tol):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("layout", [[], ["--pp", "2", "--microbatches", "2"]], ids=["dp", "dp-x-pp"])
+@pytest.mark.parametrize("layout", [{}, dict(pp=2, microbatches=2)], ids=["dp", "dp-x-pp"])
 def test_bf16_matmuls_under_parallelism_equal_single_process(shared_dir, layout):
     # bf16 rounding is deterministic, so mixed precision keeps invariant 1 at float32 tolerance.
     if 8 % world.size:
         pytest.skip("global batch 8 must divide among the ranks")
-    (ref_losses, ref_arrays), (par_losses, par_arrays) = run_pair(shared_dir, ["--precision", "bf16"], "float32",
+    (ref_losses, ref_arrays), (par_losses, par_arrays) = run_pair(shared_dir, dict(precision="bf16"), "float32",
                                                                   layout)
     np.testing.assert_allclose(par_losses, ref_losses, rtol=1e-5, atol=1e-5)
     for k in ref_arrays:
@@ -70,10 +71,10 @@ def test_bf16_matmuls_under_parallelism_equal_single_process(shared_dir, layout)
 
 @pytest.mark.mpi(min_size=2)
 def test_mlp_dp_equals_single_process(shared_dir):
-    flags = ["--model", "mlp", "--data", "synthetic", "--batch-size", "8", "--steps", "3", "--dtype", "float64",
-             "--quiet", "--overwrite"]
-    train(parse_args(flags + ["--out", os.path.join(shared_dir, f"ref{world.rank}")]), world=MPI.COMM_SELF)
-    train(parse_args(flags + ["--out", os.path.join(shared_dir, "dp")]), world=world)
+    settings = dict(model="mlp", data="synthetic", batch_size=8, steps=3, dtype="float64", quiet=True,
+                    overwrite=True)
+    run(Config(**settings, out=os.path.join(shared_dir, f"ref{world.rank}")), world=MPI.COMM_SELF)
+    run(Config(**settings, out=os.path.join(shared_dir, "dp")), world=world)
     world.Barrier()
     ref, dp = result(os.path.join(shared_dir, f"ref{world.rank}")), result(os.path.join(shared_dir, "dp"))
     np.testing.assert_allclose(dp[0], ref[0], rtol=1e-10)
@@ -82,12 +83,11 @@ def test_mlp_dp_equals_single_process(shared_dir):
 @pytest.mark.mpi(min_size=2)
 def test_batch_that_does_not_divide_is_refused_on_every_rank(shared_dir):
     bad = world.size + 1
-    with pytest.raises(SystemExit, match=f"--batch-size {bad} does not divide among {world.size}"):
-        train(parse_args(BASE + ["--batch-size", str(bad), "--out", os.path.join(shared_dir, "bad")]), world=world)
+    with pytest.raises(ConfigError, match=f"batch_size {bad} does not divide among {world.size}"):
+        run(Config(**dict(BASE, batch_size=bad), out=os.path.join(shared_dir, "bad")), world=world)
 
 
 @pytest.mark.mpi(min_size=2)
 def test_dp_that_does_not_match_ranks_is_refused(shared_dir):
-    with pytest.raises(SystemExit, match="dp"):
-        train(parse_args(BASE + ["--dp", str(world.size + 1), "--out", os.path.join(shared_dir, "bad")]),
-              world=world)
+    with pytest.raises(ConfigError, match=f"dp {world.size + 1} x pp 1 = {world.size + 1} does not match"):
+        run(Config(**BASE, dp=world.size + 1, out=os.path.join(shared_dir, "bad")), world=world)

@@ -160,5 +160,5 @@ def test_node_without_cupy_stops_every_rank_naming_it(tmp_path):
                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r
     assert ("error: the device setup failed on rank(s) [1] only (does every node have CuPy and a visible GPU?): "
-            "rank 1: error: --device cuda needs CuPy") in r.stderr, r.stderr[-2000:]
+            "rank 1: --device cuda needs CuPy") in r.stderr, r.stderr[-2000:]
     assert time.time() - t0 < 60

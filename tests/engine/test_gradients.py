@@ -10,7 +10,7 @@ import pytest
 from ringpipe.engine import layers as L
 from ringpipe.engine.gpt import GPTConfig, gpt_layers
 from ringpipe.engine.mlp import MLPConfig, mlp_layers
-from ringpipe.engine.model import Stage
+from ringpipe.engine.model import LayerChain
 from ringpipe.engine.params import ParamBuffer
 
 EPS = 1e-5
@@ -148,7 +148,7 @@ def check_model(stage, x, targets, check_input):
 def test_whole_gpt_all_parameters():
     # Small vocab so that every element of every parameter (tied wte included) is checked quickly.
     cfg = GPTConfig(n_layer=2, d_model=8, n_head=2, context=6, vocab=11)
-    stage = Stage(gpt_layers(cfg), dtype=np.float64)
+    stage = LayerChain(gpt_layers(cfg), dtype=np.float64)
     tokens = rng.integers(0, 11, size=(2, 5))
     targets = rng.integers(0, 11, size=(2, 5))
     check_model(stage, tokens, targets, check_input=False)
@@ -157,13 +157,13 @@ def test_whole_gpt_all_parameters():
 def test_gpt_blocks_and_head_input_gradient():
     # Tokens are discrete; the input gradient that matters is the one into the first block.
     cfg = GPTConfig(n_layer=2, d_model=8, n_head=2, context=6, vocab=11)
-    stage = Stage(gpt_layers(cfg)[1:], dtype=np.float64)
+    stage = LayerChain(gpt_layers(cfg)[1:], dtype=np.float64)
     x = rng.normal(size=(2, 5, 8))
     check_model(stage, x, rng.integers(0, 11, size=(2, 5)), check_input=True)
 
 
 def test_whole_mlp_parameters_and_inputs():
-    stage = Stage(mlp_layers(MLPConfig(n_in=6, hidden=7, n_layer=2, n_classes=4)), dtype=np.float64)
+    stage = LayerChain(mlp_layers(MLPConfig(n_in=6, hidden=7, n_layer=2, n_classes=4)), dtype=np.float64)
     check_model(stage, rng.normal(size=(5, 6)), rng.integers(0, 4, size=5), check_input=True)
 
 
@@ -172,7 +172,7 @@ def test_zero_bubble_split_equals_full_backward():
     tokens, targets = rng.integers(0, 11, size=(2, 5)), rng.integers(0, 11, size=(2, 5))
     grads = []
     for split in (False, True):
-        stage = Stage(gpt_layers(cfg), dtype=np.float64)
+        stage = LayerChain(gpt_layers(cfg), dtype=np.float64)
         stage.params.init(0)
         _, ctxs = stage.forward(tokens, targets, grad_scale=0.1)
         if split:
@@ -186,7 +186,7 @@ def test_zero_bubble_split_equals_full_backward():
 
 def test_ready_callbacks_cover_every_parameter_once():
     cfg = GPTConfig(n_layer=2, d_model=8, n_head=2, context=6, vocab=11)
-    stage = Stage(gpt_layers(cfg), dtype=np.float64)
+    stage = LayerChain(gpt_layers(cfg), dtype=np.float64)
     stage.params.init(0)
     seen = []
     stage.loss_and_grad(rng.integers(0, 11, size=(1, 4)), rng.integers(0, 11, size=(1, 4)), 1.0,

@@ -15,6 +15,7 @@ import time
 import pytest
 
 from ringpipe.engine import lifecycle
+from ringpipe.engine.errors import ConfigError
 from ringpipe.engine.lifecycle import LauncherError, REQUEUE_EXIT_CODE, StopFlag, Watchdog, check_launcher
 
 
@@ -124,7 +125,7 @@ def test_check_launcher_refuses_singleton_under_srun_mpich():
     assert "srun --mpi=pmi2" in msg and "MPICH Version:      4.2.0" in msg
     assert "rank 0 of 1" in msg and "4 tasks" in msg and "none" in msg
     assert "Release date" not in msg                       # first line of the version only
-    assert isinstance(e.value, SystemExit) and e.value.code == msg   # trainer prints it once, exits 2
+    assert isinstance(e.value, ConfigError) and str(e.value) == msg   # every task prints it, exits 2
 
 
 def test_check_launcher_refuses_singleton_under_srun_openmpi():

@@ -1,7 +1,8 @@
 """Pipeline (and DP x PP) training equals one process: losses, gradients, weights (float64 ~1e-10).
 
 Run with `mpiexec -n 2|4 python tests/support/mpi_pytest.py -m mpi --with-mpi tests/engine/test_pipeline.py`.
-Every rank first trains the single-process reference on COMM_SELF, then the grid.
+Every rank first trains the single-process reference on COMM_SELF, then the grid, both
+through the library entry point run(Config(...), world).
 """
 import json
 import os
@@ -11,19 +12,18 @@ import pytest
 from mpi4py import MPI
 
 from ringpipe.engine import checkpoint
-from ringpipe.engine.cli import parse_args
-from ringpipe.engine.train import train
+from ringpipe.engine.config import Config
+from ringpipe.engine.errors import ConfigError
+from ringpipe.engine.run import run
 
 world = MPI.COMM_WORLD
 TOL = 1e-10
 
 
-def base(layers, batch):
-    return ["--data", "synthetic", "--layers", str(layers), "--d-model", "8", "--heads", "2", "--context", "8",
-            "--batch-size", str(batch), "--steps", "3", "--dtype", "float64", "--sample-bytes", "0", "--quiet",
-            "--overwrite", "--eval-every", "3", "--eval-batches", "1"]
-
-
+def base(layers, batch, **more):
+    return Config(**{**dict(data="synthetic", layers=layers, d_model=8, heads=2, context=8, batch_size=batch,
+                            steps=3, dtype="float64", sample_bytes=0, quiet=True, overwrite=True, eval_every=3,
+                            eval_batches=1), **more})
 
 
 def metrics(out):
@@ -47,16 +47,14 @@ def test_pipeline_equals_single_process(shared_dir, schedule, pp, dp, m):
         pytest.skip("no pp in {2,4} with dp in {1,2} fits this many ranks")
     chunks = 2 if schedule == "interleaved" else 1
     layers = max(2, pp * chunks)
-    flags = base(layers, batch=dp * m * 2)
     tag = f"{schedule}-{pp}-{dp}-{m}"
     ref_out = os.path.join(shared_dir, f"ref-{tag}-{world.rank}")
-    ref = train(parse_args(flags + ["--out", ref_out]), world=MPI.COMM_SELF)
-    grid_flags = flags + ["--pp", str(pp), "--dp", str(dp), "--schedule", schedule, "--microbatches", str(m),
-                          "--chunks", str(chunks), "--out", os.path.join(shared_dir, f"grid-{tag}")]
+    ref = run(base(layers, dp * m * 2, out=ref_out), world=MPI.COMM_SELF).model
     try:
-        grid = train(parse_args(grid_flags), world=world)
-    except SystemExit as e:      # a schedule that cannot support this m must say so clearly
-        assert schedule == "interleaved" and "micro" in str(e.code), e.code
+        grid = run(base(layers, dp * m * 2, pp=pp, dp=dp, schedule=schedule, microbatches=m, chunks=chunks,
+                        out=os.path.join(shared_dir, f"grid-{tag}")), world=world).model
+    except ConfigError as e:      # a schedule that cannot support this m must say so clearly
+        assert schedule == "interleaved" and "micro" in str(e), e
         return
     world.Barrier()
     ref_m, grid_m = metrics(ref_out), metrics(os.path.join(shared_dir, f"grid-{tag}"))
@@ -75,7 +73,7 @@ def test_pipeline_equals_single_process(shared_dir, schedule, pp, dp, m):
     for k in ref_arrays:
         np.testing.assert_allclose(grid_arrays[k], ref_arrays[k], rtol=TOL, atol=TOL, err_msg=k)
     # activation memory, from the executor's own accounting
-    s, peak = grid.topo.stage, grid.executor.peak_in_flight
+    s, peak = world.rank // dp, grid.inner.executor.peak_in_flight
     if schedule == "gpipe":
         assert peak == m
     elif schedule == "1f1b":
@@ -84,33 +82,29 @@ def test_pipeline_equals_single_process(shared_dir, schedule, pp, dp, m):
 
 @pytest.mark.mpi(min_size=2)
 def test_more_stages_than_layers_is_refused(shared_dir):
-    with pytest.raises(SystemExit, match="only 1 layers"):
-        train(parse_args(base(1, 4) + ["--pp", str(world.size), "--out", os.path.join(shared_dir, "bad1")]),
-              world=world)
+    with pytest.raises(ConfigError, match="only 1 layers"):
+        run(base(1, 4, pp=world.size, out=os.path.join(shared_dir, "bad1")), world=world)
 
 
 @pytest.mark.mpi(min_size=2)
 def test_grid_that_does_not_match_ranks_is_refused(shared_dir):
-    with pytest.raises(SystemExit, match="dp \\* pp must equal the world size"):
-        train(parse_args(base(4, 4) + ["--pp", str(world.size), "--dp", "2", "--out",
-                                       os.path.join(shared_dir, "bad2")]), world=world)
+    with pytest.raises(ConfigError, match=f"dp 2 x pp {world.size} = {2 * world.size} does not match"):
+        run(base(4, 4, pp=world.size, dp=2, out=os.path.join(shared_dir, "bad2")), world=world)
 
 
 @pytest.mark.mpi(min_size=2)
 def test_microbatches_that_do_not_divide_the_batch_are_refused(shared_dir):
-    with pytest.raises(SystemExit, match="does not split into --microbatches 3"):
-        train(parse_args(base(4, 4) + ["--pp", str(world.size), "--microbatches", "3", "--out",
-                                       os.path.join(shared_dir, "bad3")]), world=world)
+    with pytest.raises(ConfigError, match="does not split into microbatches 3"):
+        run(base(4, 4, pp=world.size, microbatches=3, out=os.path.join(shared_dir, "bad3")), world=world)
 
 
 @pytest.mark.mpi(min_size=2)
 def test_trace_and_balanced_partition(shared_dir):
     out = os.path.join(shared_dir, "traced")
-    flags = base(world.size, 4) + ["--pp", str(world.size), "--microbatches", "4", "--partition", "balanced",
-                                   "--trace", os.path.join(out, "trace"), "--out", out]
     ref_out = os.path.join(shared_dir, f"traced-ref{world.rank}")
-    train(parse_args(base(world.size, 4) + ["--out", ref_out]), world=MPI.COMM_SELF)
-    train(parse_args(flags), world=world)
+    run(base(world.size, 4, out=ref_out), world=MPI.COMM_SELF)
+    run(base(world.size, 4, pp=world.size, microbatches=4, partition="balanced", trace=os.path.join(out, "trace"),
+             out=out), world=world)
     world.Barrier()
     # balanced partition changes where layers run, never the math
     np.testing.assert_allclose([r["loss"] for r in metrics(out)], [r["loss"] for r in metrics(ref_out)],
@@ -131,20 +125,17 @@ def test_checkpoint_from_one_layout_resumes_in_another(shared_dir):
     all reach the uninterrupted single-process trajectory."""
     if world.size != 4:
         pytest.skip("written for 4 ranks")
-    flags = base(4, 8)[:]
-    flags[flags.index("--steps") + 1] = "6"
     ref_out = os.path.join(shared_dir, f"relayout-ref{world.rank}")
-    train(parse_args(flags + ["--out", ref_out]), world=MPI.COMM_SELF)
+    run(base(4, 8, steps=6, out=ref_out), world=MPI.COMM_SELF)
     first = os.path.join(shared_dir, "relayout-22")
-    train(parse_args(flags + ["--pp", "2", "--dp", "2", "--microbatches", "2", "--checkpoint-every", "3",
-                              "--out", first]), world=world)
+    run(base(4, 8, steps=6, pp=2, dp=2, microbatches=2, checkpoint_every=3, out=first), world=world)
     world.Barrier()
     ckpt = os.path.join(first, "checkpoints", "ckpt_00000003.json")
     ref_arrays, _ = checkpoint.load(os.path.join(ref_out, "checkpoints"))
-    for name, layout, comm_ in (("41", ["--dp", "4"], world), ("14", ["--pp", "4", "--microbatches", "4"], world),
-                                (f"11-{world.rank}", [], MPI.COMM_SELF)):
+    for name, layout, comm_ in (("41", dict(dp=4), world), ("14", dict(pp=4, microbatches=4), world),
+                                (f"11-{world.rank}", {}, MPI.COMM_SELF)):
         out = os.path.join(shared_dir, f"relayout-{name}")
-        train(parse_args(flags + layout + ["--resume", ckpt, "--out", out]), world=comm_)
+        run(base(4, 8, steps=6, resume=ckpt, out=out, **layout), world=comm_)
         world.Barrier()
         arrays, manifest = checkpoint.load(os.path.join(out, "checkpoints"))
         assert manifest["step"] == 6

@@ -19,8 +19,7 @@ import numpy as np
 import pytest
 
 from ringpipe.engine import checkpoint, rundir
-from ringpipe.engine.cli import parse_args
-from ringpipe.engine.train import train
+from ringpipe.engine.cli import run_flags
 from tests.engine.test_faults import MPIEXEC, ROOT, TINY as TINY_MPI, ends_within, rank_pids, wait_for_steps
 
 TINY = ["--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16",
@@ -30,7 +29,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_
 
 
 def run(out, *extra):
-    train(parse_args(TINY + ["--out", str(out)] + list(extra)))
+    run_flags(TINY + ["--out", str(out)] + list(extra))
     return str(out)
 
 
@@ -198,8 +197,8 @@ def test_a_fifo_named_like_a_manifest_does_not_block_resume(tmp_path):
 def test_nan_gradient_norm_stops_before_the_update_and_nothing_poisoned_is_saved(tmp_path):
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as e:    # the default GPT: its gradient norm goes NaN while the loss is finite
-        train(parse_args(["--data", "synthetic", "--sample-bytes", "0", "--quiet", "--out", str(out),
-                          "--lr", "1e6", "--steps", "30", "--checkpoint-every", "1"]))
+        run_flags(["--data", "synthetic", "--sample-bytes", "0", "--quiet", "--out", str(out),
+                          "--lr", "1e6", "--steps", "30", "--checkpoint-every", "1"])
     message = str(e.value.code)
     assert "training diverged" in message
     for path in checkpoint.list_checkpoints(str(out / "checkpoints")):
@@ -366,7 +365,7 @@ def test_data_path_alone_means_text_and_with_synthetic_is_refused(tmp_path, caps
     text.write_text("hello world, this is text. " * 200)
     run(tmp_path / "a", "--data-path", str(text), "--steps", "1", "--data", "text")
     args = [a for a in TINY if a not in ("--data", "synthetic")]
-    train(parse_args(args + ["--out", str(tmp_path / "b"), "--data-path", str(text), "--steps", "1"]))
+    run_flags(args + ["--out", str(tmp_path / "b"), "--data-path", str(text), "--steps", "1"])
     said = capsys.readouterr().out
     assert "reading it as --data text" in said and "1 file, 5.3 KiB, memory-mapped" in said
     with pytest.raises(SystemExit, match="--data-path is read only with --data text"):
@@ -381,8 +380,8 @@ def test_text_folder_says_what_it_read_skips_binaries_and_the_cap(tmp_path, caps
     (folder / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 8)
     (folder / "__init__.py").write_text("")
     args = [a for a in TINY if a not in ("--data", "synthetic")]
-    train(parse_args(args + ["--out", str(tmp_path / "r"), "--data", "text", "--data-path", str(folder),
-                             "--steps", "1", "--max-data-mb", "0.02"]))
+    run_flags(args + ["--out", str(tmp_path / "r"), "--data", "text", "--data-path", str(folder),
+                             "--steps", "1", "--max-data-mb", "0.02"])
     said = capsys.readouterr().out
     assert "binary or special file(s) skipped (e.g. image.png)" in said
     assert "stopped at the 0.02 MiB limit" in said and "--max-data-mb raises it" in said
@@ -400,8 +399,8 @@ def test_small_folder_whose_validation_file_is_empty_still_trains(tmp_path):
     for i, name in enumerate(names):
         (folder / name).write_text(f"def f{i}(x):\n    return x + {i}\n" * 400)
     args = [a for a in TINY if a not in ("--data", "synthetic")]
-    train(parse_args(args + ["--out", str(tmp_path / "r"), "--data", "text", "--data-path", str(folder),
-                             "--steps", "1"]))
+    run_flags(args + ["--out", str(tmp_path / "r"), "--data", "text", "--data-path", str(folder),
+                             "--steps", "1"])
 
 
 @pytest.mark.parametrize("path, says", [("/dev/zero", "is a character device"), ("fifo", "is a FIFO")])
@@ -466,7 +465,7 @@ def test_auto_buckets_give_several_buckets_for_the_default_model():
     from ringpipe.comm.buckets import _make_buckets
     from ringpipe.engine.gpt import GPTConfig, gpt_layers
     from ringpipe.engine.params import ParamBuffer
-    from ringpipe.engine.train import bucket_sizes
+    from ringpipe.engine.parallel.data import bucket_sizes
     specs = [s for layer in gpt_layers(GPTConfig()) for s in layer.specs()]
     params = ParamBuffer(specs)
     size, first = bucket_sizes(None, params.grad.nbytes)

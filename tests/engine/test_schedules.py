@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from ringpipe.engine.pipeline import (
-    B, F, I, RECV_F, SEND_F, W, Action, ScheduleError, ascii_timeline, bubble_formula, gpipe,
+    B, F, I, RECV_F, SEND_F, W, Action, ScheduleError, ascii_timeline, bubble_formula, forward_only, gpipe,
     interleaved_1f1b, make_schedule, one_f_one_b, parse_actions, parse_schedule, plot_timeline, simulate,
     theoretical_bubble, validate, zero_bubble_h1,
 )
@@ -55,10 +55,10 @@ def test_interleaved_is_valid_for_any_m(p, v, ragged):
             assert len(schedule.compute_order(rank)) == 2 * m * v
 
 
-def test_every_rank_ends_with_reduce_then_step():
+def test_every_rank_ends_with_reduce_grad():
     for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 3), ("zbh1", 1)):
         for actions in make_schedule(name, 4, 6, v).ranks:
-            assert [a.kind for a in actions[-2:]] == ["REDUCE_GRAD", "OPT_STEP"]
+            assert actions[-1].kind == "REDUCE_GRAD" and all(a.kind != "REDUCE_GRAD" for a in actions[:-1])
 
 
 def test_single_rank_passes_data_locally():
@@ -168,7 +168,7 @@ def test_in_flight_bounds():
 
 
 def test_in_flight_counts_each_chunk_separately():
-    schedule = parse_schedule("F0.0 F0.1 B0.1 B0.0 RG OPT", v=2)
+    schedule = parse_schedule("F0.0 F0.1 B0.1 B0.0 RG", v=2)
     assert schedule.micro_batches_in_flight(0) == 2
 
 
@@ -177,8 +177,8 @@ def test_in_flight_counts_each_chunk_separately():
 # ---------------------------------------------------------------------------
 
 GOOD_P2_M2 = """
-rank 0: RB0 RB1 F0 SF0 F1 SF1 B0 B1 RG OPT
-rank 1: RF0 RF1 F0 B0 SB0 F1 B1 SB1 RG OPT
+rank 0: RB0 RB1 F0 SF0 F1 SF1 B0 B1 RG
+rank 1: RF0 RF1 F0 B0 SB0 F1 B1 SB1 RG
 """
 
 
@@ -214,8 +214,8 @@ def test_cyclic_wait_is_reported_as_deadlock():
     # Rank 1 insists on micro-batch 1 first, which rank 0 only forwards after
     # B0, which needs rank 1's gradient of micro-batch 0.
     error = broken("""
-        rank 0: RB0 F0 SF0 B0 RB1 F1 SF1 B1 RG OPT
-        rank 1: RF1 F1 B1 SB1 RF0 F0 B0 SB0 RG OPT
+        rank 0: RB0 F0 SF0 B0 RB1 F1 SF1 B1 RG
+        rank 1: RF1 F1 B1 SB1 RF0 F0 B0 SB0 RG
     """)
     assert error.rule == "deadlock" and set(error.stuck) == {0, 1}
     text = str(error)
@@ -228,9 +228,8 @@ def test_other_rules():
     cases = {
         "send-recv-match": GOOD_P2_M2.replace(" SB1 RG", " RG"),          # RB1 never matched
         "send-after-compute": GOOD_P2_M2.replace("F0 SF0", "SF0 F0"),
-        "compute-count": GOOD_P2_M2.replace("B1 RG OPT\nrank 1", "RG OPT\nrank 1"),
+        "compute-count": GOOD_P2_M2.replace("B1 RG\nrank 1", "RG\nrank 1"),
         "reduce-grad": GOOD_P2_M2.replace("B0 B1 RG", "B0 RG B1"),
-        "opt-step": GOOD_P2_M2.replace("B1 SB1 RG OPT", "B1 SB1 OPT RG"),
         "no-peer": GOOD_P2_M2.replace("RB0 RB1 F0", "RF0 RB0 RB1 F0"),
     }
     for rule, text in cases.items():
@@ -238,30 +237,30 @@ def test_other_rules():
 
 
 def test_split_backward_rules():
-    validate(parse_schedule("F0 I0 W0 RG OPT"))
-    assert broken("F0 W0 I0 RG OPT").rule == "order"
-    assert broken("F0 I0 RG OPT").rule == "compute-count"
-    assert broken("F0 B0 W0 RG OPT").rule == "compute-count"
+    validate(parse_schedule("F0 I0 W0 RG"))
+    assert broken("F0 W0 I0 RG").rule == "order"
+    assert broken("F0 I0 RG").rule == "compute-count"
+    assert broken("F0 B0 W0 RG").rule == "compute-count"
 
 
 def test_single_rank_rules():
-    assert broken("F0 SF0 B0 RG OPT").rule == "local-stages"
-    assert broken("F0.1 F0.0 B0.1 B0.0 RG OPT").rule == "local-dependency"
-    assert broken("F0.0 F0.1 B0.0 B0.1 RG OPT").rule == "local-dependency"
+    assert broken("F0 SF0 B0 RG").rule == "local-stages"
+    assert broken("F0.1 F0.0 B0.1 B0.0 RG").rule == "local-dependency"
+    assert broken("F0.0 F0.1 B0.0 B0.1 RG").rule == "local-dependency"
 
 
 def test_simulate_reports_deadlock_without_raising():
-    result = simulate(parse_schedule("rank 0: RB0 B0 F0 SF0 RG OPT\nrank 1: RF0 F0 B0 SB0 RG OPT"))
+    result = simulate(parse_schedule("rank 0: RB0 B0 F0 SF0 RG\nrank 1: RF0 F0 B0 SB0 RG"))
     assert result.deadlock.startswith("deadlock: ") and set(result.stuck) == {0, 1}
     assert "needs its own F0" in result.stuck[0]
     assert "SF0 not executed yet; rank 0 is stuck at #1 B0" in result.stuck[1]
 
 
 def test_unreceived_send_hangs_the_step():
-    result = simulate(parse_schedule("rank 0: RB0 F0 SF0 SF0 B0 RG OPT\nrank 1: RF0 F0 B0 SB0 RG OPT"))
+    result = simulate(parse_schedule("rank 0: RB0 F0 SF0 SF0 B0 RG\nrank 1: RF0 F0 B0 SB0 RG"))
     assert result.deadlock is None  # a duplicate send is a validator matter
     # SF1 feeds no compute on rank 1: both lists run out, the Isend never completes.
-    result = simulate(parse_schedule("rank 0: RB0 F0 SF0 SF1 B0 RG OPT\nrank 1: RF0 F0 B0 SB0 RG OPT"))
+    result = simulate(parse_schedule("rank 0: RB0 F0 SF0 SF1 B0 RG\nrank 1: RF0 F0 B0 SB0 RG"))
     assert list(result.stuck) == [0] and "SF1 is never received (rank 1 posts no RF1)" in result.stuck[0]
 
 
@@ -281,8 +280,8 @@ def test_latency_and_per_rank_costs():
 def test_transfer_starts_when_the_receive_is_posted():
     # Rank 1 posts RF1 only after F0, so the second transfer's latency is exposed.
     late = parse_schedule("""
-        rank 0: RB0 RB1 F0 SF0 F1 SF1 B0 B1 RG OPT
-        rank 1: RF0 F0 RF1 F1 B0 SB0 B1 SB1 RG OPT
+        rank 0: RB0 RB1 F0 SF0 F1 SF1 B0 B1 RG
+        rank 1: RF0 F0 RF1 F1 B0 SB0 B1 SB1 RG
     """)
     early = parse_schedule(str(late).replace("RF0 F0 RF1", "RF0 RF1 F0"))
 
@@ -311,9 +310,9 @@ def test_str_parse_round_trip():
 
 
 def test_compact_action_format():
-    assert parse_actions("F3 B3 I3 W3 SF3 RF3 SB3 RB3 RG OPT F3.1, SB0.2") == [
+    assert parse_actions("F3 B3 I3 W3 SF3 RF3 SB3 RB3 RG F3.1, SB0.2") == [
         Action(F, 3), Action(B, 3), Action(I, 3), Action(W, 3), Action(SEND_F, 3), Action(RECV_F, 3),
-        Action("SEND_B", 3), Action("RECV_B", 3), Action("REDUCE_GRAD"), Action("OPT_STEP"),
+        Action("SEND_B", 3), Action("RECV_B", 3), Action("REDUCE_GRAD"),
         Action(F, 3, 1), Action("SEND_B", 0, 2)]
     assert str(Action(F, 3)) == "F3" and str(Action(F, 3, 1)) == "F3.1"
     assert Action(F, 3).compact(show_chunk=True) == "F3.0"
@@ -322,12 +321,12 @@ def test_compact_action_format():
     with pytest.raises(ValueError):
         Action("F")
     with pytest.raises(ValueError):
-        Action("OPT_STEP", 1)
+        Action("REDUCE_GRAD", 1)
 
 
 def test_schedule_str_is_one_line_per_rank():
     lines = str(one_f_one_b(2, 1)).splitlines()
-    assert lines == ["rank 0: RB0 F0 SF0 B0 RG OPT", "rank 1: RF0 F0 B0 SB0 RG OPT"]
+    assert lines == ["rank 0: RB0 F0 SF0 B0 RG", "rank 1: RF0 F0 B0 SB0 RG"]
 
 
 def test_peer_and_message_key_wrap_around_chunks():
@@ -375,3 +374,30 @@ def test_cli(capsys):
     assert "lower bound" in out and "SF" not in out
     assert main(["--schedule", "1f1b", "-p", "4", "-m", "0"]) == 2
     assert "m (micro-batches) must be an integer >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("p,m,v", [(1, 3, 1), (2, 3, 1), (4, 2, 1), (2, 4, 2), (1, 2, 3), (3, 5, 2)])
+def test_forward_only_schedule_for_evaluation(p, m, v):
+    """What evaluation runs through the executor: one F per (micro-batch, chunk), its
+    messages, no backward and no REDUCE_GRAD; valid and deadlock-free."""
+    s = forward_only(p, m, v)
+    validate(s)
+    assert not s.training
+    for rank, actions in enumerate(s.ranks):
+        assert {a.kind for a in actions} <= {"F", "SEND_F", "RECV_F"}
+        assert sorted((a.mb, a.chunk) for a in actions if a.kind == "F") == [(mb, c) for mb in range(m)
+                                                                              for c in range(v)]
+    assert not simulate(s).deadlock
+
+
+def test_forward_only_rules():
+    s = forward_only(2, 2)
+    s.ranks[0].append(Action("REDUCE_GRAD"))
+    with pytest.raises(ScheduleError) as e:
+        validate(s)
+    assert e.value.rule == "reduce-grad"
+    s = forward_only(1, 1)
+    s.ranks[0].append(Action("B", 0))
+    with pytest.raises(ScheduleError) as e:
+        validate(s)
+    assert e.value.rule == "compute-count"

@@ -9,8 +9,7 @@ import pytest
 
 from ringpipe.engine import checkpoint
 from ringpipe.engine.data import FASHION_MNIST_DIR, load_stdlib_corpus
-from ringpipe.engine.cli import parse_args
-from ringpipe.engine.train import train
+from ringpipe.engine.cli import run_flags
 
 from tests.support import ROOT
 TINY = ["--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16",
@@ -19,7 +18,7 @@ TINY = ["--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2
 
 def run(tmp_path, *extra, name="run"):
     out = str(tmp_path / name)
-    train(parse_args(TINY + ["--out", out] + list(extra)))
+    run_flags(TINY + ["--out", out] + list(extra))
     return out
 
 
@@ -41,9 +40,9 @@ def test_gpt_learns_the_stdlib_corpus(tmp_path):
     below the baseline leaves room for noise yet fails any model that only learned
     byte frequencies (which stalls right at the baseline)."""
     out = str(tmp_path / "learn")
-    train(parse_args(["--layers", "2", "--d-model", "64", "--heads", "4", "--context", "64",
+    run_flags(["--layers", "2", "--d-model", "64", "--heads", "4", "--context", "64",
                       "--batch-size", "16", "--steps", "150", "--lr", "3e-3", "--eval-batches", "4",
-                      "--sample-bytes", "0", "--quiet", "--out", out]))
+                      "--sample-bytes", "0", "--quiet", "--out", out])
     with open(os.path.join(out, "metrics.jsonl")) as fh:
         records = [json.loads(line) for line in fh]
     val = records[-1]["val_loss"]
@@ -71,7 +70,7 @@ def test_resume_gives_the_uninterrupted_trajectory(tmp_path, optimizer):
     # throw away the end of the second run and redo it from its step-3 checkpoint
     os.remove(os.path.join(part, "checkpoints", "ckpt_00000006.json"))
     os.remove(os.path.join(part, "checkpoints", "ckpt_00000006.npz"))
-    train(parse_args(TINY + ["--out", part, "--steps", "6", "--optimizer", optimizer, "--resume", "auto"]))
+    run_flags(TINY + ["--out", part, "--steps", "6", "--optimizer", optimizer, "--resume", "auto"])
     assert losses(part)[-3:] == losses(full)[-3:]
     pf, pp = final_params(full), final_params(part)
     assert all(np.array_equal(pf[k], pp[k]) for k in pf)
@@ -101,8 +100,8 @@ def test_bf16_precision_needs_float32(tmp_path):
 
 def test_mlp_learns_synthetic(tmp_path):
     out = str(tmp_path / "mlp")
-    train(parse_args(["--model", "mlp", "--data", "synthetic", "--steps", "40", "--batch-size", "32",
-                      "--lr", "3e-3", "--quiet", "--out", out]))
+    run_flags(["--model", "mlp", "--data", "synthetic", "--steps", "40", "--batch-size", "32",
+                      "--lr", "3e-3", "--quiet", "--out", out])
     ls = losses(out)
     assert ls[-1] < 0.5 * ls[0]
 
@@ -111,8 +110,8 @@ def test_mlp_learns_synthetic(tmp_path):
                     reason="Debian package dataset-fashion-mnist not installed (.ci/run installs it)")
 def test_mlp_on_fashion_mnist(tmp_path):
     out = str(tmp_path / "fm")
-    train(parse_args(["--model", "mlp", "--steps", "60", "--batch-size", "64", "--lr", "2e-3",
-                      "--quiet", "--out", out]))
+    run_flags(["--model", "mlp", "--steps", "60", "--batch-size", "64", "--lr", "2e-3",
+                      "--quiet", "--out", out])
     with open(os.path.join(out, "metrics.jsonl")) as fh:
         val = [json.loads(line) for line in fh][-1]["val_loss"]
     assert val < 1.0          # chance is ln(10) = 2.30
@@ -159,7 +158,7 @@ def test_output_folder_that_cannot_be_made_is_refused_before_the_data_loads(tmp_
     (tmp_path / "afile").write_text("not a folder")
     where = ["--out", str(tmp_path / "run")] if flag == "--trace" else []
     with pytest.raises(SystemExit, match=rf"cannot create the folder {flag} .*afile/x.*pass {flag} a folder"):
-        train(parse_args(TINY + where + [flag, str(tmp_path / "afile" / "x")]))
+        run_flags(TINY + where + [flag, str(tmp_path / "afile" / "x")])
 
 
 def test_cuda_aware_setting_is_checked_on_the_cpu_too(tmp_path, monkeypatch):
@@ -215,7 +214,7 @@ def test_checkpoint_never_unpickles(tmp_path):
 def test_resume_with_changed_trajectory_flags_says_so(tmp_path, capsys):
     out = run(tmp_path, "--steps", "2")
     capsys.readouterr()
-    train(parse_args(TINY + ["--out", out, "--steps", "3", "--resume", "auto", "--seed", "7", "--dp", "1"]))
+    run_flags(TINY + ["--out", out, "--steps", "3", "--resume", "auto", "--seed", "7", "--dp", "1"])
     said = capsys.readouterr().out
     assert "note: resuming with --seed 7 where the checkpoint's run had 1337" in said
     assert "--dp" not in said.split("resumed from")[1], "a layout change is not a trajectory change"
@@ -229,8 +228,8 @@ def test_existing_run_is_not_overwritten(tmp_path):
 
 def test_absent_dataset_names_the_package(tmp_path):
     with pytest.raises(SystemExit, match="apt-get install dataset-fashion-mnist"):
-        train(parse_args(["--model", "mlp", "--data", "fashion-mnist", "--data-path", str(tmp_path),
-                          "--out", str(tmp_path / "x"), "--quiet"]))
+        run_flags(["--model", "mlp", "--data", "fashion-mnist", "--data-path", str(tmp_path),
+                          "--out", str(tmp_path / "x"), "--quiet"])
 
 
 def test_nan_loss_stops_naming_the_step_and_keeps_last_good_checkpoint(tmp_path):
@@ -238,8 +237,8 @@ def test_nan_loss_stops_naming_the_step_and_keeps_last_good_checkpoint(tmp_path)
     # continue the same run with an absurd learning rate: it must blow up, name the
     # step, and leave the step-3 checkpoint as the newest valid one
     with pytest.raises(SystemExit, match=r"loss is (nan|inf) at step \d+.*ckpt_00000003"):
-        train(parse_args(TINY + ["--out", out, "--steps", "40", "--lr", "1e30", "--grad-clip", "0",
-                                 "--warmup", "1", "--resume", "auto"]))
+        run_flags(TINY + ["--out", out, "--steps", "40", "--lr", "1e30", "--grad-clip", "0",
+                                 "--warmup", "1", "--resume", "auto"])
     assert checkpoint.find_latest(os.path.join(out, "checkpoints")).endswith("ckpt_00000003.json")
 
 
@@ -275,7 +274,7 @@ def test_cli_runs_plain_and_under_mpiexec(tmp_path, launcher):
 
 def test_resume_accepts_a_run_directory(tmp_path):
     out = run(tmp_path, "--steps", "2")
-    train(parse_args(TINY + ["--out", str(tmp_path / "next"), "--steps", "3", "--resume", out]))
+    run_flags(TINY + ["--out", str(tmp_path / "next"), "--steps", "3", "--resume", out])
     assert len(losses(str(tmp_path / "next"))) == 1        # only step 3 was left to do
 
 
@@ -292,5 +291,5 @@ def test_text_folder_reads_txt_and_md(tmp_path):
     for i in range(12):
         (folder / f"note{i}.md").write_text("the quick brown fox jumps over the lazy dog\n" * 20)
     out = str(tmp_path / "t")
-    train(parse_args(TINY[2:] + ["--data", "text", "--data-path", str(folder), "--steps", "2", "--out", out]))
+    run_flags(TINY[2:] + ["--data", "text", "--data-path", str(folder), "--steps", "2", "--out", out])
     assert len(losses(out)) == 2

@@ -4,7 +4,6 @@ The job must still end, not hang with the other ranks waiting in a Barrier.
 Usage: mpiexec -n 2 python abort_under_signals.py"""
 import os
 import signal
-import sys
 import threading
 import time
 

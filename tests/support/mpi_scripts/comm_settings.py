@@ -8,7 +8,6 @@ Usage: mpiexec ... python comm_settings.py [allreduce|swap|buckets]
              before (with RINGPIPE_COMM_CHECK=off only the fingerprints see it)
   buckets    construct a GradBuckets"""
 import json
-import os
 import sys
 
 

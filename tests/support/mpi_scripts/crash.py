@@ -1,6 +1,5 @@
 """One rank fails while the others block in MPI; the abort handler must end
 the whole job. Usage: mpiexec -n 2 python crash.py main|thread|context|exit"""
-import os
 import sys
 import threading
 import time

@@ -6,8 +6,6 @@ GPU) or 0 (staged through pinned host memory). Prints one JSON line on rank 0:
 {"ok": bool, "problems": [...], "direct": bool, "staged_bytes": int}.
 """
 import json
-import os
-import sys
 
 
 import cupy  # noqa: E402

@@ -1,7 +1,6 @@
 """Ranks call allreduce with different layouts; every rank must raise a clear
 RuntimeError and the abort handler must end the job.
 Usage: mpiexec -n 2 python mismatch.py length|dtype"""
-import os
 import sys
 
 

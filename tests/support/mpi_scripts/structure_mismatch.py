@@ -2,7 +2,6 @@
 messages differ in size or number. The ranks that receive an odd message must
 raise a clear RuntimeError, and the abort handler must end the job.
 Usage: mpiexec -n P python structure_mismatch.py CASE   (CASE: see CASES)"""
-import os
 import sys
 
 

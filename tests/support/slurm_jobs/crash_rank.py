@@ -3,7 +3,6 @@ an Allreduce that would never complete. comm.install_abort_handler() turns the
 exception into MPI_Abort; with `srun --kill-on-bad-exit=1` the whole step ends
 at once. Prints CRASH_AT <epoch seconds> just before raising."""
 import os
-import sys
 import time
 
 

@@ -12,6 +12,6 @@ try:
     check_launcher(MPI.COMM_WORLD)
 except LauncherError as e:
     if os.environ.get("SLURM_PROCID", "0") == "0":
-        print(e, file=sys.stderr, flush=True)
+        print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
 print(f"LAUNCH_OK rank {MPI.COMM_WORLD.Get_rank()} of {MPI.COMM_WORLD.Get_size()}", flush=True)

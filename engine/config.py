@@ -1,0 +1,332 @@
+"""What a training run needs, as data: `Config`, and the checks that refuse a
+configuration that cannot work before any work is done.
+
+    cfg = Config(steps=100, dp=2, pp=2, microbatches=4)   # every field has a default
+    notes = check(cfg, world_size=4)    # ConfigError for what cannot work, notes for what has no effect
+
+The command line (engine/cli.py) is one way to fill a Config: each field is
+the flag of the same name (`batch_size` is `--batch-size`; `layers`, `heads`,
+`d_model` also shape the MLP). Messages name settings as <field> (see
+engine/errors.py), so the CLI can show them as flags and the library as fields.
+Defaults that depend on other settings (the learning rate, the schedule's
+length, the pipeline schedule) are resolved by the methods below, never by
+rewriting the fields, so a Config always says what the user asked for.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ringpipe.engine.errors import ConfigError
+
+MAX_BUCKET_MB = 1 << 20        # 1 TiB: past the gradients' size a bucket is just one bucket
+
+
+@dataclass
+class Config:
+    # ---- model
+    model: str = "gpt"                 # gpt | mlp
+    layers: int | None = None          # GPT blocks / MLP hidden layers (4 / 2)
+    d_model: int | None = None         # GPT width / MLP hidden width (128 / 256)
+    heads: int | None = None           # GPT attention heads (4)
+    context: int | None = None         # GPT maximum sequence length (128)
+    dtype: str = "float32"             # float32 | float64
+    precision: str = "float32"         # float32 | bf16 (GEMM inputs; float32 master weights)
+    device: str = "cpu"                # cpu | cuda
+    # ---- data
+    data: str | None = None            # stdlib | synthetic | fashion-mnist | text (default by model)
+    data_path: str | None = None       # file/folder for text (alone it means text), IDX folder for fashion-mnist
+    max_data_mb: float = 64.0          # text folders and stdlib: MiB read into memory per rank
+    seq_len: int | None = None         # GPT training sequence length (the context)
+    batch_size: int = 16               # GLOBAL batch in sequences/examples
+    # ---- optimization
+    steps: int = 300
+    optimizer: str = "adamw"           # adamw | sgd
+    lr: float | None = None            # peak LR (2e-3 adamw, 0.05 sgd)
+    warmup: int | None = None          # warmup steps (5% of decay_steps)
+    decay_steps: int | None = None     # steps the warmup + cosine schedule spans (steps)
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0             # global-norm clip (0: off)
+    seed: int = 1337
+    # ---- parallelism
+    dp: int | None = None              # data-parallel ranks (all ranks / pp)
+    bucket_mb: float | None = None     # gradient bucket MiB (auto)
+    no_overlap: bool = False           # all-reduce after backward instead of during it
+    zero: int = 0                      # 1: ZeRO-1 (optimizer state sharded over the data axis)
+    pp: int = 1                        # pipeline stages
+    schedule: str | None = None        # gpipe | 1f1b | interleaved | zbh1 (1f1b)
+    microbatches: int = 1              # per step and data-parallel replica
+    chunks: int = 1                    # model chunks per pipeline rank (interleaved)
+    partition: str | None = None       # uniform | balanced (uniform)
+    trace: str | None = None           # folder for per-rank Chrome/Perfetto traces
+    # ---- output
+    out: str | None = None             # run directory (runs/<model>)
+    overwrite: bool = False            # start over in `out` (the old run goes to OUT/previous/)
+    checkpoint_every: int = 0          # 0: only at the end
+    keep: int = 3                      # valid checkpoints kept (0: all)
+    resume: str | None = None          # checkpoint (.json), run directory, or "auto"
+    eval_every: int | None = None      # steps between validation passes (steps/5)
+    eval_batches: int = 4
+    log_every: int | None = None       # steps between progress lines (steps/20)
+    sample_bytes: int = 200            # GPT: bytes sampled at the end
+    quiet: bool = False
+    # ---- cluster
+    watchdog: float = 0.0              # seconds without progress before a report (0: off)
+    watchdog_abort: bool = False
+
+    # ---- defaults that depend on other settings ---------------------------------------
+    def data_parallel(self, world_size: int) -> int:
+        return self.dp if self.dp is not None else max(1, world_size // self.pp)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pp > 1 or self.chunks > 1
+
+    @property
+    def dataset(self) -> str:
+        if self.data is not None:
+            return self.data
+        if self.model == "gpt":
+            return "text" if self.data_path is not None else "stdlib"
+        return "fashion-mnist"
+
+    @property
+    def schedule_name(self) -> str:
+        return self.schedule or "1f1b"
+
+    @property
+    def partition_name(self) -> str:
+        return self.partition or "uniform"
+
+    @property
+    def peak_lr(self) -> float:
+        return self.lr if self.lr is not None else (2e-3 if self.optimizer == "adamw" else 0.05)
+
+    @property
+    def schedule_steps(self) -> int:
+        return self.decay_steps or self.steps
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.warmup if self.warmup is not None else max(1, self.schedule_steps // 20)
+
+    @property
+    def out_dir(self) -> str:
+        return self.out or os.path.join("runs", self.model)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def check(cfg: Config, world_size: int) -> list[str]:
+    """Refuse impossible shapes, values and combinations (ConfigError, the same on
+    every rank: it depends on the configuration and the world size only); return
+    notes for settings that have no effect in this layout."""
+    _check_values(cfg)
+    notes = _check_combinations(cfg, cfg.data_parallel(world_size))
+    _check_layout(cfg, world_size)
+    return notes
+
+
+def _check_values(cfg: Config) -> None:
+    for field, value in sorted(cfg.to_dict().items()):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"<{field}> must be a finite number, got {value}")
+    for field in ("layers", "d_model", "heads", "context"):
+        value = getattr(cfg, field)
+        if value is not None and value < 1:
+            raise ConfigError(f"<{field}> must be >= 1, got {value}")
+    if cfg.lr is not None and cfg.lr <= 0:
+        raise ConfigError(f"<lr> must be > 0, got {cfg.lr}")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise ConfigError(f"<min_lr_ratio> is the fraction of <lr> the schedule decays to: it must be "
+                          f"between 0 and 1, got {cfg.min_lr_ratio}")
+    for field in ("warmup", "weight_decay", "grad_clip"):
+        value = getattr(cfg, field)
+        if value is not None and value < 0:
+            raise ConfigError(f"<{field}> must be >= 0, got {value}"
+                              f"{' (0 disables clipping)' if field == 'grad_clip' else ''}")
+    for field, value, low in (("bucket_mb", 1 if cfg.bucket_mb is None else cfg.bucket_mb, 1e-9),
+                              ("checkpoint_every", cfg.checkpoint_every, 0), ("keep", cfg.keep, 0),
+                              ("eval_batches", cfg.eval_batches, 1), ("eval_every", cfg.eval_every or 1, 1),
+                              ("log_every", cfg.log_every or 1, 1), ("watchdog", cfg.watchdog, 0),
+                              ("sample_bytes", cfg.sample_bytes, 0)):
+        if value < low:
+            raise ConfigError(f"<{field}> must be {'> 0' if low == 1e-9 else f'>= {low}'}, got {value}")
+    if cfg.precision == "bf16" and cfg.dtype != "float32":
+        raise ConfigError(f"<precision> bf16 needs <dtype> float32 (bf16 matmuls keep float32 master "
+                          f"weights), got <dtype> {cfg.dtype}")
+    if cfg.seq_len is not None and cfg.seq_len < 1:
+        raise ConfigError(f"<seq_len> must be >= 1, got {cfg.seq_len}")
+    if cfg.microbatches < 1 or cfg.chunks < 1:
+        raise ConfigError("<microbatches> and <chunks> must be >= 1")
+    if cfg.steps < 1:
+        raise ConfigError(f"<steps> must be >= 1, got {cfg.steps}")
+    if cfg.batch_size < 1:
+        raise ConfigError(f"<batch_size> must be >= 1, got {cfg.batch_size}")
+    if cfg.seed < 0:
+        raise ConfigError(f"<seed> must be >= 0 (it seeds numpy's generators), got {cfg.seed}")
+    if cfg.decay_steps is not None and cfg.decay_steps < 1:
+        raise ConfigError(f"<decay_steps> must be >= 1, got {cfg.decay_steps}")
+    if cfg.max_data_mb <= 0:
+        raise ConfigError(f"<max_data_mb> must be > 0, got {cfg.max_data_mb}")
+    if cfg.bucket_mb is not None and cfg.bucket_mb > MAX_BUCKET_MB:
+        raise ConfigError(f"<bucket_mb> {cfg.bucket_mb:g} is more than {MAX_BUCKET_MB} MiB (1 TiB); a bucket "
+                          "larger than the gradients is one bucket anyway: leave <bucket_mb> out for the "
+                          "automatic size, or give a size in MiB")
+
+
+def _check_layout(cfg: Config, world_size: int) -> None:
+    if cfg.pp < 1:
+        raise ConfigError(f"<pp> must be >= 1, got {cfg.pp}")
+    if cfg.dp is None and world_size % cfg.pp:
+        raise ConfigError(f"{world_size} ranks do not split into <pp> {cfg.pp} pipeline stages; launch a "
+                          f"multiple of {cfg.pp} ranks (ranks = pp x dp)")
+    dp = cfg.data_parallel(world_size)
+    if dp < 1 or dp * cfg.pp != world_size:
+        raise ConfigError(f"<dp> {dp} x <pp> {cfg.pp} = {dp * cfg.pp} does not match the {world_size} ranks "
+                          f"of this job (launch pp x dp ranks, e.g. mpiexec -n {dp * cfg.pp})")
+    if cfg.chunks > 1 and cfg.schedule_name != "interleaved":
+        raise ConfigError(f"<chunks> {cfg.chunks} needs <schedule> interleaved")
+    if cfg.batch_size % dp == 0 and (cfg.batch_size // dp) % cfg.microbatches:
+        raise ConfigError(f"the per-replica batch {cfg.batch_size // dp} (<batch_size> {cfg.batch_size} / "
+                          f"dp {dp}) does not split into <microbatches> {cfg.microbatches}; use a batch size "
+                          f"that is a multiple of dp x microbatches = {dp * cfg.microbatches}")
+    if cfg.batch_size % dp:
+        raise ConfigError(f"<batch_size> {cfg.batch_size} does not divide among {dp} data-parallel ranks; "
+                          f"use a multiple of {dp} (e.g. {dp * max(1, cfg.batch_size // dp)})")
+
+
+def _check_combinations(cfg: Config, dp: int) -> list[str]:
+    """Settings that would have no effect: refused when the user clearly expected
+    something to happen, noted when the same settings are reasonably reused across
+    layouts (a scaling sweep from one rank up)."""
+    if cfg.schedule is not None and not cfg.pipelined:
+        raise ConfigError(f"<schedule> {cfg.schedule} has no effect without pipeline stages: add <pp> N "
+                          "(N >= 2; ranks = pp x dp), or drop <schedule>")
+    if cfg.schedule == "interleaved" and cfg.chunks < 2:
+        raise ConfigError("<schedule> interleaved needs <chunks> >= 2 (model chunks per pipeline rank); "
+                          "with one chunk it is 1F1B: pass <chunks> 2, or <schedule> 1f1b")
+    if cfg.data_path is not None and cfg.data not in (None, "text", "fashion-mnist"):
+        raise ConfigError(f"<data_path> is read only with <data> text (or fashion-mnist for the MLP), but "
+                          f"<data> {cfg.data} was given: drop one of the two")
+    if cfg.model == "mlp":
+        given = [f"<{field}>" for field in ("heads", "context", "seq_len") if getattr(cfg, field) is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to <model> gpt only; "
+                              "the MLP takes <layers> and <d_model> (hidden width)")
+        if cfg.pipelined:
+            raise ConfigError("pipeline stages (<pp>/<chunks> > 1) are implemented for <model> gpt only")
+    if cfg.watchdog_abort and not cfg.watchdog:
+        raise ConfigError("<watchdog_abort> needs <watchdog> SECONDS (the stall that triggers it)")
+    notes = []
+    if dp == 1:
+        unused = [flag for flag, on in (("<zero> 1", cfg.zero), ("<bucket_mb>", cfg.bucket_mb is not None),
+                                        ("<no_overlap>", cfg.no_overlap)) if on]
+        if unused:
+            notes.append(f"note: {', '.join(unused)} ha{'s' if len(unused) == 1 else 've'} no effect with one "
+                         "data-parallel rank")
+    if cfg.partition is not None and not cfg.pipelined:
+        notes.append(f"note: <partition> {cfg.partition} has no effect without pipeline stages (<pp>)")
+    if cfg.data is None and cfg.data_path is not None and cfg.model == "gpt":
+        notes.append("note: <data_path> given without <data>: reading it as <data> text")
+    return notes
+
+
+# ---- the model's shape ---------------------------------------------------------------
+
+def model_config(cfg: Config, saved: dict | None = None):
+    """The model shape from the settings, or from a checkpoint when resuming
+    (settings given explicitly must agree with it)."""
+    from ringpipe.engine.gpt import GPTConfig
+    from ringpipe.engine.mlp import MLPConfig
+    if cfg.model == "gpt":
+        given = {"n_layer": cfg.layers, "d_model": cfg.d_model, "n_head": cfg.heads, "context": cfg.context}
+        shape = GPTConfig()
+    else:
+        given = {"n_layer": cfg.layers, "hidden": cfg.d_model}
+        shape = MLPConfig()
+    for key, value in (saved or {}).items():
+        if key in given and given[key] is not None and given[key] != value:
+            raise ConfigError(f"the checkpoint was written with <{key}> {value}, but <{key}> {given[key]} was "
+                              f"given; drop the setting or use a new <out>")
+        setattr(shape, key, value)
+    if not saved:
+        for key, value in given.items():
+            if value is not None:
+                setattr(shape, key, value)
+    return shape.validate()
+
+
+# ---- memory: refuse what cannot fit, in milliseconds -----------------------------------
+
+def memory_floor(cfg: Config, shape, dp: int) -> tuple[float, str]:
+    """(bytes, what): a LOWER bound on what one rank must allocate for this run
+    (parameters, gradients and optimizer state, plus the activations of one
+    micro-batch), so a run that cannot possibly fit is refused at once instead
+    of failing with a MemoryError minutes in. Real use is higher."""
+    itemsize = np.dtype(cfg.dtype).itemsize
+    if cfg.model == "gpt":
+        C, L = shape.d_model, shape.n_layer
+        n_params = shape.vocab * C + shape.context * C + L * 12 * C * C
+        micro = cfg.batch_size // dp // cfg.microbatches
+        T = cfg.seq_len or shape.context
+        # Per token and block at least the residual, LayerNorm, qkv, attention
+        # output and MLP activations (about 16 C); plus the logits of the head.
+        activations = micro * T * (max(1, L // cfg.pp) * 16 * C + shape.vocab) * itemsize
+    else:
+        widths = [1] + [shape.hidden] * shape.n_layer + [1]    # features and classes are unknown yet
+        n_params = sum(a * b for a, b in zip(widths[:-1], widths[1:]))
+        activations = cfg.batch_size // dp * sum(widths) * itemsize
+    states = 2 if cfg.optimizer == "adamw" else 1
+    weights = n_params / cfg.pp * itemsize * (2 + states / (dp if cfg.zero else 1))
+    return weights + activations, (f"{n_params:.3g} parameters: {_gib(weights)} for weights, gradients and "
+                                   f"optimizer state, {_gib(activations)} for one micro-batch's activations")
+
+
+def check_memory(cfg: Config, shape, dp: int, ranks_on_node: int) -> None:
+    """Refuse a run whose lower-bound memory per rank exceeds this node's share."""
+    if cfg.device != "cpu":
+        return                    # GPU memory is checked by the allocator itself, quickly
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    need, what = memory_floor(cfg, shape, dp)
+    if need > total / max(1, ranks_on_node):
+        raise ConfigError(f"this run needs at least {_gib(need)} per rank ({what}), but this node has "
+                          f"{_gib(total)} for {ranks_on_node} rank(s); use a smaller model (<d_model>, <layers>) "
+                          f"or batch (<batch_size>, <microbatches>), more ranks (<pp> splits the layers, <zero> 1 "
+                          "the optimizer state), or nodes with more memory")
+
+
+def _gib(nbytes):
+    return f"{nbytes / 2**30:.3g} GiB"
+
+
+# Settings whose change on resume makes the run differ from the uninterrupted one
+# (the layout settings dp/pp/... and steps may change freely).
+TRAJECTORY_FIELDS = ("seed", "data", "data_path", "max_data_mb", "dtype", "precision", "batch_size", "seq_len",
+                     "lr", "warmup", "min_lr_ratio", "weight_decay", "grad_clip")
+
+
+def resume_differences(saved: dict, cfg: Config) -> list[str]:
+    """A note for each trajectory setting that differs from the checkpoint's run."""
+    notes = []
+    for field in TRAJECTORY_FIELDS:
+        if field in saved and not same_value(saved[field], getattr(cfg, field)):
+            notes.append(f"note: resuming with <{field}> {getattr(cfg, field)} where the checkpoint's run had "
+                         f"{saved[field]}: it continues, but no longer as that run would have")
+    return notes
+
+
+def same_value(a, b) -> bool:
+    # NaN != NaN: without this, one rank given lr=nan would "differ from itself".
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b

@@ -1,0 +1,132 @@
+"""One module per parallel axis; the model a rank holds is a composition of them.
+
+    local.py     LocalModel: every layer on this rank in one LayerChain, micro-batch
+                 accumulation; no communication
+    pipeline.py  PipelineModel: this rank's model chunks of a pipeline, stepped by a
+                 schedule through the executor; the tied embedding between the first
+                 and the last stage; evaluation through a forward-only schedule
+    data.py      DataParallel: wraps either one; gradient buckets all-reduced while
+                 backward runs; ZeRO-1 (the update of one shard, then an all-gather)
+
+Every rank model offers the same surface (RankModel below), so the trainer
+knows nothing of buckets, tied communicators, duplicate ranges or shards.
+Each axis says in one place how it reduces gradients, how it counts each
+parameter once in the gradient norm, how it updates, and how it gathers and
+restores checkpoint state by name.
+
+Adding an axis (tensor parallelism, say): give the grid the axis
+(comm.ProcessGrid), write a module here whose class implements RankModel
+(wrapping the rank model inside it, or building the sharded layers), and
+compose it in build_rank_model().
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from ringpipe.engine.params import ParamBuffer
+
+
+class GradSync:
+    """How an outer axis reduces gradients while an inner one computes them.
+    The default does nothing (no outer axis reduces anything)."""
+
+    def on_ready(self, param_index: int) -> None:
+        """The gradient of parameter `param_index` (in the ParamBuffer) is final on this rank."""
+
+    def finish(self) -> None:
+        """Every gradient of this step is final: complete their reduction."""
+
+
+NO_SYNC = GradSync()
+
+
+class RankModel(Protocol):
+    """What one rank holds of the model, and every parallel decision about it."""
+
+    params: ParamBuffer          # this rank's flat parameters and gradients, with named views
+
+    def forward_backward(self, x, y, grad_scale: float) -> float:
+        """One step's forward and backward on this rank's rows of the batch. Returns
+        this rank's loss sum (0.0 where it computes no loss); on return the gradients
+        are reduced along every axis."""
+
+    def forward_loss(self, x, y) -> float:
+        """Loss sum without gradients (evaluation)."""
+
+    def grad_norm_sq(self) -> float:
+        """The squared global gradient norm, every parameter counted once, the same on every rank."""
+
+    def make_optimizer(self, name: str, lr: float, weight_decay: float):
+        """An optimizer for the part of the parameters this rank updates."""
+
+    def update(self, opt, lr: float) -> None:
+        """Apply the optimizer step; afterwards every rank holds its current parameters."""
+
+    def start_identical(self) -> None:
+        """Fresh start: make the replicas' parameters identical (they were initialised alike)."""
+
+    def gather_state(self, opt) -> dict:
+        """Named host arrays of the parameters and the optimizer state ("param/<name>",
+        "opt/<state>/<name>"): all of them on world rank 0, what is needed elsewhere."""
+
+    def state_shapes(self, opt) -> dict:
+        """{array name: shape} of the checkpoint arrays this rank restores."""
+
+    def restore_state(self, arrays: dict, opt) -> None:
+        """Load parameters and optimizer state from named arrays (any layout's checkpoint)."""
+
+    def describe(self) -> str:
+        """The layout, for the run's start-up lines."""
+
+    def summary(self) -> str:
+        """What the run used (pipeline memory, ...), for its last lines; may be empty."""
+
+    def close(self) -> None:
+        """Stop background threads, free communicators (collective)."""
+
+
+# ---- shared by the axes that hold a ParamBuffer (local, pipeline) ------------------------
+
+def named_state(params: ParamBuffer, opt_state: dict) -> dict:
+    """Host arrays by name: the parameters, and optimizer states given as flat
+    arrays laid out like params.data (full size: ZeRO shards gathered first)."""
+    arrays = {f"param/{k}": v for k, v in params.state_dict(params.data).items()}
+    for state_name, flat in opt_state.items():
+        arrays.update({f"opt/{state_name}/{k}": v for k, v in params.state_dict(flat).items()})
+    return arrays
+
+
+def state_shapes(params: ParamBuffer, state_names) -> dict:
+    shapes = {f"param/{s.name}": s.shape for s in params.specs}
+    shapes.update({f"opt/{state}/{s.name}": s.shape for state in state_names for s in params.specs})
+    return shapes
+
+
+def load_named_state(params: ParamBuffer, arrays: dict, state_names) -> dict:
+    """Load the parameters from named arrays; return the optimizer states as full
+    flat host arrays laid out like params.data."""
+    import numpy as np
+    params.load_flat(params.data, {k[6:]: v for k, v in arrays.items() if k.startswith("param/")})
+    full = {}
+    for state_name in state_names:
+        prefix = f"opt/{state_name}/"
+        flat = np.zeros(params.size, dtype=params.dtype)
+        params.load_flat(flat, {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)},
+                         what=f"optimizer state {state_name}")
+        full[state_name] = flat
+    return full
+
+
+def build_rank_model(grid, layers_fn, cfg, dtype, xp, micro_shape, cost_batch, trace=None):
+    """This rank's model for the grid's layout: the pipeline (or local) model,
+    wrapped by the data axis."""
+    from ringpipe.engine.parallel.data import DataParallel
+    from ringpipe.engine.parallel.local import LocalModel
+    from ringpipe.engine.parallel.pipeline import PipelineModel
+    if cfg.pipelined:
+        inner = PipelineModel(layers_fn, grid, dtype, cfg.seed, cfg.schedule_name, cfg.microbatches, cfg.chunks,
+                              act_shape=micro_shape, partition=cfg.partition_name, cost_batch=cost_batch, xp=xp,
+                              trace=trace)
+    else:
+        inner = LocalModel(layers_fn(), dtype, cfg.seed, cfg.microbatches, xp=xp, trace=trace)
+    return DataParallel(inner, grid, zero=bool(cfg.zero), bucket_mb=cfg.bucket_mb, overlap=not cfg.no_overlap)

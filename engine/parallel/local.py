@@ -1,0 +1,77 @@
+"""The whole model on this rank: one LayerChain, and micro-batch accumulation.
+
+The inner rank model the data axis wraps when there is no pipeline: it
+computes gradients and says when each one is final (sync.on_ready) so an
+outer axis can reduce them while backward still runs; it reduces nothing
+itself.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ringpipe import kernels as K
+from ringpipe.engine.model import LayerChain
+from ringpipe.engine.parallel import NO_SYNC, load_named_state, named_state, state_shapes
+
+
+def split_micro(arr, m):
+    """m equal micro-batches of the rows of `arr` (the caller checked divisibility)."""
+    return [arr[i * (len(arr) // m):(i + 1) * (len(arr) // m)] for i in range(m)]
+
+
+class LocalModel:
+    def __init__(self, layers, dtype, seed, microbatches=1, xp=np, trace=None):
+        self.xp = xp
+        self.chain = LayerChain(layers, dtype=dtype, xp=xp)
+        self.chain.params.init(seed)
+        self.params = self.chain.params
+        self.m = microbatches
+        self.trace = trace             # list to append (name, category, t0, t1), or None
+
+    def forward_backward(self, x, y, grad_scale, sync=NO_SYNC):
+        """Each micro-batch adds its share of the gradients; a parameter's gradient
+        is final during the last micro-batch's backward."""
+        loss = 0.0
+        xs, ys = split_micro(self.xp.asarray(x), self.m), split_micro(self.xp.asarray(y), self.m)
+        for i in range(self.m):
+            t0 = time.perf_counter()
+            loss += self.chain.loss_and_grad(xs[i], ys[i], grad_scale,
+                                             on_ready=sync.on_ready if i == self.m - 1 else None)
+            self._event(f"F+B {i}", "compute", t0)
+        t0 = time.perf_counter()
+        sync.finish()
+        self._event("all-reduce wait", "allreduce", t0)
+        return loss
+
+    def forward_loss(self, x, y):
+        """Micro-batch by micro-batch, summed in the order the pipeline sums them,
+        so one process and a pipeline evaluate to the same bits."""
+        xs, ys = split_micro(self.xp.asarray(x), self.m), split_micro(self.xp.asarray(y), self.m)
+        return sum((self.chain.loss(xs[i], ys[i]) for i in range(self.m)), 0.0)
+
+    def grad_norm_sq(self):
+        return float(K.sum_of_squares(self.params.grad))
+
+    def gather_state(self, opt_state):
+        return named_state(self.params, opt_state)
+
+    def state_shapes(self, state_names):
+        return state_shapes(self.params, state_names)
+
+    def restore_state(self, arrays, state_names):
+        return load_named_state(self.params, arrays, state_names)
+
+    def describe(self):
+        return f"{self.m} micro-batches (gradient accumulation)" if self.m > 1 else ""
+
+    def summary(self):
+        return ""
+
+    def close(self):
+        pass
+
+    def _event(self, name, category, t0):
+        if self.trace is not None:
+            self.trace.append((name, category, t0, time.perf_counter()))

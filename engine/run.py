@@ -1,0 +1,238 @@
+"""The trainer: `run(config)` trains on every rank of `world` and returns how it ended.
+
+    from ringpipe.engine.config import Config
+    from ringpipe.engine.run import run
+    result = run(Config(steps=100, layers=2), world=MPI.COMM_WORLD)   # the same call on every rank
+
+The loop reads top to bottom (llm.c's shape): zero the gradients, forward and
+backward (gradients reduced along every parallel axis while backward runs),
+the global gradient norm and clip, the optimizer update, then log, evaluate,
+checkpoint, and the one small all-reduce per step that lets every rank agree
+on a stop signal. Everything before the first step is engine/assemble.py;
+everything parallel is the rank model's (engine/parallel/).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ringpipe import comm, kernels as K
+from ringpipe.engine import checkpoint, lifecycle, rundir
+from ringpipe.engine.assemble import Run, assemble
+from ringpipe.engine.config import Config
+from ringpipe.engine.errors import Diverged, JobFailure
+from ringpipe.engine.optim import clip_scale, lr_at
+from ringpipe.engine.reporting import hms, step_record
+
+
+@dataclass
+class RunResult:
+    steps_done: int               # the step the run ended at
+    loss: float                   # the last step's training loss
+    exit_code: int = 0            # 0: finished; REQUEUE_EXIT_CODE / INTERRUPT_EXIT_CODE: stopped with a checkpoint
+    stopped_by: str | None = None  # the signal's name, when stopped by one
+    checkpoint: str | None = None  # the last checkpoint written
+    model: Any = None             # the rank model: its buffers stay readable (its communicators are freed)
+
+
+def run(cfg: Config, world=None, stop=None, render=None) -> RunResult:
+    """Train. `world`: the communicator of all ranks of this job (default
+    COMM_WORLD; tests pass COMM_SELF for a one-process reference). `stop`: the
+    lifecycle.StopFlag to use (by default one is installed for the run and
+    removed when it returns). `render`: how messages spell a setting (the CLI
+    writes flags). Raises ConfigError, JobFailure or Diverged alike on every rank."""
+    from mpi4py import MPI
+    world = world or MPI.COMM_WORLD
+    with contextlib.ExitStack() as cleanup:
+        if stop is None:
+            stop = lifecycle.StopFlag()
+            cleanup.callback(stop.uninstall)
+        # The precision is the kernels' module-wide GEMM default: the layers never pass one.
+        cleanup.callback(K.set_matmul_precision, K.get_matmul_precision())
+        K.set_matmul_precision(cfg.precision)
+        r = assemble(cfg, world, stop, cleanup, render)
+        loss, stopped_at = train(r)
+        return finish(r, loss, stopped_at)
+
+
+def train(r: Run) -> tuple[float, int | None]:
+    """The step loop. Returns (last loss, the step it stopped at on a signal, or None)."""
+    cfg, model, report = r.cfg, r.model, r.report
+    loss = float("nan")
+    r.t_start = time.perf_counter()
+    report.first_step_starts()
+    for step in range(r.start_step, cfg.steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg.peak_lr, cfg.warmup_steps, cfg.schedule_steps, cfg.min_lr_ratio)
+        x, y = r.dataset.batch(step, cfg.batch_size, *r.rows)
+        model.params.zero_grad()
+        loss = sum_over_ranks(r, model.forward_backward(x, y, r.grad_scale)) / r.items_per_step
+        norm_sq = model.grad_norm_sq()
+        refuse_non_finite(r, step + 1, loss=loss, grad_norm=math.sqrt(norm_sq) if norm_sq >= 0 else norm_sq)
+        clip(model.params, norm_sq, cfg.grad_clip)
+        model.update(r.opt, lr)
+
+        done = step + 1
+        record = step_record(done, loss, lr, norm_sq, time.perf_counter() - t0, r.items_per_step,
+                             r.flops_per_item, cfg.model, getattr(model, "comm_hidden_fraction", lambda: None)())
+        if done % (cfg.eval_every or max(1, cfg.steps // 5)) == 0 or done == cfg.steps:
+            record["val_loss"] = evaluate(r)
+            refuse_non_finite(r, done, validation_loss=record["val_loss"])
+        report_step(r, record)
+        saved_now = bool(cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done != cfg.steps)
+        if saved_now:
+            save(r, done, loss)
+        r.dog.beat(done)
+        if agree_to_stop(r) and done != cfg.steps:
+            if not saved_now:
+                save(r, done, loss)
+            return loss, done
+    return loss, None
+
+
+# ---- the pieces of a step -------------------------------------------------------------------
+
+def sum_over_ranks(r: Run, local: float) -> float:
+    """The loss summed over every rank (only the ranks that compute a loss add to it)."""
+    buf = np.array([local])
+    comm.allreduce(buf, r.world, op="sum")
+    return float(buf[0])
+
+
+def refuse_non_finite(r: Run, step: int, **values) -> None:
+    """A NaN/inf loss can be followed by a finite one; a NaN gradient norm with a finite
+    loss (an overflow in backward) would poison every weight: stop before the update.
+    The values are the same on every rank, so every rank stops here alike."""
+    for what, value in values.items():
+        if not math.isfinite(value):
+            raise diverged(r, value, step, what.replace("_", " ").replace("grad ", "the gradient "))
+
+
+def diverged(r: Run, value, step: int, what: str) -> Diverged:
+    # Every checkpoint on disk is finite (save() refuses anything else), so the
+    # newest valid one is a safe place to go back to.
+    last = checkpoint.find_latest(r.ckpt_dir)
+    then = (f"Nothing was saved after the last good checkpoint ({last}): lower <lr> or raise <warmup>, then "
+            "resume from it with <resume> auto." if last else
+            "No checkpoint was written yet: lower <lr> or raise <warmup> and start again.")
+    return Diverged(f"{what} is {value} at step {step}: training diverged. {then}")
+
+
+def clip(params, norm_sq: float, max_norm: float) -> None:
+    scale = clip_scale(norm_sq, max_norm)
+    if scale != 1.0:
+        params.grad *= scale
+
+
+def evaluate(r: Run) -> float:
+    total = 0.0
+    for i in range(r.cfg.eval_batches):
+        x, y = r.dataset.batch(i, r.cfg.batch_size, *r.rows, split="val")
+        total += r.model.forward_loss(x, y)
+    return sum_over_ranks(r, total) / (r.cfg.eval_batches * r.items_per_step)
+
+
+def report_step(r: Run, record: dict) -> None:
+    try:
+        r.report.step_done(record, r.start_step, "tok" if r.cfg.model == "gpt" else "ex")
+    except rundir.RunDirError as e:
+        r.stop.fail(str(e))                  # every rank stops at the next boundary
+
+
+def agree_to_stop(r: Run) -> bool:
+    """A collective every step: all ranks see the same answer, so none is left behind."""
+    try:
+        return r.stop.should_stop(r.world)
+    except lifecycle.StopError as e:
+        raise JobFailure(str(e)) from None
+
+
+# ---- checkpoints ---------------------------------------------------------------------------
+
+def save(r: Run, step: int, loss: float) -> dict:
+    """Write checkpoint `step` (gathered on rank 0); every rank learns whether it
+    was written, so a full disk ends the job cleanly instead of with an abort."""
+    arrays = r.model.gather_state(r.opt)
+    failure = None
+    if r.world.Get_rank() == 0:
+        bad = next((k for k, v in arrays.items() if k.startswith("param/") and not np.isfinite(v).all()), None)
+        if bad:
+            failure = ("diverged", f"{bad} holds NaN or inf after step {step}")
+        else:
+            try:
+                checkpoint.save(r.ckpt_dir, step, arrays, checkpoint_meta(r, loss), keep=r.cfg.keep)
+            except checkpoint.CheckpointError as e:
+                failure = ("write", str(e))
+    failure = r.world.bcast(failure, root=0) if r.world.Get_size() > 1 else failure
+    if failure and failure[0] == "diverged":
+        raise diverged(r, failure[1], step, "a weight")
+    if failure:
+        raise JobFailure(failure[1])
+    return arrays
+
+
+def checkpoint_meta(r: Run, loss: float) -> dict:
+    settings = r.cfg.to_dict()
+    # The settings as they were resolved, as older checkpoints recorded them.
+    settings.update(data=r.cfg.dataset, seq_len=r.seq_len, schedule=r.cfg.schedule_name,
+                    partition=r.cfg.partition_name)
+    return {"model": r.cfg.model, "model_config": r.shape.to_dict(), "optimizer": r.cfg.optimizer,
+            "opt_step_count": r.opt.step_count, "loss": loss, "dtype": r.cfg.dtype, "precision": r.cfg.precision,
+            "layout": {"dp": r.grid.size("data"), "pp": r.grid.size("pipe"), "chunks": r.cfg.chunks},
+            "args": settings}
+
+
+# ---- the end ---------------------------------------------------------------------------------
+
+def finish(r: Run, loss: float, stopped_at: int | None) -> RunResult:
+    cfg, report = r.cfg, r.report
+    if stopped_at is not None:
+        code = lifecycle.INTERRUPT_EXIT_CODE if r.stop.signum == signal.SIGINT else lifecycle.REQUEUE_EXIT_CODE
+        # A second signal from here on must not turn this into "killed": the checkpoint is on disk.
+        r.stop.forced_exit_code, r.stop.forced_note = code, f"the checkpoint of step {stopped_at} is written"
+        then = ("so the batch script requeues the job (--resume auto continues)" if code == lifecycle.REQUEUE_EXIT_CODE
+                else f"(interrupted); continue with <resume> auto <out> {cfg.out_dir}")
+        report.say(f"{r.stop.signal_name} received: checkpoint at step {stopped_at} written; exiting with code "
+                   f"{code} {then}")
+        report.log.warning("stopped by %s at step %d (checkpointed)", r.stop.signal_name, stopped_at)
+        return RunResult(stopped_at, loss, code, r.stop.signal_name, checkpoint.manifest_path(r.ckpt_dir, stopped_at),
+                         r.model)
+    if r.tracer:
+        r.tracer.write()
+        report.say(f"trace: {r.tracer.merged_path} (open in https://ui.perfetto.dev or chrome://tracing)")
+    summary = r.model.summary()
+    if summary:
+        report.say(summary)
+    arrays = save(r, cfg.steps, loss) if r.start_step < cfg.steps else None
+    r.stop.forced_exit_code, r.stop.forced_note = 0, "the run is complete and its final checkpoint written"
+    if r.start_step >= cfg.steps:
+        report.say(f"nothing to do: the checkpoint is already at step {r.start_step} of <steps> {cfg.steps}")
+    if r.stop.requested:
+        report.say(f"note: {r.stop.signal_name} arrived during the final checkpoint; the run is complete")
+    final = checkpoint.manifest_path(r.ckpt_dir, max(cfg.steps, r.start_step))
+    report.say(f"done: {max(0, cfg.steps - r.start_step)} steps in {hms(time.perf_counter() - r.t_start)}; "
+               f"checkpoint {final}, metrics {rundir.metrics_path(cfg.out_dir)}")
+    if r.xp is not np and r.world.Get_size() > 1:
+        from ringpipe.comm.device import stats
+        report.say(f"GPU buffers and MPI on rank 0: {stats['staged_bytes'] / 2**20:.1f} MiB copied through host "
+                   f"memory ({r.transport.describe()})")
+    if cfg.model == "gpt" and cfg.sample_bytes > 0 and arrays is not None and report.is_main:
+        sample(r, arrays)
+    return RunResult(max(cfg.steps, r.start_step), loss, 0, None, final, r.model)
+
+
+def sample(r: Run, arrays: dict) -> None:
+    """Rank 0 may hold only the first pipeline stage: sample from a full copy."""
+    from ringpipe.engine.gpt import build_gpt, generate
+    full = build_gpt(r.shape, dtype=r.dtype)
+    full.params.load_flat(full.params.data, {k[6:]: v for k, v in arrays.items() if k.startswith("param/")})
+    prompt = b"def "
+    text = generate(full, prompt, r.cfg.sample_bytes, min(r.seq_len, r.shape.context), temperature=0.8,
+                    seed=r.cfg.seed)
+    r.report.sample(text, prompt)

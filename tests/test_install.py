@@ -1,0 +1,61 @@
+"""Installing ringpipe adds one import name, `ringpipe`, and shadows nothing.
+
+Before the `ringpipe` namespace, `pip install .` put top-level packages named
+`comm`, `kernels` and `engine` into site-packages: Jupyter's `comm` (a
+dependency of ipykernel and ipywidgets) was overwritten, so its
+`comm.create_comm` disappeared. This builds the wheel, installs it next to
+Jupyter's `comm` in a fresh virtualenv, and checks both still work.
+Needs pip's access to a package index (PyPI here, and in CI).
+"""
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from tests.support import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def _run(cmd, **kw):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, **kw)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wheel")
+    r = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), ROOT])
+    assert r.returncode == 0, r.stderr[-3000:]
+    (path,) = [os.path.join(out, f) for f in os.listdir(out) if f.endswith(".whl")]
+    return path
+
+
+def test_the_wheel_holds_the_ringpipe_package_only(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        top_level = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
+        assert z.read(top_level).decode().split() == ["ringpipe"]
+    packages = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert packages == {"ringpipe"}, packages
+    for sub in ("engine", "kernels", "comm"):
+        assert f"ringpipe/{sub}/__init__.py" in names
+    assert "ringpipe/kernels/cuda/sgemm.cu" in names          # the CUDA sources travel with it
+
+
+def test_installs_next_to_jupyters_comm_without_breaking_it(wheel, tmp_path):
+    venv = tmp_path / "venv"
+    assert _run([sys.executable, "-m", "venv", str(venv)]).returncode == 0
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    r = _run(pip + ["comm"])
+    if r.returncode:
+        pytest.skip(f"cannot install Jupyter's comm from the package index: {r.stderr.strip()[-300:]}")
+    r = _run(pip + [wheel, "mpich"])                 # ringpipe and its dependencies (MPI from PyPI)
+    assert r.returncode == 0, r.stderr[-3000:]
+    code = ("import comm; assert callable(comm.create_comm), 'Jupyter comm is broken'; "
+            "from ringpipe.comm import allreduce; from ringpipe import kernels; import ringpipe.engine.run; "
+            "print('ok', comm.__file__)")
+    r = _run([str(venv / "bin" / "python"), "-c", code], cwd=str(tmp_path))      # not the checkout
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+    assert "site-packages/comm/__init__.py" in r.stdout
