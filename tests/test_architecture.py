@@ -63,3 +63,29 @@ def test_the_rules_see_an_import_that_breaks_them():
     found = [m for _, m in _imports_of("def f():\n    from ..engine import config\n    import mpi4py\n",
                                        "ringpipe.kernels")]
     assert "ringpipe.engine.config" in found and "mpi4py" in found
+
+
+# The dead code that sat after a `return` in comm/safety.py (the abort handler's
+# old home) before the linter ran in CI: it named variables that did not exist.
+DEAD_CODE = """
+import threading
+_contexts_lock = threading.Lock()
+
+def context_for(comm):
+    ctx = comm
+    return ctx
+    ctx = CommContext(comm)
+    with _contexts_lock:
+        _contexts[key] = ctx
+    return ctx
+"""
+
+
+def test_the_linter_ci_runs_catches_undefined_names():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "ruff", "check", "--config", os.path.join(ROOT, "ruff.toml"),
+                        "--stdin-filename", "dead.py", "-"], input=DEAD_CODE, capture_output=True, text=True)
+    assert r.returncode == 1, r.stdout + r.stderr
+    for name in ("CommContext", "_contexts", "key"):
+        assert f"Undefined name `{name}`" in r.stdout, r.stdout
