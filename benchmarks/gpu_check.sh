@@ -26,7 +26,7 @@
 #   check.log (everything, in order), steps.tsv (step, exit code, seconds), env.txt,
 #   pytest_gpu.xml, gemm.json, train_metrics.jsonl, train_bf16_metrics.jsonl
 # Knobs: PYTHON (default python3), GPU_CHECK_BUDGET_S, GEMM_BENCH_ARGS (default --quick),
-# TRAIN_ARGS (extra engine.train arguments).
+# TRAIN_ARGS (extra ringpipe train arguments).
 # Exit code: 0 if every step that ran passed, 1 otherwise.
 set -u
 cd "$(dirname "$0")/.." || exit 1

@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_wheels.sh [DIR]        (default .whl, git-ignored)
 #
 # GPU machines often come with CuPy and Numba but no MPI library for mpi4py
-# (engine.train and the device-buffer MPI checks need one). This fetches the
+# (ringpipe train and the device-buffer MPI checks need one). This fetches the
 # MPICH wheel and a matching mpi4py (about 15 MB together), so the GPU machine
 # needs no network. gpu_check.sh uses them only when the machine's own
 # mpi4py/mpiexec do not work.

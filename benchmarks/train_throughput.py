@@ -23,7 +23,7 @@ from collections import defaultdict
 
 from ringpipe.engine import runtime  # noqa: E402
 
-runtime.set_thread_defaults()       # as engine.train does, before numpy loads BLAS
+runtime.set_thread_defaults()       # as ringpipe train does, before numpy loads BLAS
 runtime.reuse_freed_memory()
 
 import numpy as np  # noqa: E402

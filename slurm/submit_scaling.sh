@@ -25,7 +25,7 @@
 #   --allreduce-args "ARGS"       arguments for benchmarks/allreduce.py (e.g. "--quick" or
 #                                 "--max-bytes 64M --algorithms ring,mpi")
 #   --wait                        wait for the merge job, print the table; exit 1 if it failed
-#   -- ARGS                       passed to engine.train (the training sweep only)
+#   -- ARGS                       passed to ringpipe train (the training sweep only)
 # The all-reduce sweep skips 1 rank (no communication). Run from the repo root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -58,7 +58,7 @@ case "$KIND" in train) KINDS=train ;; allreduce) KINDS=allreduce ;; both) KINDS=
 case "$MODE" in strong|weak) MODES=$MODE ;; both) MODES="strong weak" ;;
     *) echo "submit_scaling.sh: --mode strong|weak|both" >&2; exit 2 ;; esac
 if [ "$KIND" = allreduce ] && [ $# -gt 0 ]; then
-    echo "submit_scaling.sh: arguments after -- go to engine.train, and --kind allreduce trains nothing;" \
+    echo "submit_scaling.sh: arguments after -- go to ringpipe train, and --kind allreduce trains nothing;" \
         "pass all-reduce options as --allreduce-args \"$*\"" >&2
     exit 2
 fi

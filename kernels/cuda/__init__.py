@@ -11,7 +11,7 @@ Backends registered (kernels.set_backend / backend=), for cupy inputs:
                 wmma_gemm.cu, fused.cu): float32 SGEMM, bf16 tensor-core GEMM, fused
                 layernorm / softmax / cross-entropy / GELU / AdamW; float64 GEMMs go
                 to cuBLAS. Every op of the table. THE production GPU path: the default
-                for cupy arrays, what engine.train --device cuda runs.
+                for cupy arrays, what ringpipe train --device cuda runs.
   "cublas"      cublas.py: matmul through cupy.matmul (cuBLAS), linear_forward as
                 cuBLAS + bias + our GELU kernel, every other op as "cuda": the
                 yardstick for the hand-written GEMM in a training run

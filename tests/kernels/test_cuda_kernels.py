@@ -16,7 +16,7 @@ kernels/cuda: GPU kernels checked against kernels/reference.py, with or without 
 (e) With no GPU, the test_gpu_* tests still run: in a subprocess against
     tests/support/fake_cupy.py, which compiles the same .cu sources with g++ against a CPU
     emulation of CUDA (tests/support/cuda_emu.h), under AddressSanitizer when available. The
-    same emulation runs benchmarks/gemm.py --smoke and a 3-step engine.train
+    same emulation runs benchmarks/gemm.py --smoke and a 3-step ringpipe train
     --device cuda (losses must match the CPU run).
 
 Run just the GPU tests on a GPU machine: pytest tests/kernels/test_cuda_kernels.py -k test_gpu_
@@ -366,7 +366,7 @@ def test_gemm_benchmark_without_gpu_says_so():
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["float32", "bf16"])
 def test_engine_trains_on_emulated_gpu_like_on_cpu(tmp_path, precision):
-    # engine.train --device cuda end to end (cupy arrays, these kernels dispatched
+    # ringpipe train --device cuda end to end (cupy arrays, these kernels dispatched
     # through kernels.cuda.register) on the emulation: same losses as the CPU run.
     # bf16: the tensor-core GEMM against the CPU's emulated bf16 rounding.
     _need_gxx()
@@ -375,7 +375,7 @@ def test_engine_trains_on_emulated_gpu_like_on_cpu(tmp_path, precision):
             "--quiet", "--precision", precision]
     cpu = _run([sys.executable, "-m", "ringpipe.train", "--device", "cpu", *args, "--out", str(tmp_path / "cpu")])
     if cpu.returncode != 0 and "--device" in cpu.stderr:
-        pytest.skip("engine.train has no --device option")
+        pytest.skip("ringpipe train has no --device option")
     assert cpu.returncode == 0, cpu.stderr[-3000:]
     with tempfile.TemporaryDirectory() as tmp:
         gpu = _run([sys.executable, "-m", "ringpipe.train", "--device", "cuda", *args, "--out", str(tmp_path / "gpu")],
