@@ -17,6 +17,10 @@ from ringpipe.engine.layers import Block, Embedding, LMHead
 from ringpipe.engine.model import LayerChain
 
 VOCAB_SIZE = 256   # bytes
+# The embedding and the LM head are padded to a multiple of this many rows, for
+# GEMM shapes that tile well (llm.c pads GPT-2's 50257 to 50304); the padded
+# rows' logits are masked, so they never receive probability, and exports trim them.
+VOCAB_PAD_MULTIPLE = 128
 
 
 @dataclass
@@ -36,8 +40,21 @@ class GPTConfig:
                               f"(try <n_head> {_divisor_near(self.d_model, self.n_head)})")
         return self
 
+    @property
+    def padded_vocab(self) -> int:
+        return -(-self.vocab // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+
     def to_dict(self):
         return asdict(self)
+
+
+# Standard shapes, by name (--preset): (n_layer, d_model, n_head, context).
+PRESETS = {
+    "gpt2-124m": (12, 768, 12, 1024),
+    "gpt2-350m": (24, 1024, 16, 1024),
+    "gpt2-774m": (36, 1280, 20, 1024),
+    "gpt2-1558m": (48, 1600, 25, 1024),
+}
 
 
 def _divisor_near(n, k):
@@ -52,9 +69,9 @@ def _divisor_near(n, k):
 
 def gpt_layers(cfg: GPTConfig):
     cfg.validate()
-    layers = [Embedding(cfg.vocab, cfg.context, cfg.d_model)]
+    layers = [Embedding(cfg.padded_vocab, cfg.context, cfg.d_model)]
     layers += [Block(f"h.{i}", cfg.d_model, cfg.n_head, cfg.n_layer) for i in range(cfg.n_layer)]
-    layers.append(LMHead(cfg.vocab, cfg.d_model))
+    layers.append(LMHead(cfg.padded_vocab, cfg.d_model, used=cfg.vocab))
     return layers
 
 
@@ -69,9 +86,9 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
 
     Per layer forward: qkv 2*3C^2, proj 2C^2, mlp 2*8C^2 (= 24 C^2), attention
     scores and weighted sum 2*2*T*C (causal: we compute the full T x T product).
-    Head: 2*C*V. The embedding lookup is free.
+    Head: 2*C*V (V padded: the GEMM computes every row). The embedding lookup is free.
     """
-    C, L, V, T = cfg.d_model, cfg.n_layer, cfg.vocab, seq_len
+    C, L, V, T = cfg.d_model, cfg.n_layer, cfg.padded_vocab, seq_len
     forward = L * (24 * C * C + 4 * T * C) + 2 * C * V
     return 3.0 * forward
 

@@ -289,10 +289,16 @@ class LMHead(Layer):
 
     forward computes the loss *and* the logits' gradient in one pass (the fused
     kernel writes dlogits over the logits), so backward is two GEMMs.
+    `vocab` is the embedding's (padded) row count, `used` the tokenizer's: the
+    logits of the padding rows are pushed to -1e9 before the softmax, so they get
+    no probability (and their rows of wte no gradient).
     """
 
-    def __init__(self, vocab, c, wte="wte"):
+    PAD_LOGIT = -1e9      # exp() of it, minus any real logit, is 0 in float32 and float64
+
+    def __init__(self, vocab, c, wte="wte", used=None):
         self.vocab, self.c, self.wte_name = vocab, c, wte
+        self.used = vocab if used is None else used
         self.ln_f = LayerNorm("ln_f", c)
 
     def specs(self):
@@ -310,6 +316,8 @@ class LMHead(Layer):
         h, ln_ctx = self.ln_f.forward(x)
         h2 = h.reshape(B * T, C)
         logits = K.matmul_nt(h2, self.wte)                    # (N, V)
+        if self.used < self.vocab:
+            logits[:, self.used:] = self.PAD_LOGIT
         if targets is None:
             return logits.reshape(B, T, self.vocab), None
         dlogits = logits if need_grad else None
