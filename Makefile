@@ -12,7 +12,7 @@ ARGS   ?=
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[mpi,test,plot]'
+	$(PY) -m pip install -q -e '.[mpi,data,hf,test,plot]'
 	touch $@
 
 venv: $(VENV)/.installed

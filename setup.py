@@ -28,7 +28,12 @@ setup(
         # skip this extra and build mpi4py against the site MPI instead
         # (see README, "Using your cluster's MPI").
         "mpi": ["mpich"],
-        "test": ["pytest>=7", "pytest-mpi>=0.6", "ruff"],
+        # Preparing data (ringpipe prepare) and Hugging Face model folders (ringpipe export, --init-from).
+        "data": ["tokenizers>=0.19", "pyarrow>=14", "tqdm>=4.60"],
+        "hf": ["safetensors>=0.4"],
+        # transformers and torch are the tests' oracle for the exported models (never used by ringpipe
+        # itself). torch==2.13.0: its CPU wheel; an unpinned torch resolves to a multi-GB CUDA build.
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "ruff", "transformers>=4.40", "torch==2.13.0"],
         # Prebuilt CuPy wheels (the plain "cupy" package compiles from source):
         # cupy-cuda12x runs on CUDA 12 and 13 drivers; gpu13 is the CUDA 13 build.
         "gpu": ["cupy-cuda12x"],

@@ -1,0 +1,850 @@
+"""`ringpipe prepare`: text in, token shards and a manifest out (the format is engine/shards.py's).
+
+    ringpipe prepare corpus/ --out data/mine --tokenizer bpe:8192
+    mpiexec -n 8 ringpipe prepare web/*.parquet --out data/web --tokenizer path/to/tokenizer.json
+    ringpipe train --data data/mine
+
+Inputs: .txt files (a file is one document), .jsonl (a document per line: the
+--field value), .parquet (a document per row of the --field column), or folders
+of them. Each document is encoded and followed by the tokenizer's separator; a
+document goes to validation when crc32("KEY:INDEX") % val_every == 0, KEY being
+its file's path inside the folder given (or the file's name) and INDEX its place
+in the file: the split is the same wherever the data lives and however many
+ranks prepare it.
+
+The steps, each ending with every rank agreeing on its outcome (so a bad file on
+one rank stops all ranks with the same message, never leaves them waiting):
+
+  1. rank 0 lists the input files, folders walked in sorted order
+  2. every rank checks its share (file i belongs to rank i % ranks): not empty, text, has the field
+  3. rank 0 checks the out folder and makes a temporary parts folder inside it
+  4. the tokenizer: bytes, a tokenizer.json, or bpe:VOCAB trained by rank 0 on all the text
+  5. every rank tokenizes its share, a part file per input file
+  6. rank 0 joins the parts in file order into the shards, writes tokenizer.json and
+     data.json (last), removes the parts
+
+The shards and manifest are the same bytes for 1 rank and N ranks (but for the
+manifest's "created" and "command").
+"""
+from __future__ import annotations
+
+import argparse
+import array
+import datetime
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+import zlib
+
+import numpy as np
+
+from ringpipe.engine import shards
+from ringpipe.engine import tokenizer as tokenizers_
+from ringpipe.engine.data import _looks_like_text      # the trainer's own test of "is this text?"
+
+SUPPORTED = (".txt", ".jsonl", ".parquet")
+DEFAULT_TOKENS_PER_SHARD = 100_000_000        # llm.c's fineweb shards
+DEFAULT_VAL_EVERY = 10
+TAIL_VAL_FRACTION = 0.1                       # when the per-document split does not work
+PARTS_PREFIX = ".prepare-parts-"
+_HEAD_BYTES = 8192                            # how much of a file the text check reads
+
+
+class PrepareError(ValueError):
+    """Bad input or settings: the message names the file and says what to do."""
+
+
+# ---- one process or MPI -------------------------------------------------------------------
+
+class OneProcess:
+    """The few communicator calls prepare() makes, for a run without MPI."""
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 1
+
+    def allgather(self, obj):
+        return [obj]
+
+    def bcast(self, obj, root=0):
+        return obj
+
+
+def _wait_for_all(world):
+    """A barrier that sleeps while it waits: ranks with nothing left to do would
+    otherwise spin in MPI and take the cores from the ranks still working."""
+    if world.Get_size() == 1:
+        return
+    request = world.Ibarrier()
+    while not request.Test():
+        time.sleep(0.02)
+
+
+def _then_wait(world, fn):
+    def run():
+        try:
+            return fn()
+        finally:
+            _wait_for_all(world)     # reached on success and failure alike, so no rank waits forever
+    return run
+
+
+def _on_every_rank(world, fn, what):
+    """fn() on every rank; a refusal anywhere becomes the same error everywhere."""
+    from ringpipe.engine.agreement import agree
+    return agree(world, _then_wait(world, fn), what, hint="each rank reads its own share of the files")
+
+
+def _on_rank0(world, fn, what):
+    """fn() on rank 0 only; every rank gets its result or its error."""
+    from ringpipe.engine.agreement import agree_on_rank0
+    if world.Get_rank() == 0:
+        return agree_on_rank0(world, _then_wait(world, fn), what)
+    _wait_for_all(world)
+    return agree_on_rank0(world, fn, what)
+
+
+# ---- step 1: the input files --------------------------------------------------------------
+
+class Source:
+    """One input file. `path`: as the user wrote it (the folder given + the path inside
+    it); `key`: what the split hashes (the path inside the folder, or the file's name)."""
+
+    def __init__(self, path: str, key: str, size: int):
+        self.path, self.key, self.size = path, key, size
+        self.kind = os.path.splitext(path)[1].lower()
+
+    def __repr__(self):
+        return f"Source({self.path!r})"
+
+
+def _shown(path: str) -> str:
+    """A path relative to the working directory when it lies under it, else as it is."""
+    path = os.path.normpath(path)
+    if os.path.isabs(path):
+        rel = os.path.relpath(path, os.getcwd())
+        if not rel.startswith(".."):
+            return rel
+    return path
+
+
+def list_sources(inputs: list[str]) -> tuple[list[Source], list[str]]:
+    """The input files in order (each folder walked in sorted order, hidden entries
+    left out), and the other files found in folders (skipped)."""
+    if not inputs:
+        raise PrepareError("no input given; pass .txt, .jsonl or .parquet files, or folders of them")
+    found, skipped, seen = [], [], {}
+    for given in inputs:
+        if not os.path.exists(given):
+            raise PrepareError(f"input {given} does not exist; check the path")
+        if os.path.isdir(given):
+            for dirpath, dirs, files in os.walk(given):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                for name in sorted(files):
+                    if name.startswith("."):
+                        continue
+                    path = os.path.join(dirpath, name)
+                    if not name.lower().endswith(SUPPORTED) or not os.path.isfile(path):
+                        skipped.append(_shown(path))
+                        continue
+                    key = os.path.relpath(path, given).replace(os.sep, "/")
+                    found.append((path, key, given))
+        else:
+            if not os.path.isfile(given):
+                raise PrepareError(f"input {given} is not a regular file or folder (a FIFO or device?); "
+                                   "pass text files or folders")
+            if not given.lower().endswith(SUPPORTED):
+                ext = os.path.splitext(given)[1] or "(none)"
+                raise PrepareError(f"input {given}: unsupported file type {ext}; ringpipe prepare reads .txt (a "
+                                   "document per file), .jsonl (a document per line) and .parquet (a document per "
+                                   "row); convert it, or pass its folder (where other files are skipped)")
+            found.append((given, os.path.basename(given), given))
+    sources = []
+    for path, key, given in found:
+        real = os.path.realpath(path)
+        if real in seen:
+            raise PrepareError(f"input {_shown(path)} is given twice (also as {seen[real]}, from the inputs "
+                               "you passed); pass each file once, or its text would be in the data twice")
+        seen[real] = _shown(path)
+        sources.append(Source(_shown(path), key, os.path.getsize(path)))
+    if not sources:
+        raise PrepareError(f"no .txt, .jsonl or .parquet file in {', '.join(inputs)}"
+                           + (f" ({len(skipped)} other file(s) skipped, e.g. {skipped[0]})" if skipped else ""))
+    return sources, skipped
+
+
+# ---- step 2: checks before any work -------------------------------------------------------
+
+def check_source(source: Source, field: str) -> None:
+    """The checks that cost little, so a bad file is found before hours of tokenizing."""
+    path = source.path
+    if not os.path.isfile(path):
+        raise PrepareError(f"input {path} does not exist (any more) on this rank; is the folder on a filesystem "
+                           "every rank sees?")
+    if os.path.getsize(path) == 0:
+        raise PrepareError(f"input {path} is empty (0 bytes); remove it, or fill it")
+    if source.kind == ".parquet":
+        _parquet_column(path, field)
+        return
+    with open(path, "rb") as fh:
+        head = fh.read(_HEAD_BYTES)
+    if not _looks_like_text(head):
+        raise PrepareError(f"input {path} is not text: NUL bytes or invalid UTF-8 in its first 8 KiB; remove it "
+                           "from the inputs (or convert it to UTF-8 text)")
+
+
+def _parquet_column(path: str, field: str):
+    """The opened parquet file, after checking that it has a string column `field`."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise PrepareError(f"input {path}: reading .parquet needs pyarrow: pip install 'pyarrow>=14' "
+                           "(or pip install -e '.[data]')") from None
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise PrepareError(f"input {path} is not a readable parquet file ({e}); check the file") from None
+    names = pf.schema_arrow.names
+    if field not in names:
+        raise PrepareError(f"input {path} has no column {field!r} (its columns: {', '.join(names[:20])}); "
+                           "pass --field NAME to read another one")
+    column_type = pf.schema_arrow.field(field).type
+    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)
+            or getattr(pa.types, "is_string_view", lambda t: False)(column_type)):
+        raise PrepareError(f"input {path}: column {field!r} holds {column_type}, not strings; pass --field with "
+                           "a text column")
+    if pf.metadata.num_rows == 0:
+        raise PrepareError(f"input {path} holds no rows; remove it from the inputs")
+    return pf
+
+
+# ---- reading documents --------------------------------------------------------------------
+
+def read_documents(source: Source, field: str):
+    """The documents of a file, in order, as str; PrepareError naming the file (and the
+    line or row) for anything that is not UTF-8 text or lacks the field."""
+    if source.kind == ".txt":
+        with open(source.path, "rb") as fh:
+            raw = fh.read()
+        yield _decode(raw, source.path, "")
+    elif source.kind == ".jsonl":
+        yield from _jsonl_documents(source.path, field)
+    else:
+        yield from _parquet_documents(source.path, field)
+
+
+def _decode(raw: bytes, path: str, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PrepareError(f"input {path}{where}: invalid UTF-8 at byte {e.start}; ringpipe prepare reads UTF-8 "
+                           "text: convert the file (e.g. iconv -f latin1 -t utf-8) or leave it out") from None
+
+
+def _jsonl_documents(path: str, field: str):
+    n_documents = 0
+    with open(path, "rb") as fh:
+        for line_no, raw in enumerate(fh, 1):
+            where = f", line {line_no}"
+            line = _decode(raw, path, where)
+            if not line.strip():
+                continue                                 # a blank line (often the last) holds no document
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PrepareError(f"input {path}{where} is not JSON ({e.msg} at column {e.colno}); every line of "
+                                   "a .jsonl file must be one JSON object") from None
+            if not isinstance(record, dict):
+                raise PrepareError(f"input {path}{where} is a JSON {type(record).__name__}, not an object with a "
+                                   f"{field!r} field")
+            if field not in record:
+                keys = ", ".join(list(record)[:10]) or "none"
+                raise PrepareError(f"input {path}{where} has no {field!r} field (its fields: {keys}); pass --field "
+                                   "NAME to read another one")
+            text = record[field]
+            if not isinstance(text, str):
+                raise PrepareError(f"input {path}{where}: {field!r} is a JSON {type(text).__name__}, not a string; "
+                                   "pass --field with a text field")
+            n_documents += 1
+            yield text
+    if n_documents == 0:
+        raise PrepareError(f"input {path} holds no documents (only blank lines); remove it from the inputs")
+
+
+def _parquet_documents(path: str, field: str):
+    pf = _parquet_column(path, field)
+    row = 0
+    for batch in pf.iter_batches(batch_size=1024, columns=[field]):
+        for text in batch.column(0).to_pylist():
+            if text is None:
+                raise PrepareError(f"input {path}, row {row}: {field!r} is null; fill or drop the rows without text")
+            row += 1
+            yield text
+
+
+def _batches(documents, max_docs=256, max_bytes=4 << 20):
+    """Documents in groups (a few MB each), for encode_batch's threads."""
+    group, size = [], 0
+    for text in documents:
+        group.append(text)
+        size += len(text)
+        if len(group) >= max_docs or size >= max_bytes:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
+
+
+def _is_val(key: str, index: int, val_every: int) -> bool:
+    return zlib.crc32(f"{key}:{index}".encode("utf-8")) % val_every == 0
+
+
+# ---- step 5: a file's tokens into a part ------------------------------------------------
+
+def _part_paths(parts_dir: str, index: int) -> tuple[str, str]:
+    return (os.path.join(parts_dir, f"{index:08d}.tokens"), os.path.join(parts_dir, f"{index:08d}.docs.npy"))
+
+
+# A part's documents: their tokens (separator included), text bytes, and split.
+_DOC_DTYPE = np.dtype([("tokens", "<i8"), ("bytes", "<i8"), ("val", "?")])
+
+
+def tokenize_source(source: Source, index: int, tok, field: str, val_every: int, parts_dir: str, bar=None):
+    """Encode the documents of `source`, each followed by the separator, into the
+    part files of `index`: the tokens in document order, and a table of the
+    documents (their token and byte counts, and which split each goes to)."""
+    tokens_path, docs_path = _part_paths(parts_dir, index)
+    separator = np.asarray(tok.separator, dtype=tok.dtype)
+    n_tokens, n_bytes, splits = array.array("q"), array.array("q"), array.array("b")
+    shown = 0                      # bytes of the file the progress bar has been told about
+    with open(tokens_path, "wb") as out:
+        for group in _batches(read_documents(source, field)):
+            for text, ids in zip(group, tok.encode_batch(group)):
+                out.write(ids.data)
+                out.write(separator.data)
+                n_tokens.append(len(ids) + len(separator))
+                n_bytes.append(len(text.encode("utf-8")) + tok.separator_bytes)
+                splits.append(_is_val(source.key, len(splits), val_every))
+            if bar is not None:
+                step = min(sum(n_bytes[-len(group):]), source.size - shown)
+                bar.advance(step, sum(n_tokens[-len(group):]))
+                shown += step
+    if bar is not None:
+        bar.advance(source.size - shown)
+    docs = np.zeros(len(n_tokens), dtype=_DOC_DTYPE)
+    docs["tokens"], docs["bytes"], docs["val"] = n_tokens, n_bytes, splits
+    np.save(docs_path, docs, allow_pickle=False)
+
+
+# ---- step 6: the parts into shards ----------------------------------------------------------
+
+class SplitWriter:
+    """The shards of one split: tokens go into NAME_000000.bin until it holds
+    tokens_per_shard, then NAME_000001.bin, and so on."""
+
+    def __init__(self, folder: str, split: str, tokens_per_shard: int, vocab_size: int):
+        self.folder, self.split, self.per_shard, self.vocab_size = folder, split, tokens_per_shard, vocab_size
+        self.files: list[str] = []
+        self.tokens = 0
+        self._current = None
+
+    def write(self, tokens: np.ndarray) -> None:
+        while len(tokens):
+            if self._current is None:
+                name = f"{self.split}_{len(self.files):06d}.bin"
+                self._current = shards.ShardWriter(os.path.join(self.folder, name), self.vocab_size)
+                self.files.append(name)
+            room = self.per_shard - self._current.count
+            self._current.write(tokens[:room])
+            self.tokens += min(room, len(tokens))
+            tokens = tokens[room:]
+            if self._current.count == self.per_shard:
+                self._current.close()
+                self._current = None
+
+    def close(self) -> None:
+        if self._current is not None:
+            self._current.close()
+            self._current = None
+
+    def abort(self) -> None:
+        if self._current is not None:
+            self._current.abort()
+            self._current = None
+
+
+def _read_tokens(fh, dtype, count, block=16 << 20):
+    """`count` tokens from the file's position on, in blocks (memory stays small)."""
+    while count > 0:
+        n = min(block, count)
+        chunk = np.fromfile(fh, dtype=dtype, count=n)
+        if len(chunk) != n:
+            raise PrepareError(f"{fh.name} ended early: a temporary part changed while it was read; prepare again")
+        count -= n
+        yield chunk
+
+
+def _choose_split(docs_tables, val_every):
+    """How to split: by document (the crc32 rule) unless that leaves validation with
+    less than 1% of the tokens (or more than half): then the last tenth of all tokens."""
+    total = sum(int(d["tokens"].sum()) for d in docs_tables)
+    val = sum(int(d["tokens"][d["val"]].sum()) for d in docs_tables)
+    n_docs = sum(len(d) for d in docs_tables)
+    rule = (f"a document goes to val when crc32('KEY:INDEX') % {val_every} == 0, KEY being its file's path "
+            "inside the folder given (or the file's name), INDEX its place in the file from 0")
+    if total and 0.01 * total <= val <= 0.5 * total:
+        return {"method": "documents", "val_every": val_every, "rule": rule}
+    return {"method": "tail", "val_fraction": TAIL_VAL_FRACTION,
+            "why": (f"split by document ({rule}), validation would hold {val} of {total} tokens "
+                    f"({n_docs} documents), {'less than 1%' if val < 0.01 * total else 'more than half'}: "
+                    f"the last {TAIL_VAL_FRACTION:.0%} of the tokens, in document order, are validation instead")}
+
+
+def _runs(table):
+    """The file's documents as runs of consecutive documents of the same split:
+    (is_val, tokens, bytes, documents) each, in order."""
+    if len(table) == 0:
+        return []
+    change = (np.flatnonzero(np.diff(table["val"].astype(np.int8))) + 1).tolist()
+    bounds = [0] + change + [len(table)]
+    return [(bool(table["val"][a]), int(table["tokens"][a:b].sum()), int(table["bytes"][a:b].sum()), b - a)
+            for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def join_parts(sources, parts_dir, out, tok, tokens_per_shard, val_every):
+    """Rank 0: the parts, in file order, into the train and val shards. Returns the
+    manifest's split, splits and sources entries."""
+    tables = [np.load(_part_paths(parts_dir, i)[1], allow_pickle=False) for i in range(len(sources))]
+    total = sum(int(t["tokens"].sum()) for t in tables)
+    if total < 2:
+        raise PrepareError("the inputs hold too little text to split into train and val; add text")
+    split = _choose_split(tables, val_every)
+    writers = {s: SplitWriter(out, s, tokens_per_shard, tok.vocab_size) for s in shards.SPLITS}
+    try:
+        if split["method"] == "documents":
+            counts = _write_by_document(tables, parts_dir, tok.dtype, writers)
+        else:
+            counts = _write_tail(tables, parts_dir, tok.dtype, writers, cut=total - max(1, int(total * TAIL_VAL_FRACTION)))
+        for w in writers.values():
+            w.close()
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    splits = {s: {"shards": writers[s].files, "tokens": writers[s].tokens, **counts[s]} for s in shards.SPLITS}
+    records = [{"path": src.path, "size": src.size, "documents": len(t), "tokens": int(t["tokens"].sum())}
+               for src, t in zip(sources, tables)]
+    return split, splits, records
+
+
+def _write_by_document(tables, parts_dir, dtype, writers):
+    """Each run of documents to the split the crc32 rule gave it."""
+    counts = {s: {"bytes": 0, "documents": 0} for s in shards.SPLITS}
+    for i, table in enumerate(tables):
+        with open(_part_paths(parts_dir, i)[0], "rb") as fh:
+            for is_val, n_tokens, n_bytes, n_docs in _runs(table):
+                name = "val" if is_val else "train"
+                for chunk in _read_tokens(fh, dtype, n_tokens):
+                    writers[name].write(chunk)
+                counts[name]["bytes"] += n_bytes
+                counts[name]["documents"] += n_docs
+    return counts
+
+
+def _write_tail(tables, parts_dir, dtype, writers, cut):
+    """All tokens in document order: those before position `cut` to train, the rest
+    to val. The document the cut falls into counts in both, its bytes shared
+    between them by its tokens (exact for the bytes tokenizer)."""
+    tokens = np.concatenate([t["tokens"] for t in tables])
+    n_bytes = np.concatenate([t["bytes"] for t in tables])
+    ends = np.cumsum(tokens)
+    starts = ends - tokens
+    train_bytes = int(n_bytes[ends <= cut].sum())
+    cut_doc = np.flatnonzero((starts < cut) & (ends > cut))
+    if len(cut_doc):
+        k = int(cut_doc[0])
+        train_bytes += round(int(n_bytes[k]) * (cut - int(starts[k])) / int(tokens[k]))
+    counts = {"train": {"bytes": train_bytes, "documents": int((starts < cut).sum())},
+              "val": {"bytes": int(n_bytes.sum()) - train_bytes, "documents": int((ends > cut).sum())}}
+    position = 0
+    for i, table in enumerate(tables):
+        with open(_part_paths(parts_dir, i)[0], "rb") as fh:
+            for chunk in _read_tokens(fh, dtype, int(table["tokens"].sum())):
+                in_train = min(len(chunk), max(0, cut - position))
+                writers["train"].write(chunk[:in_train])
+                writers["val"].write(chunk[in_train:])
+                position += len(chunk)
+    return counts
+
+
+# ---- the out folder -------------------------------------------------------------------------
+
+def _prepare_out_folder(out: str, overwrite: bool) -> tuple[str, list[str], bool]:
+    """Rank 0: refuse a folder that holds a dataset (unless overwrite), make the
+    temporary parts folder. Returns it, notes for the user, and whether `out` was made now."""
+    notes = []
+    made = not os.path.exists(out)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise PrepareError(f"--out {out} exists and is not a folder; choose another --out")
+    manifest = os.path.join(out, shards.MANIFEST_NAME)
+    if os.path.exists(manifest) and not overwrite:
+        raise PrepareError(f"--out {out} already holds a dataset ({manifest}); pass --overwrite to replace it, "
+                           "or choose another --out")
+    for name in ("train.bin", "val.bin"):
+        if os.path.exists(os.path.join(out, name)) and not overwrite:
+            raise PrepareError(f"--out {out} already holds nanoGPT data ({name}); pass --overwrite to write "
+                               "beside it, or choose another --out")
+    try:
+        os.makedirs(out, exist_ok=True)
+        for name in sorted(os.listdir(out)):
+            if name.startswith(PARTS_PREFIX):
+                left = os.path.join(out, name)
+                if overwrite:
+                    shutil.rmtree(left, ignore_errors=True)
+                    notes.append(f"removed {left}, left by a prepare that did not finish")
+                else:
+                    notes.append(f"{left} was left by a prepare that did not finish: remove it (or pass --overwrite)")
+        parts_dir = tempfile.mkdtemp(prefix=PARTS_PREFIX, dir=out)
+    except OSError as e:
+        raise PrepareError(f"--out {out} cannot be written ({e.strerror or e}); choose another --out") from None
+    return parts_dir, notes, made
+
+
+def _replace_dataset(out: str, tok, write_shards):
+    """Rank 0: write the new shards (write_shards() -> manifest), the tokenizer and the
+    manifest (last). An old manifest goes first, so a crash midway never leaves a
+    manifest that names half-replaced shards; shards no manifest names are removed at the end."""
+    old = os.path.join(out, shards.MANIFEST_NAME)
+    if os.path.exists(old):
+        os.remove(old)
+    manifest = write_shards()
+    tok.save(out)
+    shards.write_manifest(out, manifest)
+    named = set(manifest["splits"]["train"]["shards"]) | set(manifest["splits"]["val"]["shards"])
+    for name in os.listdir(out):
+        if shards.SHARD_NAME.match(name) and name not in named:
+            os.remove(os.path.join(out, name))
+    return manifest
+
+
+# ---- progress -------------------------------------------------------------------------------
+
+class _Progress:
+    """A tqdm bar over input bytes (for the ETA) with tokens/s beside it, on stderr."""
+
+    def __init__(self, total_bytes: int, what: str, enabled: bool):
+        self.bar = None
+        self.tokens = 0
+        self.t0 = time.perf_counter()
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:          # progress is a nicety: prepare works without it
+                return
+            tty = sys.stderr.isatty()
+            self.bar = tqdm(total=total_bytes, desc=what, unit="B", unit_scale=True, file=sys.stderr,
+                            mininterval=0.5 if tty else 10.0, dynamic_ncols=tty)
+
+    def advance(self, n_bytes: int, n_tokens: int = 0) -> None:
+        self.tokens += n_tokens
+        if self.bar is not None:
+            self.bar.update(n_bytes)
+            if n_tokens:
+                rate = self.tokens / max(time.perf_counter() - self.t0, 1e-9)
+                self.bar.set_postfix_str(f"{rate / 1e6:.2f}M tokens/s", refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _texts_for_bpe(sources, field, bar):
+    for source in sources:
+        for text in read_documents(source, field):
+            bar.advance(len(text))
+            yield text
+
+
+# ---- the whole job --------------------------------------------------------------------------
+
+def prepare(inputs, out, tokenizer="bytes", field="text", overwrite=False, world=None, progress=True,
+            val_every=DEFAULT_VAL_EVERY, tokens_per_shard=DEFAULT_TOKENS_PER_SHARD, command=None) -> dict:
+    """Tokenize `inputs` (files or folders) into token shards in `out`; returns the
+    manifest (also written to out/data.json). `tokenizer`: "bytes", "bpe:VOCAB"
+    (trained on the inputs) or a tokenizer.json (or a folder holding one). `world`:
+    an MPI communicator whose ranks share the work (None: this process alone).
+    Raises ValueError (on every rank alike) for bad input, before any shard is written."""
+    world = OneProcess() if world is None else world
+    rank, size = world.Get_rank(), world.Get_size()
+    inputs = [os.fspath(p) for p in ([inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)]
+    out, tokenizer = os.fspath(out), os.fspath(tokenizer)
+    command = command if command is not None else shlex.join(sys.argv)
+
+    def check_settings():
+        if not isinstance(val_every, int) or val_every < 2:
+            raise PrepareError(f"--val-every {val_every}: must be a whole number >= 2 (1 in N documents goes to "
+                               "validation)")
+        if not isinstance(tokens_per_shard, int) or not 1 <= tokens_per_shard <= shards.MAX_SHARD_TOKENS:
+            raise PrepareError(f"--tokens-per-shard {tokens_per_shard}: must be a whole number in 1..2^31-1")
+        if tokenizer.startswith("bpe:"):
+            tokenizers_.parse_vocab_spec(tokenizer)
+        elif tokenizer != "bytes":
+            tokenizers_.load_tokenizer(tokenizer)       # parse it now: a bad file is refused before any work
+
+    _on_every_rank(world, check_settings, "settings")
+    sources, skipped = _on_rank0(world, lambda: list_sources(inputs), "input listing")
+    mine = list(range(rank, len(sources), size))          # this rank's share, round-robin
+    _on_every_rank(world, lambda: [check_source(sources[i], field) for i in mine], "input check")
+    parts_dir, notes, made_out = _on_rank0(world, lambda: _prepare_out_folder(out, overwrite), "out folder")
+    if rank == 0 and progress:
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr, flush=True)
+    try:
+        tok = _make_tokenizer(world, tokenizer, sources, field, parts_dir, progress)
+
+        def tokenize_mine():
+            bar = _Progress(sum(sources[i].size for i in mine),
+                            "tokenizing" if size == 1 else f"tokenizing (rank 0's {len(mine)} of {len(sources)} "
+                            "files)", progress and rank == 0)
+            try:
+                for i in mine:
+                    tokenize_source(sources[i], i, tok, field, val_every, parts_dir, bar)
+            finally:
+                bar.close()
+
+        _on_every_rank(world, tokenize_mine, "tokenization")
+
+        def write_dataset():
+            def write_shards():
+                split, splits, records = join_parts(sources, parts_dir, out, tok, tokens_per_shard, val_every)
+                return build_manifest(tok, split, splits, records, skipped, tokens_per_shard, command)
+            return _replace_dataset(out, tok, write_shards)
+
+        manifest = _on_rank0(world, write_dataset, "writing the shards")
+    finally:
+        if rank == 0:
+            shutil.rmtree(parts_dir, ignore_errors=True)
+            if made_out and not os.listdir(out):
+                os.rmdir(out)              # refused before anything was written: leave no empty folder behind
+    return manifest
+
+
+def build_manifest(tok, split, splits, records, skipped, tokens_per_shard, command) -> dict:
+    """DATA_DIR/data.json: what engine/shards.py's read_manifest checks and open_dataset reads."""
+    return {
+        "format": shards.MANIFEST_FORMAT, "version": shards.MANIFEST_VERSION,
+        "tokenizer": {"kind": tok.kind, "file": "tokenizer.json", "sha256": tok.sha256, "vocab_size": tok.vocab_size},
+        "separator": list(tok.separator),           # the ids after every document
+        "dtype": tok.dtype.name,                    # of the shards' tokens: uint16, or uint32 over 65536 ids
+        "tokens_per_shard": tokens_per_shard,
+        "splits": splits,                           # train/val: shards (in order), tokens, bytes (of text), documents
+        "split": split,                             # how documents were assigned to train and val
+        "sources": records,                         # every input file: path, size, documents, tokens
+        "skipped": {"files": len(skipped), "examples": skipped[:10]},
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+    }
+
+
+def _make_tokenizer(world, spec, sources, field, parts_dir, progress):
+    """Every rank's tokenizer: "bytes", a file every rank loads, or a BPE rank 0 trains
+    on all the inputs and saves in the parts folder for the others to load."""
+    if spec == "bytes":
+        return tokenizers_.bytes_tokenizer()
+    if spec.startswith("bpe:"):
+        vocab_size = tokenizers_.parse_vocab_spec(spec)
+
+        def train():
+            bar = _Progress(sum(s.size for s in sources), f"training BPE ({vocab_size} tokens)", progress)
+            try:
+                trained = tokenizers_.train_bpe(_texts_for_bpe(sources, field, bar), vocab_size)
+            finally:
+                bar.close()
+            return trained.save(parts_dir)
+
+        spec = _on_rank0(world, train, "BPE training")
+    tok = _on_every_rank(world, lambda: tokenizers_.load_tokenizer(spec), "tokenizer")
+    hashes = world.allgather(tok.sha256)
+    if len(set(hashes)) > 1:
+        raise PrepareError(f"the ranks loaded different tokenizers from {spec} (sha256 {', '.join(h[:12] for h in hashes)}"
+                           "); put it on a filesystem every rank sees, with the same file")
+    return tok
+
+
+# ---- the stdlib corpus, prepared once into a cache --------------------------------------------
+
+STDLIB_CACHE_VERSION = 1          # raise when what the cached folder holds changes
+
+
+def cache_root() -> str:
+    """$RINGPIPE_CACHE, else $XDG_CACHE_HOME/ringpipe, else ~/.cache/ringpipe."""
+    if os.environ.get("RINGPIPE_CACHE"):
+        return os.environ["RINGPIPE_CACHE"]
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ringpipe")
+
+
+def _stdlib_key(max_bytes: int) -> tuple[str, str]:
+    """The interpreter's stdlib folder and a key of what the corpus would hold (its
+    files' names and sizes, the byte limit): a changed library is prepared again."""
+    from ringpipe.engine.data import stdlib_files
+    root, files = stdlib_files()
+    listing = [(os.path.relpath(f, root), os.path.getsize(f)) for f in files]
+    text = json.dumps([STDLIB_CACHE_VERSION, root, max_bytes, listing])
+    return root, hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def prepare_stdlib(max_bytes: int, cache: str | None = None) -> str:
+    """The stdlib corpus (engine/data.py's load_stdlib_corpus: the same bytes, the same
+    split) as a prepared dataset of the bytes tokenizer in CACHE/stdlib-KEY; written on
+    first use (into a temp folder renamed into place, so concurrent jobs never see half
+    a dataset), then reused. Returns the folder. The batches are those of the in-memory
+    corpus (ShardDataset draws as TokenDataset does), so trajectories do not change."""
+    from ringpipe.engine.data import load_stdlib_corpus
+    root, key = _stdlib_key(max_bytes)
+    cache = cache or cache_root()
+    folder = os.path.join(cache, f"stdlib-{key}")
+    if os.path.exists(os.path.join(folder, shards.MANIFEST_NAME)):
+        try:
+            shards.read_manifest(folder)
+            return folder
+        except ValueError:
+            shutil.rmtree(folder, ignore_errors=True)          # damaged: prepare it again
+    try:
+        os.makedirs(cache, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".stdlib-", dir=cache)
+    except OSError as e:
+        raise PrepareError(f"the stdlib corpus is prepared into {cache}, which cannot be written ({e.strerror or e}); "
+                           "set RINGPIPE_CACHE to a writable folder every node sees") from None
+    try:
+        corpus = load_stdlib_corpus(0, 0, max_bytes=max_bytes)
+        tok = tokenizers_.bytes_tokenizer()
+        splits = {}
+        for split in shards.SPLITS:
+            tokens = corpus.splits[split]
+            name = f"{split}_000000.bin"
+            shards.write_shard(os.path.join(tmp, name), tokens, tok.vocab_size)
+            splits[split] = {"shards": [name], "tokens": len(tokens), "bytes": len(tokens), "documents": 0}
+        rule = {"rule": "per file: crc32(path inside the stdlib) % 10 == 0 goes to validation (engine/data.py)"}
+        manifest = build_manifest(tok, rule, splits, [{"path": root, "description": corpus.description}], [],
+                                  max(len(corpus.splits["train"]), 1), "ringpipe train --data stdlib")
+        tok.save(tmp)
+        shards.write_manifest(tmp, manifest)
+        if os.path.isdir(folder) and not os.path.exists(os.path.join(folder, shards.MANIFEST_NAME)):
+            shutil.rmtree(folder, ignore_errors=True)          # a damaged copy, removed above or left by hand
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not os.path.exists(os.path.join(folder, shards.MANIFEST_NAME)):
+                raise
+            # another job prepared it first: use theirs
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+# ---- the command ----------------------------------------------------------------------------
+
+def build_parser(prog="ringpipe prepare") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Tokenize text into token shards (llm.c's .bin format) and a manifest (data.json) that "
+                    "`ringpipe train --data DATA_DIR` reads memory-mapped. Inputs: .txt files (one document each), "
+                    ".jsonl (one document per line, the --field value), .parquet (one document per row of the "
+                    "--field column), or folders of them (walked in sorted order; other files are skipped). Every "
+                    "document is followed by the tokenizer's separator (<|endoftext|>, or a newline for bytes). "
+                    "Under `mpiexec -n N` the ranks share the files; the output is the same as one process's.",
+        epilog="Examples:\n"
+               "  ringpipe prepare notes/ --out data/notes                        # byte-level, vocab 256\n"
+               "  ringpipe prepare corpus.jsonl --out data/c --tokenizer bpe:8192  # train a BPE on the input\n"
+               "  mpiexec -n 8 ringpipe prepare web/ --out data/web --tokenizer gpt2/tokenizer.json\n"
+               "  ringpipe train --data data/notes                                # then train on it",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help=".txt, .jsonl or .parquet files, or folders of them")
+    p.add_argument("--out", required=True, metavar="DATA_DIR",
+                   help="folder to write (the shards, tokenizer.json, data.json); refused if it holds a dataset, "
+                        "unless --overwrite")
+    p.add_argument("--tokenizer", default="bytes",
+                   help="bytes (default: UTF-8 bytes, vocab 256), bpe:VOCAB (a byte-level BPE of VOCAB tokens "
+                        "trained on the input, e.g. bpe:8192), or a Hugging Face tokenizer.json (or its folder)")
+    p.add_argument("--field", default="text", help="the JSON field / parquet column holding the text (default text)")
+    p.add_argument("--val-every", type=int, default=DEFAULT_VAL_EVERY, metavar="N",
+                   help="a document goes to validation when crc32(its file and index) %% N == 0 (default 10: about "
+                        "1 in 10); if that leaves validation under 1%% of the tokens (few documents), the last 10%% "
+                        "of the tokens are validation instead")
+    p.add_argument("--tokens-per-shard", type=int, default=DEFAULT_TOKENS_PER_SHARD, metavar="N",
+                   help="tokens per shard file (default 100000000, llm.c's)")
+    p.add_argument("--overwrite", action="store_true", help="replace the dataset in --out")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no summary (errors are still printed)")
+    return p
+
+
+def summary(manifest: dict, out: str, seconds: float) -> str:
+    train, val = manifest["splits"]["train"], manifest["splits"]["val"]
+    t = manifest["tokenizer"]
+    total = train["tokens"] + val["tokens"]
+    n_docs = sum(s["documents"] for s in manifest["sources"])
+    split = manifest["split"]
+    how = (f"1 in about {split['val_every']} documents" if split["method"] == "documents"
+           else f"the last {split['val_fraction']:.0%} of the tokens (too few documents to split by document)")
+    lines = [f"prepared {out}: {len(manifest['sources'])} file(s), {n_docs:,} document(s)"
+             + (f"; {manifest['skipped']['files']} other file(s) skipped (e.g. {manifest['skipped']['examples'][0]})"
+                if manifest["skipped"]["files"] else ""),
+             f"  train {train['tokens']:,} tokens in {len(train['shards'])} shard(s), val {val['tokens']:,} tokens in "
+             f"{len(val['shards'])} shard(s) (validation: {how})",
+             f"  tokenizer {t['kind']} (vocab {t['vocab_size']:,}), "
+             f"{(train['bytes'] + val['bytes']) / max(total, 1):.2f} bytes/token; "
+             f"{total / max(seconds, 1e-9) / 1e6:.2f}M tokens/s over {seconds:.1f} s"]
+    lines.append(f"next: ringpipe train --data {shlex.quote(out)}")
+    return "\n".join(lines)
+
+
+def main(argv=None, prog="ringpipe prepare") -> int:
+    """The command line; returns the exit code: 0 done, 2 refused (bad input or settings)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(prog)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:                # --help (0) or a usage error (2, argparse printed it)
+        return int(e.code or 0)
+    from ringpipe.engine import runtime
+    # Hugging Face tokenizers start a thread per core in each rank: share the cores among the node's ranks.
+    os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // runtime.local_rank_count())))
+    from ringpipe import comm
+    from ringpipe.engine import lifecycle
+    from mpi4py import MPI
+    comm.install_abort_handler()           # a bug on one rank ends the job instead of leaving the others waiting
+    world = MPI.COMM_WORLD
+    try:
+        lifecycle.check_launcher()
+        t0 = time.perf_counter()
+        manifest = prepare(args.inputs, args.out, tokenizer=args.tokenizer, field=args.field,
+                           overwrite=args.overwrite, world=world, progress=not args.quiet,
+                           val_every=args.val_every, tokens_per_shard=args.tokens_per_shard,
+                           command=shlex.join([prog] + argv))
+    except lifecycle.LauncherError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)      # every task is alone: each says so
+        return 2
+    except ValueError as e:                # refused alike on every rank: rank 0 says why
+        if world.Get_rank() == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        if world.Get_rank() == 0:
+            print("interrupted: no new dataset was written (a folder without data.json holds none); "
+                  "prepare again", file=sys.stderr)
+        return 130
+    if world.Get_rank() == 0 and not args.quiet:
+        print(summary(manifest, args.out, time.perf_counter() - t0), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

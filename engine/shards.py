@@ -1,0 +1,582 @@
+"""Token shards on disk and the dataset that reads them memory-mapped.
+
+A prepared data folder (written by `ringpipe prepare`, engine/prepare.py):
+
+    DATA_DIR/data.json          the manifest, written last: no manifest, no dataset
+    DATA_DIR/tokenizer.json     the tokenizer the tokens came from (Hugging Face format)
+    DATA_DIR/train_000000.bin   token shards in llm.c's format, in order
+    DATA_DIR/val_000000.bin
+
+A shard is llm.c's `.bin` file: a header of 256 little-endian int32 (header[0]
+the magic number, header[1] the version, header[2] the token count, the rest 0),
+then the tokens, little-endian:
+
+    magic 20240520, version 1: uint16 tokens (llm.c's "gpt-2"; a vocabulary of at most 65536)
+    magic 20240801, version 7: uint32 tokens (llm.c's "llama-3"; anything larger)
+
+so llm.c reads our shards and we read its. nanoGPT's headerless uint16
+`train.bin` / `val.bin` are read too (open_dataset on such a folder).
+
+Training never reads a whole shard: np.memmap maps the files, and a batch reads
+only the windows it samples. A split's shards are one virtual concatenation
+(ConcatenatedShards): a window may cross from one shard into the next.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import stat
+import threading
+
+import numpy as np
+
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+MAGIC_UINT16, VERSION_UINT16 = 20240520, 1     # llm.c "gpt-2"
+MAGIC_UINT32, VERSION_UINT32 = 20240801, 7     # llm.c "llama-3"
+_VERSION_OF_MAGIC = {MAGIC_UINT16: VERSION_UINT16, MAGIC_UINT32: VERSION_UINT32}
+_DTYPE_OF_MAGIC = {MAGIC_UINT16: np.dtype("<u2"), MAGIC_UINT32: np.dtype("<u4")}
+NANOGPT_NAMES = ("train.bin", "val.bin")
+MAX_SHARD_TOKENS = 2**31 - 1                   # header[2] is an int32
+
+MANIFEST_NAME = "data.json"
+MANIFEST_FORMAT, MANIFEST_VERSION = "ringpipe-data", 1
+SPLITS = ("train", "val")
+_SPLIT_IDS = {"train": 0, "val": 1}             # as engine/data.py's: the same batches for the same tokens
+SHARD_NAME = re.compile(r"^(train|val)_[0-9]{6}\.bin$")
+
+
+def shard_dtype(vocab_size: int) -> np.dtype:
+    """uint16 while every id fits (llm.c's gpt-2 shards), else uint32 (its llama-3 shards)."""
+    if vocab_size > 2**32:
+        raise ValueError(f"a vocabulary of {vocab_size} tokens does not fit in uint32 token ids; use a tokenizer "
+                         "with at most 2^32 tokens")
+    return np.dtype("<u2") if vocab_size <= 2**16 else np.dtype("<u4")
+
+
+def _header(dtype: np.dtype, count: int) -> bytes:
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    magic = MAGIC_UINT16 if dtype.itemsize == 2 else MAGIC_UINT32
+    header[0], header[1], header[2] = magic, _VERSION_OF_MAGIC[magic], count
+    return header.tobytes()
+
+
+# ---- writing ----------------------------------------------------------------------------
+
+class ShardWriter:
+    """One shard, written as the tokens come: they go to a temp file beside `path`;
+    close() writes the header with the final count, fsyncs and renames the file
+    into place, so `path` is always either absent or complete.
+
+        with ShardWriter("train_000000.bin", vocab_size=50257) as w:
+            w.write(ids); w.write(more_ids)
+    """
+
+    def __init__(self, path: str, vocab_size: int):
+        self.path, self.vocab_size = path, vocab_size
+        self.dtype = shard_dtype(vocab_size)
+        self.count = 0
+        self._tmp = f"{path}.tmp-{os.getpid()}"
+        self._fh = open(self._tmp, "wb")
+        self._fh.write(_header(self.dtype, 0))       # rewritten with the count at close()
+
+    def write(self, tokens) -> None:
+        tokens = np.asarray(tokens)
+        if tokens.size == 0:
+            return
+        if tokens.dtype.kind not in "iu":
+            raise ValueError(f"{self.path}: token ids must be integers, got {tokens.dtype}")
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"{self.path}: token id {bad} is outside the vocabulary 0..{self.vocab_size - 1}; "
+                             "the tokens and the vocab_size given do not belong together")
+        if self.count + tokens.size > MAX_SHARD_TOKENS:
+            raise ValueError(f"{self.path}: a shard holds at most 2^31 - 1 tokens (its header counts them in an "
+                             "int32); write fewer tokens per shard")
+        self._fh.write(np.ascontiguousarray(tokens, dtype=self.dtype).data)
+        self.count += tokens.size
+
+    def close(self) -> int:
+        """Finish the shard: header, fsync, rename. Returns its token count."""
+        try:
+            self._fh.seek(0)
+            self._fh.write(_header(self.dtype, self.count))
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self._fh.close()
+            os.replace(self._tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        return self.count
+
+    def abort(self) -> None:
+        """Drop the shard: nothing is left at `path` or in the temp file."""
+        self._fh.close()
+        if os.path.exists(self._tmp):
+            os.remove(self._tmp)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        if kind is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def write_shard(path: str, tokens, vocab_size: int) -> str:
+    """Write `tokens` as one llm.c shard at `path` (atomically); uint32 over 65536 ids."""
+    with ShardWriter(path, vocab_size) as writer:
+        writer.write(tokens)
+    return path
+
+
+def write_json_atomic(path: str, obj) -> None:
+    """A JSON file written whole or not at all (temp file, fsync, rename)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(obj, fh, indent=2, ensure_ascii=False)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+# ---- reading ----------------------------------------------------------------------------
+
+class Shard:
+    """Where a shard's tokens are in its file (what read_shard found in the header)."""
+
+    def __init__(self, path: str, dtype: np.dtype, offset: int, count: int, headerless: bool = False):
+        self.path, self.dtype, self.offset, self.count, self.headerless = path, dtype, offset, count, headerless
+
+    def memmap(self) -> np.ndarray:
+        """The tokens as a read-only array over a memory map of the file. The map is
+        advised MADV_RANDOM: a batch reads a few KB at random places, and the kernel's
+        read-around of each page fault (8 MB on some systems) would otherwise read a
+        200 MB shard whole for a few hundred windows (measured)."""
+        if self.count == 0:
+            return np.zeros(0, dtype=self.dtype)      # a zero-length file cannot be mapped
+        with open(self.path, "rb") as fh:
+            mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+            mapped.madvise(mmap.MADV_RANDOM)
+        return np.frombuffer(mapped, dtype=self.dtype, count=self.count, offset=self.offset)
+
+    def blocks(self, limit: int | None = None, block: int = 1 << 20):
+        """The tokens in blocks of `block`, at most `limit` of them, read with plain
+        file reads: the page cache holds them, not this process's memory (a pass
+        over a memmap would leave the whole file resident in it)."""
+        remaining = self.count if limit is None else min(self.count, limit)
+        with open(self.path, "rb") as fh:
+            fh.seek(self.offset)
+            while remaining > 0:
+                n = min(block, remaining)
+                chunk = np.fromfile(fh, dtype=self.dtype, count=n)
+                if len(chunk) != n:
+                    raise ValueError(f"{self.path} ended early: it changed while it was read; prepare again")
+                remaining -= n
+                yield chunk
+
+
+def inspect_shard(path: str) -> Shard:
+    """Read and check a shard's header (not its tokens): llm.c's magic and version,
+    and that the token count matches the file's size; or nanoGPT's headerless
+    uint16 train.bin / val.bin. ValueError naming the file otherwise."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ValueError(f"shard {path} does not exist; prepare the data again") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"shard {path} is not a regular file; prepare the data again")
+    with open(path, "rb") as fh:
+        head = fh.read(HEADER_BYTES)
+    magic = int.from_bytes(head[:4], "little", signed=True) if len(head) >= 4 else None
+    if magic in _DTYPE_OF_MAGIC:
+        if len(head) < HEADER_BYTES:
+            raise ValueError(f"shard {path} is truncated: {len(head)} bytes, shorter than its {HEADER_BYTES}-byte "
+                             "header; it was not written completely: prepare again")
+        header = np.frombuffer(head, dtype="<i4")
+        version, count = int(header[1]), int(header[2])
+        if version != _VERSION_OF_MAGIC[magic]:
+            raise ValueError(f"shard {path} has llm.c's magic {magic} but version {version}, not "
+                             f"{_VERSION_OF_MAGIC[magic]}: a format this reader does not know; prepare it again")
+        if count < 0:
+            raise ValueError(f"shard {path}: its header says {count} tokens; the file is damaged: prepare again")
+        dtype = _DTYPE_OF_MAGIC[magic]
+        held = (st.st_size - HEADER_BYTES) // dtype.itemsize
+        if held < count:
+            raise ValueError(f"shard {path} is truncated: header says {count} tokens, the file holds {held}: it "
+                             "was not written completely; prepare again")
+        if st.st_size != HEADER_BYTES + count * dtype.itemsize:
+            raise ValueError(f"shard {path}: header says {count} tokens but the file holds {held} "
+                             f"({st.st_size} bytes): it is damaged or was written by another program; prepare again")
+        return Shard(path, dtype, HEADER_BYTES, count)
+    if os.path.basename(path) in NANOGPT_NAMES:
+        if st.st_size % 2:
+            raise ValueError(f"{path}: a nanoGPT token file holds uint16 tokens, but its size ({st.st_size} bytes) "
+                             "is odd: it is truncated or not a token file")
+        return Shard(path, np.dtype("<u2"), 0, st.st_size // 2, headerless=True)
+    raise ValueError(f"{path} is not a token shard: it starts with {magic}, not llm.c's magic {MAGIC_UINT16} "
+                     f"(uint16 tokens) or {MAGIC_UINT32} (uint32); nanoGPT's headerless files must be named "
+                     "train.bin / val.bin")
+
+
+def read_shard(path: str) -> np.ndarray:
+    """The tokens of a shard, memory-mapped (read only when indexed); checked as inspect_shard does."""
+    return inspect_shard(path).memmap()
+
+
+class ConcatenatedShards:
+    """A split's shards as one read-only 1-D token array: len(a), a[i], a[lo:hi] and
+    a[index_array] read only the tokens asked for, from whichever shards hold them
+    (a window may start in one shard and end in the next)."""
+
+    def __init__(self, shards: list[Shard]):
+        self.shards = shards
+        self.arrays = [s.memmap() for s in shards]
+        # starts[k]: the position of shard k's first token in the concatenation; starts[-1]: the total.
+        self.starts = np.cumsum([0] + [s.count for s in shards], dtype=np.int64)
+        self.dtype = shards[0].dtype if shards else np.dtype("<u2")
+        self.nbytes = int(sum(s.count * s.dtype.itemsize for s in shards))
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            lo, hi, step = index.indices(len(self))
+            if step != 1:
+                raise IndexError("ConcatenatedShards slices take no step")
+            return self._range(lo, max(lo, hi))
+        positions = np.asarray(index)
+        if positions.dtype.kind not in "iu":
+            raise IndexError(f"token positions must be integers, got {positions.dtype}")
+        if positions.size and (positions.min() < 0 or positions.max() >= len(self)):
+            raise IndexError(f"token position out of range 0..{len(self) - 1}")
+        # Sort the positions, cut the sorted list where each shard starts, and read each
+        # shard's part with one fancy index (in file order, which also suits the disk).
+        flat = positions.reshape(-1)
+        order = np.argsort(flat, kind="stable")
+        in_order = flat[order]
+        cuts = np.searchsorted(in_order, self.starts)      # shard k: in_order[cuts[k]:cuts[k + 1]]
+        out = np.empty(flat.shape, dtype=self.dtype)
+        for k in np.flatnonzero(np.diff(cuts)):
+            a, b = cuts[k], cuts[k + 1]
+            out[order[a:b]] = self.arrays[k][in_order[a:b] - self.starts[k]]
+        out = out.reshape(positions.shape)
+        return out[()] if out.ndim == 0 else out             # a single position gives a scalar, as numpy does
+
+    def _range(self, lo: int, hi: int) -> np.ndarray:
+        parts = []
+        for k, array in enumerate(self.arrays):
+            a, b = max(lo, self.starts[k]), min(hi, self.starts[k + 1])
+            if a < b:
+                parts.append(array[a - self.starts[k]:b - self.starts[k]])
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=self.dtype)
+
+    def blocks(self, limit: int | None = None, block: int = 1 << 20):
+        """The first `limit` tokens (all: None) in blocks, by plain file reads (see Shard.blocks)."""
+        remaining = len(self) if limit is None else min(len(self), limit)
+        for shard in self.shards:
+            if remaining <= 0:
+                break
+            for chunk in shard.blocks(limit=remaining, block=block):
+                remaining -= len(chunk)
+                yield chunk
+
+
+# ---- the manifest -----------------------------------------------------------------------
+
+def write_manifest(data_dir: str, manifest: dict) -> str:
+    path = os.path.join(data_dir, MANIFEST_NAME)
+    write_json_atomic(path, manifest)
+    return path
+
+
+def _expect(ok: bool, path: str, what: str):
+    if not ok:
+        raise ValueError(f"{path}: {what}; the manifest is damaged or from another program: prepare the data again")
+
+
+def _is_int(value, low=0, high=None) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool) and value >= low
+            and (high is None or value <= high))
+
+
+def _plain_name(name) -> bool:
+    """A file name inside the data folder (no folders, nothing that climbs out of it)."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+
+
+def read_manifest(data_dir: str) -> dict:
+    """DATA_DIR/data.json, checked: its types, that every shard exists with a valid
+    header, and that the shards' token counts sum to the manifest's. ValueError
+    saying what is wrong otherwise. Reads shard headers only, never tokens."""
+    path = os.path.join(data_dir, MANIFEST_NAME)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            m = json.load(fh)
+    except FileNotFoundError:
+        raise ValueError(f"{path} does not exist: {data_dir} is not a prepared data folder; write one with "
+                         f"`ringpipe prepare INPUT... --out {data_dir}`") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}): it was damaged; prepare the data again") from None
+    _expect(isinstance(m, dict), path, "it is not a JSON object")
+    _expect(m.get("format") == MANIFEST_FORMAT, path,
+            f"its format is {m.get('format')!r}, not {MANIFEST_FORMAT!r}")
+    if _is_int(m.get("version")) and m["version"] > MANIFEST_VERSION:
+        raise ValueError(f"{path}: manifest version {m['version']} was written by a newer ringpipe (this one reads "
+                         f"version {MANIFEST_VERSION}); upgrade ringpipe or prepare the data again")
+    _expect(m.get("version") == MANIFEST_VERSION, path, f"its version is {m.get('version')!r}")
+
+    t = m.get("tokenizer")
+    _expect(isinstance(t, dict), path, "\"tokenizer\" is not an object")
+    _expect(t.get("kind") in ("bytes", "hf"), path, f"tokenizer.kind is {t.get('kind')!r}, not 'bytes' or 'hf'")
+    _expect(_plain_name(t.get("file")), path, f"tokenizer.file {t.get('file')!r} is not a file name")
+    _expect(isinstance(t.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", t["sha256"]) is not None, path,
+            "tokenizer.sha256 is not 64 hex digits")
+    _expect(_is_int(t.get("vocab_size"), 1, 2**32), path, "tokenizer.vocab_size is not a whole number in 1..2^32")
+    separator = m.get("separator")
+    _expect(isinstance(separator, list) and separator and all(_is_int(i, 0, t["vocab_size"] - 1) for i in separator),
+            path, "\"separator\" is not a list of token ids")
+    _expect(_is_int(m.get("tokens_per_shard"), 1, MAX_SHARD_TOKENS), path, "tokens_per_shard is not a positive int")
+
+    splits = m.get("splits")
+    _expect(isinstance(splits, dict) and set(splits) == set(SPLITS), path, "\"splits\" must hold train and val")
+    dtype = shard_dtype(t["vocab_size"])
+    for name in SPLITS:
+        s = splits[name]
+        _expect(isinstance(s, dict), path, f"splits.{name} is not an object")
+        _expect(isinstance(s.get("shards"), list) and all(_plain_name(f) for f in s["shards"]), path,
+                f"splits.{name}.shards is not a list of file names")
+        for key in ("tokens", "bytes", "documents"):
+            _expect(_is_int(s.get(key)), path, f"splits.{name}.{key} is not a whole number >= 0")
+        held = 0
+        for file in s["shards"]:
+            shard = inspect_shard(os.path.join(data_dir, file))
+            if shard.headerless or shard.dtype != dtype:
+                raise ValueError(f"{shard.path} holds {shard.dtype.name} tokens, but a vocabulary of "
+                                 f"{t['vocab_size']} is stored as {dtype.name}: it does not belong to "
+                                 f"{path}; prepare the data again")
+            held += shard.count
+        if held != s["tokens"]:
+            raise ValueError(f"{path}: the {name} shards hold {held} tokens, the manifest says {s['tokens']}: a "
+                             "shard was replaced or the manifest edited; prepare the data again")
+    sources = m.get("sources")
+    _expect(isinstance(sources, list) and all(isinstance(x, dict) for x in sources), path,
+            "\"sources\" is not a list of objects")
+    for key in ("split", "skipped"):
+        _expect(isinstance(m.get(key), dict), path, f"\"{key}\" is not an object")
+    for key in ("created", "command"):
+        _expect(isinstance(m.get(key), str), path, f"\"{key}\" is not a string")
+    return m
+
+
+# ---- the dataset ------------------------------------------------------------------------
+
+def _size(n_bytes: int) -> str:
+    return f"{n_bytes / 1e6:.1f} MB" if n_bytes >= 1e5 else f"{n_bytes / 1e3:.1f} kB"
+
+
+class ShardDataset:
+    """Token shards as a dataset, with the surface of engine/data.py's TokenDataset.
+
+    A training example is a window of seq_len + 1 tokens (inputs and the targets
+    shifted by one) anywhere in the split's concatenated shards. batch(step, ...)
+    is rows lo:hi of the global batch number `step`, a pure function of (seed,
+    step, split), drawn exactly as TokenDataset draws it: the same tokens give
+    the same batches, and 1 rank or N ranks see the same examples.
+    """
+
+    kind = "tokens"
+    UNIGRAM_LIMIT_BYTES = 256 << 20
+
+    def __init__(self, splits: dict[str, list[Shard]], seq_len: int, seed: int, vocab_size: int, tokenizer,
+                 name: str, description: str, text_bytes: dict | None = None):
+        self.splits = {split: ConcatenatedShards(splits[split]) for split in SPLITS}
+        for split, tokens in self.splits.items():
+            if len(tokens) < seq_len + 2:
+                raise ValueError(f"{name}: the {split} split has {len(tokens)} tokens, fewer than --seq-len "
+                                 f"{seq_len} + 2; use a shorter --seq-len or prepare more data")
+        self.seq_len, self.seed, self.name = seq_len, seed, name
+        self.vocab_size, self.tokenizer = vocab_size, tokenizer
+        self.description = description
+        self._text_bytes = text_bytes or {}
+
+    def describe(self) -> str:
+        """What was read, for the run's start-up lines."""
+        parts = []
+        for split, tokens in self.splits.items():
+            parts.append(f"{split} {len(tokens):,} tokens in {len(tokens.shards)} shard(s), {_size(tokens.nbytes)}")
+        return f"{self.description} | {'; '.join(parts)} | memory-mapped"
+
+    def batch(self, step, batch_size, lo=0, hi=None, split="train"):
+        hi = batch_size if hi is None else hi
+        tokens = self.splits[split]
+        T = self.seq_len
+        rng = np.random.default_rng([self.seed, step, _SPLIT_IDS[split]])
+        starts = rng.integers(0, len(tokens) - T - 1, size=batch_size)[lo:hi]
+        idx = starts[:, None] + np.arange(T + 1)[None, :]
+        window = tokens[idx].astype(np.int64)                 # (b, T+1), read from the shards that hold it
+        return window[:, :-1], window[:, 1:]
+
+    def bytes_per_token(self, split="val"):
+        """Bytes of text per token in `split` (for bits per byte), or None when unknown."""
+        n_bytes = self._text_bytes.get(split)
+        tokens = len(self.splits[split])
+        return n_bytes / tokens if n_bytes and tokens else None
+
+    def _counts(self, split) -> np.ndarray:
+        """Token histogram of the split's first 256 MiB, block by block (np.bincount of a
+        whole memmap would first copy it into an int64 array, 4-8x its size)."""
+        tokens = self.splits[split]
+        counts = np.zeros(self.vocab_size, dtype=np.float64)
+        for block in tokens.blocks(limit=self.UNIGRAM_LIMIT_BYTES // tokens.dtype.itemsize):
+            hist = np.bincount(block, minlength=self.vocab_size)
+            if len(hist) > self.vocab_size:
+                raise ValueError(f"{self.name}: the {split} split holds token id {len(hist) - 1}, outside the "
+                                 f"vocabulary 0..{self.vocab_size - 1}; prepare the data again")
+            counts += hist
+        return counts
+
+    def unigram_entropy(self):
+        """Cross-entropy (nats/token) of the best context-free model on the validation
+        split, fit on the training split (add-one smoothing): the bar a language model
+        must clear to have learned anything. From the first 256 MiB of each split."""
+        counts = self._counts("train") + 1.0
+        logp = np.log(counts / counts.sum())
+        val = self._counts("val")
+        return float(-(val * logp).sum() / val.sum())
+
+
+def open_dataset(data_dir: str, seq_len: int, seed: int) -> ShardDataset:
+    """A prepared data folder (data.json, written by `ringpipe prepare`), or a nanoGPT
+    folder (train.bin + val.bin: headerless uint16 tokens)."""
+    if not os.path.isdir(data_dir):
+        what = "does not exist" if not os.path.exists(data_dir) else "is not a folder"
+        raise ValueError(f"--data {data_dir} {what}; write a data folder with `ringpipe prepare INPUT... "
+                         f"--out {data_dir}`")
+    if os.path.exists(os.path.join(data_dir, MANIFEST_NAME)):
+        return _open_prepared(data_dir, seq_len, seed)
+    if all(os.path.exists(os.path.join(data_dir, n)) for n in NANOGPT_NAMES):
+        return _open_nanogpt(data_dir, seq_len, seed)
+    raise ValueError(f"--data {data_dir} holds neither {MANIFEST_NAME} (a folder written by `ringpipe prepare`) "
+                     "nor train.bin + val.bin (nanoGPT's); write one with `ringpipe prepare INPUT... "
+                     f"--out {data_dir}`")
+
+
+def _open_prepared(data_dir, seq_len, seed):
+    from ringpipe.engine.tokenizer import load_tokenizer
+    m = read_manifest(data_dir)
+    t = m["tokenizer"]
+    tokenizer_path = os.path.join(data_dir, t["file"])
+    tokenizer = load_tokenizer(tokenizer_path)
+    if tokenizer.sha256 != t["sha256"]:
+        raise ValueError(f"{tokenizer_path} is not the tokenizer the data was prepared with (sha256 "
+                         f"{tokenizer.sha256[:12]}..., the manifest says {t['sha256'][:12]}...): it was replaced "
+                         "after `ringpipe prepare`; prepare the data again")
+    if tokenizer.vocab_size != t["vocab_size"] or list(tokenizer.separator) != m["separator"]:
+        raise ValueError(f"{tokenizer_path} has {tokenizer.vocab_size} tokens and separator "
+                         f"{list(tokenizer.separator)}, the manifest says {t['vocab_size']} and {m['separator']}; "
+                         "prepare the data again")
+    splits = {s: [inspect_shard(os.path.join(data_dir, f)) for f in m["splits"][s]["shards"]] for s in SPLITS}
+    description = f"{data_dir}: tokenizer {tokenizer.kind} (vocab {tokenizer.vocab_size:,})"
+    return ShardDataset(splits, seq_len, seed, tokenizer.vocab_size, tokenizer, name=data_dir,
+                        description=description, text_bytes={s: m["splits"][s]["bytes"] for s in SPLITS})
+
+
+def _open_nanogpt(data_dir, seq_len, seed):
+    from ringpipe.engine.tokenizer import load_tokenizer
+    splits = {s: [inspect_shard(os.path.join(data_dir, f"{s}.bin"))] for s in SPLITS}
+    tokenizer_path = os.path.join(data_dir, "tokenizer.json")
+    if os.path.exists(tokenizer_path):
+        tokenizer = load_tokenizer(tokenizer_path)
+        vocab_size = tokenizer.vocab_size
+        source = f"tokenizer {tokenizer.kind} from tokenizer.json (vocab {vocab_size:,})"
+    else:
+        # No tokenizer to say how many ids there are: the largest id in the data sets the
+        # vocabulary (GPT-2's 50257 for nanoGPT's OpenWebText, whose <|endoftext|> is 50256).
+        tokenizer = None
+        largest = -1
+        for split in SPLITS:
+            for block in ConcatenatedShards(splits[split]).blocks(block=16 << 20):
+                largest = max(largest, int(block.max()))
+        vocab_size = largest + 1
+        source = (f"no tokenizer.json: vocab {vocab_size:,} = the largest token id in the data + 1 (put the "
+                  "tokenizer.json the data was made with beside train.bin to use its vocabulary)")
+    description = f"{data_dir}: nanoGPT train.bin/val.bin (headerless uint16), {source}"
+    return ShardDataset(splits, seq_len, seed, vocab_size, tokenizer, name=data_dir, description=description)
+
+
+# ---- prefetching --------------------------------------------------------------------------
+
+class Prefetcher:
+    """Reads the next batch in a background thread while the current step computes.
+
+        batches = Prefetcher(dataset, batch_size, lo, hi)
+        x, y = batches.get(step)      # this step's batch; step + 1 starts loading now
+
+    get(step) returns exactly dataset.batch(step, batch_size, lo, hi, split): the
+    prefetched one if it is the step asked for (else it is computed now). An error
+    in the background read is raised by the get() that asks for that step.
+    """
+
+    def __init__(self, dataset, batch_size, lo=0, hi=None, split="train"):
+        self.dataset, self.batch_size, self.lo, self.hi, self.split = dataset, batch_size, lo, hi, split
+        self._thread = None
+        self._step = None
+        self._result = None
+        self._error = None
+
+    def _load(self, step):
+        return self.dataset.batch(step, self.batch_size, self.lo, self.hi, split=self.split)
+
+    def _run(self, step):
+        try:
+            self._result = self._load(step)
+        except BaseException as e:           # handed to the get() that asks for this step
+            self._error = e
+
+    def _take(self, step):
+        """The prefetched batch if it is `step`'s (waiting for it), else None."""
+        if self._thread is None:
+            return None
+        self._thread.join()
+        prefetched, result, error = self._step, self._result, self._error
+        self._thread = self._step = self._result = self._error = None
+        if prefetched != step:
+            return None
+        if error is not None:
+            raise error
+        return result
+
+    def get(self, step):
+        batch = self._take(step)
+        if batch is None:
+            batch = self._load(step)
+        self._step = step + 1
+        self._thread = threading.Thread(target=self._run, args=(step + 1,), name="ringpipe-prefetch", daemon=True)
+        self._thread.start()
+        return batch
+
+    def close(self):
+        """Wait for the batch being read (nothing keeps running after this)."""
+        if self._thread is not None:
+            self._thread.join()
+        self._thread = self._step = self._result = self._error = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

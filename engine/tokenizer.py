@@ -1,0 +1,290 @@
+"""Tokenizers: text to token ids and back, saved as a Hugging Face tokenizer.json.
+
+    tok = load_tokenizer("bytes")                      # ids are the UTF-8 bytes: vocab 256
+    tok = load_tokenizer("path/to/tokenizer.json")     # any Hugging Face tokenizer (or a folder holding one)
+    tok = train_bpe(texts, vocab_size=8192)            # byte-level BPE trained on your own text
+    ids = tok.encode("hello")                          # numpy array (uint16, or uint32 over 65536 ids)
+    tok.decode(ids); tok.save(folder); tok.sha256
+
+Every tokenizer, the bytes one included, is written as a tokenizer.json that
+the `tokenizers` and `transformers` libraries load and that encodes text to
+the same ids: a prepared dataset, a run directory and an exported model all
+carry the tokenizer they were made with, and its sha256 tells two apart.
+
+The bytes tokenizer encodes with numpy (it is the UTF-8 bytes, nothing more);
+only "hf" tokenizers need the `tokenizers` library, which is imported lazily.
+Nothing here downloads anything.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Iterable
+
+import numpy as np
+
+# Token ids are stored as uint32 at most (llm.c's largest shard format).
+MAX_VOCAB = 2**32
+# The names of an end-of-document token, in the order we look for them when a
+# tokenizer.json has no "<|endoftext|>" (GPT-2's): Llama 3's, then SentencePiece's.
+END_OF_TEXT = "<|endoftext|>"
+_OTHER_EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>")
+
+
+class Tokenizer:
+    """kind "bytes" (ids = UTF-8 bytes) or "hf" (a `tokenizers.Tokenizer`).
+
+    vocab_size   ids are 0 .. vocab_size - 1
+    separator    ids appended after every document: "\\n" for bytes; the
+                 end-of-text token for hf if it has one, else the ids of "\\n"
+    separator_bytes  how many bytes of text the separator stands for (for
+                 bits per byte: 1 for "\\n", 0 for an end-of-text token)
+    dtype        the smallest unsigned dtype holding every id (uint16 / uint32)
+    """
+
+    def __init__(self, kind: str, vocab_size: int, separator: tuple, separator_bytes: int, json_text: str,
+                 hf=None, source: str = ""):
+        if vocab_size > MAX_VOCAB:
+            raise ValueError(f"the tokenizer {source or kind} has {vocab_size} tokens, more than 2^32: token ids "
+                             "are stored as uint32 at most; use a tokenizer with a smaller vocabulary")
+        if not separator:
+            raise ValueError(f"the tokenizer {source or kind} has no end-of-text token and encodes '\\n' to nothing, "
+                             "so documents could not be told apart; add an '<|endoftext|>' special token to it")
+        self.kind = kind
+        self.vocab_size = int(vocab_size)
+        self.separator = tuple(int(i) for i in separator)
+        self.separator_bytes = separator_bytes
+        self.dtype = np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+        self.source = source or kind
+        self._json = json_text
+        self._hf = hf
+        self.sha256 = json_sha256(json_text)
+
+    def __repr__(self):
+        return f"Tokenizer({self.kind}, vocab {self.vocab_size}, from {self.source})"
+
+    def encode(self, text: str) -> np.ndarray:
+        """The token ids of `text` (no special tokens added: documents are joined by the separator)."""
+        if self.kind == "bytes":
+            return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(self.dtype)
+        return np.asarray(self._hf.encode(text, add_special_tokens=False).ids, dtype=self.dtype)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """encode() of each text; Hugging Face tokenizers encode the batch on several threads."""
+        if self.kind == "bytes":
+            return [self.encode(t) for t in texts]
+        return [np.asarray(e.ids, dtype=self.dtype) for e in self._hf.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids) -> str:
+        """Text of `ids`; a character cut off by the ends of `ids` becomes U+FFFD."""
+        ids = [int(i) for i in np.asarray(ids).reshape(-1)]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary of {self.source} (0..{self.vocab_size - 1})")
+        if self.kind == "bytes":
+            return bytes(ids).decode("utf-8", errors="replace")
+        return self._hf.decode(ids, skip_special_tokens=False)
+
+    def to_json(self) -> str:
+        """The tokenizer as a Hugging Face tokenizer.json."""
+        return self._json
+
+    def save(self, folder) -> str:
+        """Write folder/tokenizer.json atomically (temp file, fsync, rename); returns its path."""
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, "tokenizer.json")
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                fh.write(self._json)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        return path
+
+
+def json_sha256(json_text: str) -> str:
+    """sha256 of a JSON document in canonical form (keys sorted, no spaces), so the
+    same tokenizer hashes alike however its file was indented or ordered."""
+    canonical = json.dumps(json.loads(json_text), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+# ---- the bytes tokenizer ----------------------------------------------------------------
+
+def _byte_level_characters() -> list[str]:
+    """GPT-2's byte-to-character table (`bytes_to_unicode`): byte b is written as the
+    character chars[b] in a byte-level tokenizer.json (printable bytes as themselves,
+    the others shifted past U+0100 so that every token is visible text)."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars, shifted = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + shifted)
+            shifted += 1
+    return [chars[b] for b in range(256)]
+
+
+def _bytes_tokenizer_json() -> str:
+    """A Hugging Face byte-level BPE with the 256 byte characters as its vocabulary, in
+    byte order, and no merges: it encodes any text to exactly its UTF-8 bytes. The
+    ByteLevel pre-tokenizer runs without its regex (which would only split the text
+    into words; with no merges that changes nothing) and adds no prefix space."""
+    vocab = {char: b for b, char in enumerate(_byte_level_characters())}
+    doc = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": vocab, "merges": []},
+    }
+    return json.dumps(doc, ensure_ascii=False, indent=2)
+
+
+_BYTES = None
+
+
+def bytes_tokenizer() -> Tokenizer:
+    global _BYTES
+    if _BYTES is None:
+        _BYTES = Tokenizer("bytes", 256, separator=(10,), separator_bytes=1, json_text=_bytes_tokenizer_json())
+    return _BYTES
+
+
+# ---- Hugging Face tokenizers ------------------------------------------------------------
+
+def _import_tokenizers():
+    try:
+        import tokenizers
+    except ImportError:
+        raise ValueError("this tokenizer needs the Hugging Face `tokenizers` library: "
+                         "pip install 'tokenizers>=0.19' (or pip install -e '.[data]')") from None
+    return tokenizers
+
+
+def from_json(json_text: str, source: str = "tokenizer.json", folder: str | None = None) -> Tokenizer:
+    """A Tokenizer from the text of a tokenizer.json. The bytes tokenizer's own file
+    comes back as the bytes tokenizer (the fast numpy path); anything else is "hf".
+    `folder`: where to look for a tokenizer_config.json naming the end-of-text token."""
+    try:
+        parsed = json.loads(json_text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{source} is not valid JSON ({e}); pass a Hugging Face tokenizer.json, "
+                         "'bytes', or bpe:VOCAB") from None
+    if not isinstance(parsed, dict) or "model" not in parsed:
+        raise ValueError(f"{source} is JSON but not a Hugging Face tokenizer.json (no \"model\" in it); "
+                         "pass the tokenizer.json of a Hugging Face tokenizer, 'bytes', or bpe:VOCAB")
+    if json_sha256(json_text) == bytes_tokenizer().sha256:
+        return bytes_tokenizer()
+    tokenizers = _import_tokenizers()
+    try:
+        hf = tokenizers.Tokenizer.from_str(json_text)
+    except Exception as e:        # the Rust library raises a bare Exception
+        raise ValueError(f"{source} does not load as a Hugging Face tokenizer ({e}); pass a tokenizer.json "
+                         "that `tokenizers.Tokenizer.from_file` reads, 'bytes', or bpe:VOCAB") from None
+    vocab_size = hf.get_vocab_size(with_added_tokens=True)
+    # The ids must run 0 .. vocab_size - 1: take the largest id, since added tokens may sit past the model's.
+    vocab_size = max(vocab_size, max(hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1)
+    eos = _end_of_text(hf, folder)
+    if eos is not None:
+        separator, separator_bytes = (eos,), 0
+    else:
+        separator = tuple(hf.encode("\n", add_special_tokens=False).ids)
+        separator_bytes = 1
+    return Tokenizer("hf", vocab_size, separator, separator_bytes, json_text, hf=hf, source=source)
+
+
+def _end_of_text(hf, folder):
+    """The id of the tokenizer's end-of-document token, or None: "<|endoftext|>", else the
+    eos_token of a tokenizer_config.json beside it, else a special token with a usual name."""
+    if hf.token_to_id(END_OF_TEXT) is not None:
+        return hf.token_to_id(END_OF_TEXT)
+    config_path = os.path.join(folder, "tokenizer_config.json") if folder else None
+    if config_path and os.path.isfile(config_path):
+        try:
+            with open(config_path, encoding="utf-8") as fh:
+                eos = json.load(fh).get("eos_token")
+        except (OSError, ValueError, AttributeError):
+            eos = None                      # an unreadable config only loses the hint
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str) and hf.token_to_id(eos) is not None:
+            return hf.token_to_id(eos)
+    for name in _OTHER_EOS_NAMES:
+        if hf.token_to_id(name) is not None:
+            return hf.token_to_id(name)
+    return None
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """ "bytes", a tokenizer.json file, or a folder holding one (a run directory, a
+    prepared dataset, a Hugging Face model folder)."""
+    if spec == "bytes":
+        return bytes_tokenizer()
+    if isinstance(spec, str) and spec.startswith("bpe:"):
+        raise ValueError(f"--tokenizer {spec} trains a new tokenizer, which only `ringpipe prepare` does; "
+                         "elsewhere pass the tokenizer.json it wrote (in the data folder)")
+    path = os.path.join(spec, "tokenizer.json") if os.path.isdir(spec) else spec
+    if not os.path.exists(path):
+        where = f"the folder {spec} holds no tokenizer.json" if os.path.isdir(spec) else f"{spec} does not exist"
+        raise ValueError(f"tokenizer: {where}; pass 'bytes', bpe:VOCAB (prepare only), a tokenizer.json "
+                         "or a folder holding one")
+    if not os.path.isfile(path):
+        raise ValueError(f"tokenizer: {path} is not a regular file; pass a tokenizer.json")
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+        json_text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text, so not a tokenizer.json; pass a Hugging Face "
+                         "tokenizer.json, 'bytes', or bpe:VOCAB") from None
+    return from_json(json_text, source=path, folder=os.path.dirname(path))
+
+
+def parse_vocab_spec(spec: str) -> int:
+    """The VOCAB of "bpe:VOCAB", checked: more than the 256 bytes + the end-of-text token."""
+    text = spec[len("bpe:"):]
+    try:
+        vocab_size = int(text)
+    except ValueError:
+        raise ValueError(f"--tokenizer {spec}: {text!r} is not a whole number; say how many tokens the BPE "
+                         "vocabulary has, e.g. bpe:8192") from None
+    if vocab_size <= 256 + 1:
+        raise ValueError(f"--tokenizer {spec}: a byte-level BPE needs more than {256 + 1} tokens (the 256 bytes "
+                         "and <|endoftext|>, then the merges it learns); use e.g. bpe:8192")
+    if vocab_size > MAX_VOCAB:
+        raise ValueError(f"--tokenizer {spec}: more than 2^32 tokens, but token ids are stored as uint32 at "
+                         "most; use a smaller vocabulary, e.g. bpe:50257")
+    return vocab_size
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, progress: bool = False) -> Tokenizer:
+    """A byte-level BPE (GPT-2's design: the 256 byte characters, then learned merges
+    of frequent pairs within words) trained by Hugging Face `tokenizers` on `texts`,
+    with "<|endoftext|>" (id 0) as its one special token: the separator. The same
+    texts give the same tokenizer.json. Fewer merges than asked are learned when
+    the text runs out of pairs; vocab_size then says how many there are."""
+    if vocab_size <= 256 + 1 or vocab_size > MAX_VOCAB:
+        parse_vocab_spec(f"bpe:{vocab_size}")           # raises the message that explains
+    tokenizers = _import_tokenizers()
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    hf = tokenizers.Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=progress)
+    hf.train_from_iterator(texts, trainer=trainer)
+    return from_json(hf.to_str(pretty=True), source=f"bpe:{vocab_size}")
