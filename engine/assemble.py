@@ -8,6 +8,7 @@ state goes through engine/agreement.py, so all ranks reach the same verdict.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -47,6 +48,8 @@ class Run:
     rows: tuple = (0, 0)               # this rank's rows of each global batch
     items_per_example: int = 1         # tokens per sequence (GPT) or 1 (MLP)
     flops_per_item: float = 0.0
+    tokenizer: Any = None              # the data's (engine/tokenizer.py), None for data without one
+    init: Any = None                   # init_from's (GPTConfig, named arrays, tokenizer.json or None)
     tracer: Any = None
     dog: Any = None
     t_start: float = 0.0               # when the first step began
@@ -74,8 +77,7 @@ def assemble(cfg: Config, world, stop, cleanup, render=None) -> Run:
         report.say(note)
     own_run_directory(r, cleanup)
     find_checkpoint(r)
-    shape_and_device(r)
-    load_data(r)
+    shape_data_device(r)
     build_model(r, cleanup)
     start_reporting(r, cleanup)
     return r
@@ -171,17 +173,37 @@ def _find_resume(cfg: Config, ckpt_dir: str):
     return valid[-1], notes
 
 
-# ---- shape, device, data -------------------------------------------------------------------
+# ---- shape, data, device ---------------------------------------------------------------------
 
-def shape_and_device(r: Run) -> None:
+def shape_data_device(r: Run) -> None:
+    """The model's shape, the data it trains on (whose tokenizer sets the vocabulary),
+    and the device; every rank decides for itself, and all must agree."""
     cfg = r.cfg
-    r.shape = model_config(cfg, r.manifest.get("model_config"))
+    if cfg.hf_dir:
+        from ringpipe.engine import hf
+        r.init = agree(r.world, lambda: hf.import_hf(cfg.hf_dir), "Hugging Face model of --init-from")
+    init_shape = r.init[0].to_dict() if r.init else None
+    saved = r.manifest.get("model_config")
     r.dtype = K.resolve_dtype(cfg.dtype)
     if cfg.model == "gpt":
-        r.seq_len = cfg.seq_len or r.shape.context
-        if r.seq_len > r.shape.context:
-            raise ConfigError(f"<seq_len> {r.seq_len} exceeds the model's context {r.shape.context}; lower "
-                              f"<seq_len> or raise <context> (at least {r.seq_len})")
+        # The sequence length comes from the shape, the vocabulary from the data: the shape
+        # without the data's vocabulary first (only its context matters here), then with it.
+        r.seq_len = cfg.seq_len or model_config(cfg, saved, init=init_shape).context
+    stdlib_dir = None
+    if cfg.model == "gpt" and cfg.dataset == "stdlib":
+        # Token shards in a cache, written once by rank 0: no rank holds the corpus in memory.
+        from ringpipe.engine.prepare import prepare_stdlib
+        stdlib_dir = agree_on_rank0(r.world, lambda: prepare_stdlib(int(cfg.max_data_mb * 2**20)),
+                                    "preparing the stdlib corpus")
+    r.dataset = agree(r.world, lambda: open_dataset(cfg, r.seq_len, stdlib_dir), "dataset",
+                      hint="is RINGPIPE_CACHE (where the stdlib corpus is prepared) on a filesystem every node sees?"
+                      if stdlib_dir else "is the path on a filesystem every node sees?")
+    r.tokenizer = getattr(r.dataset, "tokenizer", None)
+    r.shape = model_config(cfg, saved, vocab=getattr(r.dataset, "vocab_size", None), init=init_shape)
+    if cfg.model == "gpt" and r.seq_len > r.shape.context:
+        raise ConfigError(f"<seq_len> {r.seq_len} exceeds the model's context {r.shape.context}; lower "
+                          f"<seq_len> or raise <context> (at least {r.seq_len})")
+    check_tokenizer(r)
     # Nodes may differ in memory: every rank checks its own node, all agree.
     dp = r.grid.size("data")
     agree(r.world, lambda: check_memory(cfg, r.shape, dp, runtime.local_rank_count()), "memory check",
@@ -196,15 +218,40 @@ def shape_and_device(r: Run) -> None:
     # A node without CuPy or a GPU must stop every rank, not only its own.
     r.xp, r.transport = agree(r.world, pick_device, "device setup",
                               hint="does every node have CuPy and a visible GPU?")
+    describe_data(r)
 
 
-def open_dataset(cfg: Config, seq_len):
+def check_tokenizer(r: Run) -> None:
+    """A run continues (or starts from a model) with the tokenizer its data was prepared with."""
+    mine = r.tokenizer.sha256 if r.tokenizer is not None else None
+    saved = r.manifest.get("tokenizer")
+    if saved and mine and saved["sha256"] != mine:
+        raise ConfigError(f"the data was prepared with another tokenizer (sha256 {mine[:12]}...) than the "
+                          f"checkpoint's run ({saved['sha256'][:12]}..., {saved['file']} in its run directory): "
+                          "train on data prepared with that tokenizer (`ringpipe prepare ... --tokenizer "
+                          "RUN_DIR/tokenizer.json`)")
+    if r.init and r.init[2] and mine:
+        from ringpipe.engine.tokenizer import load_tokenizer
+        theirs = load_tokenizer(r.init[2]).sha256
+        if theirs != mine:
+            raise ConfigError(f"the data was prepared with another tokenizer than the model of <init_from> "
+                              f"({r.init[2]}): prepare it with `--tokenizer {r.init[2]}`")
+
+
+def open_dataset(cfg: Config, seq_len, stdlib_dir=None):
     from ringpipe.engine import data
     kind, dtype = cfg.dataset, np.dtype(cfg.dtype)
     max_bytes = int(cfg.max_data_mb * 2**20)
     if cfg.model == "gpt":
+        if kind == "prepared":
+            from ringpipe.engine import shards
+            return shards.open_dataset(cfg.data, seq_len, cfg.seed)
         if kind == "stdlib":
-            return data.load_stdlib_corpus(seq_len, cfg.seed, max_bytes=max_bytes)
+            from ringpipe.engine import shards
+            dataset = shards.open_dataset(stdlib_dir, seq_len, cfg.seed)
+            source = shards.read_manifest(stdlib_dir)["sources"][0]["description"]
+            dataset.name, dataset.description = "stdlib", f"{source}; prepared once as token shards in {stdlib_dir}"
+            return dataset
         if kind == "synthetic":
             return data.synthetic_tokens(seq_len, cfg.seed)
         if kind == "text":
@@ -219,10 +266,9 @@ def open_dataset(cfg: Config, seq_len):
     raise ConfigError(f"<data> {kind} is a text corpus; use it with <model> gpt")
 
 
-def load_data(r: Run) -> None:
+def describe_data(r: Run) -> None:
     from ringpipe.engine.gpt import flops_per_token
     from ringpipe.engine.mlp import flops_per_example
-    r.dataset = agree(r.world, lambda: open_dataset(r.cfg, r.seq_len), "dataset")
     r.report.say(f"data: {r.dataset.describe()}")
     if r.cfg.model == "gpt":
         r.items_per_example, r.flops_per_item = r.seq_len, flops_per_token(r.shape, r.seq_len)
@@ -257,6 +303,11 @@ def build_model(r: Run, cleanup) -> None:
         raise ConfigError(str(e)) from None
     cleanup.callback(r.model.close)
     r.opt = r.model.make_optimizer(cfg.optimizer, cfg.peak_lr, cfg.weight_decay)
+    if r.init:
+        # Every rank takes the arrays of the parameters it holds (any layout).
+        r.model.params.load_flat(r.model.params.data, r.init[1])
+        r.report.say(f"initialised from the Hugging Face model in {cfg.hf_dir}")
+        r.init = (r.init[0], None, r.init[2])           # the arrays are loaded: let them go
     if not r.resume_path:
         r.model.start_identical()
         return
@@ -312,7 +363,10 @@ def start_reporting(r: Run, cleanup) -> None:
         if world.Get_size() > 1:
             report.say(f"GPU buffers and MPI: {r.transport.describe()}")
     if cfg.model == "gpt":
-        report.say(f"unigram baseline (val): {r.dataset.unigram_entropy():.4f} nats/byte")
+        nats = r.dataset.unigram_entropy()
+        per_token = r.dataset.bytes_per_token("val")
+        bpb = f" = {nats / math.log(2) / per_token:.3f} bits/byte" if per_token else ""
+        report.say(f"unigram baseline (val): {nats:.4f} nats/token{bpb} (a model must beat it to have learned)")
     pp = r.grid.size("pipe")
     if pp > 1 and cfg.microbatches < 2 * pp:
         report.say(f"note: {cfg.microbatches} micro-batch(es) on {pp} stages leaves the pipeline mostly idle "
@@ -323,6 +377,8 @@ def start_reporting(r: Run, cleanup) -> None:
     r.dog = lifecycle.Watchdog(world, cfg.watchdog, run_dir=cfg.out_dir, abort=cfg.watchdog_abort)
     cleanup.callback(r.dog.stop)
     if report.is_main:
+        if r.tokenizer is not None:
+            r.tokenizer.save(cfg.out_dir)          # OUT/tokenizer.json: `ringpipe sample` and `export` read it
         report.metrics = rundir.MetricsLog(os.path.join(cfg.out_dir, rundir.METRICS_NAME),
                                            append=bool(r.resume_path))
         for note in report.metrics.notes:

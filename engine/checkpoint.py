@@ -75,9 +75,13 @@ _MODEL_CONFIG_KEYS = {"gpt": ("context", "d_model", "n_head", "n_layer", "vocab"
                       "mlp": ("hidden", "n_classes", "n_in", "n_layer")}
 _LAYOUT_KEYS = ("chunks", "dp", "pp")
 _KEYS = ("args", "checksum", "dtype", "format", "layout", "loss", "model", "model_config", "npz", "npz_bytes",
-         "npz_crc32", "opt_step_count", "optimizer", "precision", "step")
+         "npz_crc32", "opt_step_count", "optimizer", "precision", "step", "tokenizer")
 _NOT_IN_FORMAT_1 = ("checksum",)
-_OPTIONAL_IN_FORMAT_1 = ("precision", "layout")    # format 1 files written before these keys existed
+_OPTIONAL_IN_FORMAT_1 = ("precision", "layout", "tokenizer")    # format 1 files written before these keys existed
+# The tokenizer the run trained with: {"kind", "sha256", "vocab_size", "file" (relative to the run directory)};
+# optional, since checkpoints of byte-level runs written before it existed have none.
+_OPTIONAL_IN_FORMAT_2 = ("tokenizer",)
+_TOKENIZER_KEYS = ("file", "kind", "sha256", "vocab_size")
 
 _DAMAGED_HINT = ("it was not written completely, was damaged or was edited; resume from an earlier "
                  "checkpoint (--resume auto skips damaged ones)")
@@ -545,7 +549,7 @@ def _check_schema(m):
         raise _wrong("format", m["format"], f"{FORMAT!r} or {FORMAT_1!r} (not a ringpipe checkpoint, "
                                             "or one from a newer version)")
     allowed = _KEYS if m["format"] == FORMAT else [k for k in _KEYS if k not in _NOT_IN_FORMAT_1]
-    optional = () if m["format"] == FORMAT else _OPTIONAL_IN_FORMAT_1
+    optional = _OPTIONAL_IN_FORMAT_2 if m["format"] == FORMAT else _OPTIONAL_IN_FORMAT_1
     missing = [k for k in allowed if k not in m and k not in optional]
     if missing:
         raise _Problem(f"the manifest lacks the key(s) {', '.join(missing)}")
@@ -573,6 +577,15 @@ def _check_schema(m):
         _check_object("layout", m["layout"], _LAYOUT_KEYS)
     if type(m["args"]) is not dict:
         raise _wrong("args", m["args"], "an object (the run's flags)")
+    if "tokenizer" in m:
+        t = m["tokenizer"]
+        if type(t) is not dict or sorted(t) != list(_TOKENIZER_KEYS):
+            raise _wrong("tokenizer", t, f"an object with exactly the keys {', '.join(_TOKENIZER_KEYS)}")
+        _check_short_name("tokenizer.kind", t["kind"])
+        _check_short_name("tokenizer.file", t["file"])
+        _check_int("tokenizer.vocab_size", t["vocab_size"], 1, 2**32)
+        if not isinstance(t["sha256"], str) or not _SHA256_HEX.fullmatch(t["sha256"]):
+            raise _wrong("tokenizer.sha256", t["sha256"], "64 lowercase hex digits (a sha256)")
     if "checksum" in m and (not isinstance(m["checksum"], str) or not _SHA256_HEX.fullmatch(m["checksum"])):
         raise _wrong("checksum", m["checksum"], "64 lowercase hex digits (a sha256)")
 

@@ -22,6 +22,7 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 
 from ringpipe.engine.config import Config  # noqa: E402
+from ringpipe.engine.gpt import PRESETS  # noqa: E402
 from ringpipe.engine.errors import ConfigError, Diverged, JobFailure, spell  # noqa: E402
 
 
@@ -70,6 +71,13 @@ def parse_args(argv=None, prog="ringpipe train"):
 def _model_flags(p):
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=["gpt", "mlp"], default="gpt", help="model to train (default gpt)")
+    g.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="a standard GPT shape: sets --layers, --d-model, --heads and --context (gpt2-124m: 12, "
+                        "768, 12, 1024); flags given as well must agree with it")
+    g.add_argument("--init-from", default=None, metavar="hf:HF_DIR",
+                   help="start from the weights of a Hugging Face GPT-2 folder (ringpipe export's, or a local "
+                        "GPT-2 download with model.safetensors): its shape replaces the shape flags, and --data "
+                        "must use its tokenizer")
     g.add_argument("--layers", type=int, default=None, help="transformer blocks / MLP hidden layers (default 4 / 2)")
     g.add_argument("--d-model", type=int, default=None, help="GPT width / MLP hidden width (default 128 / 256)")
     g.add_argument("--heads", type=int, default=None, help="GPT attention heads (default 4)")
@@ -88,18 +96,22 @@ def _model_flags(p):
 
 def _data_flags(p):
     g = p.add_argument_group("data")
-    g.add_argument("--data", choices=["stdlib", "synthetic", "fashion-mnist", "text"], default=None,
-                   help="dataset: stdlib (default for gpt; the interpreter's own library source), "
-                        "fashion-mnist (default for mlp; Debian package dataset-fashion-mnist), "
-                        "synthetic (tiny, for tests), text (a file or folder given by --data-path)")
+    g.add_argument("--data", default=None, metavar="{stdlib,synthetic,fashion-mnist,text,DATA_DIR}",
+                   help="dataset: a folder written by `ringpipe prepare` (token shards, memory-mapped; its "
+                        "tokenizer sets the GPT's vocabulary; a nanoGPT train.bin/val.bin folder works too), or "
+                        "stdlib (default for gpt; the interpreter's own library source), fashion-mnist (default "
+                        "for mlp; Debian package dataset-fashion-mnist), synthetic (tiny, for tests), text (a "
+                        "file or folder given by --data-path)")
     g.add_argument("--data-path", default=None,
                    help="file/folder for --data text (given alone, it implies --data text for the GPT), or the "
                         "IDX folder for fashion-mnist; a folder's text files are read in sorted order, binary "
                         "files skipped, and what was read is printed")
     g.add_argument("--max-data-mb", type=float, default=64.0,
-                   help="--data text folders (and stdlib): read at most this many MiB into memory on every "
-                        "rank (default 64; the run says when the folder holds more). A single file is "
-                        "memory-mapped instead, whatever its size")
+                   help="--data text folders: read at most this many MiB into memory on every rank (default "
+                        "64; the run says when the folder holds more); a single file is memory-mapped instead, "
+                        "whatever its size. --data stdlib: the MiB of library source prepared (once, as token "
+                        "shards in $RINGPIPE_CACHE, default ~/.cache/ringpipe) and memory-mapped. For corpora of "
+                        "any size use `ringpipe prepare` and --data DATA_DIR")
     g.add_argument("--seq-len", type=int, default=None, help="GPT training sequence length (default: the context)")
     g.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch size in sequences/examples (default 16)")
 
@@ -171,7 +183,7 @@ def _cluster_flags(p):
 
 # Names that messages use (<field>) and the flag that sets each.
 _MODEL_FIELD_FLAGS = {"n_layer": "--layers", "n_head": "--heads", "hidden": "--d-model", "d_model": "--d-model",
-                      "context": "--context"}
+                      "context": "--context", "vocab": "the vocabulary"}
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(Config)}
 
 

@@ -24,12 +24,15 @@ import numpy as np
 from ringpipe.engine.errors import ConfigError
 
 MAX_BUCKET_MB = 1 << 20        # 1 TiB: past the gradients' size a bucket is just one bucket
+DATASET_NAMES = ("stdlib", "synthetic", "fashion-mnist", "text")
 
 
 @dataclass
 class Config:
     # ---- model
     model: str = "gpt"                 # gpt | mlp
+    preset: str | None = None          # a standard GPT shape (engine/gpt.py PRESETS): gpt2-124m, ...
+    init_from: str | None = None       # "hf:HF_DIR": start from a Hugging Face GPT-2 folder's weights
     layers: int | None = None          # GPT blocks / MLP hidden layers (4 / 2)
     d_model: int | None = None         # GPT width / MLP hidden width (128 / 256)
     heads: int | None = None           # GPT attention heads (4)
@@ -38,9 +41,9 @@ class Config:
     precision: str = "float32"         # float32 | bf16 (GEMM inputs; float32 master weights)
     device: str = "cpu"                # cpu | cuda
     # ---- data
-    data: str | None = None            # stdlib | synthetic | fashion-mnist | text (default by model)
+    data: str | None = None            # a prepared DATA_DIR, or stdlib | synthetic | fashion-mnist | text
     data_path: str | None = None       # file/folder for text (alone it means text), IDX folder for fashion-mnist
-    max_data_mb: float = 64.0          # text folders and stdlib: MiB read into memory per rank
+    max_data_mb: float = 64.0          # text folders: MiB read into memory per rank; stdlib: MiB prepared
     seq_len: int | None = None         # GPT training sequence length (the context)
     batch_size: int = 16               # GLOBAL batch in sequences/examples
     # ---- optimization
@@ -89,11 +92,17 @@ class Config:
 
     @property
     def dataset(self) -> str:
+        """A dataset name (DATASET_NAMES), or "prepared" for a folder of token shards."""
         if self.data is not None:
-            return self.data
+            return self.data if self.data in DATASET_NAMES else "prepared"
         if self.model == "gpt":
             return "text" if self.data_path is not None else "stdlib"
         return "fashion-mnist"
+
+    @property
+    def hf_dir(self) -> str | None:
+        """The folder of init_from ("hf:PATH")."""
+        return self.init_from[3:] if self.init_from else None
 
     @property
     def schedule_name(self) -> str:
@@ -222,6 +231,21 @@ def _check_combinations(cfg: Config, dp: int) -> list[str]:
                               "the MLP takes <layers> and <d_model> (hidden width)")
         if cfg.pipelined:
             raise ConfigError("pipeline stages (<pp>/<chunks> > 1) are implemented for <model> gpt only")
+    if cfg.data is not None and cfg.data not in DATASET_NAMES and not os.path.isdir(cfg.data):
+        raise ConfigError(f"<data> {cfg.data!r} is neither a dataset name ({', '.join(DATASET_NAMES)}) nor a folder "
+                          "written by `ringpipe prepare`" + (f" ({cfg.data} does not exist)"
+                                                             if not os.path.exists(cfg.data) else ""))
+    if cfg.dataset == "prepared" and cfg.model != "gpt":
+        raise ConfigError("a prepared token dataset (<data> DATA_DIR) trains <model> gpt")
+    if cfg.init_from is not None:
+        if not cfg.init_from.startswith("hf:") or not cfg.hf_dir:
+            raise ConfigError(f"<init_from> {cfg.init_from!r}: give hf:HF_DIR, a Hugging Face GPT-2 folder")
+        if not os.path.isdir(cfg.hf_dir):
+            raise ConfigError(f"<init_from>: the folder {cfg.hf_dir} does not exist")
+        if cfg.resume:
+            raise ConfigError("<init_from> starts a run from other weights; <resume> continues one: pass one of them")
+    if cfg.model != "gpt" and (cfg.preset or cfg.init_from):
+        raise ConfigError("<preset> and <init_from> are GPT shapes: use them with <model> gpt")
     if cfg.watchdog_abort and not cfg.watchdog:
         raise ConfigError("<watchdog_abort> needs <watchdog> SECONDS (the stall that triggers it)")
     notes = []
@@ -240,9 +264,10 @@ def _check_combinations(cfg: Config, dp: int) -> list[str]:
 
 # ---- the model's shape ---------------------------------------------------------------
 
-def model_config(cfg: Config, saved: dict | None = None):
-    """The model shape from the settings, or from a checkpoint when resuming
-    (settings given explicitly must agree with it)."""
+def model_config(cfg: Config, saved: dict | None = None, vocab: int | None = None, init: dict | None = None):
+    """The model's shape. The first of these that exists fixes it: a checkpoint when
+    resuming, the Hugging Face model of init_from, a preset; settings given explicitly
+    must agree with it, and fill in the rest. `vocab`: the data's tokenizer's size."""
     from ringpipe.engine.gpt import GPTConfig
     from ringpipe.engine.mlp import MLPConfig
     if cfg.model == "gpt":
@@ -251,16 +276,34 @@ def model_config(cfg: Config, saved: dict | None = None):
     else:
         given = {"n_layer": cfg.layers, "hidden": cfg.d_model}
         shape = MLPConfig()
-    for key, value in (saved or {}).items():
+    fixed, source = _fixed_shape(cfg, saved, init)
+    for key, value in fixed.items():
         if key in given and given[key] is not None and given[key] != value:
-            raise ConfigError(f"the checkpoint was written with <{key}> {value}, but <{key}> {given[key]} was "
-                              f"given; drop the setting or use a new <out>")
+            raise ConfigError(f"{source} has <{key}> {value}, but <{key}> {given[key]} was given; drop the setting"
+                              + (" or use a new <out>" if saved else ""))
         setattr(shape, key, value)
-    if not saved:
-        for key, value in given.items():
-            if value is not None:
-                setattr(shape, key, value)
+    for key, value in given.items():
+        if value is not None and key not in fixed:
+            setattr(shape, key, value)
+    if vocab is not None and cfg.model == "gpt":
+        if "vocab" in fixed and fixed["vocab"] != vocab:
+            raise ConfigError(f"the data's tokenizer has {vocab} tokens, but {source}'s model has a vocabulary of "
+                              f"{fixed['vocab']}: train on data prepared with the model's tokenizer")
+        shape.vocab = vocab
     return shape.validate()
+
+
+def _fixed_shape(cfg: Config, saved, init) -> tuple[dict, str]:
+    from ringpipe.engine.gpt import PRESETS
+    if saved:
+        return saved, "the checkpoint"
+    if init:
+        return init, f"the model of <init_from> {cfg.init_from}"
+    if cfg.preset:
+        if cfg.preset not in PRESETS:
+            raise ConfigError(f"unknown <preset> {cfg.preset!r}: use one of {', '.join(sorted(PRESETS))}")
+        return dict(zip(("n_layer", "d_model", "n_head", "context"), PRESETS[cfg.preset])), f"<preset> {cfg.preset}"
+    return {}, ""
 
 
 # ---- memory: refuse what cannot fit, in milliseconds -----------------------------------

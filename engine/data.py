@@ -26,9 +26,19 @@ def _rng(seed, step, split):
 class TokenDataset:
     """Byte-level tokens; a training example is a window of seq_len bytes and the
     same window shifted by one as targets. The splits may be memory-mapped files:
-    a batch reads only the windows it samples."""
+    a batch reads only the windows it samples. (Token shards written by `ringpipe
+    prepare` are engine/shards.py's ShardDataset, with the same surface.)"""
 
     kind = "tokens"
+    vocab_size = 256
+
+    @property
+    def tokenizer(self):
+        from ringpipe.engine.tokenizer import load_tokenizer
+        return load_tokenizer("bytes")
+
+    def bytes_per_token(self, split="val"):
+        return 1.0
 
     def __init__(self, train: np.ndarray, val: np.ndarray, seq_len: int, seed: int, name: str,
                  description: str | None = None):

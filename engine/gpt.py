@@ -93,11 +93,12 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
     return 3.0 * forward
 
 
-def generate(model: LayerChain, prompt: bytes, n_new: int, context: int, temperature=1.0, seed=0):
-    """Sample n_new bytes after prompt (runs the full model on the last `context` bytes each step)."""
+def generate(model: LayerChain, prompt: list, n_new: int, context: int, temperature=1.0, seed=0) -> list:
+    """Sample n_new token ids after the `prompt` ids (runs the full model on the last
+    `context` tokens each step). The padding rows' logits are masked by the head."""
     xp = model.params.xp
     rng = np.random.default_rng(seed)
-    tokens = list(prompt) or [10]
+    tokens = [int(t) for t in prompt] or [10]
     for _ in range(n_new):
         window = xp.asarray(np.array(tokens[-context:], dtype=np.int64)[None, :])
         logits, _ = model.forward(window, targets=None, need_grad=False)
@@ -108,4 +109,4 @@ def generate(model: LayerChain, prompt: bytes, n_new: int, context: int, tempera
             p = np.exp((last - last.max()) / temperature)
             nxt = int(rng.choice(len(p), p=p / p.sum()))
         tokens.append(nxt)
-    return bytes(tokens[len(prompt):])
+    return tokens[len(prompt):]

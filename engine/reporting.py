@@ -68,15 +68,16 @@ class Reporter:
                 f"lr {record['lr']:.2e} | {_rate(rate)} {items_name}/s | {dt * 1e3:.0f} ms | ETA {eta}")
         if "val_loss" in record:
             line += f" | val {record['val_loss']:.4f}"
+        if "val_bpb" in record:
+            line += f" ({record['val_bpb']:.3f} bits/byte)"
         self.say(line)
         if self.log:
             self.log.info(line)
 
     # ---- the end ---------------------------------------------------------------------------
-    def sample(self, text: bytes, prompt: bytes) -> None:
-        shown = "".join(ch if ch.isprintable() or ch in "\n\t" else "\ufffd"
-                        for ch in text.decode("utf-8", errors="replace"))
-        self.say(f"---- sample ----\n{prompt.decode()}{shown}\n----------------")
+    def sample(self, text: str) -> None:
+        shown = "".join(ch if ch.isprintable() or ch in "\n\t" else "\ufffd" for ch in text)
+        self.say(f"---- sample ----\n{shown}\n----------------")
 
     def close(self) -> None:
         self.stop_notices()

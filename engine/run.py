@@ -29,6 +29,7 @@ from ringpipe.engine.config import Config
 from ringpipe.engine.errors import Diverged, JobFailure
 from ringpipe.engine.optim import clip_scale, lr_at
 from ringpipe.engine.reporting import hms, step_record
+from ringpipe.engine.shards import Prefetcher
 
 
 @dataclass
@@ -63,14 +64,20 @@ def run(cfg: Config, world=None, stop=None, render=None) -> RunResult:
 
 def train(r: Run) -> tuple[float, int | None]:
     """The step loop. Returns (last loss, the step it stopped at on a signal, or None)."""
-    cfg, model, report = r.cfg, r.model, r.report
-    loss = float("nan")
     r.t_start = time.perf_counter()
-    report.first_step_starts()
+    r.report.first_step_starts()
+    # The next step's rows are read in a background thread while this step computes.
+    with Prefetcher(r.dataset, r.cfg.batch_size, *r.rows) as batches:
+        return steps(r, batches)
+
+
+def steps(r: Run, batches: Prefetcher) -> tuple[float, int | None]:
+    cfg, model = r.cfg, r.model
+    loss = float("nan")
     for step in range(r.start_step, cfg.steps):
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.peak_lr, cfg.warmup_steps, cfg.schedule_steps, cfg.min_lr_ratio)
-        x, y = r.dataset.batch(step, cfg.batch_size, *r.rows)
+        x, y = batches.get(step)
         model.params.zero_grad()
         loss = sum_over_ranks(r, model.forward_backward(x, y, r.grad_scale)) / r.items_per_step
         norm_sq = model.grad_norm_sq()
@@ -82,7 +89,7 @@ def train(r: Run) -> tuple[float, int | None]:
         record = step_record(done, loss, lr, norm_sq, time.perf_counter() - t0, r.items_per_step,
                              r.flops_per_item, cfg.model, getattr(model, "comm_hidden_fraction", lambda: None)())
         if done % (cfg.eval_every or max(1, cfg.steps // 5)) == 0 or done == cfg.steps:
-            record["val_loss"] = evaluate(r)
+            record.update(evaluate(r))
             refuse_non_finite(r, done, validation_loss=record["val_loss"])
         report_step(r, record)
         saved_now = bool(cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done != cfg.steps)
@@ -130,12 +137,18 @@ def clip(params, norm_sq: float, max_norm: float) -> None:
         params.grad *= scale
 
 
-def evaluate(r: Run) -> float:
+def evaluate(r: Run) -> dict:
+    """Validation loss (nats per item) and, for text, bits per byte: comparable across
+    tokenizers, since a token covers bytes_per_token bytes of the text on average."""
     total = 0.0
     for i in range(r.cfg.eval_batches):
         x, y = r.dataset.batch(i, r.cfg.batch_size, *r.rows, split="val")
         total += r.model.forward_loss(x, y)
-    return sum_over_ranks(r, total) / (r.cfg.eval_batches * r.items_per_step)
+    val = {"val_loss": sum_over_ranks(r, total) / (r.cfg.eval_batches * r.items_per_step)}
+    per_token = getattr(r.dataset, "bytes_per_token", lambda split: None)("val")
+    if per_token:
+        val["val_bpb"] = val["val_loss"] / math.log(2) / per_token
+    return val
 
 
 def report_step(r: Run, record: dict) -> None:
@@ -182,10 +195,14 @@ def checkpoint_meta(r: Run, loss: float) -> dict:
     # The settings as they were resolved, as older checkpoints recorded them.
     settings.update(data=r.cfg.dataset, seq_len=r.seq_len, schedule=r.cfg.schedule_name,
                     partition=r.cfg.partition_name)
-    return {"model": r.cfg.model, "model_config": r.shape.to_dict(), "optimizer": r.cfg.optimizer,
+    meta = {"model": r.cfg.model, "model_config": r.shape.to_dict(), "optimizer": r.cfg.optimizer,
             "opt_step_count": r.opt.step_count, "loss": loss, "dtype": r.cfg.dtype, "precision": r.cfg.precision,
             "layout": {"dp": r.grid.size("data"), "pp": r.grid.size("pipe"), "chunks": r.cfg.chunks},
             "args": settings}
+    if r.tokenizer is not None:
+        meta["tokenizer"] = {"kind": r.tokenizer.kind, "sha256": r.tokenizer.sha256,
+                             "vocab_size": r.tokenizer.vocab_size, "file": "tokenizer.json"}
+    return meta
 
 
 # ---- the end ---------------------------------------------------------------------------------
@@ -230,9 +247,13 @@ def finish(r: Run, loss: float, stopped_at: int | None) -> RunResult:
 def sample(r: Run, arrays: dict) -> None:
     """Rank 0 may hold only the first pipeline stage: sample from a full copy."""
     from ringpipe.engine.gpt import build_gpt, generate
+    if r.tokenizer is None:
+        return                                  # token ids without a tokenizer say nothing to a reader
     full = build_gpt(r.shape, dtype=r.dtype)
     full.params.load_flat(full.params.data, {k[6:]: v for k, v in arrays.items() if k.startswith("param/")})
-    prompt = b"def "
-    text = generate(full, prompt, r.cfg.sample_bytes, min(r.seq_len, r.shape.context), temperature=0.8,
-                    seed=r.cfg.seed)
-    r.report.sample(text, prompt)
+    # Python source for the byte model of the stdlib; a document's start for other tokenizers.
+    prompt = "def " if r.tokenizer.kind == "bytes" else ""
+    ids = list(r.tokenizer.encode(prompt)) if prompt else list(r.tokenizer.separator)
+    new = generate(full, ids, r.cfg.sample_bytes, min(r.seq_len, r.shape.context), temperature=0.8,
+                   seed=r.cfg.seed)
+    r.report.sample(prompt + r.tokenizer.decode(new))

@@ -7,6 +7,7 @@ What a run keeps there:
     OUT/checkpoints/        ckpt_XXXXXXXX.{npz,json} (engine/checkpoint.py)
     OUT/logs/rank<R>.log    per-rank logs
     OUT/heartbeat/          watchdog heartbeats
+    OUT/tokenizer.json      the tokenizer the run's data was prepared with (travels to exports)
     OUT/previous/           the run that was there before a fresh start (--overwrite)
 
 Only world rank 0 takes the lock and touches the shared files, the trainer
@@ -31,7 +32,7 @@ METRICS_NAME = "metrics.jsonl"
 PREVIOUS_NAME = "previous"
 # What a run writes into OUT: a fresh start moves exactly these aside, so
 # unrelated files a user keeps in the folder are never touched.
-RUN_ENTRIES = ("checkpoints", METRICS_NAME, "logs", "heartbeat")
+RUN_ENTRIES = ("checkpoints", METRICS_NAME, "logs", "heartbeat", "tokenizer.json")
 
 # flock() is not offered by every cluster filesystem (Lustre mounted without
 # -o flock, some FUSE mounts): these errors mean "no locking here".

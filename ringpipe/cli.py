@@ -1,6 +1,9 @@
 """The `ringpipe` command: one entry point, a subcommand per job.
 
+    ringpipe prepare ...     tokenize text (txt, jsonl, parquet) into token shards for training
     ringpipe train ...       train a model (= python -m ringpipe.train; ringpipe-train)
+    ringpipe sample ...      generate text from a trained GPT
+    ringpipe export ...      write a trained GPT as a Hugging Face model folder
     ringpipe pipeline ...    print, validate and simulate a pipeline schedule (= python -m ringpipe.pipeline)
 """
 from __future__ import annotations
@@ -8,7 +11,10 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
+    "prepare": ("ringpipe.engine.prepare", "tokenize text files (txt, jsonl, parquet) into token shards"),
     "train": ("ringpipe.engine.cli", "train a GPT or MLP on one or many MPI ranks"),
+    "sample": ("ringpipe.engine.sample", "generate text from a trained GPT (a run directory or checkpoint)"),
+    "export": ("ringpipe.engine.hf", "write a trained GPT as a Hugging Face folder (transformers loads it)"),
     "pipeline": ("ringpipe.engine.pipeline.__main__", "print, validate and simulate a pipeline schedule"),
 }
 
