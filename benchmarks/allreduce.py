@@ -39,13 +39,14 @@ from ringpipe import comm as rcomm  # noqa: E402
 from _common import (choice_list, fmt_size, median, nonneg_float, nonneg_int, output_path,  # noqa: E402
                      positive_float, positive_int, positive_size, size_arg, table, write_json)
 
-ALGOS = ("ring", "small", "mpi", "naive")
+ALGOS = ("ring", "small", "hierarchical", "auto", "mpi", "naive")
+DEFAULT_ALGOS = ("ring", "small", "hierarchical", "mpi", "naive")
 DTYPES = {"float16": np.float16, "float32": np.float32, "float64": np.float64,
           "int32": np.int32, "int64": np.int64}
 # (key, header, format, width): fixed widths as in nccl-tests, so the rows,
 # printed size by size, line up under the header up to 1 TB messages.
 COLUMNS = [("size", "size", "d", 12), ("count", "count", "d", 12), ("type", "type", "s", 8),
-           ("redop", "redop", "s", 5), ("algo", "algo", "s", 5), ("time_us", "time(us)", ".1f", 10),
+           ("redop", "redop", "s", 5), ("algo", "algo", "s", 12), ("time_us", "time(us)", ".1f", 10),
            ("algbw", "algbw(GB/s)", ".3f", 11), ("busbw", "busbw(GB/s)", ".3f", 11),
            ("wrong", "#wrong", "d", 8)]
 
@@ -53,8 +54,8 @@ COLUMNS = [("size", "size", "d", 12), ("count", "count", "d", 12), ("type", "typ
 def make_runner(algo: str, world):
     if algo == "ring":
         return lambda buf: rcomm.allreduce(buf, world, op="sum", algorithm="ring")
-    if algo == "small":
-        return lambda buf: rcomm.allreduce(buf, world, op="sum", algorithm="small")
+    if algo in ("small", "hierarchical", "auto"):
+        return lambda buf: rcomm.allreduce(buf, world, op="sum", algorithm=algo)
     if algo == "mpi":
         return lambda buf: world.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
     if algo == "naive":
@@ -170,9 +171,16 @@ def run_bandwidth(world, args) -> None:
             sizes.append(s)
             s *= 2
     cols = COLUMNS
+    from ringpipe.comm.context import context_for
+    nodes = context_for(world).nodes if p > 1 else None
+    hosts = world.allgather(MPI.Get_processor_name())
     if rank == 0:
-        print(f"# ringpipe all-reduce benchmark: {p} ranks on {socket.gethostname()}, "
-              f"dtype {args.dtype}, algorithms {','.join(algos)}")
+        print(f"# ringpipe all-reduce benchmark: {p} ranks on {len(set(hosts))} host(s) "
+              f"({', '.join(sorted(set(hosts)))}), dtype {args.dtype}, algorithms {','.join(algos)}")
+        if nodes is not None:
+            print(f"# nodes as comm sees them: {nodes.describe()}; auto above the crossover picks "
+                  f"{rcomm.collectives.choose_algorithm('auto', 1 << 30, context_for(world))}"
+                  + (f"; link {args.link}" if args.link else ""))
         print(f"# {MPI.Get_library_version().splitlines()[0].strip()}; "
               f"thread level {MPI.Query_thread()}; auto crossover {rcomm.get_crossover()} B")
         print(table([], cols), flush=True)
@@ -185,13 +193,14 @@ def run_bandwidth(world, args) -> None:
 
     if rank != 0:
         return
-    out = dict(ranks=p, dtype=args.dtype, host=socket.gethostname(),
+    out = dict(ranks=p, dtype=args.dtype, host=socket.gethostname(), hosts=hosts, link=args.link,
+               nodes=None if nodes is None else {"node_of_rank": nodes.node, "ranks_per_node": nodes.sizes},
                mpi=MPI.Get_library_version().splitlines()[0].strip(), rows=rows,
                auto_crossover_bytes=rcomm.get_crossover())
     print("#")
     for a in algos:
         bw = [r["busbw"] for r in rows if r["algo"] == a]
-        print(f"# Avg bus bandwidth {a:>6}: {np.mean(bw):.3f} GB/s")
+        print(f"# Avg bus bandwidth {a:>12}: {np.mean(bw):.3f} GB/s")
     wrong = sum(r["wrong"] for r in rows)
     print(f"# Out of bounds values : {wrong} {'OK' if wrong == 0 else 'FAILED'}")
     if "ring" in algos and "mpi" in algos:
@@ -207,6 +216,19 @@ def run_bandwidth(world, args) -> None:
             print("#   " + "  ".join(f"{fmt_size(s)}: {v:.2f}" for s, v in ratios.items()))
             print(f"#   min {min(ratios.values()):.2f}, median {median(list(ratios.values())):.2f}")
         out["ring_over_mpi"] = {str(s): v for s, v in ratios.items()}
+    for a, b in (("hierarchical", "ring"), ("hierarchical", "mpi")):
+        if a in algos and b in algos:
+            ratios = {}
+            for sz in sorted({r["size"] for r in rows}):
+                if sz >= 4 << 20:
+                    ra = next(r for r in rows if r["size"] == sz and r["algo"] == a)
+                    rb = next(r for r in rows if r["size"] == sz and r["algo"] == b)
+                    ratios[sz] = ra["busbw"] / rb["busbw"]
+            if ratios:
+                print(f"# {a} / {b} busbw, sizes >= 4 MiB: "
+                      + "  ".join(f"{fmt_size(sz)}: {v:.2f}" for sz, v in ratios.items())
+                      + f"; min {min(ratios.values()):.2f}")
+            out[f"{a}_over_{b}"] = {str(sz): v for sz, v in ratios.items()}
     if "ring" in algos:
         ring_rows = [r for r in rows if r["algo"] == "ring"]
         fit = fit_alpha_beta(ring_rows, p)
@@ -323,8 +345,10 @@ def main(argv=None) -> None:
     ap.add_argument("--max-iters", type=positive_int, default=200)
     ap.add_argument("--budget", type=positive_float, default=0.3,
                     help="seconds per algorithm and size used to pick default iterations")
-    ap.add_argument("--algorithms", type=choice_list(ALGOS), default=",".join(ALGOS),
+    ap.add_argument("--algorithms", type=choice_list(ALGOS), default=",".join(DEFAULT_ALGOS),
                     help="comma list of " + ",".join(ALGOS))
+    ap.add_argument("--link", default="",
+                    help="the link between nodes, as a label for the table and JSON (e.g. 1gbit; recorded, not set)")
     ap.add_argument("--json", type=output_path, default=None, help="write rows + fit to this path (rank 0)")
     ap.add_argument("--quick", action="store_true", help="5 sizes up to 4 MiB, 5 iterations")
     ap.add_argument("--overlap", action="store_true", help="measure GradBuckets overlap instead")

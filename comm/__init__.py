@@ -19,6 +19,8 @@ One module per concern:
     ring.py         the ring algorithm: chunk_bounds, its schedule and hot loop
                     (set_subchunk_bytes)
     small.py        recursive doubling, the latency-optimal all-reduce
+    hierarchical.py the all-reduce by node: reduce-scatter inside, across, all-gather
+                    inside (the network carries 2(N-1)/N, not 2(p-1)/p, bytes per byte)
     layout.py       what the ranks compare before a call: the layout record,
                     its codes and legend, and validation
     fingerprint.py  the layout fingerprints in the message tags

@@ -103,7 +103,7 @@ class GradBuckets:
         self._ctx = CommContext(comm)
         try:
             ranges, buckets, algos, flat = self._agree_on_layout(
-                comm, grad_flat, param_ranges, bucket_bytes, first_bucket_bytes, op, algorithm)
+                comm, grad_flat, param_ranges, bucket_bytes, first_bucket_bytes, op, algorithm, self._ctx)
         except BaseException:
             self._ctx.free()
             raise
@@ -158,7 +158,7 @@ class GradBuckets:
 
     @staticmethod
     def _agree_on_layout(comm, grad_flat, param_ranges, bucket_bytes, first_bucket_bytes, op: str,
-                         algorithm: str):
+                         algorithm: str, ctx=None):
         """(ranges, buckets, per-bucket algorithms, flat buffer) once every rank
         passed the same layout and it is valid; else the same error on every rank."""
         ranges = [(int(lo), int(hi)) for lo, hi in param_ranges]
@@ -172,7 +172,7 @@ class GradBuckets:
         buckets = _make_buckets(ranges, arr.itemsize, int(bucket_bytes), first)
         # "auto" is resolved once per bucket, so every step runs the same
         # algorithm; the choice depends on the crossover, hence in the check.
-        algos = [choose_algorithm(algorithm, (hi - lo) * arr.itemsize) for lo, hi, _, _ in buckets]
+        algos = [choose_algorithm(algorithm, (hi - lo) * arr.itemsize, ctx) for lo, hi, _, _ in buckets]
         layout_crc = zlib.crc32(np.asarray(ranges, dtype=np.int64).tobytes()
                                 + ",".join(map(str, algos)).encode())
         size, dtype_code, op_code, _, ok, _ = layout_record(arr, flat, op, "ring", is_array)

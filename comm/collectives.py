@@ -21,6 +21,7 @@ from mpi4py import MPI
 from . import device, settings
 from .consistency import check_consistent
 from .context import CommContext, context_for
+from .hierarchical import allreduce_hierarchical
 from .layout import (LAYOUT_LEGEND, REDUCE_UFUNCS, is_buffer, layout_record, op_name, record_title,
                      semantics_hash, usable, validate)
 from .ring import allgather_ring, allreduce_ring, chunk_bounds, reduce_scatter_ring
@@ -52,12 +53,20 @@ def get_crossover() -> int:
     return settings.current().crossover
 
 
-def choose_algorithm(algorithm: str, nbytes: int) -> str:
-    """The algorithm a call of `nbytes` runs: "auto" becomes "small" or "ring"
-    by the crossover; anything else stays as given (validation refuses an
-    unknown name)."""
+def choose_algorithm(algorithm: str, nbytes: int, ctx: CommContext | None = None) -> str:
+    """The algorithm a call of `nbytes` runs: "auto" becomes "small" at or below
+    the crossover; above it "hierarchical" when `ctx`'s ranks span several nodes
+    with the same number (> 1) of ranks on each (comm/hierarchical.py: the
+    network then carries 2(N-1)/N instead of 2(p-1)/p bytes per byte reduced),
+    else "ring". Anything else stays as given (validation refuses an unknown
+    name). The same on every rank: the node map is agreed when ctx is made."""
     if algorithm == "auto":
-        return "small" if nbytes <= settings.current().crossover else "ring"
+        if nbytes <= settings.current().crossover:
+            return "small"
+        nodes = getattr(ctx, "nodes", None)
+        if nodes is not None and nodes.even and 1 < nodes.n_nodes < ctx.size:
+            return "hierarchical"
+        return "ring"
     return algorithm
 
 
@@ -119,6 +128,11 @@ def allreduce_on_context(ctx: CommContext, arr, flat: np.ndarray, op: str, algo:
     an error naming `what` instead of wrong bytes."""
     if ctx.size == 1 or flat.size == 0:
         return
+    if algo == "hierarchical":
+        # Three collectives on the node and cross-node communicators, each with
+        # its own layout check and fingerprints.
+        allreduce_hierarchical(ctx.hierarchy(), flat, op)
+        return
     allreduce_algorithm = allreduce_small if algo == "small" else allreduce_ring
     if allreduce_algorithm(ctx, flat, _wire(flat), REDUCE_UFUNCS[op], op == "avg", semantics):
         _raise_poisoned(ctx, what, arr, flat, op, algo)
@@ -158,14 +172,16 @@ def allreduce(buf, comm=None, op: str = "sum", algorithm: str = "auto"):
     """In-place all-reduce of a contiguous buffer; returns `buf`.
 
     op: 'sum' | 'avg' | 'max' | 'min' (or MPI.SUM / MPI.MAX / MPI.MIN). algorithm: 'ring' (bandwidth-optimal),
-    'small' (latency-optimal recursive doubling) or 'auto' (by byte size
-    against get_crossover()). Every rank ends with bit-identical bytes.
+    'small' (latency-optimal recursive doubling), 'hierarchical' (by node:
+    reduce-scatter inside, all-reduce across, all-gather inside) or 'auto'
+    (choose_algorithm: by byte size and the ranks' nodes). Every rank ends
+    with bit-identical bytes.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     ctx = _context(comm)
     op = op_name(op)
     arr, flat, writeback = _host_flat(buf)
-    algo = choose_algorithm(algorithm, arr.nbytes)
+    algo = choose_algorithm(algorithm, arr.nbytes, ctx)
     semantics = _prepare("allreduce", ctx, arr, flat, op, algo, is_buffer(buf))
     if ctx is not None:
         allreduce_on_context(ctx, arr, flat, op, algo, semantics)

@@ -17,6 +17,7 @@ from mpi4py import MPI
 from . import fingerprint, settings
 from .consistency import check_consistent
 from .device import empty_for_mpi
+from .hierarchical import Hierarchy, node_key, node_map
 
 __all__ = ["CommContext", "context_for"]
 
@@ -64,10 +65,14 @@ class CommContext:
         try:
             # Shared with every context of this process: set_crossover() and
             # set_subchunk_bytes() act on all of them.
-            self.settings = settings.agree(self.comm, self.tag_bits)
+            # With them, which node each rank is on (comm/hierarchical.py): what
+            # algorithm="auto" weighs.
+            self.settings, keys = settings.agree(self.comm, self.tag_bits, extra=node_key(self.comm))
+            self.nodes = node_map(keys)
         except BaseException:
             self.free()      # every rank raises alike, so every rank frees its Dup
             raise
+        self._hierarchy = None
         self.always_check = self.settings.check == "always"
         self.checked: set = set()   # layouts all ranks agreed on
         self.valid: dict = {}       # layouts agreed on and validated -> semantics hash (fast path)
@@ -120,7 +125,18 @@ class CommContext:
             self._scratch[key] = buf
         return buf[:n]
 
+    def hierarchy(self):
+        """The node and cross-node communicators of the hierarchical all-reduce,
+        split on its first call (collective: every rank calls it at the same
+        point, once the ranks agreed on the call's layout)."""
+        if self._hierarchy is None:
+            self._hierarchy = Hierarchy(self.comm, self.nodes)
+        return self._hierarchy
+
     def free(self) -> None:
+        if getattr(self, "_hierarchy", None) is not None:
+            self._hierarchy.free()
+            self._hierarchy = None
         # Free() leaves COMM_NULL behind, so a second free() does nothing.
         if self.comm != MPI.COMM_NULL and not MPI.Is_finalized():
             self.comm.Free()

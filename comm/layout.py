@@ -33,7 +33,7 @@ DTYPE_CODES = {
     np.dtype(np.int64): 5,
 }
 OP_CODES = {"none": 0, "sum": 1, "avg": 2, "max": 3, "min": 4}     # "none": allgather, which reduces nothing
-ALGO_CODES = {"ring": 1, "small": 2}
+ALGO_CODES = {"ring": 1, "small": 2, "hierarchical": 3}
 LAYOUT_LEGEND = (
     "dtype " + ", ".join(f"{c}={d}" for d, c in DTYPE_CODES.items()) + "; op "
     + ", ".join(f"{c}={o}" for o, c in OP_CODES.items() if c) + "; algorithm "
@@ -127,4 +127,5 @@ def validate(what: str, arr, flat, op: str, algo: str, is_array: bool = True) ->
     if op == "avg" and arr.dtype not in _FLOATS:
         raise TypeError(f"{what}: op='avg' needs a float dtype, got {arr.dtype}")
     if algo not in ALGO_CODES:
-        raise ValueError(f"{what}: unknown algorithm {algo!r}; use 'auto', 'ring' or 'small'")
+        raise ValueError(f"{what}: unknown algorithm {algo!r}; use 'auto', 'ring', 'small' or "
+                         "'hierarchical'")

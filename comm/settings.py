@@ -179,13 +179,15 @@ def _by_value(values: list) -> str:
     return "; ".join(f"{v!r} on {_ranks(rs)}" for v, rs in groups.items())
 
 
-def agree(comm, tag_bits: int) -> Settings:
+def agree(comm, tag_bits: int, extra=None):
     """This process's settings, once every rank of `comm` is known to run with
     the same ones. Collective (one small allgather, where a private context is
     created; not a hot path): settings that differ between ranks would make
     them send different messages and hang, so instead every rank raises the
     same error, naming each rank's values and the variable to fix. A bad value
-    on any rank raises a ValueError on every rank; a difference a RuntimeError."""
+    on any rank raises a ValueError on every rank; a difference a RuntimeError.
+    `extra`: anything else the ranks should exchange in the same allgather;
+    given, the result is (settings, [every rank's extra])."""
     try:
         mine, error = current(), None
     except ValueError as e:
@@ -193,8 +195,8 @@ def agree(comm, tag_bits: int) -> Settings:
     if comm.Get_size() == 1:
         if error is not None:
             raise ValueError(error)
-        return mine
-    record = {"error": error, "tag_bits": tag_bits, "wire": WIRE_VERSION}
+        return mine if extra is None else (mine, [extra])
+    record = {"error": error, "tag_bits": tag_bits, "wire": WIRE_VERSION, "extra": extra}
     if mine is not None:
         record.update(dataclasses.asdict(mine))
     table = comm.allgather(record)
@@ -218,7 +220,7 @@ def agree(comm, tag_bits: int) -> Settings:
             "which would make them send different messages and hang. Give every rank the same "
             "values (in an MPMD launch `mpiexec ... : ...`, set the variables for all blocks "
             "alike, or for none):\n" + "\n".join(lines))
-    return mine
+    return mine if extra is None else (mine, [rec["extra"] for rec in table])
 
 
 def check_settings(comm=None) -> Settings:

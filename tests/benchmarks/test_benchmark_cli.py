@@ -60,7 +60,7 @@ def test_allreduce_refuses_one_rank():
     (["--max-bytes", "4Q"], ["--max-bytes", "invalid size '4Q'", "K, M or G"]),
     (["--min-bytes", "lots"], ["--min-bytes", "invalid size"]),
     (["--overlap", "--steps", "0"], ["--steps", ">= 1"]),
-    (["--algorithms", "ring,rign"], ["--algorithms", "'rign'", "ring,small,mpi,naive"]),
+    (["--algorithms", "ring,rign"], ["--algorithms", "'rign'", "ring,small,hierarchical,auto,mpi,naive"]),
     (["--warmup", "-1"], ["--warmup"]),
     (["--budget", "nan"], ["--budget"]),
     (["--bucket-bytes", "0"], ["--bucket-bytes"]),
