@@ -1,0 +1,119 @@
+"""Emulated nodes (slurm/local/nodes.sh): network namespaces on a bridge, links shaped.
+
+Across 2 nodes x 2 ranks under mpiexec, training gives the losses of one process,
+the hierarchical all-reduce equals MPI.Allreduce, and the traffic crosses the
+link (the interface's byte counter grows by what the algorithm must send).
+Skipped, with the reason, where namespaces or tc are not permitted (not root),
+or when emulated nodes are already up (a user's: never touched).
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import ROOT
+
+NODES = os.path.join(ROOT, "slurm", "local", "nodes.sh")
+VENV_BIN = os.path.dirname(sys.executable)
+ENV = dict(os.environ, PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
+           RINGPIPE_NODES_DIR="/tmp/ringpipe-nodes-test")
+
+
+def nodes(*args, timeout=120, check=True):
+    r = subprocess.run(["bash", NODES, *args], env=ENV, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if check and r.returncode != 0:
+        raise AssertionError(f"nodes.sh {' '.join(args)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    if shutil.which("ip") is None or not sys.platform.startswith("linux"):
+        pytest.skip("needs Linux network namespaces (iproute2)")
+    if os.path.exists("/run/netns/rp-sw"):
+        pytest.skip("emulated nodes are already up (slurm/local/nodes.sh status): not touching them")
+    r = nodes("up", "--nodes", "2", "--link", "1gbit", check=False)
+    if r.returncode == 3:
+        pytest.skip(r.stderr.strip())
+    assert r.returncode == 0, r.stderr
+    yield
+    nodes("down")
+    assert not os.path.exists("/run/netns/rp-sw") and not os.path.exists("/run/netns/rp-n1")
+
+
+def across(*cmd, timeout=240):
+    try:
+        r = nodes("mpiexec", "-ppn", "2", "-n", "4", sys.executable, *cmd, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"mpiexec across the emulated nodes still ran after {timeout} s: a hang")
+    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+def test_usage_and_refusals():
+    r = subprocess.run(["bash", NODES, "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "up --nodes" in r.stdout and "UCX_TLS" in r.stdout
+    r = subprocess.run(["bash", NODES, "up", "--nodes", "0"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--nodes must be 1..16" in r.stderr
+    r = subprocess.run(["bash", NODES, "launch"], capture_output=True, text=True)
+    assert r.returncode == 2 and "unknown command" in r.stderr
+
+
+def test_training_across_nodes_equals_one_process(two_nodes, tmp_path):
+    flags = ["--data", "synthetic", "--layers", "2", "--d-model", "16", "--heads", "2", "--context", "16",
+             "--batch-size", "8", "--steps", "3", "--dtype", "float64", "--sample-bytes", "0", "--quiet"]
+    one = subprocess.run([sys.executable, "-m", "ringpipe", "train", *flags, "--out", str(tmp_path / "one")],
+                         env=ENV, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert one.returncode == 0, one.stderr
+    across("-m", "ringpipe", "train", *flags, "--out", str(tmp_path / "four"))
+
+    def losses(out):
+        with open(os.path.join(out, "metrics.jsonl")) as fh:
+            return [json.loads(line)["loss"] for line in fh]
+    a, b = losses(str(tmp_path / "one")), losses(str(tmp_path / "four"))
+    assert len(a) == len(b) == 3 and all(abs(x - y) <= 1e-10 * max(1, abs(x)) for x, y in zip(a, b)), (a, b)
+
+
+SCRIPT = r"""
+import sys, zlib
+import numpy as np
+from mpi4py import MPI
+from ringpipe import comm
+from ringpipe.comm.context import context_for
+c = MPI.COMM_WORLD
+nodes = context_for(c).nodes
+assert nodes.node == [0, 0, 1, 1], nodes.node
+for dtype, n in ((np.int64, 1), (np.int64, 7), (np.float64, 100_003), (np.float32, 1 << 20)):
+    x = np.random.default_rng([n, c.rank]).integers(-9, 9, n).astype(dtype)
+    want = np.empty_like(x)
+    c.Allreduce(x, want)
+    comm.allreduce(x, c, algorithm="hierarchical")
+    assert np.array_equal(x, want), (dtype, n)
+    assert len(set(c.allgather(zlib.crc32(x.tobytes())))) == 1
+if c.rank == 0:
+    print("picked", comm.collectives.choose_algorithm("auto", 8 << 20, context_for(c)))
+    sys.stdout.flush()
+"""
+
+
+def test_hierarchical_allreduce_across_nodes_crosses_the_link(two_nodes, tmp_path):
+    script = tmp_path / "hier.py"
+    script.write_text(SCRIPT)
+    before = int(nodes("bytes", "n1").stdout)
+    r = across(str(script))
+    assert "picked hierarchical" in r.stdout
+    crossed = int(nodes("bytes", "n1").stdout) - before
+    # The 4 MiB float32 all-reduce alone sends n = 4 MiB out of n1 and receives as much.
+    assert crossed > 8 << 20, crossed
+
+
+def test_the_link_rate_can_change_while_up(two_nodes):
+    nodes("shape", "500mbit")
+    assert "link 500mbit" in nodes("status").stdout
+    qdisc = subprocess.run(["tc", "-n", "rp-n1", "qdisc", "show", "dev", "eth0"], capture_output=True,
+                           text=True).stdout
+    assert "tbf" in qdisc and "500Mbit" in qdisc, qdisc
+    nodes("shape", "1gbit")
