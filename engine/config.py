@@ -316,12 +316,15 @@ def memory_floor(cfg: Config, shape, dp: int) -> tuple[float, str]:
     itemsize = np.dtype(cfg.dtype).itemsize
     if cfg.model == "gpt":
         C, L = shape.d_model, shape.n_layer
-        n_params = shape.vocab * C + shape.context * C + L * 12 * C * C
+        V = shape.padded_vocab                 # the embedding's rows and the logits' columns
+        n_params = V * C + shape.context * C + L * 12 * C * C
         micro = cfg.batch_size // dp // cfg.microbatches
         T = cfg.seq_len or shape.context
+        heads = shape.n_head
         # Per token and block at least the residual, LayerNorm, qkv, attention
-        # output and MLP activations (about 16 C); plus the logits of the head.
-        activations = micro * T * (max(1, L // cfg.pp) * 16 * C + shape.vocab) * itemsize
+        # output and MLP activations (about 16 C) and the saved attention
+        # probabilities (heads x T); plus the logits of the head.
+        activations = micro * T * (max(1, L // cfg.pp) * (16 * C + heads * T) + V) * itemsize
     else:
         widths = [1] + [shape.hidden] * shape.n_layer + [1]    # features and classes are unknown yet
         n_params = sum(a * b for a, b in zip(widths[:-1], widths[1:]))
