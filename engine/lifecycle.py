@@ -390,8 +390,14 @@ class Watchdog:
         self._reported_for = object()           # the beat a report was made for
         self._stop = threading.Event()
         self._thread = None
+        self.pulse = None
         if not self.enabled:
             return
+        if comm is not None and self.size > 1 and hasattr(comm, "allgather"):
+            # A heartbeat over the network (engine/pulse.py): names the ranks a
+            # stall cannot reach. Collective: every rank makes its watchdog here.
+            from ringpipe.engine.pulse import Pulse
+            self.pulse = Pulse(comm)
         if self.hb_dir:
             os.makedirs(self.hb_dir, exist_ok=True)
             self._write_heartbeat()
@@ -410,6 +416,9 @@ class Watchdog:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(1.0, 2 * self.interval))
         self._thread = None
+        pulse, self.pulse = self.pulse, None
+        if pulse is not None:
+            pulse.close()
 
     def __enter__(self):
         return self
@@ -453,8 +462,20 @@ class Watchdog:
         except Exception:
             pass
 
+    @property
+    def quiet_after(self) -> float:
+        """Seconds without a datagram from a rank before it counts as unheard."""
+        return max(3 * self.interval, 1.0)
+
+    def _unheard(self) -> str | None:
+        pulse = self.pulse
+        return pulse.describe_silent(self.quiet_after) if pulse is not None else None
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
+            pulse = self.pulse
+            if pulse is not None:
+                pulse.tick()
             if self.hb_dir:
                 self._write_heartbeat()
             beat_id = (self.step, self.last_beat)
@@ -467,6 +488,10 @@ class Watchdog:
             msg = (f"[rank {self.rank}] watchdog: no progress for {idle:.0f} s "
                    f"(timeout {self.timeout_s:g} s): this rank is stuck {where}; "
                    f"main thread at {_main_thread_location()[0]}")
+            unheard = self._unheard()
+            if unheard:
+                msg += (f"\n[rank {self.rank}] watchdog: not heard over the network for over "
+                        f"{self.quiet_after:.0f} s: {unheard}")
             if self.rank == 0 and self.hb_dir and self.size > 1:
                 self._write_heartbeat()
                 msg += "\n" + self.describe_ranks()
@@ -515,9 +540,12 @@ class Watchdog:
             lines.append(f"  rank {r} ({h.get('host', '?')} pid {h.get('pid', '?')}): last step {step}, "
                          f"{now - h['last_beat']:.0f} s since, file {now - h['written']:.0f} s old; "
                          f"at {h.get('where', '?')}")
-        culprits = sorted(set(behind) | set(stale) | set(missing))
+        unheard = self.pulse.silent(self.quiet_after) if heartbeats is None and self.pulse is not None else []
+        culprits = sorted(set(behind) | set(stale) | set(missing) | set(unheard))
         if culprits:
             why = []
+            if unheard:
+                why.append(f"{_ranks(unheard)} not heard over the network by rank 0 (unreachable)")
             if behind:
                 why.append(f"{_ranks(behind)} {reason}")
             if stale:

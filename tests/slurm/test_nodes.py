@@ -117,3 +117,37 @@ def test_the_link_rate_can_change_while_up(two_nodes):
                            text=True).stdout
     assert "tbf" in qdisc and "500Mbit" in qdisc, qdisc
     nodes("shape", "1gbit")
+
+
+def test_a_cut_link_ends_the_job_naming_the_node(two_nodes, tmp_path):
+    """The watchdog's network pulse (engine/pulse.py) names the node rank 0 no longer
+    hears, and --watchdog-abort ends the job: no silent hang."""
+    import threading
+    import time
+    flags = ["--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16",
+             "--batch-size", "8", "--steps", "1000000", "--log-every", "1000", "--sample-bytes", "0",
+             "--watchdog", "6", "--watchdog-abort", "--out", str(tmp_path / "run")]
+    started = time.time()
+    cut = {}
+
+    def cut_when_training():
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        while time.time() - started < 90 and not (metrics.exists() and metrics.stat().st_size > 2000):
+            time.sleep(0.2)
+        subprocess.run(["ip", "-n", "rp-n2", "link", "set", "eth0", "down"], check=True)
+        cut["at"] = time.time()
+
+    cutter = threading.Thread(target=cut_when_training, daemon=True)
+    cutter.start()
+    try:
+        r = nodes("mpiexec", "-ppn", "2", "-n", "4", sys.executable, "-m", "ringpipe", "train", *flags,
+                  timeout=150, check=False)
+    finally:
+        cutter.join(timeout=100)
+        subprocess.run(["ip", "-n", "rp-n2", "link", "set", "eth0", "up"], check=False)
+        time.sleep(2)                                      # the route comes back before the next test
+    ended = time.time()
+    assert "at" in cut, f"training never got going: {r.stderr[-2000:]}"
+    assert r.returncode != 0, r.stderr[-2000:]
+    assert "not heard over the network" in r.stderr and "on n2" in r.stderr, r.stderr[-3000:]
+    assert ended - cut["at"] < 60, f"the job took {ended - cut['at']:.0f} s to end after the cut"
