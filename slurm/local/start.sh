@@ -3,6 +3,7 @@
 # machine, for trying slurm/*.sbatch and for tests/slurm/test_slurm.py.
 #
 #   eval "$(slurm/local/start.sh)"      # starts (or finds running) and exports SLURM_CONF
+#   eval "$(slurm/local/start.sh --nodes 3 --link 1gbit)"   # emulated nodes instead (cluster.sh)
 #   sbatch --wait slurm/train.sbatch --steps 20 ...
 #   slurm/local/stop.sh
 #
@@ -31,6 +32,14 @@
 # choose --mpi themselves, as on most real clusters), KillWait=5 (SIGTERM ->
 # SIGKILL grace after scancel/timeout).
 set -euo pipefail
+
+# Several emulated nodes (network namespaces, shaped links): slurm/local/cluster.sh.
+#   eval "$(slurm/local/start.sh --nodes 3 --link 1gbit)"
+case "${1:-}" in
+    --nodes|--link) exec bash "$(dirname "$0")/cluster.sh" up "$@";;
+    "") ;;
+    *) echo "start.sh: unknown option '$1' (none: one node; --nodes N [--link RATE]: emulated nodes)" >&2; exit 2;;
+esac
 
 DIR=${RINGPIPE_SLURM_DIR:-/tmp/ringpipe-slurm}
 DIR=$(mkdir -p "$DIR" && cd "$DIR" && pwd -P)

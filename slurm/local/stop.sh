@@ -12,6 +12,11 @@
 # is a no-op.
 set -uo pipefail
 
+# The emulated multi-node cluster of `start.sh --nodes N`, if up, goes too (unless
+# RINGPIPE_SLURM_DIR names one single-node cluster to stop: the tests' own).
+if [ -z "${RINGPIPE_SLURM_DIR:-}" ] && [ -d "${RINGPIPE_CLUSTER_DIR:-/tmp/ringpipe-cluster}" ]; then
+    bash "$(dirname "$0")/cluster.sh" down
+fi
 DIR=${RINGPIPE_SLURM_DIR:-/tmp/ringpipe-slurm}
 [ -d "$DIR" ] || { echo "stop.sh: nothing to stop ($DIR does not exist)" >&2; exit 0; }
 DIR=$(cd "$DIR" && pwd -P)

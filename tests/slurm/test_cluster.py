@@ -1,0 +1,87 @@
+"""The emulated multi-node Slurm (slurm/local/cluster.sh, `start.sh --nodes N`): a
+slurmctld on the head node, a slurmd per emulated node, srun/sbatch/squeue/scancel
+through wrappers. `srun -N 2` training equals one process. Skipped, with the reason,
+where namespaces are not permitted or Slurm cannot be installed.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.support import ROOT
+
+START = os.path.join(ROOT, "slurm", "local", "start.sh")
+CLUSTER = os.path.join(ROOT, "slurm", "local", "cluster.sh")
+DIR = "/tmp/ringpipe-cluster-test"
+ENV = dict(os.environ, RINGPIPE_CLUSTER_DIR=DIR, OMP_NUM_THREADS="1",
+           PATH=f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if shutil.which("ip") is None:
+        pytest.skip("needs Linux network namespaces (iproute2)")
+    if os.path.exists("/run/netns/rp-sw"):
+        pytest.skip("emulated nodes are already up (slurm/local/nodes.sh status): not touching them")
+    if os.environ.get("RINGPIPE_SLURM_NO_INSTALL") == "1" and shutil.which("slurmctld") is None:
+        pytest.skip("Slurm is not installed and RINGPIPE_SLURM_NO_INSTALL=1")
+    r = subprocess.run(["bash", START, "--nodes", "2", "--link", "1gbit"], env=ENV, capture_output=True,
+                       text=True, timeout=300)
+    if r.returncode == 3:
+        pytest.skip(r.stderr.strip().splitlines()[-1])
+    assert r.returncode == 0, r.stderr
+    env = dict(ENV)
+    for line in r.stdout.splitlines():          # what `eval` would do
+        key, value = line.split("#")[0].strip().removeprefix("export ").split("=", 1)
+        env[key] = value.replace("$PATH", ENV["PATH"]).strip()
+    yield env
+    subprocess.run(["bash", CLUSTER, "down"], env=ENV, capture_output=True, timeout=120)
+    assert not os.path.exists(DIR) and not os.path.exists("/run/netns/rp-head")
+
+
+def run(env, *cmd, timeout=240):
+    try:
+        return subprocess.run(list(cmd), env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{cmd[0]} on the emulated cluster still ran after {timeout} s: a hang")
+
+
+def test_up_prints_only_shell_lines_and_the_wrappers_reach_the_head(cluster):
+    assert cluster["UCX_TLS"] == "tcp,self" and cluster["SLURM_CONF"] == f"{DIR}/slurm.conf"
+    r = run(cluster, "sinfo", "-h", "-N", "-o", "%N %T")
+    assert r.returncode == 0 and sorted(r.stdout.split()) == ["idle", "idle", "n1", "n2"], r.stdout + r.stderr
+    r = run(cluster, "srun", "-N", "2", "--ntasks-per-node", "1", "--mpi=pmi2", "hostname")
+    assert sorted(r.stdout.split()) == ["n1", "n2"], r.stdout + r.stderr
+
+
+def test_srun_across_two_nodes_trains_like_one_process(cluster, tmp_path):
+    flags = ["-m", "ringpipe", "train", "--data", "synthetic", "--layers", "2", "--d-model", "16", "--heads", "2",
+             "--context", "16", "--batch-size", "8", "--steps", "3", "--dtype", "float64", "--sample-bytes", "0",
+             "--quiet"]
+    one = run(ENV, sys.executable, *flags, "--out", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr
+    four = run(cluster, "srun", "-N", "2", "--ntasks-per-node", "2", "--mpi=pmi2", sys.executable, *flags,
+               "--out", str(tmp_path / "four"))
+    assert four.returncode == 0, four.stdout[-2000:] + four.stderr[-2000:]
+
+    def losses(out):
+        with open(os.path.join(out, "metrics.jsonl")) as fh:
+            return [json.loads(line)["loss"] for line in fh]
+    a, b = losses(str(tmp_path / "one")), losses(str(tmp_path / "four"))
+    assert len(a) == 3 and all(abs(x - y) <= 1e-10 * max(1.0, abs(x)) for x, y in zip(a, b)), (a, b)
+
+
+def test_sbatch_squeue_scancel(cluster):
+    r = run(cluster, "sbatch", "-N", "1", "--wrap", "sleep 300")
+    assert r.returncode == 0 and "Submitted batch job" in r.stdout, r.stderr
+    job = r.stdout.split()[-1]
+    assert job in run(cluster, "squeue", "-h", "-o", "%i").stdout
+    assert run(cluster, "scancel", job).returncode == 0
+    deadline = time.time() + 30
+    while time.time() < deadline and job in run(cluster, "squeue", "-h", "-o", "%i %t").stdout.replace(" CG", ""):
+        time.sleep(0.5)
+    assert job not in run(cluster, "squeue", "-h", "-t", "R,PD", "-o", "%i").stdout
