@@ -151,3 +151,32 @@ def test_a_cut_link_ends_the_job_naming_the_node(two_nodes, tmp_path):
     assert r.returncode != 0, r.stderr[-2000:]
     assert "not heard over the network" in r.stderr and "on n2" in r.stderr, r.stderr[-3000:]
     assert ended - cut["at"] < 60, f"the job took {ended - cut['at']:.0f} s to end after the cut"
+
+
+def test_a_killed_node_ends_the_job_fast(two_nodes, tmp_path):
+    """Every process of n2 killed (-9) mid-run: mpiexec ends the job within 10 s, failing."""
+    import threading
+    import time
+    flags = ["--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16",
+             "--batch-size", "8", "--steps", "1000000", "--log-every", "1000", "--sample-bytes", "0",
+             "--out", str(tmp_path / "run")]
+    started = time.time()
+    killed = {}
+
+    def kill_when_training():
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        while time.time() - started < 90 and not (metrics.exists() and metrics.stat().st_size > 2000):
+            time.sleep(0.2)
+        pids = subprocess.run(["ip", "netns", "pids", "rp-n2"], capture_output=True, text=True).stdout.split()
+        subprocess.run(["kill", "-9", *pids], check=False)
+        killed["at"], killed["pids"] = time.time(), pids
+
+    killer = threading.Thread(target=kill_when_training, daemon=True)
+    killer.start()
+    r = nodes("mpiexec", "-ppn", "2", "-n", "4", sys.executable, "-m", "ringpipe", "train", *flags,
+              timeout=150, check=False)
+    ended = time.time()
+    killer.join(timeout=100)
+    assert killed.get("pids"), f"training never got going: {r.stderr[-2000:]}"
+    assert r.returncode != 0, "the job reported success after a node was killed"
+    assert ended - killed["at"] < 10, f"the job took {ended - killed['at']:.1f} s to end after the kill"
