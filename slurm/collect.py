@@ -216,15 +216,19 @@ def plot_allreduce(rows: list[dict], results: list[dict], path: str, plt) -> Non
     fig, ax = plt.subplots(figsize=(8, 4.5))
     cmap = plt.get_cmap("viridis")
     for i, p in enumerate(ranks):
-        color = cmap(i / max(1, len(ranks) - 1))
         for j, a in enumerate(algos):
+            # One rank count: a colour per algorithm; several: a colour per rank count.
+            color = plt.get_cmap("tab10")(j) if len(ranks) == 1 else cmap(i / max(1, len(ranks) - 1))
             pts = [(r["size"], r["busbw"][str(p)]) for r in rows if r["algo"] == a and str(p) in r["busbw"]]
             if pts:
                 ax.plot(*zip(*pts), styles[j % len(styles)], marker="o", ms=3, color=color, label=f"{p} ranks, {a}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("bus bandwidth (GB/s)")
-    ax.set_title("all-reduce busbw = algbw * 2(p-1)/p")
+    links = sorted({d.get("link") for d in results if d.get("link")})
+    hosts = sorted({len(set(d["hosts"])) for d in results if d.get("hosts")})
+    where = (f", {'/'.join(map(str, hosts))} node(s)" if hosts else "") + (f", link {', '.join(links)}" if links else "")
+    ax.set_title(f"all-reduce busbw = algbw * 2(p-1)/p{where}")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
