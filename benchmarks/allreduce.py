@@ -173,6 +173,7 @@ def run_bandwidth(world, args) -> None:
     cols = COLUMNS
     from ringpipe.comm.context import context_for
     nodes = context_for(world).nodes if p > 1 else None
+    cost = context_for(world).cost if p > 1 else None
     hosts = world.allgather(MPI.Get_processor_name())
     if rank == 0:
         print(f"# ringpipe all-reduce benchmark: {p} ranks on {len(set(hosts))} host(s) "
@@ -181,6 +182,8 @@ def run_bandwidth(world, args) -> None:
             print(f"# nodes as comm sees them: {nodes.describe()}; auto above the crossover picks "
                   f"{rcomm.collectives.choose_algorithm('auto', 1 << 30, context_for(world))}"
                   + (f"; link {args.link}" if args.link else ""))
+        if cost is not None:
+            print(f"# {cost.describe()}")
         print(f"# {MPI.Get_library_version().splitlines()[0].strip()}; "
               f"thread level {MPI.Query_thread()}; auto crossover {rcomm.get_crossover()} B")
         print(table([], cols), flush=True)
@@ -216,6 +219,20 @@ def run_bandwidth(world, args) -> None:
             print("#   " + "  ".join(f"{fmt_size(s)}: {v:.2f}" for s, v in ratios.items()))
             print(f"#   min {min(ratios.values()):.2f}, median {median(list(ratios.values())):.2f}")
         out["ring_over_mpi"] = {str(s): v for s, v in ratios.items()}
+    if cost is not None:
+        out["cost_model"] = cost.to_dict()
+        checks = []
+        for r in rows:
+            if r["size"] >= 1 << 20 and r["algo"] in ("ring", "hierarchical"):
+                predicted = getattr(cost, r["algo"])(r["size"]) * 1e6
+                checks.append({"size": r["size"], "algo": r["algo"], "predicted_us": predicted,
+                               "measured_us": r["time_us"], "error_pct": 100 * (predicted / r["time_us"] - 1)})
+        out["predicted"] = checks
+        if checks:
+            print("# cost model, predicted vs measured (>= 1 MiB): " + "  ".join(
+                f"{fmt_size(c['size'])} {c['algo'][:4]}: {c['error_pct']:+.0f}%" for c in checks))
+            within = sum(abs(c["error_pct"]) <= 25 for c in checks)
+            print(f"#   {within}/{len(checks)} within 25%")
     for a, b in (("hierarchical", "ring"), ("hierarchical", "mpi")):
         if a in algos and b in algos:
             ratios = {}

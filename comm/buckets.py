@@ -202,6 +202,17 @@ class GradBuckets:
 
     # -- backward side -------------------------------------------------------
 
+    @property
+    def algorithms(self) -> list[str]:
+        """The all-reduce algorithm of each bucket ("auto" resolved once, at creation)."""
+        return list(self._algos)
+
+    @property
+    def cost_model(self):
+        """The measured cost per level that chose them (comm/costmodel.py), or None
+        where the ranks are not several nodes of several ranks."""
+        return self._ctx.cost
+
     def mark_ready(self, i: int) -> None:
         """Param i's gradient is final. Starts its bucket's all-reduce (in the
         background) once every param of the bucket is marked."""

@@ -55,18 +55,18 @@ def get_crossover() -> int:
 
 def choose_algorithm(algorithm: str, nbytes: int, ctx: CommContext | None = None) -> str:
     """The algorithm a call of `nbytes` runs: "auto" becomes "small" at or below
-    the crossover; above it "hierarchical" when `ctx`'s ranks span several nodes
-    with the same number (> 1) of ranks on each (comm/hierarchical.py: the
-    network then carries 2(N-1)/N instead of 2(p-1)/p bytes per byte reduced),
-    else "ring". Anything else stays as given (validation refuses an unknown
-    name). The same on every rank: the node map is agreed when ctx is made."""
+    the crossover; above it, when `ctx`'s ranks span several nodes with the same
+    number (> 1) of ranks on each, whichever of "hierarchical" (comm/hierarchical.py:
+    the network carries 2(N-1)/N instead of 2(p-1)/p bytes per byte reduced) and
+    "ring" the measured cost model predicts faster (comm/costmodel.py), else
+    "ring". Anything else stays as given (validation refuses an unknown name).
+    The same on every rank: the node map and the cost model are agreed when ctx
+    is made."""
     if algorithm == "auto":
         if nbytes <= settings.current().crossover:
             return "small"
-        nodes = getattr(ctx, "nodes", None)
-        if nodes is not None and nodes.even and 1 < nodes.n_nodes < ctx.size:
-            return "hierarchical"
-        return "ring"
+        cost = getattr(ctx, "cost", None)
+        return cost.best(nbytes) if cost is not None else "ring"
     return algorithm
 
 

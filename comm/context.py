@@ -17,6 +17,7 @@ from mpi4py import MPI
 from . import fingerprint, settings
 from .consistency import check_consistent
 from .device import empty_for_mpi
+from .costmodel import calibrate
 from .hierarchical import Hierarchy, node_key, node_map
 
 __all__ = ["CommContext", "context_for"]
@@ -69,6 +70,11 @@ class CommContext:
             # algorithm="auto" weighs.
             self.settings, keys = settings.agree(self.comm, self.tag_bits, extra=node_key(self.comm))
             self.nodes = node_map(keys)
+            # Where the hierarchical all-reduce is a candidate, the measured cost of
+            # each level decides between it and the flat ring (comm/costmodel.py).
+            self.cost = None
+            if self.nodes.even and 1 < self.nodes.n_nodes < self.size:
+                self.cost = calibrate(self.comm, self.nodes)
         except BaseException:
             self.free()      # every rank raises alike, so every rank frees its Dup
             raise

@@ -115,8 +115,11 @@ class DataParallel:
         parts = [self.inner.describe()]
         if self.buckets:
             largest = max((hi - lo) * self.params.grad.itemsize for lo, hi, _, _ in self.buckets.buckets)
+            algorithms = "/".join(sorted(set(self.buckets.algorithms)))
             parts.append(f"{len(self.buckets.buckets)} gradient bucket(s) of <= {largest / 2**20:.2f} MiB"
-                         f"{' (auto; --bucket-mb sets it)' if self.auto_buckets else ''}")
+                         f"{' (auto; --bucket-mb sets it)' if self.auto_buckets else ''}, all-reduce {algorithms}")
+            if self.buckets.cost_model is not None:
+                parts.append(self.buckets.cost_model.describe())
         if self.zero:
             parts.append("zero-1")
         return " | ".join(p for p in parts if p)

@@ -17,6 +17,7 @@ from mpi4py import MPI
 from ringpipe import comm
 from ringpipe.comm.collectives import choose_algorithm
 from ringpipe.comm.context import context_for
+from ringpipe.comm.costmodel import CostModel, Level, fit
 from ringpipe.comm.hierarchical import ENV_NODES, NodeMap
 
 WORLD = MPI.COMM_WORLD
@@ -92,25 +93,37 @@ def test_hierarchical_equals_mpi_allreduce_and_is_bit_identical(names_index):
     _agree(problems)
 
 
+def test_the_cost_model_prefers_the_hierarchy_only_when_the_link_is_the_bottleneck():
+    fast, slow = Level(2e-6, 0.05e-9), Level(20e-6, 8e-9)            # shared memory; 1 Gbit/s
+    across = CostModel(intra=fast, inter=slow, nodes=2, per_node=2)
+    assert across.best(4 << 20) == "hierarchical"
+    # the flat ring sends 1.5 n over the link, the hierarchy n (+ the node's cheap steps)
+    assert across.ring(4 << 20) / across.hierarchical(4 << 20) == pytest.approx(1.5, rel=0.05)
+    same = CostModel(intra=slow, inter=slow, nodes=2, per_node=2)     # no faster level inside the node
+    assert same.best(4 << 20) == "ring"
+    fitted = fit([8, 1 << 20, 4 << 20], [20e-6 + 8 * 8e-9, 20e-6 + (1 << 20) * 8e-9, 20e-6 + (4 << 20) * 8e-9])
+    assert fitted.alpha == pytest.approx(20e-6, rel=1e-3) and fitted.beta == pytest.approx(8e-9, rel=1e-3)
+
+
 @pytest.mark.mpi(min_size=4)
-def test_auto_picks_hierarchical_only_for_several_nodes_of_several_ranks():
+def test_auto_follows_the_measured_cost_model_where_the_hierarchy_is_a_candidate():
     if P != 4:
         pytest.skip("4 ranks")
     big = 1 << 20
-    picked = {}
     for names in LAYOUTS[4]:
         with emulated_nodes(names) as c:
             ctx = context_for(c)
-            picked[names] = (choose_algorithm("auto", big, ctx), choose_algorithm("auto", 64, ctx))
-    assert picked["a,a,b,b"] == ("hierarchical", "small")
-    assert picked["a,b,a,b"] == ("hierarchical", "small")
-    assert picked["a,b,c,d"] == ("ring", "small")         # one rank per node: nothing to group
-    assert picked["a,a,a,a"] == ("ring", "small")         # one node: the flat ring is the hierarchy
-    assert picked["a,a,b,c"] == ("ring", "small")         # uneven: the leaders' links would carry all n
+            small, large = choose_algorithm("auto", 64, ctx), choose_algorithm("auto", big, ctx)
+            assert small == "small"
+            if names in ("a,a,b,b", "a,b,a,b"):                     # several nodes of several ranks
+                assert ctx.cost is not None and large == ctx.cost.best(big)
+                assert len(set(c.allgather((large, ctx.cost)))) == 1     # the same on every rank
+            else:                                                    # one node, one rank per node, uneven
+                assert ctx.cost is None and large == "ring"
 
 
 @pytest.mark.mpi(min_size=4)
-def test_gradient_buckets_use_it_and_equal_the_flat_ring():
+def test_gradient_buckets_run_it_and_equal_the_flat_ring():
     if P != 4:
         pytest.skip("4 ranks")
     n = 300_000
@@ -120,7 +133,8 @@ def test_gradient_buckets_use_it_and_equal_the_flat_ring():
     for names in ("a,a,b,b", "a,a,a,a"):
         with emulated_nodes(names) as c:
             g = grads.copy()
-            buckets = comm.GradBuckets(g, ranges, c, bucket_bytes=1 << 20, overlap=False)
+            buckets = comm.GradBuckets(g, ranges, c, bucket_bytes=1 << 20, overlap=False,
+                                       algorithm="hierarchical" if names == "a,a,b,b" else "auto")
             try:
                 for k in range(len(ranges)):
                     buckets.mark_ready(k)

@@ -1,0 +1,170 @@
+"""The alpha-beta cost of the all-reduce algorithms, per level of the machine.
+
+A message of n bytes between two ranks costs alpha + n * beta: alpha (s) the
+latency, beta (s/byte) the inverse bandwidth, one pair per level: inside a node
+and between nodes. With p ranks on N nodes of L ranks (the reduce's own cost
+folded into beta, as a ping-pong of the real buffers measures it):
+
+  flat ring      2(p-1) alpha_x + 2(p-1)/p n beta_x
+                 (every step crosses a node boundary somewhere: the slowest link sets the pace)
+  hierarchical   2(L-1) alpha_i + 2(L-1)/L n beta_i          reduce-scatter + all-gather in the node
+                 + 2(N-1) alpha_x + 2(N-1)/N n beta_x        the L chunks cross the node's link together
+
+calibrate() measures both levels with ping-pongs (the first two ranks of the
+first node; the first ranks of the first two nodes), rank 0 fits and broadcasts,
+so every rank holds the same numbers and algorithm="auto" picks the same
+algorithm everywhere. A fit is kept per node layout for the life of the
+process, and in RINGPIPE_CALIBRATION (a JSON file) when that is set: later jobs
+on the same hosts read it instead of measuring.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import NamedTuple
+
+import numpy as np
+from mpi4py import MPI
+
+ENV_CALIBRATION = "RINGPIPE_CALIBRATION"
+SIZES = (8, 1 << 20, 4 << 20)
+REPEATS = 3
+_fits: dict = {}
+
+__all__ = ["Level", "CostModel", "calibrate", "ENV_CALIBRATION"]
+
+
+class Level(NamedTuple):
+    alpha: float        # seconds per message
+    beta: float         # seconds per byte
+
+    def describe(self) -> str:
+        return f"alpha {self.alpha * 1e6:.1f} us, beta {self.beta * 1e9:.3f} ns/B ({1e-9 / self.beta:.2f} GB/s)"
+
+
+class CostModel(NamedTuple):
+    intra: Level
+    inter: Level
+    nodes: int
+    per_node: int
+
+    def ring(self, nbytes: int) -> float:
+        p = self.nodes * self.per_node
+        level = self.inter if self.nodes > 1 else self.intra
+        return 2 * (p - 1) * level.alpha + 2 * (p - 1) / p * nbytes * level.beta
+
+    def hierarchical(self, nbytes: int) -> float:
+        n_, L = self.nodes, self.per_node
+        return (2 * (L - 1) * self.intra.alpha + 2 * (L - 1) / L * nbytes * self.intra.beta
+                + 2 * (n_ - 1) * self.inter.alpha + 2 * (n_ - 1) / n_ * nbytes * self.inter.beta)
+
+    def best(self, nbytes: int) -> str:
+        return "hierarchical" if self.hierarchical(nbytes) < self.ring(nbytes) else "ring"
+
+    def to_dict(self) -> dict:
+        return {"intra": self.intra._asdict(), "inter": self.inter._asdict(), "nodes": self.nodes,
+                "per_node": self.per_node}
+
+    def describe(self) -> str:
+        return (f"cost model ({self.nodes} nodes x {self.per_node} ranks): inside a node {self.intra.describe()}; "
+                f"between nodes {self.inter.describe()}")
+
+
+def fit(sizes, times) -> Level:
+    """alpha from the smallest message, beta from the slope between the two
+    largest: a least-squares line is pulled off by mid sizes that fit in a
+    buffer or a shaper's burst and cross faster than the sustained rate."""
+    order = np.argsort(sizes)
+    n = np.asarray(sizes, dtype=float)[order]
+    t = np.asarray(times, dtype=float)[order]
+    beta = (t[-1] - t[-2]) / (n[-1] - n[-2])
+    alpha = t[0] - n[0] * beta
+    return Level(max(float(alpha), 0.0), max(float(beta), 1e-15))
+
+
+def _pingpong(comm, me: int, peer: int, sizes=SIZES) -> list[float]:
+    """Median one-way time per size between ranks me and peer of comm (both call it)."""
+    times = []
+    for size in sizes:
+        buf = np.zeros(max(size // 8, 1), dtype=np.float64)
+        samples = []
+        for _ in range(REPEATS + 1):
+            t0 = time.perf_counter()
+            if me < peer:
+                comm.Send(buf, dest=peer, tag=77)
+                comm.Recv(buf, source=peer, tag=77)
+            else:
+                comm.Recv(buf, source=peer, tag=77)
+                comm.Send(buf, dest=peer, tag=77)
+            samples.append((time.perf_counter() - t0) / 2)
+        times.append(float(np.median(samples[1:])))
+    return times
+
+
+def _key(nodes, hosts) -> str:
+    return json.dumps([hosts, nodes.node])
+
+
+def calibrate(comm, nodes) -> CostModel:
+    """Collective over comm (a private Dup: our messages only). `nodes`: its NodeMap."""
+    hosts = comm.allgather(MPI.Get_processor_name())
+    key = _key(nodes, hosts)
+    model = None
+    if comm.Get_rank() == 0:
+        model = _fits.get(key) or _read_cache(key)
+    model = comm.bcast(model, root=0)
+    if model is None:
+        first = [r for r, n in enumerate(nodes.node) if n == 0]
+        second = [r for r, n in enumerate(nodes.node) if n == 1]
+        rank = comm.Get_rank()
+        intra = inter = None
+        if len(first) > 1 and rank in first[:2]:
+            intra = _pingpong(comm, rank, first[1] if rank == first[0] else first[0])
+        comm.Barrier()                               # the two levels measured one after the other
+        if second and rank in (first[0], second[0]):
+            inter = _pingpong(comm, rank, second[0] if rank == first[0] else first[0])
+        gathered = comm.gather((intra, inter), root=0)
+        if rank == 0:
+            intra_t = next((g[0] for g in gathered if g[0]), None)
+            inter_t = next((g[1] for g in gathered if g[1]), None)
+            intra_l = fit(SIZES, intra_t) if intra_t else Level(0.0, 1e-15)
+            inter_l = fit(SIZES, inter_t) if inter_t else intra_l
+            model = CostModel(intra_l, inter_l, nodes.n_nodes, nodes.sizes[0])
+            _write_cache(key, model)
+        model = comm.bcast(model, root=0)
+    _fits[key] = model
+    return model
+
+
+def _read_cache(key: str) -> CostModel | None:
+    path = os.environ.get(ENV_CALIBRATION, "")
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        with open(path) as fh:
+            entry = json.load(fh).get(key)
+        if entry is None:
+            return None
+        return CostModel(Level(**entry["intra"]), Level(**entry["inter"]), entry["nodes"], entry["per_node"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None                                   # a damaged cache is measured again
+
+
+def _write_cache(key: str, model: CostModel) -> None:
+    path = os.environ.get(ENV_CALIBRATION, "")
+    if not path:
+        return
+    try:
+        with open(path) as fh:
+            table = json.load(fh)
+    except (OSError, ValueError):
+        table = {}
+    table[key] = model.to_dict()
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(table, fh, indent=1)
+        os.replace(tmp, path)
+    except OSError:
+        pass
