@@ -128,6 +128,7 @@ def prepare_run_dir(run_dir: rundir.RunDir, cfg: Config, ckpt_dir: str) -> list[
         moved = run_dir.move_previous_aside()
         if moved:
             notes.append(f"{'<overwrite>' if cfg.overwrite else 'fresh start'}: {moved}")
+    rundir.clear_finished(cfg.out_dir)
     # Only this run writes here now (it holds the lock): temp files are leftovers
     # of killed runs, and would keep a nearly full disk full.
     removed = checkpoint.remove_stale_temp_files(ckpt_dir) if os.path.isdir(ckpt_dir) else []

@@ -241,6 +241,8 @@ def finish(r: Run, loss: float, stopped_at: int | None) -> RunResult:
                    f"memory ({r.transport.describe()})")
     if cfg.model == "gpt" and cfg.sample_bytes > 0 and arrays is not None and report.is_main:
         sample(r, arrays)
+    # The last thing every rank does: what `ringpipe finished RUN_DIR` counts.
+    rundir.mark_finished(cfg.out_dir, r.world.Get_rank(), r.world.Get_size(), max(cfg.steps, r.start_step))
     return RunResult(max(cfg.steps, r.start_step), loss, 0, None, final, r.model)
 
 

@@ -32,7 +32,8 @@ METRICS_NAME = "metrics.jsonl"
 PREVIOUS_NAME = "previous"
 # What a run writes into OUT: a fresh start moves exactly these aside, so
 # unrelated files a user keeps in the folder are never touched.
-RUN_ENTRIES = ("checkpoints", METRICS_NAME, "logs", "heartbeat", "tokenizer.json")
+DONE_NAME = "finished"             # OUT/finished/rank{R}.json: that rank ran to the end
+RUN_ENTRIES = ("checkpoints", METRICS_NAME, "logs", "heartbeat", "tokenizer.json", DONE_NAME)
 
 # flock() is not offered by every cluster filesystem (Lustre mounted without
 # -o flock, some FUSE mounts): these errors mean "no locking here".
@@ -237,3 +238,65 @@ class MetricsLog:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+# ---- completion markers: success is what every rank says, not what a launcher says ----------
+#
+# mpirun was seen to exit 0 after a node was killed (shared/notes/multinode-emulation.md): a
+# batch script or a sweep that trusts the launcher's exit code reports a run as done that
+# is not. Every rank writes its own marker as the last thing it does; finished() counts them.
+
+def clear_finished(out_dir: str) -> None:
+    """Rank 0, at start: markers of an earlier run must not count for this one."""
+    shutil.rmtree(os.path.join(out_dir, DONE_NAME), ignore_errors=True)
+
+
+def mark_finished(out_dir: str, rank: int, size: int, step: int) -> None:
+    folder = os.path.join(out_dir, DONE_NAME)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"rank{rank}.json")
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump({"rank": rank, "ranks": size, "step": step, "host": socket.gethostname(), "pid": os.getpid(),
+                   "time": time.time()}, fh)
+    os.replace(tmp, path)
+
+
+def finished(out_dir: str, ranks: int | None = None) -> tuple[bool, str]:
+    """(every rank finished?, what to say). ranks: how many there were (default: as
+    the markers say)."""
+    folder = os.path.join(out_dir, DONE_NAME)
+    markers = {}
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if name.startswith("rank") and name.endswith(".json"):
+            try:
+                with open(os.path.join(folder, name)) as fh:
+                    rec = json.load(fh)
+                markers[int(rec["rank"])] = rec
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+    if ranks is None:
+        ranks = max((m.get("ranks", 0) for m in markers.values()), default=0)
+    if not ranks:
+        return False, f"{out_dir}: no rank wrote a completion marker ({folder}): the run did not finish"
+    missing = [r for r in range(ranks) if r not in markers]
+    steps = sorted({m.get("step") for m in markers.values()})
+    if missing:
+        shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
+        return False, (f"{out_dir}: {len(missing)} of {ranks} rank(s) never finished (no marker: {shown}); "
+                       "whatever the launcher's exit code said, the run did not complete")
+    return True, f"{out_dir}: all {ranks} rank(s) finished (step {', '.join(map(str, steps))})"
+
+
+def main(argv=None, prog="ringpipe finished") -> int:
+    import argparse
+    p = argparse.ArgumentParser(prog=prog, description="Did every rank of a run finish? Exit 0 if so, 1 if "
+                                "not (naming the ranks): check this, not the launcher's exit code, in batch "
+                                "scripts (mpirun has exited 0 after a node died).")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--ranks", type=int, default=None, help="how many ranks the run had (default: as the "
+                   "markers say; give it, e.g. $SLURM_NTASKS, so that a rank that never started counts)")
+    args = p.parse_args(argv)
+    ok, message = finished(args.run_dir, args.ranks)
+    print(message, file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1

@@ -5,6 +5,7 @@
     ringpipe sample ...      generate text from a trained GPT
     ringpipe export ...      write a trained GPT as a Hugging Face model folder
     ringpipe pipeline ...    print, validate and simulate a pipeline schedule (= python -m ringpipe.pipeline)
+    ringpipe finished RUN    did every rank finish? exit 0 or 1 (batch scripts: not the launcher's code)
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ COMMANDS = {
     "sample": ("ringpipe.engine.sample", "generate text from a trained GPT (a run directory or checkpoint)"),
     "export": ("ringpipe.engine.hf", "write a trained GPT as a Hugging Face folder (transformers loads it)"),
     "pipeline": ("ringpipe.engine.pipeline.__main__", "print, validate and simulate a pipeline schedule"),
+    "finished": ("ringpipe.engine.rundir", "did every rank of a run finish? (check it, not the launcher's exit code)"),
 }
 
 

@@ -293,3 +293,19 @@ def test_text_folder_reads_txt_and_md(tmp_path):
     out = str(tmp_path / "t")
     run_flags(TINY[2:] + ["--data", "text", "--data-path", str(folder), "--steps", "2", "--out", out])
     assert len(losses(out)) == 2
+
+
+def test_every_rank_leaves_a_completion_marker_that_ringpipe_finished_checks(tmp_path):
+    from ringpipe.engine import rundir
+    out = run(tmp_path, "--steps", "2")
+    assert rundir.main([out]) == 0
+    assert rundir.main([out, "--ranks", "2"]) == 1                # rank 1 never finished
+    ok, message = rundir.finished(out, 2)
+    assert not ok and "1 of 2 rank(s) never finished (no marker: 1)" in message
+    os.remove(os.path.join(out, "finished", "rank0.json"))
+    assert rundir.main([out]) == 1
+    run_flags(TINY + ["--out", out, "--steps", "3", "--resume", "auto"])   # a finished run marks again
+    assert rundir.finished(out, 1)[0]
+    run_flags(TINY + ["--out", out, "--steps", "3", "--overwrite"])
+    assert rundir.finished(out, 1)[0]
+    assert not os.path.exists(os.path.join(out, "previous", "finished", "rank1.json"))

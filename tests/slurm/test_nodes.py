@@ -180,6 +180,9 @@ def test_a_killed_node_ends_the_job_fast(two_nodes, tmp_path):
     assert killed.get("pids"), f"training never got going: {r.stderr[-2000:]}"
     assert r.returncode != 0, "the job reported success after a node was killed"
     assert ended - killed["at"] < 10, f"the job took {ended - killed['at']:.1f} s to end after the kill"
+    from ringpipe.engine import rundir
+    ok, message = rundir.finished(str(tmp_path / "run"), 4)      # what a batch script checks
+    assert not ok and "4 of 4 rank(s) never finished" in message, message
 
 
 def test_resume_on_fewer_nodes_continues_the_trajectory(two_nodes, tmp_path):
