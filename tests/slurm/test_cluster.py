@@ -85,3 +85,38 @@ def test_sbatch_squeue_scancel(cluster):
     while time.time() < deadline and job in run(cluster, "squeue", "-h", "-o", "%i %t").stdout.replace(" CG", ""):
         time.sleep(0.5)
     assert job not in run(cluster, "squeue", "-h", "-t", "R,PD", "-o", "%i").stdout
+
+
+def test_a_cut_link_under_srun_ends_the_job_naming_the_node(cluster, tmp_path):
+    import threading
+    out = tmp_path / "run"
+    flags = ["-m", "ringpipe", "train", "--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2",
+             "--context", "16", "--batch-size", "8", "--steps", "1000000", "--log-every", "1000",
+             "--sample-bytes", "0", "--watchdog", "6", "--watchdog-abort", "--out", str(out)]
+    cut = {}
+    started = time.time()
+
+    def cut_when_training():
+        metrics = out / "metrics.jsonl"
+        while time.time() - started < 120 and not (metrics.exists() and metrics.stat().st_size > 3000):
+            time.sleep(0.2)
+        subprocess.run(["ip", "-n", "rp-n2", "link", "set", "eth0", "down"], check=True)
+        cut["at"] = time.time()
+
+    cutter = threading.Thread(target=cut_when_training, daemon=True)
+    cutter.start()
+    try:
+        r = run(cluster, "srun", "-N", "2", "--ntasks-per-node", "2", "--mpi=pmi2", sys.executable, *flags,
+                timeout=200)
+    finally:
+        cutter.join(timeout=130)
+        subprocess.run(["ip", "-n", "rp-n2", "link", "set", "eth0", "up"], check=False)
+    ended = time.time()
+    assert "at" in cut, r.stderr[-2000:]
+    assert r.returncode != 0
+    assert "not heard over the network" in r.stderr + r.stdout and "on n2" in r.stderr + r.stdout
+    assert ended - cut["at"] < 60, f"{ended - cut['at']:.0f} s after the cut"
+    # n2's slurmd is reachable again before the next test asks for it
+    deadline = time.time() + 60
+    while time.time() < deadline and "idle" not in run(cluster, "sinfo", "-h", "-n", "n2", "-o", "%T").stdout:
+        time.sleep(1)
