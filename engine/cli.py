@@ -97,7 +97,7 @@ def _model_flags(p):
 def _data_flags(p):
     g = p.add_argument_group("data")
     g.add_argument("--data", default=None, metavar="{stdlib,synthetic,fashion-mnist,text,DATA_DIR}",
-                   help="dataset: a folder written by `ringpipe prepare` (token shards, memory-mapped; its "
+                   help="dataset: a folder written by `ringpipe prepare` (token shards, read window by window; its "
                         "tokenizer sets the GPT's vocabulary; a nanoGPT train.bin/val.bin folder works too), or "
                         "stdlib (default for gpt; the interpreter's own library source), fashion-mnist (default "
                         "for mlp; Debian package dataset-fashion-mnist), synthetic (tiny, for tests), text (a "
@@ -110,7 +110,7 @@ def _data_flags(p):
                    help="--data text folders: read at most this many MiB into memory on every rank (default "
                         "64; the run says when the folder holds more); a single file is memory-mapped instead, "
                         "whatever its size. --data stdlib: the MiB of library source prepared (once, as token "
-                        "shards in $RINGPIPE_CACHE, default ~/.cache/ringpipe) and memory-mapped. For corpora of "
+                        "shards in $RINGPIPE_CACHE, default ~/.cache/ringpipe) and read like them. For corpora of "
                         "any size use `ringpipe prepare` and --data DATA_DIR")
     g.add_argument("--seq-len", type=int, default=None, help="GPT training sequence length (default: the context)")
     g.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch size in sequences/examples (default 16)")

@@ -756,7 +756,7 @@ def build_parser(prog="ringpipe prepare") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         description="Tokenize text into token shards (llm.c's .bin format) and a manifest (data.json) that "
-                    "`ringpipe train --data DATA_DIR` reads memory-mapped. Inputs: .txt files (one document each), "
+                    "`ringpipe train --data DATA_DIR` reads window by window. Inputs: .txt files (one document each), "
                     ".jsonl (one document per line, the --field value), .parquet (one document per row of the "
                     "--field column), or folders of them (walked in sorted order; other files are skipped). Every "
                     "document is followed by the tokenizer's separator (<|endoftext|>, or a newline for bytes). "

@@ -1,4 +1,4 @@
-"""Token shards on disk and the dataset that reads them memory-mapped.
+"""Token shards on disk and the dataset that reads them window by window (pread).
 
 A prepared data folder (written by `ringpipe prepare`, engine/prepare.py):
 
@@ -244,6 +244,7 @@ class ConcatenatedShards:
     def __init__(self, shards: list[Shard]):
         self.shards = shards
         self.arrays = [s.memmap() for s in shards]
+        self._fds: list[int | None] = [None] * len(shards)       # for windows(): opened on first use
         # starts[k]: the position of shard k's first token in the concatenation; starts[-1]: the total.
         self.starts = np.cumsum([0] + [s.count for s in shards], dtype=np.int64)
         self.dtype = shards[0].dtype if shards else np.dtype("<u2")
@@ -275,6 +276,46 @@ class ConcatenatedShards:
             out[order[a:b]] = self.arrays[k][in_order[a:b] - self.starts[k]]
         out = out.reshape(positions.shape)
         return out[()] if out.ndim == 0 else out             # a single position gives a scalar, as numpy does
+
+    def windows(self, starts, length: int) -> np.ndarray:
+        """(len(starts), length): `length` consecutive tokens from each start, read with
+        pread into the result. Not through the memory map: a map of a file that sits in
+        the page cache (as it does after `ringpipe prepare`, or after an epoch) counts
+        every page it touches as this process's resident memory, which grew to 92% of a
+        1 GiB corpus in 200 batches (measured); pread copies only the tokens asked for.
+        Safe from several threads at once (pread takes its own offset)."""
+        starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+        out = np.empty((len(starts), length), dtype=self.dtype)
+        if len(starts) and (starts.min() < 0 or starts.max() + length > len(self)):
+            raise IndexError(f"a window of {length} tokens from {starts.min()}..{starts.max()} leaves 0..{len(self)}")
+        item = self.dtype.itemsize
+        for row, start in enumerate(starts.tolist()):
+            pos, end = start, start + length
+            while pos < end:
+                k = int(np.searchsorted(self.starts, pos, side="right")) - 1
+                take = min(end, int(self.starts[k + 1])) - pos
+                shard = self.shards[k]
+                if self._fds[k] is None:
+                    self._fds[k] = os.open(shard.path, os.O_RDONLY)
+                target = out[row, pos - start:pos - start + take]
+                got = os.preadv(self._fds[k], [memoryview(target).cast("B")],
+                                shard.offset + (pos - int(self.starts[k])) * item)
+                if got != take * item:
+                    raise ValueError(f"{shard.path} ended early: it changed while it was read; prepare again")
+                pos += take
+        return out
+
+    def close(self) -> None:
+        for k, fd in enumerate(self._fds):
+            if fd is not None:
+                os.close(fd)
+                self._fds[k] = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def _range(self, lo: int, hi: int) -> np.ndarray:
         parts = []
@@ -418,7 +459,7 @@ class ShardDataset:
         parts = []
         for split, tokens in self.splits.items():
             parts.append(f"{split} {len(tokens):,} tokens in {len(tokens.shards)} shard(s), {_size(tokens.nbytes)}")
-        return f"{self.description} | {'; '.join(parts)} | memory-mapped"
+        return f"{self.description} | {'; '.join(parts)} | read by window, not loaded"
 
     def batch(self, step, batch_size, lo=0, hi=None, split="train"):
         hi = batch_size if hi is None else hi
@@ -426,8 +467,7 @@ class ShardDataset:
         T = self.seq_len
         rng = np.random.default_rng([self.seed, step, _SPLIT_IDS[split]])
         starts = rng.integers(0, len(tokens) - T - 1, size=batch_size)[lo:hi]
-        idx = starts[:, None] + np.arange(T + 1)[None, :]
-        window = tokens[idx].astype(np.int64)                 # (b, T+1), read from the shards that hold it
+        window = tokens.windows(starts, T + 1).astype(np.int64)   # (b, T+1), read from the shards that hold it
         return window[:, :-1], window[:, 1:]
 
     def bytes_per_token(self, split="val"):
