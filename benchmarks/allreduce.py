@@ -51,6 +51,11 @@ COLUMNS = [("size", "size", "d", 12), ("count", "count", "d", 12), ("type", "typ
            ("wrong", "#wrong", "d", 8)]
 
 
+def mpi_library() -> str:
+    """The MPI library's first version line (Open MPI's ends in a NUL byte)."""
+    return MPI.Get_library_version().replace("\0", "").splitlines()[0].strip()
+
+
 def make_runner(algo: str, world):
     if algo == "ring":
         return lambda buf: rcomm.allreduce(buf, world, op="sum", algorithm="ring")
@@ -184,7 +189,7 @@ def run_bandwidth(world, args) -> None:
                   + (f"; link {args.link}" if args.link else ""))
         if cost is not None:
             print(f"# {cost.describe()}")
-        print(f"# {MPI.Get_library_version().splitlines()[0].strip()}; "
+        print(f"# {mpi_library()}; "
               f"thread level {MPI.Query_thread()}; auto crossover {rcomm.get_crossover()} B")
         print(table([], cols), flush=True)
     rows = []
@@ -198,7 +203,7 @@ def run_bandwidth(world, args) -> None:
         return
     out = dict(ranks=p, dtype=args.dtype, host=socket.gethostname(), hosts=hosts, link=args.link,
                nodes=None if nodes is None else {"node_of_rank": nodes.node, "ranks_per_node": nodes.sizes},
-               mpi=MPI.Get_library_version().splitlines()[0].strip(), rows=rows,
+               mpi=mpi_library(), rows=rows,
                auto_crossover_bytes=rcomm.get_crossover())
     print("#")
     for a in algos:

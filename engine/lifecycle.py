@@ -305,7 +305,8 @@ def check_launcher(world=None, environ=None, library_version: str | None = None)
     if library_version is None:
         from mpi4py import MPI
         library_version = MPI.Get_library_version()
-    lib = (library_version.strip().splitlines() or ["unknown MPI library"])[0].strip()
+    # (Open MPI's string ends in a NUL byte.)
+    lib = (library_version.replace("\0", "").strip().splitlines() or ["unknown MPI library"])[0].strip()
     is_ompi = "open mpi" in lib.lower()
     plugin_now = env.get("SLURM_MPI_TYPE", "")
     good, other = ("pmix", "pmi2") if is_ompi else ("pmi2", "pmix")

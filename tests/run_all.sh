@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: serial tests, then the MPI tests under 2 and 4 ranks.
+# The whole test suite: serial tests, then the MPI tests under 2 and 4 ranks
+# (tests/run_mpi.sh).
 # Called by `make test` (which puts the project's .venv first on PATH) and so by .ci/run.
 set -u
 cd "$(dirname "$0")/.."
@@ -22,8 +23,6 @@ if [ "${RINGPIPE_SLURM_NO_INSTALL:-0}" = 0 ] && ! command -v slurmctld >/dev/nul
          "(root only; RINGPIPE_SLURM_NO_INSTALL=1 skips those tests instead)"
 fi
 run "$PY" -m pytest -m "not mpi" tests "$@"
-for n in 2 4; do
-    echo "== MPI tests, $n ranks =="
-    run timeout 900 mpiexec -n "$n" "$PY" tests/support/mpi_pytest.py -q -m mpi --with-mpi tests "$@"
-done
+# 2 and 4 ranks with the mpiexec on PATH (`make test-openmpi` runs the same under Open MPI).
+run bash tests/run_mpi.sh "$@"
 exit $status

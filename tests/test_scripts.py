@@ -113,3 +113,57 @@ def test_submit_scaling_refuses_training_args_for_an_allreduce_sweep(tmp_path):
     assert r.returncode == 2
     assert "--allreduce-args \"--max-bytes 64M\"" in r.stderr
     assert not (tmp_path / "sbatch.log").exists(), "refused before submitting anything"
+
+
+# ---- slurm/train.sbatch's choice of srun --mpi, against a stand-in srun and python ------
+
+FAKE_PY = """#!/bin/bash
+# Stand-in python: prints $FAKE_MPI_LIB for the script's MPI library check; swallows the manifest.
+[ "${1:-}" = - ] && { cat > /dev/null; exit 0; }
+echo "$FAKE_MPI_LIB"
+"""
+FAKE_SRUN = """#!/bin/bash
+echo "$*" >> "$FAKE_DIR/srun.log"
+"""
+OMPI_LIB = "Open MPI v5.0.11, package: Open MPI user@localhost Distribution, ident: 5.0.11"
+MPICH_LIB = "MPICH Version:      5.0.2"
+
+
+def _train_sbatch(tmp_path, lib, **env):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("python", FAKE_PY), ("srun", FAKE_SRUN)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RINGPIPE_"))}
+    e.update(PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_DIR=str(tmp_path), FAKE_MPI_LIB=lib,
+             RINGPIPE_PYTHON=str(bin_dir / "python"), RINGPIPE_RUN_DIR=str(tmp_path / "run"), **env)
+    r = subprocess.run(["bash", "slurm/train.sbatch", "--steps", "1"], cwd=ROOT, env=e,
+                       capture_output=True, text=True, timeout=60)
+    log = tmp_path / "srun.log"
+    return r, (log.read_text() if log.exists() else None)
+
+
+@pytest.mark.parametrize("lib,env,plugin", [
+    (MPICH_LIB, {}, "pmi2"),
+    (OMPI_LIB, {}, "pmix"),
+    (OMPI_LIB, {"RINGPIPE_SRUN_MPI": "pmix"}, "pmix"),
+    (MPICH_LIB, {"RINGPIPE_SRUN_MPI": "none"}, "none"),     # the trainer's own check refuses that one
+], ids=["mpich", "openmpi", "openmpi-pmix", "mpich-none"])
+def test_train_sbatch_picks_the_srun_mpi_plugin(tmp_path, lib, env, plugin):
+    r, srun = _train_sbatch(tmp_path, lib, **env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert srun is not None and srun.startswith(f"--kill-on-bad-exit=1 --mpi={plugin} "), srun
+    assert f"{lib} | srun --mpi={plugin}" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("env", [{"RINGPIPE_SRUN_MPI": "pmi2"}, {"RINGPIPE_SRUN_ARGS": "-v --mpi=pmi2"},
+                                 {"RINGPIPE_SRUN_ARGS": "--mpi pmi2"}], ids=["env", "args=", "args"])
+def test_train_sbatch_refuses_open_mpi_under_pmi2(tmp_path, env):
+    """Open MPI under srun --mpi=pmi2 silently runs every task as a 1-rank world."""
+    r, srun = _train_sbatch(tmp_path, OMPI_LIB, **env)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert srun is None, f"srun ran: {srun}"
+    assert "uses Open MPI (Open MPI v5.0.11" in r.stderr and "srun --mpi=pmi2" in r.stderr, r.stderr
+    assert "Use srun --mpi=pmix for Open MPI" in r.stderr and "1-rank MPI world" in r.stderr, r.stderr
+    assert not (tmp_path / "run" / "run_manifests.jsonl").exists(), "refused before the manifest"

