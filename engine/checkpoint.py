@@ -97,7 +97,8 @@ class _Problem(Exception):
 
 # ---- writing -------------------------------------------------------------------------
 
-def _fsync_dir(path):
+def fsync_dir(path):
+    """Make a rename in `path` durable (best effort: not every filesystem can)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -192,14 +193,14 @@ def save(directory, step, arrays: dict, meta: dict, keep=3):
             raise
         try:
             os.replace(npz_tmp, npz_path)
-            _fsync_dir(directory)       # the npz is on disk before its manifest can be
+            fsync_dir(directory)       # the npz is on disk before its manifest can be
             os.replace(json_tmp, json_path)
         except BaseException:
             # An npz without its manifest counts as nothing, but it takes space: remove it.
             for path in (npz_tmp, json_tmp, npz_path):
                 _remove_quietly(path)
             raise
-        _fsync_dir(directory)
+        fsync_dir(directory)
     except OSError as e:
         raise CheckpointError(_write_error_message(e, directory, step)) from e
     _remember(json_path, None)          # written and fsynced by us: known valid

@@ -278,20 +278,7 @@ def _move_into_place(tmp: str, out_dir: str) -> None:
         os.rmdir(aside)
         raise
     shutil.rmtree(aside, ignore_errors=True)
-    _fsync_dir(os.path.dirname(out_dir))
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    checkpoint.fsync_dir(os.path.dirname(out_dir))
 
 
 # ---- the tokenizer -------------------------------------------------------------------------

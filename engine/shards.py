@@ -138,11 +138,15 @@ def write_shard(path: str, tokens, vocab_size: int) -> str:
 
 def write_json_atomic(path: str, obj) -> None:
     """A JSON file written whole or not at all (temp file, fsync, rename)."""
+    write_text_atomic(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """A UTF-8 text file written whole or not at all (temp file, fsync, rename)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(obj, fh, indent=2, ensure_ascii=False)
-            fh.write("\n")
+            fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

@@ -93,17 +93,9 @@ class Tokenizer:
     def save(self, folder) -> str:
         """Write folder/tokenizer.json atomically (temp file, fsync, rename); returns its path."""
         os.makedirs(folder, exist_ok=True)
+        from ringpipe.engine.shards import write_text_atomic       # shards reads tokenizers: import here
         path = os.path.join(folder, "tokenizer.json")
-        tmp = f"{path}.tmp-{os.getpid()}"
-        try:
-            with open(tmp, "w", encoding="utf-8") as fh:
-                fh.write(self._json)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        write_text_atomic(path, self._json)
         return path
 
 
