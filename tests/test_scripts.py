@@ -120,6 +120,10 @@ def test_submit_scaling_refuses_training_args_for_an_allreduce_sweep(tmp_path):
 FAKE_PY = """#!/bin/bash
 # Stand-in python: prints $FAKE_MPI_LIB for the script's MPI library check; swallows the manifest.
 [ "${1:-}" = - ] && { cat > /dev/null; exit 0; }
+if [ "${2:-} ${3:-}" = "ringpipe finished" ]; then
+    [ -n "${FAKE_UNFINISHED:-}" ] && { echo "run: 1 of 4 rank(s) never finished (no marker: 3)" >&2; exit 1; }
+    exit 0
+fi
 echo "$FAKE_MPI_LIB"
 """
 FAKE_SRUN = """#!/bin/bash
@@ -167,3 +171,11 @@ def test_train_sbatch_refuses_open_mpi_under_pmi2(tmp_path, env):
     assert "uses Open MPI (Open MPI v5.0.11" in r.stderr and "srun --mpi=pmi2" in r.stderr, r.stderr
     assert "Use srun --mpi=pmix for Open MPI" in r.stderr and "1-rank MPI world" in r.stderr, r.stderr
     assert not (tmp_path / "run" / "run_manifests.jsonl").exists(), "refused before the manifest"
+
+
+def test_train_sbatch_fails_a_job_whose_ranks_did_not_all_finish(tmp_path):
+    """srun exits 0, but a rank left no completion marker: the job must fail, not say done."""
+    r, srun = _train_sbatch(tmp_path, MPICH_LIB, FAKE_UNFINISHED="1", SLURM_NTASKS="4")
+    assert srun is not None
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "never finished" in r.stderr and "not every rank finished: failing the job" in r.stdout + r.stderr
