@@ -120,3 +120,31 @@ def test_a_cut_link_under_srun_ends_the_job_naming_the_node(cluster, tmp_path):
     deadline = time.time() + 60
     while time.time() < deadline and "idle" not in run(cluster, "sinfo", "-h", "-n", "n2", "-o", "%T").stdout:
         time.sleep(1)
+
+
+def test_resume_on_fewer_nodes_through_slurm(cluster, tmp_path):
+    """Checkpointed by srun -N 2 x 2 ranks, resumed by srun -N 1 x 2: the uninterrupted
+    run's losses from the checkpoint on (float64, 1e-10)."""
+    flags = ["-m", "ringpipe", "train", "--data", "synthetic", "--layers", "2", "--d-model", "16", "--heads", "2",
+             "--context", "16", "--batch-size", "8", "--steps", "6", "--dtype", "float64", "--sample-bytes", "0",
+             "--quiet"]
+    two_nodes = ["srun", "-N", "2", "--ntasks-per-node", "2", "--mpi=pmi2", sys.executable]
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    for out, extra in ((full, []), (part, ["--checkpoint-every", "3"])):
+        r = run(cluster, *two_nodes, *flags, *extra, "--out", out)
+        assert r.returncode == 0, r.stderr[-2000:]
+    for ext in ("json", "npz"):
+        os.remove(os.path.join(part, "checkpoints", f"ckpt_00000006.{ext}"))
+    r = run(cluster, "srun", "-N", "1", "-n", "2", "--mpi=pmi2", sys.executable, *flags, "--out", part,
+            "--resume", "auto")
+    assert r.returncode == 0, r.stderr[-2000:]
+
+    def losses(out):
+        by_step = {}
+        with open(os.path.join(out, "metrics.jsonl")) as fh:
+            for line in fh:
+                rec = json.loads(line)
+                by_step[rec["step"]] = rec["loss"]
+        return [by_step[s] for s in sorted(by_step)]
+    a, b = losses(full), losses(part)
+    assert len(a) == len(b) == 6 and all(abs(x - y) <= 1e-10 * max(1.0, abs(x)) for x, y in zip(a[3:], b[3:]))
