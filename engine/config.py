@@ -296,6 +296,13 @@ def model_config(cfg: Config, saved: dict | None = None, vocab: int | None = Non
 def _fixed_shape(cfg: Config, saved, init) -> tuple[dict, str]:
     from ringpipe.engine.gpt import PRESETS
     if saved:
+        if cfg.preset in PRESETS:
+            preset = dict(zip(("n_layer", "d_model", "n_head", "context"), PRESETS[cfg.preset]))
+            differ = {k: v for k, v in preset.items() if saved.get(k) != v}
+            if differ:
+                raise ConfigError(f"the checkpoint was written with a shape other than <preset> {cfg.preset}'s ("
+                                  + ", ".join(f"{k} {saved.get(k)}, not {v}" for k, v in differ.items())
+                                  + "): drop <preset> to continue it, or use a new <out>")
         return saved, "the checkpoint"
     if init:
         return init, f"the model of <init_from> {cfg.init_from}"

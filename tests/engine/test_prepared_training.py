@@ -235,3 +235,11 @@ def test_an_unwritable_cache_names_the_variable(tmp_path, monkeypatch):
     monkeypatch.setenv("RINGPIPE_CACHE", str(tmp_path / "file" / "cache"))
     with pytest.raises(ConfigError, match="set RINGPIPE_CACHE to a writable folder"):
         single(str(tmp_path), "stdlib", "run", max_data_mb=1)
+
+
+def test_a_preset_that_disagrees_with_the_checkpoint_is_refused(tmp_path):
+    data = prepared(str(tmp_path), tokenizer="bytes")
+    single(str(tmp_path), data, "run", steps=1)
+    with pytest.raises(ConfigError, match="other than <preset> gpt2-124m's|other than preset gpt2-124m's"):
+        single(str(tmp_path), data, "run", steps=2, resume="auto", overwrite=False, preset="gpt2-124m",
+               layers=None, d_model=None, heads=None, context=None)
