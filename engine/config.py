@@ -244,6 +244,8 @@ def _check_combinations(cfg: Config, dp: int) -> list[str]:
             raise ConfigError(f"<init_from>: the folder {cfg.hf_dir} does not exist")
         if cfg.resume:
             raise ConfigError("<init_from> starts a run from other weights; <resume> continues one: pass one of them")
+        if cfg.preset:
+            raise ConfigError("<init_from>'s model has its own shape; <preset> would be ignored: pass one of them")
     if cfg.model != "gpt" and (cfg.preset or cfg.init_from):
         raise ConfigError("<preset> and <init_from> are GPT shapes: use them with <model> gpt")
     if cfg.watchdog_abort and not cfg.watchdog:

@@ -163,6 +163,11 @@ def test_init_from_bad_values(tmp_path, value, says):
         single(str(tmp_path), prepared(str(tmp_path)), "run", init_from=value)
 
 
+def test_init_from_with_a_preset_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="preset> would be ignored|preset would be ignored"):
+        single(str(tmp_path), prepared(str(tmp_path)), "run", init_from="hf:" + str(tmp_path), preset="gpt2-124m")
+
+
 # ---- every layout equals one process (MPI) -----------------------------------------------------
 
 LAYOUTS = {"dp2": dict(), "pp2": dict(pp=2, microbatches=2), "dp2-pp2": dict(pp=2, microbatches=2)}
