@@ -3,7 +3,6 @@ slurmctld on the head node, a slurmd per emulated node, srun/sbatch/squeue/scanc
 through wrappers. `srun -N 2` training equals one process. Skipped, with the reason,
 where namespaces are not permitted or Slurm cannot be installed.
 """
-import json
 import os
 import shutil
 import subprocess
@@ -13,6 +12,7 @@ import time
 import pytest
 
 from tests.support import ROOT
+from tests.support.emulated import losses, when_training
 
 START = os.path.join(ROOT, "slurm", "local", "start.sh")
 CLUSTER = os.path.join(ROOT, "slurm", "local", "cluster.sh")
@@ -67,10 +67,6 @@ def test_srun_across_two_nodes_trains_like_one_process(cluster, tmp_path):
     four = run(cluster, "srun", "-N", "2", "--ntasks-per-node", "2", "--mpi=pmi2", sys.executable, *flags,
                "--out", str(tmp_path / "four"))
     assert four.returncode == 0, four.stdout[-2000:] + four.stderr[-2000:]
-
-    def losses(out):
-        with open(os.path.join(out, "metrics.jsonl")) as fh:
-            return [json.loads(line)["loss"] for line in fh]
     a, b = losses(str(tmp_path / "one")), losses(str(tmp_path / "four"))
     assert len(a) == 3 and all(abs(x - y) <= 1e-10 * max(1.0, abs(x)) for x, y in zip(a, b)), (a, b)
 
@@ -88,23 +84,12 @@ def test_sbatch_squeue_scancel(cluster):
 
 
 def test_a_cut_link_under_srun_ends_the_job_naming_the_node(cluster, tmp_path):
-    import threading
     out = tmp_path / "run"
     flags = ["-m", "ringpipe", "train", "--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2",
              "--context", "16", "--batch-size", "8", "--steps", "1000000", "--log-every", "1000",
              "--sample-bytes", "0", "--watchdog", "6", "--watchdog-abort", "--out", str(out)]
-    cut = {}
-    started = time.time()
-
-    def cut_when_training():
-        metrics = out / "metrics.jsonl"
-        while time.time() - started < 120 and not (metrics.exists() and metrics.stat().st_size > 3000):
-            time.sleep(0.2)
-        subprocess.run(["ip", "-n", "rp-n2", "link", "set", "eth0", "down"], check=True)
-        cut["at"] = time.time()
-
-    cutter = threading.Thread(target=cut_when_training, daemon=True)
-    cutter.start()
+    cutter, cut = when_training(str(out), lambda: subprocess.run(
+        ["ip", "-n", "rp-n2", "link", "set", "eth0", "down"], check=True), min_bytes=3000, wait_s=120)
     try:
         r = run(cluster, "srun", "-N", "2", "--ntasks-per-node", "2", "--mpi=pmi2", sys.executable, *flags,
                 timeout=200)
@@ -138,13 +123,5 @@ def test_resume_on_fewer_nodes_through_slurm(cluster, tmp_path):
     r = run(cluster, "srun", "-N", "1", "-n", "2", "--mpi=pmi2", sys.executable, *flags, "--out", part,
             "--resume", "auto")
     assert r.returncode == 0, r.stderr[-2000:]
-
-    def losses(out):
-        by_step = {}
-        with open(os.path.join(out, "metrics.jsonl")) as fh:
-            for line in fh:
-                rec = json.loads(line)
-                by_step[rec["step"]] = rec["loss"]
-        return [by_step[s] for s in sorted(by_step)]
-    a, b = losses(full), losses(part)
+    a, b = losses(full), losses(part)                    # a redone step: the later record counts
     assert len(a) == len(b) == 6 and all(abs(x - y) <= 1e-10 * max(1.0, abs(x)) for x, y in zip(a[3:], b[3:]))

@@ -6,15 +6,16 @@ link (the interface's byte counter grows by what the algorithm must send).
 Skipped, with the reason, where namespaces or tc are not permitted (not root),
 or when emulated nodes are already up (a user's: never touched).
 """
-import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
 from tests.support import ROOT
+from tests.support.emulated import losses, when_training
 
 NODES = os.path.join(ROOT, "slurm", "local", "nodes.sh")
 VENV_BIN = os.path.dirname(sys.executable)
@@ -69,10 +70,6 @@ def test_training_across_nodes_equals_one_process(two_nodes, tmp_path):
                          env=ENV, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert one.returncode == 0, one.stderr
     across("-m", "ringpipe", "train", *flags, "--out", str(tmp_path / "four"))
-
-    def losses(out):
-        with open(os.path.join(out, "metrics.jsonl")) as fh:
-            return [json.loads(line)["loss"] for line in fh]
     a, b = losses(str(tmp_path / "one")), losses(str(tmp_path / "four"))
     assert len(a) == len(b) == 3 and all(abs(x - y) <= 1e-10 * max(1, abs(x)) for x, y in zip(a, b)), (a, b)
 
@@ -122,23 +119,11 @@ def test_the_link_rate_can_change_while_up(two_nodes):
 def test_a_cut_link_ends_the_job_naming_the_node(two_nodes, tmp_path):
     """The watchdog's network pulse (engine/pulse.py) names the node rank 0 no longer
     hears, and --watchdog-abort ends the job: no silent hang."""
-    import threading
-    import time
     flags = ["--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16",
              "--batch-size", "8", "--steps", "1000000", "--log-every", "1000", "--sample-bytes", "0",
              "--watchdog", "6", "--watchdog-abort", "--out", str(tmp_path / "run")]
-    started = time.time()
-    cut = {}
-
-    def cut_when_training():
-        metrics = tmp_path / "run" / "metrics.jsonl"
-        while time.time() - started < 90 and not (metrics.exists() and metrics.stat().st_size > 2000):
-            time.sleep(0.2)
-        subprocess.run(["ip", "-n", "rp-n2", "link", "set", "eth0", "down"], check=True)
-        cut["at"] = time.time()
-
-    cutter = threading.Thread(target=cut_when_training, daemon=True)
-    cutter.start()
+    cutter, cut = when_training(str(tmp_path / "run"), lambda: subprocess.run(
+        ["ip", "-n", "rp-n2", "link", "set", "eth0", "down"], check=True), min_bytes=2000, wait_s=90)
     try:
         r = nodes("mpiexec", "-ppn", "2", "-n", "4", sys.executable, "-m", "ringpipe", "train", *flags,
                   timeout=150, check=False)
@@ -155,29 +140,21 @@ def test_a_cut_link_ends_the_job_naming_the_node(two_nodes, tmp_path):
 
 def test_a_killed_node_ends_the_job_fast(two_nodes, tmp_path):
     """Every process of n2 killed (-9) mid-run: mpiexec ends the job within 10 s, failing."""
-    import threading
-    import time
     flags = ["--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16",
              "--batch-size", "8", "--steps", "1000000", "--log-every", "1000", "--sample-bytes", "0",
              "--out", str(tmp_path / "run")]
-    started = time.time()
-    killed = {}
 
-    def kill_when_training():
-        metrics = tmp_path / "run" / "metrics.jsonl"
-        while time.time() - started < 90 and not (metrics.exists() and metrics.stat().st_size > 2000):
-            time.sleep(0.2)
+    def kill_n2():
         pids = subprocess.run(["ip", "netns", "pids", "rp-n2"], capture_output=True, text=True).stdout.split()
         subprocess.run(["kill", "-9", *pids], check=False)
-        killed["at"], killed["pids"] = time.time(), pids
+        return pids
 
-    killer = threading.Thread(target=kill_when_training, daemon=True)
-    killer.start()
+    killer, killed = when_training(str(tmp_path / "run"), kill_n2, min_bytes=2000, wait_s=90)
     r = nodes("mpiexec", "-ppn", "2", "-n", "4", sys.executable, "-m", "ringpipe", "train", *flags,
               timeout=150, check=False)
     ended = time.time()
     killer.join(timeout=100)
-    assert killed.get("pids"), f"training never got going: {r.stderr[-2000:]}"
+    assert killed.get("value"), f"training never got going: {r.stderr[-2000:]}"
     assert r.returncode != 0, "the job reported success after a node was killed"
     assert ended - killed["at"] < 10, f"the job took {ended - killed['at']:.1f} s to end after the kill"
     from ringpipe.engine import rundir
@@ -199,15 +176,7 @@ def test_resume_on_fewer_nodes_continues_the_trajectory(two_nodes, tmp_path):
     r = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "ringpipe", "train", *flags, "--out", part,
                         "--resume", "auto"], env=ENV, capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
-
-    def losses(out):
-        by_step = {}
-        with open(os.path.join(out, "metrics.jsonl")) as fh:
-            for line in fh:
-                rec = json.loads(line)
-                by_step[rec["step"]] = rec["loss"]          # a redone step: the later record counts
-        return [by_step[s] for s in sorted(by_step)]
-    a, b = losses(full), losses(part)
+    a, b = losses(full), losses(part)                    # a redone step: the later record counts
     assert len(a) == len(b) == 6
     assert all(abs(x - y) <= 1e-10 * max(1.0, abs(x)) for x, y in zip(a[3:], b[3:])), (a, b)
 
@@ -240,9 +209,5 @@ def test_open_mpi_across_nodes_trains_like_one_process_and_reduces_hierarchicall
                          timeout=120, cwd=ROOT)
     assert one.returncode == 0, one.stderr
     mpirun(*flags, "--out", str(tmp_path / "four"))
-
-    def losses(out):
-        with open(os.path.join(out, "metrics.jsonl")) as fh:
-            return [json.loads(line)["loss"] for line in fh]
     a, b = losses(str(tmp_path / "one")), losses(str(tmp_path / "four"))
     assert len(a) == 3 and all(abs(x - y) <= 1e-10 * max(1.0, abs(x)) for x, y in zip(a, b)), (a, b)

@@ -5,6 +5,7 @@
     slurm_jobs/        batch scripts and programs for the real-Slurm tests
     fake_cupy.py       a CPU emulation of CuPy that runs our CUDA C kernels (with cuda_emu.h)
     cuda_sim_check.py  the Numba CUDA kernels under NUMBA_ENABLE_CUDASIM
+    emulated.py        the emulated-node tests' run losses and act-once-training thread
 """
 import os
 import sys
