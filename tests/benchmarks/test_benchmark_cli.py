@@ -12,31 +12,16 @@ import sys
 import pytest
 
 from tests.support import ROOT
+from tests.support.benchmarks import bench_env, refused
 
 
 def _env():
-    # Strip whatever an outer launcher left in the environment, or a child
-    # would try to join that job; one thread per library, as in the benchmarks.
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL", "OMPI_", "MPIR_CVAR_"))}
-    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
-    return env
+    return bench_env()
 
 
 def _run(script, *args):
     return subprocess.run([sys.executable, os.path.join("benchmarks", script), *args], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=120)
-
-
-def _refused(r, *words):
-    assert r.returncode == 2, f"exit {r.returncode}\nstdout:\n{r.stdout[-2000:]}\nstderr:\n{r.stderr[-2000:]}"
-    assert "Traceback" not in r.stderr, r.stderr
-    assert r.stdout == "", f"refused after starting work:\n{r.stdout[-2000:]}"
-    last = r.stderr.strip().splitlines()[-1]
-    assert "error:" in last, r.stderr
-    for w in words:
-        assert w in last, f"{w!r} not in {last!r}"
-    return last
 
 
 @pytest.fixture
@@ -51,7 +36,7 @@ def unwritable(tmp_path):
 
 def test_allreduce_refuses_one_rank():
     # Without mpiexec there is one rank: busbw = algbw * 2(p-1)/p would divide by zero.
-    _refused(_run("allreduce.py", "--quick"), "mpiexec -n N", "N >= 2")
+    refused(_run("allreduce.py", "--quick"), "mpiexec -n N", "N >= 2")
 
 
 @pytest.mark.parametrize("args, words", [
@@ -66,11 +51,11 @@ def test_allreduce_refuses_one_rank():
     (["--bucket-bytes", "0"], ["--bucket-bytes"]),
 ])
 def test_allreduce_refuses_bad_flags(args, words):
-    _refused(_run("allreduce.py", *args), *words)
+    refused(_run("allreduce.py", *args), *words)
 
 
 def test_allreduce_refuses_unwritable_json(unwritable):
-    _refused(_run("allreduce.py", "--quick", "--json", unwritable), "--json", "cannot write")
+    refused(_run("allreduce.py", "--quick", "--json", unwritable), "--json", "cannot write")
 
 
 def test_allreduce_help_says_what_iters_0_means():
@@ -109,7 +94,7 @@ def test_allreduce_columns_line_up_at_large_sizes():
 # --- kernels_cpu.py ----------------------------------------------------------
 
 def test_kernels_cpu_refuses_unknown_op_and_lists_the_known_ones():
-    last = _refused(_run("kernels_cpu.py", "--only", "gelu_forward,foo"), "--only", "'foo'")
+    last = refused(_run("kernels_cpu.py", "--only", "gelu_forward,foo"), "--only", "'foo'")
     for name in ("layernorm_forward", "adamw_update", "matmul"):
         assert name in last
 
@@ -120,17 +105,17 @@ def test_kernels_cpu_refuses_unknown_op_and_lists_the_known_ones():
     (["--threads", "0"], ["--threads"]),
 ])
 def test_kernels_cpu_refuses_bad_counts(args, words):
-    _refused(_run("kernels_cpu.py", *args), *words)
+    refused(_run("kernels_cpu.py", *args), *words)
 
 
 def test_kernels_cpu_refuses_unwritable_json_before_the_run(unwritable):
-    _refused(_run("kernels_cpu.py", "--json", unwritable), "--json", "cannot write")
+    refused(_run("kernels_cpu.py", "--json", unwritable), "--json", "cannot write")
 
 
 # --- scaling.py --------------------------------------------------------------
 
 def test_scaling_refuses_a_global_batch_some_rank_counts_do_not_divide():
-    last = _refused(_run("scaling.py", "--ranks", "1,3", "--global-batch", "4"), "--global-batch")
+    last = refused(_run("scaling.py", "--ranks", "1,3", "--global-batch", "4"), "--global-batch")
     assert "count(s) 3 " in last
     suggested = int(re.search(r"use e\.g\. --global-batch (\d+)", last).group(1))
     assert suggested % 3 == 0 and suggested >= 4
@@ -143,11 +128,11 @@ def test_scaling_refuses_a_global_batch_some_rank_counts_do_not_divide():
     (["--steps", "0"], ["--steps"]),
 ])
 def test_scaling_refuses_bad_flags(args, words):
-    _refused(_run("scaling.py", *args), *words)
+    refused(_run("scaling.py", *args), *words)
 
 
 def test_scaling_refuses_unwritable_json(unwritable):
-    _refused(_run("scaling.py", "--json", unwritable), "--json", "cannot write")
+    refused(_run("scaling.py", "--json", unwritable), "--json", "cannot write")
 
 
 # --- pipeline.py -------------------------------------------------------------
@@ -162,11 +147,11 @@ def test_scaling_refuses_unwritable_json(unwritable):
     (["--d-model", "30"], ["--d-model"]),
 ])
 def test_pipeline_refuses_bad_flags(args, words):
-    _refused(_run("pipeline.py", *args), *words)
+    refused(_run("pipeline.py", *args), *words)
 
 
 def test_pipeline_refuses_one_rank():
-    _refused(_run("pipeline.py"), "mpiexec -n P", "P >= 2")
+    refused(_run("pipeline.py"), "mpiexec -n P", "P >= 2")
 
 
 # --- the shared parsers ------------------------------------------------------
