@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from tests.support import ROOT
-from tests.support.benchmarks import bench_env, refused
+from tests.support.bench_cli import bench_env, refused
 
 
 def _env():

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tests.support import ROOT
-from tests.support.benchmarks import bench_env, refused
+from tests.support.bench_cli import bench_env, refused
 
 SCRIPT = os.path.join("benchmarks", "gpt2_step.py")
 ROW_KEYS = {"framework", "step_s", "fwd_bwd_s", "update_s", "tokens_per_s", "model_tflops", "gemm_gflops",

@@ -6,7 +6,7 @@
     fake_cupy.py       a CPU emulation of CuPy that runs our CUDA C kernels (with cuda_emu.h)
     cuda_sim_check.py  the Numba CUDA kernels under NUMBA_ENABLE_CUDASIM
     emulated.py        the emulated-node tests' run losses and act-once-training thread
-    benchmarks.py      a benchmark's clean environment, and "refused before any work"
+    bench_cli.py       a benchmark's clean environment, and "refused before any work"
 """
 import os
 import sys
