@@ -41,7 +41,7 @@ from ringpipe.engine.parallel.pipeline import PipelineModel  # noqa: E402
 
 def run_config(grid, cfg, schedule, m, v, mb_size, seq, steps):
     world, p = grid.world, grid.size("pipe")
-    model = PipelineModel(lambda: gpt_layers(cfg), grid, np.float32, 0, schedule, m, v,
+    model = PipelineModel(lambda tensor=None: gpt_layers(cfg, tensor), grid, np.float32, 0, schedule, m, v,
                           act_shape=(mb_size, seq, cfg.d_model))
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, size=(m * mb_size, seq))

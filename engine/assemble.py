@@ -19,7 +19,7 @@ import numpy as np
 from ringpipe import comm, kernels as K
 from ringpipe.engine import checkpoint, config as config_checks, lifecycle, rundir, runtime
 from ringpipe.engine.agreement import agree, agree_on_rank0, check_same_config
-from ringpipe.engine.config import Config, check_memory, model_config, resume_differences
+from ringpipe.engine.config import Config, check_memory, check_tensor_parallel, model_config, resume_differences
 from ringpipe.engine.errors import ConfigError
 from ringpipe.engine.optim import lr_at
 from ringpipe.engine.reporting import Reporter
@@ -68,7 +68,9 @@ def assemble(cfg: Config, world, stop, cleanup, render=None) -> Run:
     check_same_config(cfg, world)
     agree(world, comm.check_settings, "RINGPIPE_* settings", hint="is the environment the same on every node?")
     notes = config_checks.check(cfg, world.Get_size()) + runtime.unknown_variables()
-    grid = comm.ProcessGrid(world, [("pipe", cfg.pp), ("data", cfg.data_parallel(world.Get_size()))])
+    # Tensor innermost: a tensor group is consecutive ranks, on one node as launchers place them.
+    grid = comm.ProcessGrid(world, [("pipe", cfg.pp), ("data", cfg.data_parallel(world.Get_size())),
+                                    ("tensor", cfg.tp)])
     cleanup.callback(grid.free)
     report = Reporter(world.Get_rank() == 0, cfg.quiet, cfg.steps, cfg.log_every, render)
     cleanup.callback(report.close)
@@ -205,6 +207,7 @@ def shape_data_device(r: Run) -> None:
         raise ConfigError(f"<seq_len> {r.seq_len} exceeds the model's context {r.shape.context}; lower "
                           f"<seq_len> or raise <context> (at least {r.seq_len})")
     check_tokenizer(r)
+    check_tensor_parallel(cfg, r.shape, r.seq_len)
     # Nodes may differ in memory: every rank checks its own node, all agree.
     dp = r.grid.size("data")
     agree(r.world, lambda: check_memory(cfg, r.shape, dp, runtime.local_rank_count()), "memory check",
@@ -289,7 +292,9 @@ def build_model(r: Run, cleanup) -> None:
     from ringpipe.engine.parallel import build_rank_model
     from ringpipe.engine.pipeline import ScheduleError
     cfg = r.cfg
-    layers_fn = (lambda: gpt_layers(r.shape)) if cfg.model == "gpt" else (lambda: mlp_layers(r.shape))
+    # layers_fn(tensor): whole layers, or a tensor group's shards of them (GPT only)
+    layers_fn = (lambda tensor=None: gpt_layers(r.shape, tensor)) if cfg.model == "gpt" \
+        else (lambda tensor=None: mlp_layers(r.shape))
     micro = (r.rows[1] - r.rows[0]) // cfg.microbatches
     r.tracer = None
     if cfg.trace:
@@ -303,6 +308,11 @@ def build_model(r: Run, cleanup) -> None:
     except (ScheduleError, ValueError) as e:     # a layout the schedule or the partition cannot make
         raise ConfigError(str(e)) from None
     cleanup.callback(r.model.close)
+    tensor = getattr(r.model.inner, "tensor", None)
+    if tensor is not None:
+        from ringpipe.engine.parallel.tensor import tensor_notes
+        for note in tensor_notes(tensor):
+            r.report.say(note)
     r.opt = r.model.make_optimizer(cfg.optimizer, cfg.peak_lr, cfg.weight_decay)
     if r.init:
         # Every rank takes the arrays of the parameters it holds (any layout).
@@ -353,7 +363,8 @@ def start_reporting(r: Run, cleanup) -> None:
     cfg, report, world = r.cfg, r.report, r.world
     report.say(f"ringpipe | {cfg.model} {r.shape.to_dict()} | {r.model.params.size:,} parameters on rank 0 | "
                f"{cfg.dtype}{', bf16 matmuls' if cfg.precision == 'bf16' else ''}")
-    layout = f"dp {r.grid.size('data')} x pp {r.grid.size('pipe')}"
+    layout = f"dp {r.grid.size('data')} x pp {r.grid.size('pipe')}" + \
+        (f" x tp {r.grid.size('tensor')}" if r.grid.size("tensor") > 1 else "")
     described = r.model.describe()
     report.say(f"data {r.dataset.name} | global batch {cfg.batch_size} x {r.items_per_example} = "
                f"{r.items_per_step} {'tokens' if cfg.model == 'gpt' else 'examples'}/step | {world.Get_size()} "

@@ -73,7 +73,8 @@ _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 # The keys of model_config for each model (engine.gpt.GPTConfig, engine.mlp.MLPConfig).
 _MODEL_CONFIG_KEYS = {"gpt": ("context", "d_model", "n_head", "n_layer", "vocab"),
                       "mlp": ("hidden", "n_classes", "n_in", "n_layer")}
-_LAYOUT_KEYS = ("chunks", "dp", "pp")
+_LAYOUT_KEYS = ("chunks", "dp", "pp", "tp")
+_OPTIONAL_LAYOUT_KEYS = ("tp",)          # checkpoints written before tensor parallelism have none
 _KEYS = ("args", "checksum", "dtype", "format", "layout", "loss", "model", "model_config", "npz", "npz_bytes",
          "npz_crc32", "opt_step_count", "optimizer", "precision", "step", "tokenizer")
 _NOT_IN_FORMAT_1 = ("checksum",)
@@ -529,15 +530,17 @@ def _check_short_name(key, value):
         raise _wrong(key, value, "a short name (letters, digits, '_', '.', '-')")
 
 
-def _check_object(key, value, keys):
+def _check_object(key, value, keys, optional=()):
     if type(value) is not dict:
         raise _wrong(key, value, "an object")
-    missing = [k for k in keys if k not in value]
+    missing = [k for k in keys if k not in value and k not in optional]
     unknown = [k for k in value if k not in keys]
     if missing or unknown:
-        raise _wrong(key, value, f"an object with exactly the keys {', '.join(keys)}")
+        may = f" (optional: {', '.join(optional)})" if optional else ""
+        raise _wrong(key, value, f"an object with exactly the keys {', '.join(keys)}{may}")
     for k in keys:
-        _check_int(f"{key}.{k}", value[k], 1, 2**31 - 1)
+        if k in value:
+            _check_int(f"{key}.{k}", value[k], 1, 2**31 - 1)
 
 
 def _check_schema(m):
@@ -575,7 +578,7 @@ def _check_schema(m):
     if "precision" in m:
         _check_short_name("precision", m["precision"])
     if "layout" in m:
-        _check_object("layout", m["layout"], _LAYOUT_KEYS)
+        _check_object("layout", m["layout"], _LAYOUT_KEYS, _OPTIONAL_LAYOUT_KEYS)
     if type(m["args"]) is not dict:
         raise _wrong("args", m["args"], "an object (the run's flags)")
     if "tokenizer" in m:

@@ -134,15 +134,26 @@ def _optimization_flags(p):
 
 def _parallelism_flags(p):
     g = p.add_argument_group("parallelism")
-    g.add_argument("--dp", type=int, default=None, help="data-parallel ranks (default: all ranks)")
+    g.add_argument("--dp", type=int, default=None,
+                   help="data-parallel ranks (default: all ranks / (pp x tp)); ranks = dp x pp x tp")
     g.add_argument("--bucket-mb", type=float, default=None,
                    help="gradient bucket size in MiB (default: auto, about 1/8 of the gradients, between "
                         "0.25 and 25 MiB, so backward overlaps several all-reduces; the first bucket is "
                         "capped at 1 MiB like PyTorch DDP's)")
-    g.add_argument("--no-overlap", action="store_true", help="all-reduce after backward instead of during it")
+    g.add_argument("--no-overlap", action="store_true",
+                   help="all-reduce after backward instead of during it (and, with --tp, reduce input "
+                        "gradients before computing weight gradients instead of while)")
     g.add_argument("--zero", type=int, choices=[0, 1], default=0,
                    help="1: shard optimizer state across data-parallel ranks (ZeRO-1)")
-    g.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1); ranks = pp x dp")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1); ranks = dp x pp x tp")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks per layer (default 1; GPT only): attention heads, MLP features "
+                        "and the vocabulary split across tp ranks, 2 all-reduces per sub-layer. Must divide "
+                        "--heads. The innermost axis: keep tp within a node")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: LayerNorms and the residual stream split along the sequence between the "
+                        "tensor-parallel regions (all-gather/reduce-scatter instead of all-reduce; activation "
+                        "memory there / tp). --seq-len must divide by tp")
     g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zbh1"], default=None,
                    help="pipeline schedule (default 1f1b; zbh1 = zero-bubble H1; interleaved needs --chunks "
                         ">= 2); needs --pp >= 2 or --chunks >= 2")

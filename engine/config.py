@@ -62,6 +62,8 @@ class Config:
     no_overlap: bool = False           # all-reduce after backward instead of during it
     zero: int = 0                      # 1: ZeRO-1 (optimizer state sharded over the data axis)
     pp: int = 1                        # pipeline stages
+    tp: int = 1                        # tensor-parallel ranks (GPT): heads, MLP features, vocabulary split
+    sequence_parallel: bool = False    # with tp > 1: the stream between the TP regions split along T
     schedule: str | None = None        # gpipe | 1f1b | interleaved | zbh1 (1f1b)
     microbatches: int = 1              # per step and data-parallel replica
     chunks: int = 1                    # model chunks per pipeline rank (interleaved)
@@ -84,7 +86,7 @@ class Config:
 
     # ---- defaults that depend on other settings ---------------------------------------
     def data_parallel(self, world_size: int) -> int:
-        return self.dp if self.dp is not None else max(1, world_size // self.pp)
+        return self.dp if self.dp is not None else max(1, world_size // (self.pp * max(1, self.tp)))
 
     @property
     def pipelined(self) -> bool:
@@ -193,13 +195,18 @@ def _check_values(cfg: Config) -> None:
 def _check_layout(cfg: Config, world_size: int) -> None:
     if cfg.pp < 1:
         raise ConfigError(f"<pp> must be >= 1, got {cfg.pp}")
-    if cfg.dp is None and world_size % cfg.pp:
-        raise ConfigError(f"{world_size} ranks do not split into <pp> {cfg.pp} pipeline stages; launch a "
-                          f"multiple of {cfg.pp} ranks (ranks = pp x dp)")
+    if cfg.tp < 1:
+        raise ConfigError(f"<tp> must be >= 1, got {cfg.tp}")
+    model_parallel = cfg.pp * cfg.tp
+    if cfg.dp is None and world_size % model_parallel:
+        what = f"<pp> {cfg.pp} pipeline stages" + (f" x <tp> {cfg.tp} tensor-parallel ranks" if cfg.tp > 1 else "")
+        raise ConfigError(f"{world_size} ranks do not split into {what}; launch a multiple of {model_parallel} "
+                          f"ranks (ranks = dp x pp x tp)")
     dp = cfg.data_parallel(world_size)
-    if dp < 1 or dp * cfg.pp != world_size:
-        raise ConfigError(f"<dp> {dp} x <pp> {cfg.pp} = {dp * cfg.pp} does not match the {world_size} ranks "
-                          f"of this job (launch pp x dp ranks, e.g. mpiexec -n {dp * cfg.pp})")
+    if dp < 1 or dp * model_parallel != world_size:
+        tp = f" x <tp> {cfg.tp}" if cfg.tp > 1 else ""
+        raise ConfigError(f"<dp> {dp} x <pp> {cfg.pp}{tp} = {dp * model_parallel} does not match the {world_size} "
+                          f"ranks of this job (launch dp x pp x tp ranks, e.g. mpiexec -n {dp * model_parallel})")
     if cfg.chunks > 1 and cfg.schedule_name != "interleaved":
         raise ConfigError(f"<chunks> {cfg.chunks} needs <schedule> interleaved")
     if cfg.batch_size % dp == 0 and (cfg.batch_size // dp) % cfg.microbatches:
@@ -231,6 +238,12 @@ def _check_combinations(cfg: Config, dp: int) -> list[str]:
                               "the MLP takes <layers> and <d_model> (hidden width)")
         if cfg.pipelined:
             raise ConfigError("pipeline stages (<pp>/<chunks> > 1) are implemented for <model> gpt only")
+        if cfg.tp > 1:
+            raise ConfigError("tensor parallelism (<tp> > 1) is implemented for <model> gpt only (the MLP "
+                              "classifier is small enough for <dp>): drop <tp>")
+    if cfg.sequence_parallel and cfg.tp < 2:
+        raise ConfigError("<sequence_parallel> splits the sequence across tensor-parallel ranks: it needs "
+                          "<tp> >= 2")
     if cfg.data is not None and cfg.data not in DATASET_NAMES and not os.path.isdir(cfg.data):
         raise ConfigError(f"<data> {cfg.data!r} is neither a dataset name ({', '.join(DATASET_NAMES)}) nor a folder "
                           "written by `ringpipe prepare`" + (f" ({cfg.data} does not exist)"
@@ -295,6 +308,21 @@ def model_config(cfg: Config, saved: dict | None = None, vocab: int | None = Non
     return shape.validate()
 
 
+def check_tensor_parallel(cfg: Config, shape, seq_len) -> None:
+    """Refuse a tensor-parallel size the model's shape cannot split."""
+    if cfg.tp == 1 or cfg.model != "gpt":
+        return
+    if shape.n_head % cfg.tp:
+        from ringpipe.engine.parallel.tensor import valid_tp
+        raise ConfigError(f"<tp> {cfg.tp} does not divide the model's {shape.n_head} attention heads (each "
+                          f"tensor-parallel rank holds whole heads); <tp> can be "
+                          f"{', '.join(map(str, valid_tp(shape.n_head, shape.n_head)))} for this model, or "
+                          "change <heads>")
+    if cfg.sequence_parallel and seq_len % cfg.tp:
+        raise ConfigError(f"<sequence_parallel> splits each sequence into <tp> {cfg.tp} equal parts, but "
+                          f"<seq_len> is {seq_len}: use a <seq_len> that is a multiple of {cfg.tp}")
+
+
 def _fixed_shape(cfg: Config, saved, init) -> tuple[dict, str]:
     from ringpipe.engine.gpt import PRESETS
     if saved:
@@ -339,7 +367,9 @@ def memory_floor(cfg: Config, shape, dp: int) -> tuple[float, str]:
         n_params = sum(a * b for a, b in zip(widths[:-1], widths[1:]))
         activations = cfg.batch_size // dp * sum(widths) * itemsize
     states = 2 if cfg.optimizer == "adamw" else 1
-    weights = n_params / cfg.pp * itemsize * (2 + states / (dp if cfg.zero else 1))
+    # Tensor parallelism splits nearly all of both (a lower bound may divide all of it).
+    weights = n_params / cfg.pp / cfg.tp * itemsize * (2 + states / (dp if cfg.zero else 1))
+    activations /= cfg.tp
     return weights + activations, (f"{n_params:.3g} parameters: {_gib(weights)} for weights, gradients and "
                                    f"optimizer state, {_gib(activations)} for one micro-batch's activations")
 

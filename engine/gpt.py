@@ -7,6 +7,7 @@ contiguous slice of it, so the same list serves one process and a pipeline.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -42,7 +43,14 @@ class GPTConfig:
 
     @property
     def padded_vocab(self) -> int:
-        return -(-self.vocab // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+        return self.padded_vocab_for(1)
+
+    def padded_vocab_for(self, tp: int) -> int:
+        """Rows of the embedding (and logits) under tensor parallel tp: a multiple of
+        VOCAB_PAD_MULTIPLE and of tp. The same for every tp that divides 128, so
+        checkpoints move between those layouts; another tp pads a little further."""
+        multiple = VOCAB_PAD_MULTIPLE * tp // math.gcd(VOCAB_PAD_MULTIPLE, tp)
+        return -(-self.vocab // multiple) * multiple
 
     def to_dict(self):
         return asdict(self)
@@ -67,11 +75,14 @@ def _divisor_near(n, k):
     return 1
 
 
-def gpt_layers(cfg: GPTConfig):
+def gpt_layers(cfg: GPTConfig, tensor=None):
+    """The model's layers; with a tensor group (engine/parallel/tensor.py), this
+    rank's shards of them."""
     cfg.validate()
-    layers = [Embedding(cfg.padded_vocab, cfg.context, cfg.d_model)]
-    layers += [Block(f"h.{i}", cfg.d_model, cfg.n_head, cfg.n_layer) for i in range(cfg.n_layer)]
-    layers.append(LMHead(cfg.padded_vocab, cfg.d_model, used=cfg.vocab))
+    V = cfg.padded_vocab_for(tensor.size if tensor else 1)
+    layers = [Embedding(V, cfg.context, cfg.d_model, tensor=tensor)]
+    layers += [Block(f"h.{i}", cfg.d_model, cfg.n_head, cfg.n_layer, tensor=tensor) for i in range(cfg.n_layer)]
+    layers.append(LMHead(V, cfg.d_model, used=cfg.vocab, tensor=tensor))
     return layers
 
 

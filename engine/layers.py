@@ -15,6 +15,12 @@ bubbles); LayerNorm and embedding gradients are cheap and are accumulated in
 backward_input, which is still exact because gradients only ever add.
 
 Shapes: B batch, T time, C channels, H heads, hs = C/H head size, V vocab, N = B*T rows.
+
+Tensor parallelism: the attention, MLP, block, embedding and head take a
+`tensor` group (engine/parallel/tensor.py; None: the whole layer on this
+rank). They then build its column- and row-parallel linears, hold H/tp heads
+and V/tp vocabulary rows, and call its operators where a region starts and
+ends; everything else, and the shape comments, stay the same (C_local = C/tp).
 """
 from __future__ import annotations
 
@@ -86,12 +92,15 @@ class Linear(Layer):
 
 
 class LayerNorm(Layer):
-    def __init__(self, name, c, eps=1e-5):
-        self.name, self.c, self.eps = name, c, eps
+    """partial=True: under sequence parallelism this rank normalises only its
+    positions, so its gradients are its part of the sum (ParamSpec.partial)."""
+
+    def __init__(self, name, c, eps=1e-5, partial=False):
+        self.name, self.c, self.eps, self.partial = name, c, eps, partial
 
     def specs(self):
-        return [ParamSpec(f"{self.name}.w", (self.c,), init="ones", decay=False),
-                ParamSpec(f"{self.name}.b", (self.c,), init="zeros", decay=False)]
+        return [ParamSpec(f"{self.name}.w", (self.c,), init="ones", decay=False, partial=self.partial),
+                ParamSpec(f"{self.name}.b", (self.c,), init="zeros", decay=False, partial=self.partial)]
 
     def bind(self, params):
         self.w, self.dw = params.view(f"{self.name}.w"), params.grad_view(f"{self.name}.w")
@@ -117,16 +126,28 @@ class GELU(Layer):
         return K.gelu_backward(dy, ctx), None
 
 
-class CausalSelfAttention(Layer):
-    """Multi-head causal self-attention: qkv projection, softmax(q k^T / sqrt(hs)) v, output projection."""
+def _residual_std(n_layer):
+    # GPT-2: scale residual projections by 1/sqrt(2 * n_layer) so the residual stream stays O(1).
+    return 0.02 / math.sqrt(2 * n_layer)
 
-    def __init__(self, name, c, n_head, n_layer_for_init):
+
+class CausalSelfAttention(Layer):
+    """Multi-head causal self-attention: qkv projection, softmax(q k^T / sqrt(hs)) v, output projection.
+    With a tensor group: this rank's H/tp heads (qkv column-parallel, proj row-parallel)."""
+
+    def __init__(self, name, c, n_head, n_layer_for_init, tensor=None):
+        tp = tensor.size if tensor else 1
         if c % n_head:
             raise ValueError(f"d_model {c} is not divisible by heads {n_head}")
-        self.name, self.c, self.h = name, c, n_head
-        self.qkv = Linear(f"{name}.qkv", c, 3 * c)
-        # GPT-2: scale residual projections by 1/sqrt(2 * n_layer) so the residual stream stays O(1).
-        self.proj = Linear(f"{name}.proj", c, c, std=0.02 / math.sqrt(2 * n_layer_for_init))
+        if n_head % tp:
+            raise ValueError(f"{n_head} heads do not split over tensor parallel {tp}")
+        self.name, self.c, self.h, self.hs = name, c, n_head // tp, c // n_head    # self.h: heads here
+        if tensor is None:
+            self.qkv = Linear(f"{name}.qkv", c, 3 * c)
+            self.proj = Linear(f"{name}.proj", c, c, std=_residual_std(n_layer_for_init))
+        else:
+            self.qkv = tensor.column(f"{name}.qkv", c, 3 * c, groups=3)     # q, k and v of this rank's heads
+            self.proj = tensor.row(f"{name}.proj", c, c, std=_residual_std(n_layer_for_init))
 
     def specs(self):
         return self.qkv.specs() + self.proj.specs()
@@ -136,17 +157,17 @@ class CausalSelfAttention(Layer):
         self.proj.bind(params)
 
     def forward(self, x):
-        B, T, C = x.shape
-        H, hs = self.h, C // self.h
+        H, hs = self.h, self.hs
         xp = K.get_array_module(x)
         qkv, qkv_ctx = self.qkv.forward(x)                                  # (B, T, 3C)
+        B, T, _ = qkv.shape          # the whole sequence, also when x is a sequence-parallel part
         qkv = xp.ascontiguousarray(qkv.reshape(B, T, 3, H, hs).transpose(2, 0, 3, 1, 4))
         q, k, v = qkv[0], qkv[1], qkv[2]                                    # (B, H, T, hs) each
         scale = 1.0 / math.sqrt(hs)
         att = K.matmul_nt(q, k)                                             # (B, H, T, T)
         att = K.softmax_causal_forward(att, scale, out=att)
         y = K.matmul(att, v)                                                # (B, H, T, hs)
-        y = xp.ascontiguousarray(y.transpose(0, 2, 1, 3)).reshape(B, T, C)
+        y = xp.ascontiguousarray(y.transpose(0, 2, 1, 3)).reshape(B, T, H * hs)
         out, proj_ctx = self.proj.forward(y)
         return out, (qkv_ctx, q, k, v, att, scale, proj_ctx)
 
@@ -173,11 +194,16 @@ class CausalSelfAttention(Layer):
 
 
 class MLP(Layer):
-    """fc (C -> 4C), GELU, proj (4C -> C); the GELU runs inside fc (Linear(gelu=True))."""
+    """fc (C -> 4C), GELU, proj (4C -> C); the GELU runs inside fc (Linear(gelu=True)).
+    With a tensor group: fc column-parallel, proj row-parallel (4C/tp hidden features here)."""
 
-    def __init__(self, name, c, n_layer_for_init):
-        self.fc = Linear(f"{name}.fc", c, 4 * c, gelu=True)
-        self.proj = Linear(f"{name}.proj", 4 * c, c, std=0.02 / math.sqrt(2 * n_layer_for_init))
+    def __init__(self, name, c, n_layer_for_init, tensor=None):
+        if tensor is None:
+            self.fc = Linear(f"{name}.fc", c, 4 * c, gelu=True)
+            self.proj = Linear(f"{name}.proj", 4 * c, c, std=_residual_std(n_layer_for_init))
+        else:
+            self.fc = tensor.column(f"{name}.fc", c, 4 * c, gelu=True)
+            self.proj = tensor.row(f"{name}.proj", 4 * c, c, std=_residual_std(n_layer_for_init))
 
     def specs(self):
         return self.fc.specs() + self.proj.specs()
@@ -204,14 +230,17 @@ class MLP(Layer):
 
 
 class Block(Layer):
-    """Pre-norm residual Transformer block: x + attn(ln1(x)), then + mlp(ln2(x))."""
+    """Pre-norm residual Transformer block: x + attn(ln1(x)), then + mlp(ln2(x)).
+    Under sequence parallelism x, the LayerNorms and the residual adds are this
+    rank's T/tp positions; attention and MLP gather the sequence and scatter it back."""
 
-    def __init__(self, name, c, n_head, n_layer):
+    def __init__(self, name, c, n_head, n_layer, tensor=None):
         self.name = name
-        self.ln1 = LayerNorm(f"{name}.ln1", c)
-        self.attn = CausalSelfAttention(f"{name}.attn", c, n_head, n_layer)
-        self.ln2 = LayerNorm(f"{name}.ln2", c)
-        self.mlp = MLP(f"{name}.mlp", c, n_layer)
+        partial = bool(tensor and tensor.sequence_parallel)
+        self.ln1 = LayerNorm(f"{name}.ln1", c, partial=partial)
+        self.attn = CausalSelfAttention(f"{name}.attn", c, n_head, n_layer, tensor=tensor)
+        self.ln2 = LayerNorm(f"{name}.ln2", c, partial=partial)
+        self.mlp = MLP(f"{name}.mlp", c, n_layer, tensor=tensor)
         self.parts = [self.ln1, self.attn, self.ln2, self.mlp]
 
     def specs(self):
@@ -247,14 +276,22 @@ class Block(Layer):
 
 
 class Embedding(Layer):
-    """Token + position embedding: tokens (B, T) int -> (B, T, C)."""
+    """Token + position embedding: tokens (B, T) int -> (B, T, C).
 
-    def __init__(self, vocab, context, c, wte="wte", wpe="wpe"):
+    With a tensor group the token table is vocabulary-parallel: this rank holds
+    rows lo ... lo + V/tp, looks up the tokens among them (0 for the others),
+    and the group sums the parts (g: an all-reduce, or under sequence
+    parallelism a reduce-scatter to this rank's positions)."""
+
+    def __init__(self, vocab, context, c, wte="wte", wpe="wpe", tensor=None):
         self.vocab, self.context, self.c, self.wte_name, self.wpe_name = vocab, context, c, wte, wpe
+        self.tensor = tensor
+        self.rows = tensor.rows(vocab) if tensor else (0, vocab)     # this rank's rows of wte
 
     def specs(self):
-        return [ParamSpec(self.wte_name, (self.vocab, self.c)),
-                ParamSpec(self.wpe_name, (self.context, self.c), std=0.01)]
+        wte = ParamSpec(self.wte_name, (self.rows[1] - self.rows[0], self.c),
+                        shard=self.tensor.shard(0) if self.tensor else None)
+        return [wte, ParamSpec(self.wpe_name, (self.context, self.c), std=0.01)]
 
     def bind(self, params):
         self.wte, self.dwte = params.view(self.wte_name), params.grad_view(self.wte_name)
@@ -264,14 +301,30 @@ class Embedding(Layer):
         B, T = tokens.shape
         if T > self.context:
             raise ValueError(f"sequence length {T} exceeds the model's context {self.context}")
-        return self.wte[tokens] + self.wpe[:T], tokens
+        if self.tensor is None:
+            return self.wte[tokens] + self.wpe[:T], tokens
+        xp = K.get_array_module(self.wte)
+        local = tokens - self.rows[0]
+        inside = (local >= 0) & (local < self.rows[1] - self.rows[0])
+        local = xp.where(inside, local, 0)
+        part = self.wte[local] * inside[..., None]                           # (B, T, C): 0 for others' tokens
+        x = self.tensor.out_of_region(part)                                 # (B, T, C), or (B, T/tp, C)
+        first = self.tensor.index * x.shape[1] if self.tensor.sequence_parallel else 0
+        return x + self.wpe[first:first + x.shape[1]], (tokens, local, inside)
 
     def backward_input(self, dout, ctx):
-        tokens = ctx
+        if self.tensor is None:
+            tokens, rows = ctx, ctx.reshape(-1)
+        else:
+            tokens, local, inside = ctx
+            dout = self.tensor.out_of_region_backward(dout)                 # (B, T, C): whole
+            keep = inside.reshape(-1)
+            rows = local.reshape(-1)[keep]
         B, T = tokens.shape
         xp = K.get_array_module(dout)
-        self.dwpe[:T] += dout.sum(axis=0)
-        _scatter_add_rows(xp, self.dwte, tokens.reshape(-1), dout.reshape(B * T, self.c))
+        self.dwpe[:T] += dout.sum(axis=0)            # from the whole dout: the same on every tensor rank
+        values = dout.reshape(B * T, self.c)
+        _scatter_add_rows(xp, self.dwte, rows, values if self.tensor is None else values[keep])
         return None, None
 
 
@@ -296,43 +349,62 @@ class LMHead(Layer):
 
     PAD_LOGIT = -1e9      # exp() of it, minus any real logit, is 0 in float32 and float64
 
-    def __init__(self, vocab, c, wte="wte", used=None):
+    def __init__(self, vocab, c, wte="wte", used=None, tensor=None):
         self.vocab, self.c, self.wte_name = vocab, c, wte
         self.used = vocab if used is None else used
-        self.ln_f = LayerNorm("ln_f", c)
+        self.tensor = tensor
+        self.rows = tensor.rows(vocab) if tensor else (0, vocab)     # this rank's rows of wte: its logits
+        self.ln_f = LayerNorm("ln_f", c, partial=bool(tensor and tensor.sequence_parallel))
 
     def specs(self):
         # wte is declared again: tied to the embedding when both are in one stage
         # (ParamBuffer dedups by name), a synchronized copy when they are not.
-        return self.ln_f.specs() + [ParamSpec(self.wte_name, (self.vocab, self.c))]
+        wte = ParamSpec(self.wte_name, (self.rows[1] - self.rows[0], self.c),
+                        shard=self.tensor.shard(0) if self.tensor else None)
+        return self.ln_f.specs() + [wte]
 
     def bind(self, params):
         self.ln_f.bind(params)
         self.wte, self.dwte = params.view(self.wte_name), params.grad_view(self.wte_name)
 
     def forward(self, x, targets=None, grad_scale=1.0, need_grad=True):
-        """x (B, T, C), targets (B, T). Returns (loss_sum, ctx); without targets returns logits (B, T, V)."""
-        B, T, C = x.shape
+        """x (B, T, C), targets (B, T). Returns (loss_sum, ctx); without targets returns logits (B, T, V).
+        With a tensor group: this rank's V/tp logits, the loss from the vocabulary-parallel
+        cross-entropy; x is this rank's T/tp positions under sequence parallelism."""
         h, ln_ctx = self.ln_f.forward(x)
+        if self.tensor is not None:
+            h = self.tensor.into_region(h)                   # f, or the whole sequence gathered
+        B, T, C = h.shape
         h2 = h.reshape(B * T, C)
-        logits = K.matmul_nt(h2, self.wte)                    # (N, V)
-        if self.used < self.vocab:
-            logits[:, self.used:] = self.PAD_LOGIT
+        logits = K.matmul_nt(h2, self.wte)                    # (N, V), or (N, V/tp): columns lo ... hi
+        lo, hi = self.rows
+        if self.used < hi:
+            logits[:, max(0, self.used - lo):] = self.PAD_LOGIT
         if targets is None:
+            if self.tensor is not None:
+                logits = self.tensor.gather_columns(logits)
             return logits.reshape(B, T, self.vocab), None
         dlogits = logits if need_grad else None
-        losses, dlogits = K.cross_entropy_forward_backward(
-            logits, targets.reshape(-1), dlogits=dlogits, grad_scale=grad_scale)
+        if self.tensor is None:
+            losses, dlogits = K.cross_entropy_forward_backward(
+                logits, targets.reshape(-1), dlogits=dlogits, grad_scale=grad_scale)
+        else:
+            losses, dlogits = self.tensor.cross_entropy(logits, targets.reshape(-1), lo, need_grad, grad_scale)
         return float(losses.sum()), (ln_ctx, h2, dlogits, (B, T, C))
 
     def backward_input(self, dloss, ctx):
         # dloss is unused: the gradient scale was applied in forward.
         ln_ctx, h2, dlogits, shape = ctx
-        dh = K.matmul(dlogits, self.wte).reshape(shape)       # (N, C)
+        dh = K.matmul(dlogits, self.wte).reshape(shape)       # (N, C): with a tensor group, this rank's share
+        wctx = (h2, dlogits)
+        if self.tensor is not None:
+            dh, wctx = self.tensor.reduce_input_grad(dh, self.backward_weight, wctx)
         dx, _ = self.ln_f.backward_input(dh, ln_ctx)
-        return dx, (h2, dlogits)
+        return dx, wctx
 
     def backward_weight(self, wctx):
+        if wctx is None:              # computed during backward_input (tensor parallel overlap)
+            return
         h2, dlogits = wctx
         K.matmul_tn(dlogits, h2, out=self.dwte, accumulate=True)   # (V, C) += dlogits^T h
 

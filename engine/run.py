@@ -197,7 +197,8 @@ def checkpoint_meta(r: Run, loss: float) -> dict:
                     partition=r.cfg.partition_name)
     meta = {"model": r.cfg.model, "model_config": r.shape.to_dict(), "optimizer": r.cfg.optimizer,
             "opt_step_count": r.opt.step_count, "loss": loss, "dtype": r.cfg.dtype, "precision": r.cfg.precision,
-            "layout": {"dp": r.grid.size("data"), "pp": r.grid.size("pipe"), "chunks": r.cfg.chunks},
+            "layout": {"dp": r.grid.size("data"), "pp": r.grid.size("pipe"), "tp": r.grid.size("tensor"),
+                       "chunks": r.cfg.chunks},
             "args": settings}
     if r.tokenizer is not None:
         meta["tokenizer"] = {"kind": r.tokenizer.kind, "sha256": r.tokenizer.sha256,

@@ -2,6 +2,10 @@
 
     local.py     LocalModel: every layer on this rank in one LayerChain, micro-batch
                  accumulation; no communication
+    tensor.py    TensorParallel: the layers' matrices split over a tensor group (their
+                 column- and row-parallel linears, vocabulary-parallel embedding and
+                 cross-entropy, sequence parallelism); wraps the local or pipeline
+                 model of those sharded layers
     pipeline.py  PipelineModel: this rank's model chunks of a pipeline, stepped by a
                  schedule through the executor; the tied embedding between the first
                  and the last stage; evaluation through a forward-only schedule
@@ -14,10 +18,10 @@ Each axis says in one place how it reduces gradients, how it counts each
 parameter once in the gradient norm, how it updates, and how it gathers and
 restores checkpoint state by name.
 
-Adding an axis (tensor parallelism, say): give the grid the axis
-(comm.ProcessGrid), write a module here whose class implements RankModel
-(wrapping the rank model inside it, or building the sharded layers), and
-compose it in build_rank_model().
+Adding an axis: give the grid the axis (comm.ProcessGrid), write a module
+here whose class implements RankModel (wrapping the rank model inside it, or
+building the sharded layers, as tensor.py does both), and compose it in
+build_rank_model(): DataParallel(TensorParallel(PipelineModel | LocalModel)).
 """
 from __future__ import annotations
 
@@ -54,7 +58,8 @@ class RankModel(Protocol):
         """Loss sum without gradients (evaluation)."""
 
     def grad_norm_sq(self) -> float:
-        """The squared global gradient norm, every parameter counted once, the same on every rank."""
+        """The squared global gradient norm, every parameter counted once, the same on every rank.
+        (The inner models take `exclude`: (lo, hi) ranges an outer axis counts elsewhere.)"""
 
     def make_optimizer(self, name: str, lr: float, weight_decay: float):
         """An optimizer for the part of the parameters this rank updates."""
@@ -97,8 +102,9 @@ def named_state(params: ParamBuffer, opt_state: dict) -> dict:
 
 
 def state_shapes(params: ParamBuffer, state_names) -> dict:
-    shapes = {f"param/{s.name}": s.shape for s in params.specs}
-    shapes.update({f"opt/{state}/{s.name}": s.shape for state in state_names for s in params.specs})
+    # Checkpoints hold whole parameters: a tensor-parallel rank reads the full array and takes its shard.
+    shapes = {f"param/{s.name}": s.full_shape for s in params.specs}
+    shapes.update({f"opt/{state}/{s.name}": s.full_shape for state in state_names for s in params.specs})
     return shapes
 
 
@@ -118,15 +124,29 @@ def load_named_state(params: ParamBuffer, arrays: dict, state_names) -> dict:
 
 
 def build_rank_model(grid, layers_fn, cfg, dtype, xp, micro_shape, cost_batch, trace=None):
-    """This rank's model for the grid's layout: the pipeline (or local) model,
-    wrapped by the data axis."""
+    """This rank's model for the grid's layout: the pipeline (or local) model of
+    this rank's (tensor-parallel: sharded) layers, wrapped by the tensor axis,
+    then by the data axis. layers_fn(tensor) builds the layers for a tensor
+    group (None: whole layers)."""
     from ringpipe.engine.parallel.data import DataParallel
     from ringpipe.engine.parallel.local import LocalModel
     from ringpipe.engine.parallel.pipeline import PipelineModel
+    from ringpipe.engine.parallel.tensor import TensorGroup, TensorParallel
+    tensor = None
+    if grid.size("tensor") > 1:
+        tensor = TensorGroup(grid.comm("tensor"), sequence_parallel=cfg.sequence_parallel,
+                             overlap=not cfg.no_overlap)
+        if cfg.sequence_parallel:      # between the stages travel this rank's positions only
+            micro_shape = (micro_shape[0], micro_shape[1] // tensor.size, *micro_shape[2:])
     if cfg.pipelined:
         inner = PipelineModel(layers_fn, grid, dtype, cfg.seed, cfg.schedule_name, cfg.microbatches, cfg.chunks,
                               act_shape=micro_shape, partition=cfg.partition_name, cost_batch=cost_batch, xp=xp,
-                              trace=trace)
+                              trace=trace, tensor=tensor)
+        if tensor is not None:
+            # Zero-bubble W actions run the weight gradients later, in the bubbles.
+            tensor.weight_grads_early = not inner.schedule.splits_backward
     else:
-        inner = LocalModel(layers_fn(), dtype, cfg.seed, cfg.microbatches, xp=xp, trace=trace)
+        inner = LocalModel(layers_fn(tensor), dtype, cfg.seed, cfg.microbatches, xp=xp, trace=trace)
+    if tensor is not None:
+        inner = TensorParallel(inner, tensor, [s for layer in layers_fn(tensor) for s in layer.specs()])
     return DataParallel(inner, grid, zero=bool(cfg.zero), bucket_mb=cfg.bucket_mb, overlap=not cfg.no_overlap)

@@ -51,8 +51,9 @@ class LocalModel:
         xs, ys = split_micro(self.xp.asarray(x), self.m), split_micro(self.xp.asarray(y), self.m)
         return sum((self.chain.loss(xs[i], ys[i]) for i in range(self.m)), 0.0)
 
-    def grad_norm_sq(self):
-        return float(K.sum_of_squares(self.params.grad))
+    def grad_norm_sq(self, exclude=()):
+        grad = self.params.grad
+        return float(K.sum_of_squares(grad)) - sum(float(K.sum_of_squares(grad[a:b])) for a, b in exclude)
 
     def gather_state(self, opt_state):
         return named_state(self.params, opt_state)

@@ -27,18 +27,19 @@ from ringpipe.engine.pipeline.partition import balanced, measure_layer_costs, un
 
 class PipelineModel:
     def __init__(self, layers_fn, grid, dtype, seed, schedule_name, microbatches, chunks, act_shape,
-                 partition="uniform", cost_batch=None, xp=np, trace=None):
+                 partition="uniform", cost_batch=None, xp=np, trace=None, tensor=None):
+        """layers_fn(tensor): the model's layers (this rank's shards of them for a tensor group)."""
         p, v = grid.size("pipe"), chunks
         rank = grid.index("pipe")
         self.grid, self.m, self.xp = grid, microbatches, xp
         self.pipe_comm = grid.comm("pipe")
         self.schedule = make_schedule(schedule_name, p, microbatches, v)
         validate(self.schedule)
-        layers = layers_fn()
+        layers = layers_fn(tensor)
         n_stages = p * v
         if partition == "balanced":
-            # Measured on one rank and broadcast: every rank must agree on the cut.
-            costs = measure_layer_costs(layers_fn(), cost_batch, dtype) if grid.rank == 0 else None
+            # Measured on one rank (whole layers: it runs alone) and broadcast: every rank must agree on the cut.
+            costs = measure_layer_costs(layers_fn(None), cost_batch, dtype) if grid.rank == 0 else None
             self.bounds = balanced(grid.world.bcast(costs, root=0), n_stages)
         else:
             self.bounds = uniform(len(layers), n_stages)
@@ -77,10 +78,10 @@ class PipelineModel:
         x, y = self.xp.asarray(x), self.xp.asarray(y)
         return self.evaluator.run(split_micro(x, self.m), split_micro(y, self.m))
 
-    def grad_norm_sq(self):
+    def grad_norm_sq(self, exclude=()):
         # The last stage's copy of the tied embedding is the first stage's: count it once.
         norm_sq = np.array([K.sum_of_squares(self.params.grad) -
-                            sum(K.sum_of_squares(self.params.grad[a:b]) for a, b in self._duplicate)])
+                            sum(K.sum_of_squares(self.params.grad[a:b]) for a, b in [*self._duplicate, *exclude])])
         comm.allreduce(norm_sq, self.pipe_comm, op="sum")
         return float(norm_sq[0])
 

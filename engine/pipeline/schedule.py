@@ -156,6 +156,12 @@ class Schedule:
             f"rank {r}: " + " ".join(a.compact(show_chunk) for a in actions)
             for r, actions in enumerate(self.ranks))
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether backward runs as I and W actions (zero-bubble): the weight
+        gradients then come later than the input gradients."""
+        return any(a.kind == W for actions in self.ranks for a in actions)
+
     # -- virtual-stage geometry -------------------------------------------------
 
     @property
