@@ -234,8 +234,10 @@ class TensorGroup:
             calls, nbytes = self.stats[kind]
             if calls:
                 parts.append(f"{calls / steps:.0f} {kind}s ({nbytes / steps / 2**20:.2f} MiB)")
+        if not parts:
+            return "no collectives"
         hidden = self.hidden_fraction()
-        return (", ".join(parts) + " per step" +
+        return (", ".join(parts) + " per training step" +
                 (f", {hidden:.0%} of the overlapped reduction time hidden" if hidden is not None else ""))
 
     def close(self):
@@ -364,7 +366,10 @@ class TensorParallel:
         return loss if self.tensor.index == 0 else 0.0
 
     def forward_loss(self, x, y):
+        # Evaluation's collectives are left out of the stats: they count a training step.
+        kept = {k: list(v) if isinstance(v, list) else v for k, v in self.tensor.stats.items()}
         loss = self.inner.forward_loss(x, y)
+        self.tensor.stats = kept
         return loss if self.tensor.index == 0 else 0.0
 
     def grad_norm_sq(self):
@@ -403,7 +408,7 @@ class TensorParallel:
 
     def summary(self):
         parts = [self.inner.summary(),
-                 f"tensor axis (rank 0, evaluation included): {self.tensor.describe_stats(max(1, self.steps))}"]
+                 f"tensor axis (rank 0): {self.tensor.describe_stats(max(1, self.steps))}"]
         return "\n".join(p for p in parts if p)
 
     def close(self):

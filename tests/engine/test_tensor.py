@@ -1,0 +1,326 @@
+"""Tensor (and sequence) parallelism never changes the math.
+
+Run with `mpiexec -n 2|4 python tests/support/mpi_pytest.py -m mpi --with-mpi tests/engine/test_tensor.py`.
+
+- every TP layer against its unsharded twin: forward, input gradient, parameter gradients;
+- whole runs: every DP x PP x TP layout that fits the ranks, with and without sequence
+  parallelism, 1F1B and ZB-H1, equal one process (losses, gradients, weights, checkpoint);
+- a checkpoint written at (dp, pp, tp) = (1, 2, 2) continues at (2, 1, 2), (4, 1, 1) and (1, 1, 1);
+- the layouts and shapes TP cannot split are refused, with what would work.
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from ringpipe.engine import checkpoint, config as config_checks
+from ringpipe.engine.config import Config
+from ringpipe.engine.errors import ConfigError
+from ringpipe.engine.layers import MLP, Block, CausalSelfAttention, Embedding, Linear, LMHead
+from ringpipe.engine.params import ParamBuffer, ParamSpec, Shard
+from ringpipe.engine.run import run
+
+world = MPI.COMM_WORLD
+TOL = 1e-10
+
+
+# ---- serial: shards and refusals ---------------------------------------------------------------
+
+@pytest.mark.parametrize("dim,groups", [(0, 1), (0, 3), (1, 1)])
+def test_shards_take_and_place_cover_the_parameter_once(dim, groups):
+    full = np.arange(12 * 6, dtype=np.float64).reshape(12, 6)
+    count = 2 if dim == 1 else 2
+    rebuilt = np.full_like(full, -1)
+    for index in range(count):
+        shard = Shard(dim, index, count, groups)
+        part = shard.take(full)
+        assert shard.full_shape(part.shape) == full.shape
+        shard.place(rebuilt, part)
+    np.testing.assert_array_equal(rebuilt, full)
+    if groups == 3:      # qkv: rank 0 holds the first half of q, of k and of v
+        np.testing.assert_array_equal(Shard(0, 0, 2, 3).take(full)[:, 0], [0, 6, 24, 30, 48, 54])
+
+
+def test_a_shard_is_initialised_as_its_slice_of_the_full_parameter():
+    whole = ParamBuffer([ParamSpec("w", (8, 4))])
+    whole.init(5)
+    for index in range(2):
+        part = ParamBuffer([ParamSpec("w", (4, 4), shard=Shard(0, index, 2))])
+        part.init(5)
+        np.testing.assert_array_equal(part.view("w"), whole.view("w")[4 * index:4 * index + 4])
+        part.load_flat(part.data, {"w": 2 * whole.view("w")})       # a whole array is sliced on load
+        np.testing.assert_array_equal(part.view("w"), 2 * whole.view("w")[4 * index:4 * index + 4])
+
+
+def _refused(match, world_size, **fields):
+    with pytest.raises(ConfigError, match=match):
+        config_checks.check(Config(**fields), world_size)
+
+
+def test_layouts_tensor_parallelism_cannot_make_are_refused():
+    _refused(r"dp 1 x pp 1 x tp 2 = 2 does not match the 4 ranks", 4, dp=1, tp=2)
+    _refused(r"3 ranks do not split into pp 1 pipeline stages x tp 2", 3, tp=2)
+    _refused(r"tp must be >= 1", 1, tp=0)
+    _refused(r"sequence_parallel .* needs tp >= 2", 1, sequence_parallel=True)
+    _refused(r"tensor parallelism .* model gpt only", 2, model="mlp", tp=2)
+    assert Config(tp=2, pp=2).data_parallel(8) == 2
+
+
+def test_shapes_tensor_parallelism_cannot_split_are_refused():
+    from ringpipe.engine.gpt import GPTConfig
+    with pytest.raises(ConfigError, match=r"tp 4 does not divide the model's 6 attention heads .* can be 1, 2, 3, 6"):
+        config_checks.check_tensor_parallel(Config(tp=4), GPTConfig(n_head=6, d_model=12), 8)
+    with pytest.raises(ConfigError, match=r"seq_len is 10: use a seq_len that is a multiple of 4"):
+        config_checks.check_tensor_parallel(Config(tp=4, sequence_parallel=True), GPTConfig(), 10)
+    # A tp that does not divide 128 pads the vocabulary further, to a multiple of both.
+    assert GPTConfig(vocab=256).padded_vocab_for(2) == 256
+    assert GPTConfig(vocab=256).padded_vocab_for(3) == 384
+
+
+# ---- each TP layer against its unsharded twin ----------------------------------------------------
+
+def _group(size, sequence_parallel, overlap=True):
+    from ringpipe.engine.parallel.tensor import TensorGroup
+    sub = world.Split(world.rank // size, world.rank)
+    return TensorGroup(sub, sequence_parallel=sequence_parallel, overlap=overlap)
+
+
+def _bound(layer, seed=3):
+    params = ParamBuffer(layer.specs(), np.float64)
+    params.init(seed)
+    # Biases start at zero: give them values, so a wrong bias path shows.
+    rng = np.random.default_rng(seed)
+    for spec in params.specs:
+        if spec.init == "zeros":
+            full = rng.normal(size=spec.full_shape)
+            params.view(spec.name)[...] = spec.shard.take(full) if spec.shard else full
+    layer.bind(params)
+    return params
+
+
+def _seq(x, t):
+    """This rank's positions of (B, T, ...) under sequence parallelism."""
+    return x[:, t.index * (x.shape[1] // t.size):(t.index + 1) * (x.shape[1] // t.size)] if t.sequence_parallel else x
+
+
+B, T, C, HEADS = 2, 8, 16, 4
+LAYERS = {   # name: (make(tensor), input kind, output kind); kinds: stream | features(groups)
+    "column": (lambda t: t.column("c", C, 3 * C, groups=3) if t else Linear("c", C, 3 * C), "stream", ("features", 3)),
+    "column-gelu": (lambda t: t.column("c", C, 4 * C, gelu=True) if t else Linear("c", C, 4 * C, gelu=True),
+                    "stream", ("features", 1)),
+    "row": (lambda t: t.row("r", 4 * C, C) if t else Linear("r", 4 * C, C), ("features", 1), "stream"),
+    "attention": (lambda t: CausalSelfAttention("a", C, HEADS, 2, tensor=t), "stream", "stream"),
+    "mlp": (lambda t: MLP("m", C, 2, tensor=t), "stream", "stream"),
+    "block": (lambda t: Block("h", C, HEADS, 2, tensor=t), "stream", "stream"),
+}
+
+
+def _shape_in(kind, x, t):
+    if kind == "stream":
+        return _seq(x, t)
+    return Shard(2, t.index, t.size, kind[1]).take(x)
+
+
+def _compare_grads(part_params, whole_params, tensor):
+    for spec in part_params.specs:
+        grad = part_params.grad_view(spec.name).copy()
+        if spec.partial:
+            grad = tensor.allreduce(grad)
+        whole = whole_params.grad_view(spec.name)
+        np.testing.assert_allclose(grad, spec.shard.take(whole) if spec.shard else whole, rtol=TOL, atol=TOL,
+                                   err_msg=f"grad {spec.name}")
+
+
+def _layer_cases():
+    sizes = [world.size] if world.size in (2, 4) else []      # tp 2 under 2 ranks, tp 4 under 4
+    return [(name, s, sp, early) for name in LAYERS for s in sizes for sp in (False, True)
+            for early in ((True, False) if name.startswith("column") or name == "block" else (True,))]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name,size,sp,early", _layer_cases())
+def test_each_tensor_parallel_layer_equals_its_unsharded_twin(name, size, sp, early):
+    make, kind_in, kind_out = LAYERS[name]
+    tensor = _group(size, sp)
+    tensor.weight_grads_early = early
+    try:
+        whole, part = make(None), make(tensor)
+        whole_params, part_params = _bound(whole), _bound(part)
+        rng = np.random.default_rng(11)
+        c_in = 4 * C if name == "row" else C
+        x = rng.normal(size=(B, T, c_in))
+        y, ctx = whole.forward(x)
+        dy = rng.normal(size=y.shape)
+        dx, wctx = whole.backward_input(dy, ctx)
+        whole.backward_weight(wctx)
+
+        y_part, ctx = part.forward(_shape_in(kind_in, x, tensor))
+        dx_part, wctx = part.backward_input(_shape_in(kind_out, dy, tensor), ctx)
+        part.backward_weight(wctx)
+        np.testing.assert_allclose(y_part, _shape_in(kind_out, y, tensor), rtol=TOL, atol=TOL, err_msg="forward")
+        np.testing.assert_allclose(dx_part, _shape_in(kind_in, dx, tensor), rtol=TOL, atol=TOL, err_msg="dx")
+        _compare_grads(part_params, whole_params, tensor)
+    finally:
+        tensor.close()
+        tensor.comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("used", [256, 200, 100])
+@pytest.mark.parametrize("sp", [False, True])
+def test_vocabulary_parallel_embedding_and_cross_entropy_equal_the_whole_ones(used, sp):
+    """The embedding and the head (tied wte, padded vocabulary masked) as one chain;
+    with used=100 of 256 rows and tp=4, two ranks hold only padding."""
+    from ringpipe.engine.model import LayerChain
+    size = 4 if world.size % 4 == 0 else 2
+    tensor = _group(size, sp)
+    try:
+        def chain(t):
+            return LayerChain([Embedding(256, T, C, tensor=t), LMHead(256, C, used=used, tensor=t)], dtype=np.float64)
+        whole, part = chain(None), chain(tensor)
+        whole.params.init(9)
+        part.params.init(9)
+        rng = np.random.default_rng(4)
+        tokens = rng.integers(0, used, size=(B, T))
+        targets = rng.integers(0, used, size=(B, T))
+        loss = whole.loss_and_grad(tokens, targets, grad_scale=0.25)
+        loss_part = part.loss_and_grad(tokens, targets, grad_scale=0.25)
+        np.testing.assert_allclose(loss_part, loss, rtol=TOL)
+        _compare_grads(part.params, whole.params, tensor)
+        # Without targets the head returns the whole logits (gathered), padding masked.
+        logits, _ = whole.forward(tokens, None, need_grad=False)
+        logits_part, _ = part.forward(tokens, None, need_grad=False)
+        np.testing.assert_allclose(logits_part, logits, rtol=TOL, atol=TOL)
+    finally:
+        tensor.close()
+        tensor.comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_tensor_group_across_nodes_is_warned_about(monkeypatch):
+    from ringpipe.engine.parallel.tensor import tensor_notes
+    monkeypatch.setenv("RINGPIPE_NODES", ",".join("ab"[r * 2 // world.size] for r in range(world.size)))
+    tensor = _group(world.size, False, overlap=False)
+    try:
+        assert tensor.nodes == 2
+        assert "spans 2 nodes" in tensor_notes(tensor)[0]
+    finally:
+        tensor.comm.Free()
+
+
+# ---- whole runs -------------------------------------------------------------------------------
+
+def base(**more):
+    return Config(**{**dict(data="synthetic", layers=2, d_model=16, heads=4, context=8, batch_size=8, steps=3,
+                            dtype="float64", sample_bytes=0, quiet=True, overwrite=True, eval_every=3,
+                            eval_batches=1), **more})
+
+
+def metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def layouts():
+    """(dp, pp, tp) with tp in {2, 4}, dp and pp in {1, 2}, that fill the ranks."""
+    return [(dp, pp, tp) for tp in (2, 4) for pp in (1, 2) for dp in (1, 2) if dp * pp * tp == world.size]
+
+
+RUN_CASES = [(dp, pp, tp, sp, schedule) for dp, pp, tp in layouts() for sp in (False, True)
+             for schedule in (("1f1b", "zbh1") if pp > 1 else (None,))]
+_references = {}
+
+
+def reference(tmp_path_factory, dtype, m):
+    """The one-process run (on COMM_SELF, on every rank) a layout must equal; made once
+    per dtype and micro-batch count, in this rank's own folder for the session."""
+    key = (dtype, m)
+    if key not in _references:
+        out = str(tmp_path_factory.mktemp(f"ref-{dtype}-{m}"))
+        _references[key] = (run(base(out=out, dtype=dtype, microbatches=m), world=MPI.COMM_SELF).model, out)
+    return _references[key]
+
+
+def assert_same_run(grid, grid_out, ref, ref_out, tol):
+    ref_m, grid_m = metrics(ref_out), metrics(grid_out)
+    np.testing.assert_allclose([r["loss"] for r in grid_m], [r["loss"] for r in ref_m], rtol=tol, atol=tol)
+    np.testing.assert_allclose(grid_m[-1]["val_loss"], ref_m[-1]["val_loss"], rtol=tol)
+    for spec in grid.params.specs:       # this rank's shard of every parameter it holds
+        for view in ("grad_view", "view"):
+            whole = getattr(ref.params, view)(spec.name)
+            np.testing.assert_allclose(getattr(grid.params, view)(spec.name),
+                                       spec.shard.take(whole) if spec.shard else whole, rtol=tol, atol=tol,
+                                       err_msg=f"{view} {spec.name}")
+    ref_arrays, _ = checkpoint.load(os.path.join(ref_out, "checkpoints"))
+    grid_arrays, manifest = checkpoint.load(os.path.join(grid_out, "checkpoints"))
+    assert ref_arrays.keys() == grid_arrays.keys()      # saved by full name, whole
+    for k in ref_arrays:
+        np.testing.assert_allclose(grid_arrays[k], ref_arrays[k], rtol=tol, atol=tol, err_msg=k)
+    return manifest
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dp,pp,tp,sp,schedule", RUN_CASES or [(None,) * 5])
+def test_every_layout_with_tensor_parallelism_equals_one_process(shared_dir, tmp_path_factory, dp, pp, tp, sp,
+                                                                 schedule):
+    if dp is None:
+        pytest.skip("no dp x pp x tp layout with tp in {2, 4} fits this many ranks")
+    m = 2 * pp if pp > 1 else 2
+    ref, ref_out = reference(tmp_path_factory, "float64", m)
+    out = os.path.join(shared_dir, f"tp-{dp}{pp}{tp}-{sp}-{schedule}")
+    grid = run(base(out=out, dp=dp, pp=pp, tp=tp, sequence_parallel=sp, schedule=schedule, microbatches=m,
+                    zero=int(dp > 1)), world=world).model
+    world.Barrier()
+    manifest = assert_same_run(grid, out, ref, ref_out, TOL)
+    assert manifest["layout"] == {"dp": dp, "pp": pp, "tp": tp, "chunks": 1}
+    stats = grid.inner.tensor.stats
+    if sp:
+        assert stats["all-gather"][0] and stats["reduce-scatter"][0]
+    assert grid.inner.tensor.weight_grads_early == (schedule != "zbh1")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_float32_with_tensor_parallelism_equals_one_process(shared_dir, tmp_path_factory):
+    tp = 2
+    ref, ref_out = reference(tmp_path_factory, "float32", 2)
+    out = os.path.join(shared_dir, "tp-float32")
+    grid = run(base(out=out, dtype="float32", tp=tp, dp=world.size // tp, microbatches=2, sequence_parallel=True),
+               world=world).model
+    world.Barrier()
+    assert_same_run(grid, out, ref, ref_out, 1e-5)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_a_tensor_parallel_checkpoint_continues_in_any_layout(shared_dir):
+    """Written at (dp, pp, tp) = (1, 2, 2); continued at (2, 1, 2) with sequence parallelism,
+    (4, 1, 1), and one process: all reach the uninterrupted one-process trajectory."""
+    if world.size != 4:
+        pytest.skip("written for 4 ranks")
+    six = dict(steps=6, microbatches=2, batch_size=8)
+    ref_out = os.path.join(shared_dir, f"relayout-ref{world.rank}")
+    run(base(out=ref_out, **six), world=MPI.COMM_SELF)
+    first = os.path.join(shared_dir, "relayout-122")
+    run(base(out=first, pp=2, tp=2, checkpoint_every=3, **six), world=world)
+    world.Barrier()
+    ckpt = os.path.join(first, "checkpoints", "ckpt_00000003.json")
+    ref_arrays, _ = checkpoint.load(os.path.join(ref_out, "checkpoints"))
+    ref_losses = [r["loss"] for r in metrics(ref_out)]
+    for name, layout, comm_ in (("212", dict(dp=2, tp=2, sequence_parallel=True), world), ("411", dict(dp=4), world),
+                                (f"111-{world.rank}", {}, MPI.COMM_SELF)):
+        out = os.path.join(shared_dir, f"relayout-{name}")
+        run(base(out=out, resume=ckpt, **six, **layout), world=comm_)
+        world.Barrier()
+        arrays, _ = checkpoint.load(os.path.join(out, "checkpoints"))
+        for k in ref_arrays:
+            np.testing.assert_allclose(arrays[k], ref_arrays[k], rtol=TOL, atol=TOL, err_msg=f"{name}: {k}")
+        np.testing.assert_allclose([r["loss"] for r in metrics(out)], ref_losses[3:], rtol=TOL, err_msg=name)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_heads_that_do_not_split_are_refused_on_every_rank(shared_dir):
+    with pytest.raises(ConfigError, match=r"tp 2 does not divide the model.s 3 attention heads .* can be 1, 3"):
+        run(base(out=os.path.join(shared_dir, "bad-heads"), heads=3, d_model=12, tp=2, dp=world.size // 2),
+            world=world)
+
