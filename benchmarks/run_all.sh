@@ -23,6 +23,8 @@ one overlap_matmul env OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "$MPIEXEC" -n 2 
 one overlap_sleep env OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "$MPIEXEC" -n 2 "$PY" benchmarks/allreduce.py --overlap --work sleep --json "$OUT/overlap_sleep.json"
 one pipeline_2 "$MPIEXEC" -n 2 "$PY" benchmarks/pipeline.py --json "$OUT/pipeline_2.json"
 one pipeline_4 "$MPIEXEC" -n 4 "$PY" benchmarks/pipeline.py --json "$OUT/pipeline_4.json"
+one tensor_parallel_2 "$MPIEXEC" -n 2 "$PY" benchmarks/tensor_parallel.py --json "$OUT/tensor_parallel_2.json"
+one tensor_parallel_4 "$MPIEXEC" -n 4 "$PY" benchmarks/tensor_parallel.py --json "$OUT/tensor_parallel_4.json"
 one scaling "$PY" benchmarks/scaling.py --json "$OUT/scaling.json"
 one gpt2_step "$PY" benchmarks/gpt2_step.py --json "$OUT/gpt2_step.json"
 one data_pipeline "$PY" benchmarks/data_pipeline.py --json "$OUT/data_pipeline.json"

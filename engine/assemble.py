@@ -316,7 +316,7 @@ def build_model(r: Run, cleanup) -> None:
     r.opt = r.model.make_optimizer(cfg.optimizer, cfg.peak_lr, cfg.weight_decay)
     if r.init:
         # Every rank takes the arrays of the parameters it holds (any layout).
-        r.model.params.load_flat(r.model.params.data, r.init[1])
+        r.model.params.load_flat(r.model.params.data, vocab_rows_for_run(r, r.init[1]))
         r.report.say(f"initialised from the Hugging Face model in {cfg.hf_dir}")
         r.init = (r.init[0], None, r.init[2])           # the arrays are loaded: let them go
     if not r.resume_path:
@@ -327,15 +327,27 @@ def build_model(r: Run, cleanup) -> None:
                           f"not {cfg.optimizer}")
     # Only the arrays this rank holds, each checked against the model's shape
     # before its bytes are read (a damaged or hostile file costs nothing).
-    arrays, _ = agree(r.world, lambda: checkpoint.load(r.resume_path, expected=r.model.state_shapes(r.opt)),
-                      "checkpoint")
-    r.model.restore_state(arrays, r.opt)
+    expected = r.model.state_shapes(r.opt)
+    if cfg.model == "gpt":
+        from ringpipe.engine.gpt import checkpoint_vocab_rows
+        rows = checkpoint_vocab_rows(r.shape, r.manifest)          # padded for the tp it was written at
+        expected = {k: (rows, *shape[1:]) if k.split("/")[-1] == "wte" else shape for k, shape in expected.items()}
+    arrays, _ = agree(r.world, lambda: checkpoint.load(r.resume_path, expected=expected), "checkpoint")
+    r.model.restore_state(vocab_rows_for_run(r, arrays), r.opt)
     r.opt.step_count = r.manifest["opt_step_count"]
     r.start_step = r.manifest["step"]
     r.report.say(f"resumed from {r.resume_path} at step {r.start_step}")
     saved = r.manifest.get("args", {})
     for note in resume_differences(saved, cfg) + schedule_change(saved, cfg, r.start_step):
         r.report.say(note)
+
+
+def vocab_rows_for_run(r: Run, arrays: dict) -> dict:
+    """A GPT's named arrays with wte padded as this run's tensor-parallel size pads it."""
+    if r.cfg.model != "gpt":
+        return arrays
+    from ringpipe.engine.gpt import fit_vocab_rows
+    return fit_vocab_rows(arrays, r.shape, r.shape.padded_vocab_for(r.cfg.tp))
 
 
 def schedule_change(saved: dict, cfg: Config, start_step: int) -> list[str]:

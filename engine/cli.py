@@ -140,9 +140,7 @@ def _parallelism_flags(p):
                    help="gradient bucket size in MiB (default: auto, about 1/8 of the gradients, between "
                         "0.25 and 25 MiB, so backward overlaps several all-reduces; the first bucket is "
                         "capped at 1 MiB like PyTorch DDP's)")
-    g.add_argument("--no-overlap", action="store_true",
-                   help="all-reduce after backward instead of during it (and, with --tp, reduce input "
-                        "gradients before computing weight gradients instead of while)")
+    g.add_argument("--no-overlap", action="store_true", help="all-reduce after backward instead of during it")
     g.add_argument("--zero", type=int, choices=[0, 1], default=0,
                    help="1: shard optimizer state across data-parallel ranks (ZeRO-1)")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1); ranks = dp x pp x tp")
@@ -150,6 +148,11 @@ def _parallelism_flags(p):
                    help="tensor-parallel ranks per layer (default 1; GPT only): attention heads, MLP features "
                         "and the vocabulary split across tp ranks, 2 all-reduces per sub-layer. Must divide "
                         "--heads. The innermost axis: keep tp within a node")
+    g.add_argument("--tp-overlap", choices=["auto", "on", "off"], default="auto",
+                   help="with --tp: reduce a column-parallel layer's input gradient on a thread while its "
+                        "weight gradient is computed. auto (default): on with --device cuda (the GPU computes "
+                        "while the CPU runs MPI), off on the CPU, where the copies compete with the GEMM for "
+                        "the core (benchmarks/tensor_parallel.py measured 0.96x)")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: LayerNorms and the residual stream split along the sequence between the "
                         "tensor-parallel regions (all-gather/reduce-scatter instead of all-reduce; activation "

@@ -64,6 +64,7 @@ class Config:
     pp: int = 1                        # pipeline stages
     tp: int = 1                        # tensor-parallel ranks (GPT): heads, MLP features, vocabulary split
     sequence_parallel: bool = False    # with tp > 1: the stream between the TP regions split along T
+    tp_overlap: str = "auto"           # auto | on | off: input-gradient reductions beside weight-gradient GEMMs
     schedule: str | None = None        # gpipe | 1f1b | interleaved | zbh1 (1f1b)
     microbatches: int = 1              # per step and data-parallel replica
     chunks: int = 1                    # model chunks per pipeline rank (interleaved)
@@ -87,6 +88,11 @@ class Config:
     # ---- defaults that depend on other settings ---------------------------------------
     def data_parallel(self, world_size: int) -> int:
         return self.dp if self.dp is not None else max(1, world_size // (self.pp * max(1, self.tp)))
+
+    @property
+    def tensor_overlap(self) -> bool:
+        """auto: on for the GPU (it computes while the CPU thread runs MPI), off on the CPU."""
+        return self.tp_overlap == "on" or (self.tp_overlap == "auto" and self.device == "cuda")
 
     @property
     def pipelined(self) -> bool:
@@ -241,6 +247,8 @@ def _check_combinations(cfg: Config, dp: int) -> list[str]:
         if cfg.tp > 1:
             raise ConfigError("tensor parallelism (<tp> > 1) is implemented for <model> gpt only (the MLP "
                               "classifier is small enough for <dp>): drop <tp>")
+    if cfg.tp_overlap not in ("auto", "on", "off"):
+        raise ConfigError(f"<tp_overlap> must be auto, on or off, got {cfg.tp_overlap!r}")
     if cfg.sequence_parallel and cfg.tp < 2:
         raise ConfigError("<sequence_parallel> splits the sequence across tensor-parallel ranks: it needs "
                           "<tp> >= 2")
@@ -270,6 +278,8 @@ def _check_combinations(cfg: Config, dp: int) -> list[str]:
         if unused:
             notes.append(f"note: {', '.join(unused)} ha{'s' if len(unused) == 1 else 've'} no effect with one "
                          "data-parallel rank")
+    if cfg.tp == 1 and cfg.tp_overlap != "auto":
+        notes.append(f"note: <tp_overlap> {cfg.tp_overlap} has no effect without tensor parallelism (<tp>)")
     if cfg.partition is not None and not cfg.pipelined:
         notes.append(f"note: <partition> {cfg.partition} has no effect without pipeline stages (<pp>)")
     if cfg.data is None and cfg.data_path is not None and cfg.model == "gpt":

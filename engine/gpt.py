@@ -65,6 +65,29 @@ PRESETS = {
 }
 
 
+def checkpoint_vocab_rows(cfg: GPTConfig, manifest: dict) -> int:
+    """Rows of wte in a checkpoint: padded for the tensor-parallel size it was written at."""
+    return cfg.padded_vocab_for(manifest.get("layout", {}).get("tp", 1))
+
+
+def fit_vocab_rows(arrays: dict, cfg: GPTConfig, rows: int) -> dict:
+    """`arrays` (named: "wte", "param/wte", "opt/<state>/wte", ...) with every wte cut or
+    zero-padded to `rows` rows. Only padding rows (from cfg.vocab on) change, and those
+    take no part in the math (their logits are masked, they get no gradient), so a model
+    padded for one tensor-parallel size continues at another on the same trajectory."""
+    out = dict(arrays)
+    for key, array in arrays.items():
+        if key.split("/")[-1] != "wte" or array.shape[0] == rows:
+            continue
+        if min(rows, array.shape[0]) < cfg.vocab:
+            raise ValueError(f"{key} has {array.shape[0]} rows, fewer than the vocabulary's {cfg.vocab}")
+        fitted = np.zeros((rows, *array.shape[1:]), dtype=array.dtype)
+        keep = min(rows, array.shape[0])
+        fitted[:keep] = array[:keep]
+        out[key] = fitted
+    return out
+
+
 def _divisor_near(n, k):
     """The divisor of n closest to k (the lower one on a tie). Searches outwards
     from k, so it stops within k steps (1 divides everything) even for a huge n."""

@@ -38,7 +38,7 @@ import tempfile
 import numpy as np
 
 from ringpipe.engine import checkpoint
-from ringpipe.engine.gpt import GPTConfig, gpt_layers
+from ringpipe.engine.gpt import GPTConfig, fit_vocab_rows, gpt_layers
 from ringpipe.engine.params import dedup_specs
 
 
@@ -602,6 +602,8 @@ def _export_command(args) -> int:
         raise HFError(f"{manifest_path} is a checkpoint of the {manifest['model']} model; only the GPT "
                       "exports to the Hugging Face format")
     params = {name: array for name, array in arrays.items() if name.startswith("param/")}
+    cfg = GPTConfig(**manifest["model_config"])
+    params = fit_vocab_rows(params, cfg, cfg.padded_vocab)      # a tp not dividing 128 padded further
     run_dir = _run_dir(args.source, manifest_path)
     tokenizer, about_tokenizer = _find_tokenizer(manifest, run_dir, manifest["model_config"]["vocab"])
     out = export_hf(params, manifest["model_config"], args.out, tokenizer_json=tokenizer, overwrite=args.overwrite)

@@ -249,10 +249,11 @@ def finish(r: Run, loss: float, stopped_at: int | None) -> RunResult:
 
 def sample(r: Run, arrays: dict) -> None:
     """Rank 0 may hold only the first pipeline stage: sample from a full copy."""
-    from ringpipe.engine.gpt import build_gpt, generate
+    from ringpipe.engine.gpt import build_gpt, fit_vocab_rows, generate
     if r.tokenizer is None:
         return                                  # token ids without a tokenizer say nothing to a reader
     full = build_gpt(r.shape, dtype=r.dtype)
+    arrays = fit_vocab_rows(arrays, r.shape, r.shape.padded_vocab)     # a tp not dividing 128 pads further
     full.params.load_flat(full.params.data, {k[6:]: v for k, v in arrays.items() if k.startswith("param/")})
     # Python source for the byte model of the stdlib; a document's start for other tokenizers.
     prompt = "def " if r.tokenizer.kind == "bytes" else ""

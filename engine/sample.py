@@ -17,14 +17,17 @@ import numpy as np
 def load_run(path: str):
     """(GPT LayerChain with the checkpoint's weights, its Tokenizer, checkpoint path)."""
     from ringpipe.engine import checkpoint
-    from ringpipe.engine.gpt import GPTConfig, build_gpt
+    from ringpipe.engine.gpt import GPTConfig, build_gpt, checkpoint_vocab_rows, fit_vocab_rows
     resolved = checkpoint.resolve(path)
     manifest = checkpoint.read_manifest(resolved)
     if manifest["model"] != "gpt":
         raise ValueError(f"{resolved} holds a {manifest['model']} model: only a GPT generates text")
-    model = build_gpt(GPTConfig(**manifest["model_config"]), dtype=np.float32)
+    cfg = GPTConfig(**manifest["model_config"])
+    model = build_gpt(cfg, dtype=np.float32)
     wanted = {f"param/{s.name}": s.shape for s in model.params.specs}
+    wanted["param/wte"] = (checkpoint_vocab_rows(cfg, manifest), cfg.d_model)
     arrays, _ = checkpoint.load(resolved, expected=wanted)
+    arrays = fit_vocab_rows(arrays, cfg, cfg.padded_vocab)
     model.params.load_flat(model.params.data, {k[6:]: v for k, v in arrays.items()})
     return model, run_tokenizer(resolved, manifest), resolved
 

@@ -135,7 +135,7 @@ def build_rank_model(grid, layers_fn, cfg, dtype, xp, micro_shape, cost_batch, t
     tensor = None
     if grid.size("tensor") > 1:
         tensor = TensorGroup(grid.comm("tensor"), sequence_parallel=cfg.sequence_parallel,
-                             overlap=not cfg.no_overlap)
+                             overlap=cfg.tensor_overlap)
         if cfg.sequence_parallel:      # between the stages travel this rank's positions only
             micro_shape = (micro_shape[0], micro_shape[1] // tensor.size, *micro_shape[2:])
     if cfg.pipelined:

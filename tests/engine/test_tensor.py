@@ -230,6 +230,7 @@ def layouts():
 
 RUN_CASES = [(dp, pp, tp, sp, schedule) for dp, pp, tp in layouts() for sp in (False, True)
              for schedule in (("1f1b", "zbh1") if pp > 1 else (None,))]
+RUN_CASES += [(dp, pp, tp, False, "interleaved") for dp, pp, tp in layouts() if pp > 1]
 _references = {}
 
 
@@ -270,15 +271,18 @@ def test_every_layout_with_tensor_parallelism_equals_one_process(shared_dir, tmp
     m = 2 * pp if pp > 1 else 2
     ref, ref_out = reference(tmp_path_factory, "float64", m)
     out = os.path.join(shared_dir, f"tp-{dp}{pp}{tp}-{sp}-{schedule}")
+    # The reductions on the communication thread with sequence parallelism, on the caller's without.
     grid = run(base(out=out, dp=dp, pp=pp, tp=tp, sequence_parallel=sp, schedule=schedule, microbatches=m,
-                    zero=int(dp > 1)), world=world).model
+                    chunks=2 if schedule == "interleaved" else 1, zero=int(dp > 1),
+                    tp_overlap="on" if sp else "auto"), world=world).model
     world.Barrier()
     manifest = assert_same_run(grid, out, ref, ref_out, TOL)
-    assert manifest["layout"] == {"dp": dp, "pp": pp, "tp": tp, "chunks": 1}
+    assert manifest["layout"] == {"dp": dp, "pp": pp, "tp": tp, "chunks": 2 if schedule == "interleaved" else 1}
     stats = grid.inner.tensor.stats
     if sp:
         assert stats["all-gather"][0] and stats["reduce-scatter"][0]
     assert grid.inner.tensor.weight_grads_early == (schedule != "zbh1")
+    assert grid.inner.tensor.overlap == sp
 
 
 @pytest.mark.mpi(min_size=2)
@@ -324,3 +328,42 @@ def test_heads_that_do_not_split_are_refused_on_every_rank(shared_dir):
         run(base(out=os.path.join(shared_dir, "bad-heads"), heads=3, d_model=12, tp=2, dp=world.size // 2),
             world=world)
 
+
+
+# ---- a tp that does not divide the padding multiple (3 ranks, launched from a serial test) ----------
+
+def test_tp3_pads_the_vocabulary_further_and_its_checkpoint_continues_at_tp1(tmp_path):
+    """tp 3 (3 heads) pads 256 rows to 384. It equals one process, and its checkpoint
+    continues at tp 1 (the padding rows cut off) on the same trajectory, and loads for sampling."""
+    import subprocess
+    import sys
+
+    from ringpipe.engine.sample import load_run
+    from tests.support import ROOT
+    from tests.support.bench_cli import bench_env
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        pytest.skip("no mpiexec next to this python")
+    shape = dict(layers=2, d_model=12, heads=3, context=8, batch_size=3, steps=4, dtype="float64")
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()]
+    out = tmp_path / "tp3"
+    r = subprocess.run([mpiexec, "-n", "3", sys.executable, "-m", "ringpipe.cli", "train", "--data", "synthetic",
+                        *flags, "--tp", "3", "--checkpoint-every", "2", "--sample-bytes", "0", "--out", str(out)],
+                       cwd=ROOT, env=bench_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+    assert "tp 3" in r.stdout
+    common = dict(data="synthetic", sample_bytes=0, quiet=True, eval_every=4, eval_batches=4, **shape)
+    ref = tmp_path / "ref"
+    run(Config(out=str(ref), **common), world=MPI.COMM_SELF)
+    np.testing.assert_allclose([m["loss"] for m in metrics(out)], [m["loss"] for m in metrics(ref)], rtol=TOL)
+    arrays, _ = checkpoint.load(str(out / "checkpoints"))
+    assert arrays["param/wte"].shape == (384, 12)
+    resumed = tmp_path / "resumed"
+    run(Config(out=str(resumed), resume=str(out / "checkpoints" / "ckpt_00000002.json"), **common),
+        world=MPI.COMM_SELF)
+    final, _ = checkpoint.load(str(resumed / "checkpoints"))
+    ref_final, _ = checkpoint.load(str(ref / "checkpoints"))
+    for k in ref_final:
+        np.testing.assert_allclose(final[k], ref_final[k], rtol=TOL, atol=TOL, err_msg=k)
+    model, _, _ = load_run(str(out))
+    assert model.params.view("wte").shape == (256, 12)
