@@ -234,13 +234,14 @@ RUN_CASES += [(dp, pp, tp, False, "interleaved") for dp, pp, tp in layouts() if 
 _references = {}
 
 
-def reference(tmp_path_factory, dtype, m):
+def reference(tmp_path_factory, dtype, m, layers=2):
     """The one-process run (on COMM_SELF, on every rank) a layout must equal; made once
     per dtype and micro-batch count, in this rank's own folder for the session."""
-    key = (dtype, m)
+    key = (dtype, m, layers)
     if key not in _references:
-        out = str(tmp_path_factory.mktemp(f"ref-{dtype}-{m}"))
-        _references[key] = (run(base(out=out, dtype=dtype, microbatches=m), world=MPI.COMM_SELF).model, out)
+        out = str(tmp_path_factory.mktemp(f"ref-{dtype}-{m}-{layers}"))
+        _references[key] = (run(base(out=out, dtype=dtype, microbatches=m, layers=layers), world=MPI.COMM_SELF).model,
+                            out)
     return _references[key]
 
 
@@ -269,10 +270,11 @@ def test_every_layout_with_tensor_parallelism_equals_one_process(shared_dir, tmp
     if dp is None:
         pytest.skip("no dp x pp x tp layout with tp in {2, 4} fits this many ranks")
     m = 2 * pp if pp > 1 else 2
-    ref, ref_out = reference(tmp_path_factory, "float64", m)
+    layers = 4 if schedule == "interleaved" else 2           # 2 chunks a rank need a layer each
+    ref, ref_out = reference(tmp_path_factory, "float64", m, layers)
     out = os.path.join(shared_dir, f"tp-{dp}{pp}{tp}-{sp}-{schedule}")
     # The reductions on the communication thread with sequence parallelism, on the caller's without.
-    grid = run(base(out=out, dp=dp, pp=pp, tp=tp, sequence_parallel=sp, schedule=schedule, microbatches=m,
+    grid = run(base(out=out, layers=layers, dp=dp, pp=pp, tp=tp, sequence_parallel=sp, schedule=schedule, microbatches=m,
                     chunks=2 if schedule == "interleaved" else 1, zero=int(dp > 1),
                     tp_overlap="on" if sp else "auto"), world=world).model
     world.Barrier()
