@@ -292,7 +292,7 @@ def build_model(r: Run, cleanup) -> None:
     from ringpipe.engine.parallel import build_rank_model
     from ringpipe.engine.pipeline import ScheduleError
     cfg = r.cfg
-    # layers_fn(tensor): whole layers, or a tensor group's shards of them (GPT only)
+    # layers_fn(tensor): whole layers, or a tensor group's parts of them (GPT only)
     layers_fn = (lambda tensor=None: gpt_layers(r.shape, tensor)) if cfg.model == "gpt" \
         else (lambda tensor=None: mlp_layers(r.shape))
     micro = (r.rows[1] - r.rows[0]) // cfg.microbatches

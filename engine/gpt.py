@@ -100,7 +100,7 @@ def _divisor_near(n, k):
 
 def gpt_layers(cfg: GPTConfig, tensor=None):
     """The model's layers; with a tensor group (engine/parallel/tensor.py), this
-    rank's shards of them."""
+    rank's parts of them."""
     cfg.validate()
     V = cfg.padded_vocab_for(tensor.size if tensor else 1)
     layers = [Embedding(V, cfg.context, cfg.d_model, tensor=tensor)]

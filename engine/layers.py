@@ -290,7 +290,7 @@ class Embedding(Layer):
 
     def specs(self):
         wte = ParamSpec(self.wte_name, (self.rows[1] - self.rows[0], self.c),
-                        shard=self.tensor.shard(0) if self.tensor else None)
+                        split=self.tensor.split(0) if self.tensor else None)
         return [wte, ParamSpec(self.wpe_name, (self.context, self.c), std=0.01)]
 
     def bind(self, params):
@@ -360,7 +360,7 @@ class LMHead(Layer):
         # wte is declared again: tied to the embedding when both are in one stage
         # (ParamBuffer dedups by name), a synchronized copy when they are not.
         wte = ParamSpec(self.wte_name, (self.rows[1] - self.rows[0], self.c),
-                        shard=self.tensor.shard(0) if self.tensor else None)
+                        split=self.tensor.split(0) if self.tensor else None)
         return self.ln_f.specs() + [wte]
 
     def bind(self, params):

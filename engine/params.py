@@ -6,7 +6,7 @@ optimizer are each a single call over contiguous memory (llm.c's layout).
 Initialization is seeded per parameter *name*, not by position in the buffer,
 so a pipeline stage that holds only some layers gets exactly the weights the
 single-process model would have: parallelism never changes the math. A
-tensor-parallel rank holds a *shard* of some parameters (ParamSpec.shard):
+tensor-parallel rank holds a *part* of the parameters the tensor axis splits (ParamSpec.split):
 it draws the full parameter from the same seed and keeps its slice, and
 checkpoints and imports hand it full arrays by name, which it slices itself.
 """
@@ -21,7 +21,7 @@ from ringpipe.engine.array_module import to_host
 
 
 @dataclass(frozen=True)
-class Shard:
+class Split:
     """Which part of a full parameter a tensor-parallel rank holds: along `dim`,
     the full parameter is `groups` equal blocks (qkv's q, k and v: 3), each
     cut into `count` equal slices; this rank holds slice `index` of every
@@ -41,29 +41,29 @@ class Shard:
         return [(g * block + self.index * part, g * block + (self.index + 1) * part) for g in range(self.groups)]
 
     def take(self, full):
-        """This rank's shard of the full array (a copy)."""
+        """This rank's part of the full array (a copy)."""
         pieces = [np.take(full, np.arange(lo, hi), axis=self.dim) for lo, hi in self._blocks(full.shape[self.dim])]
         return np.concatenate(pieces, axis=self.dim)
 
-    def place(self, full, shard) -> None:
-        """Write this rank's shard into the full array."""
-        width = shard.shape[self.dim] // self.groups
+    def place(self, full, part) -> None:
+        """Write this rank's part into the full array."""
+        width = part.shape[self.dim] // self.groups
         for g, (lo, hi) in enumerate(self._blocks(full.shape[self.dim])):
             index = [slice(None)] * full.ndim
             index[self.dim] = slice(lo, hi)
-            part = [slice(None)] * full.ndim
-            part[self.dim] = slice(g * width, (g + 1) * width)
-            full[tuple(index)] = shard[tuple(part)]
+            block = [slice(None)] * full.ndim
+            block[self.dim] = slice(g * width, (g + 1) * width)
+            full[tuple(index)] = part[tuple(block)]
 
 
 @dataclass(frozen=True)
 class ParamSpec:
     name: str
-    shape: tuple              # what this rank holds (its shard's shape, when sharded)
+    shape: tuple              # what this rank holds (its part's shape, when the tensor axis splits it)
     init: str = "normal"      # "normal", "zeros" or "ones"
     std: float = 0.02
     decay: bool = True        # AdamW weight decay applies (matrices yes, biases/norms no)
-    shard: Shard | None = None    # tensor parallelism: this rank's part of the full parameter
+    split: Split | None = None    # tensor parallelism: how the axis divides the parameter
     partial: bool = False     # each tensor-parallel rank holds part of the gradient (sequence
                               # parallelism): summed over the tensor axis once final
 
@@ -73,7 +73,7 @@ class ParamSpec:
 
     @property
     def full_shape(self) -> tuple:
-        return self.shard.full_shape(self.shape) if self.shard else tuple(self.shape)
+        return self.split.full_shape(self.shape) if self.split else tuple(self.shape)
 
 
 def dedup_specs(specs):
@@ -147,8 +147,8 @@ class ParamBuffer:
             elif spec.init == "normal":
                 rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode())])
                 values = rng.normal(0.0, spec.std, size=spec.full_shape)
-                if spec.shard:
-                    values = spec.shard.take(values)
+                if spec.split:
+                    values = spec.split.take(values)
             else:
                 raise ValueError(f"unknown init {spec.init!r} for {spec.name}")
             view[...] = self.xp.asarray(values, dtype=self.dtype)
@@ -165,16 +165,16 @@ class ParamBuffer:
         return out
 
     def load_flat(self, flat, named, what="parameters"):
-        """Fill a flat array from {name: array}, checking names and shapes. A sharded
-        parameter may come whole (a checkpoint, an import): this rank takes its shard."""
+        """Fill a flat array from {name: array}, checking names and shapes. A split
+        parameter may come whole (a checkpoint, an import): this rank takes its part."""
         missing = [n for n in self.names() if n not in named]
         if missing:
             raise ValueError(f"checkpoint {what} lack {missing[:5]}{'...' if len(missing) > 5 else ''}: "
                              "was it written by a model with another configuration?")
         for spec in self.specs:
             arr = named[spec.name]
-            if spec.shard and tuple(arr.shape) == spec.full_shape:
-                arr = spec.shard.take(np.asarray(to_host(arr)))
+            if spec.split and tuple(arr.shape) == spec.full_shape:
+                arr = spec.split.take(np.asarray(to_host(arr)))
             if tuple(arr.shape) != tuple(spec.shape):
                 raise ValueError(f"checkpoint {what} {spec.name!r} has shape {tuple(arr.shape)}, "
                                  f"the model expects {spec.full_shape}")

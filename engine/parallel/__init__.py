@@ -20,7 +20,7 @@ restores checkpoint state by name.
 
 Adding an axis: give the grid the axis (comm.ProcessGrid), write a module
 here whose class implements RankModel (wrapping the rank model inside it, or
-building the sharded layers, as tensor.py does both), and compose it in
+building the split layers, as tensor.py does both), and compose it in
 build_rank_model(): DataParallel(TensorParallel(PipelineModel | LocalModel)).
 """
 from __future__ import annotations
@@ -102,7 +102,7 @@ def named_state(params: ParamBuffer, opt_state: dict) -> dict:
 
 
 def state_shapes(params: ParamBuffer, state_names) -> dict:
-    # Checkpoints hold whole parameters: a tensor-parallel rank reads the full array and takes its shard.
+    # Checkpoints hold whole parameters: a tensor-parallel rank reads the full array and takes its part.
     shapes = {f"param/{s.name}": s.full_shape for s in params.specs}
     shapes.update({f"opt/{state}/{s.name}": s.full_shape for state in state_names for s in params.specs})
     return shapes
@@ -125,7 +125,7 @@ def load_named_state(params: ParamBuffer, arrays: dict, state_names) -> dict:
 
 def build_rank_model(grid, layers_fn, cfg, dtype, xp, micro_shape, cost_batch, trace=None):
     """This rank's model for the grid's layout: the pipeline (or local) model of
-    this rank's (tensor-parallel: sharded) layers, wrapped by the tensor axis,
+    this rank's (tensor-parallel: split) layers, wrapped by the tensor axis,
     then by the data axis. layers_fn(tensor) builds the layers for a tensor
     group (None: whole layers)."""
     from ringpipe.engine.parallel.data import DataParallel

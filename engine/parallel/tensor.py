@@ -16,7 +16,7 @@ each rank having computed its share of it); leaving one is `g` (forward:
 all-reduce of the partial sums of the row-parallel output; backward: identity).
 That is one all-reduce of B*T*C in forward and one in backward per sub-layer.
 
-Sequence parallelism (Megatron-SP) shards the stream *between* the regions
+Sequence parallelism (Megatron-SP) splits the stream *between* the regions
 along the sequence: LayerNorm, the residual adds and the activations they keep
 hold T/tp positions per rank. `f` becomes an all-gather along T (backward:
 reduce-scatter), `g` a reduce-scatter (backward: all-gather): the same bytes on
@@ -32,7 +32,7 @@ W), which then fill that time instead.
 
 TensorGroup holds the group and these operators; ColumnParallelLinear and
 RowParallelLinear are the two Linear layers; TensorParallel is the axis's
-RankModel, wrapping the local or pipeline model of the sharded layers.
+RankModel, wrapping the local or pipeline model of the split layers.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from ringpipe import comm, kernels as K
 from ringpipe.comm.hierarchical import node_key, node_map
 from ringpipe.engine.layers import Linear
 from ringpipe.engine.parallel import NO_SYNC, GradSync
-from ringpipe.engine.params import Shard
+from ringpipe.engine.params import Split
 
 
 class _Done:
@@ -101,8 +101,8 @@ class TensorGroup:
         self.stats = {"all-reduce": [0, 0], "all-gather": [0, 0], "reduce-scatter": [0, 0],
                       "comm_s": 0.0, "async_s": 0.0, "waited_s": 0.0}
 
-    def shard(self, dim, groups=1) -> Shard:
-        return Shard(dim, self.index, self.size, groups)
+    def split(self, dim, groups=1) -> Split:
+        return Split(dim, self.index, self.size, groups)
 
     def rows(self, n):
         """(lo, hi) of this rank's slice of n rows split evenly across the group."""
@@ -257,8 +257,8 @@ class ColumnParallelLinear(Linear):
         self.tensor, self.groups = tensor, groups
 
     def specs(self):
-        shard = self.tensor.shard(0, self.groups)
-        return [_sharded(spec, shard) for spec in super().specs()]
+        split = self.tensor.split(0, self.groups)
+        return [_split(spec, split) for spec in super().specs()]
 
     def forward(self, x):
         # x (B, T, C_in), or (B, T/tp, C_in) under sequence parallelism -> y (B, T, C_out/tp)
@@ -296,7 +296,7 @@ class RowParallelLinear(Linear):
 
     def specs(self):
         w, *bias = super().specs()
-        return [_sharded(w, self.tensor.shard(1))] + bias
+        return [_split(w, self.tensor.split(1))] + bias
 
     def forward(self, x):
         # x (B, T, C_in/tp) -> y (B, T, C_out), or (B, T/tp, C_out) under sequence parallelism
@@ -316,8 +316,8 @@ class RowParallelLinear(Linear):
         return dx.reshape(*dy.shape[:-1], self.c_in), (x2, dy2)
 
 
-def _sharded(spec, shard):
-    return replace(spec, shard=shard)
+def _split(spec, split):
+    return replace(spec, split=split)
 
 
 # ---- the axis as a rank model ------------------------------------------------------------------
@@ -340,20 +340,20 @@ class _PartialSums(GradSync):
 
 
 class TensorParallel:
-    """Wraps the local or pipeline model built from the sharded layers. Owns:
+    """Wraps the local or pipeline model built from the split layers. Owns:
     - the loss: every rank of the group computes the same one; the first reports it;
-    - the gradient norm: sharded parameters add up over the group, replicated ones
+    - the gradient norm: split parameters add up over the group, replicated ones
       (LayerNorms, the row-parallel biases, wpe) are counted on the first rank only;
     - sequence-parallel partial gradients, summed over the group when final;
-    - checkpoint state by full parameter name: shards gathered and joined on the
-      group's first rank; a restore gets full arrays and each rank takes its shard
+    - checkpoint state by full parameter name: parts gathered and joined on the
+      group's first rank; a restore gets full arrays and each rank takes its part
       (ParamBuffer.load_flat), so any layout continues any other's checkpoint."""
 
     def __init__(self, inner, tensor: TensorGroup, specs):
         self.inner, self.tensor, self.params = inner, tensor, inner.params
-        self.specs = {s.name: s for s in specs}          # every parameter of the model, sharded or not
+        self.specs = {s.name: s for s in specs}          # every parameter of the model, split or not
         offsets = self.params.offsets
-        self._replicated = [offsets[s.name] for s in self.params.specs if s.shard is None]
+        self._replicated = [offsets[s.name] for s in self.params.specs if s.split is None]
         names = self.params.names()
         self._partial = {names.index(s.name): offsets[s.name] for s in self.params.specs if s.partial}
         self.steps = 0
@@ -385,11 +385,11 @@ class TensorParallel:
             return {}
         for key in list(arrays):
             spec = self.specs[key.split("/")[-1]]
-            if spec.shard is None:
+            if spec.split is None:
                 continue
             full = np.zeros(spec.full_shape, dtype=arrays[key].dtype)
             for r, part in enumerate(parts):
-                Shard(spec.shard.dim, r, spec.shard.count, spec.shard.groups).place(full, part[key])
+                Split(spec.split.dim, r, spec.split.count, spec.split.groups).place(full, part[key])
             arrays[key] = full
         return arrays
 

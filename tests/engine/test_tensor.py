@@ -19,35 +19,35 @@ from ringpipe.engine import checkpoint, config as config_checks
 from ringpipe.engine.config import Config
 from ringpipe.engine.errors import ConfigError
 from ringpipe.engine.layers import MLP, Block, CausalSelfAttention, Embedding, Linear, LMHead
-from ringpipe.engine.params import ParamBuffer, ParamSpec, Shard
+from ringpipe.engine.params import ParamBuffer, ParamSpec, Split
 from ringpipe.engine.run import run
 
 world = MPI.COMM_WORLD
 TOL = 1e-10
 
 
-# ---- serial: shards and refusals ---------------------------------------------------------------
+# ---- serial: split parameters and refusals ---------------------------------------------------------------
 
 @pytest.mark.parametrize("dim,groups", [(0, 1), (0, 3), (1, 1)])
-def test_shards_take_and_place_cover_the_parameter_once(dim, groups):
+def test_splits_take_and_place_cover_the_parameter_once(dim, groups):
     full = np.arange(12 * 6, dtype=np.float64).reshape(12, 6)
     count = 2 if dim == 1 else 2
     rebuilt = np.full_like(full, -1)
     for index in range(count):
-        shard = Shard(dim, index, count, groups)
-        part = shard.take(full)
-        assert shard.full_shape(part.shape) == full.shape
-        shard.place(rebuilt, part)
+        split = Split(dim, index, count, groups)
+        part = split.take(full)
+        assert split.full_shape(part.shape) == full.shape
+        split.place(rebuilt, part)
     np.testing.assert_array_equal(rebuilt, full)
     if groups == 3:      # qkv: rank 0 holds the first half of q, of k and of v
-        np.testing.assert_array_equal(Shard(0, 0, 2, 3).take(full)[:, 0], [0, 6, 24, 30, 48, 54])
+        np.testing.assert_array_equal(Split(0, 0, 2, 3).take(full)[:, 0], [0, 6, 24, 30, 48, 54])
 
 
-def test_a_shard_is_initialised_as_its_slice_of_the_full_parameter():
+def test_a_split_parameter_is_initialised_as_its_slice_of_the_full_parameter():
     whole = ParamBuffer([ParamSpec("w", (8, 4))])
     whole.init(5)
     for index in range(2):
-        part = ParamBuffer([ParamSpec("w", (4, 4), shard=Shard(0, index, 2))])
+        part = ParamBuffer([ParamSpec("w", (4, 4), split=Split(0, index, 2))])
         part.init(5)
         np.testing.assert_array_equal(part.view("w"), whole.view("w")[4 * index:4 * index + 4])
         part.load_flat(part.data, {"w": 2 * whole.view("w")})       # a whole array is sliced on load
@@ -95,7 +95,7 @@ def _bound(layer, seed=3):
     for spec in params.specs:
         if spec.init == "zeros":
             full = rng.normal(size=spec.full_shape)
-            params.view(spec.name)[...] = spec.shard.take(full) if spec.shard else full
+            params.view(spec.name)[...] = spec.split.take(full) if spec.split else full
     layer.bind(params)
     return params
 
@@ -120,7 +120,7 @@ LAYERS = {   # name: (make(tensor), input kind, output kind); kinds: stream | fe
 def _shape_in(kind, x, t):
     if kind == "stream":
         return _seq(x, t)
-    return Shard(2, t.index, t.size, kind[1]).take(x)
+    return Split(2, t.index, t.size, kind[1]).take(x)
 
 
 def _compare_grads(part_params, whole_params, tensor):
@@ -129,7 +129,7 @@ def _compare_grads(part_params, whole_params, tensor):
         if spec.partial:
             grad = tensor.allreduce(grad)
         whole = whole_params.grad_view(spec.name)
-        np.testing.assert_allclose(grad, spec.shard.take(whole) if spec.shard else whole, rtol=TOL, atol=TOL,
+        np.testing.assert_allclose(grad, spec.split.take(whole) if spec.split else whole, rtol=TOL, atol=TOL,
                                    err_msg=f"grad {spec.name}")
 
 
@@ -249,11 +249,11 @@ def assert_same_run(grid, grid_out, ref, ref_out, tol):
     ref_m, grid_m = metrics(ref_out), metrics(grid_out)
     np.testing.assert_allclose([r["loss"] for r in grid_m], [r["loss"] for r in ref_m], rtol=tol, atol=tol)
     np.testing.assert_allclose(grid_m[-1]["val_loss"], ref_m[-1]["val_loss"], rtol=tol)
-    for spec in grid.params.specs:       # this rank's shard of every parameter it holds
+    for spec in grid.params.specs:       # this rank's part of every parameter it holds
         for view in ("grad_view", "view"):
             whole = getattr(ref.params, view)(spec.name)
             np.testing.assert_allclose(getattr(grid.params, view)(spec.name),
-                                       spec.shard.take(whole) if spec.shard else whole, rtol=tol, atol=tol,
+                                       spec.split.take(whole) if spec.split else whole, rtol=tol, atol=tol,
                                        err_msg=f"{view} {spec.name}")
     ref_arrays, _ = checkpoint.load(os.path.join(ref_out, "checkpoints"))
     grid_arrays, manifest = checkpoint.load(os.path.join(grid_out, "checkpoints"))
