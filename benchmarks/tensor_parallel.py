@@ -54,7 +54,7 @@ DTYPE = np.float32
 def param_formula(cfg: GPTConfig, tp: int) -> int:
     """Parameters one tensor-parallel rank holds (elements)."""
     C, L, V = cfg.d_model, cfg.n_layer, cfg.padded_vocab_for(tp)
-    per_block = 12 * C * C // tp + (3 * C + 4 * C) // tp + (C + C) + 4 * C   # matrices, sharded biases, row biases, LNs
+    per_block = 12 * C * C // tp + (3 * C + 4 * C) // tp + (C + C) + 4 * C   # matrices, split biases, row biases, LNs
     return V // tp * C + cfg.context * C + L * per_block + 2 * C
 
 
