@@ -213,7 +213,8 @@ def test_a_tensor_group_across_nodes_is_warned_about(monkeypatch):
 # ---- whole runs -------------------------------------------------------------------------------
 
 def base(**more):
-    return Config(**{**dict(data="synthetic", layers=2, d_model=16, heads=4, context=8, batch_size=8, steps=3,
+    # grad_clip 0.1: the clipping acts, so a norm that counted a parameter twice would change the weights
+    return Config(**{**dict(data="synthetic", layers=2, d_model=16, heads=4, context=8, batch_size=8, steps=3, grad_clip=0.1,
                             dtype="float64", sample_bytes=0, quiet=True, overwrite=True, eval_every=3,
                             eval_batches=1), **more})
 
@@ -248,6 +249,8 @@ def reference(tmp_path_factory, dtype, m, layers=2):
 def assert_same_run(grid, grid_out, ref, ref_out, tol):
     ref_m, grid_m = metrics(ref_out), metrics(grid_out)
     np.testing.assert_allclose([r["loss"] for r in grid_m], [r["loss"] for r in ref_m], rtol=tol, atol=tol)
+    # every parameter counted once in the norm (it sets the clipping)
+    np.testing.assert_allclose([r["grad_norm"] for r in grid_m], [r["grad_norm"] for r in ref_m], rtol=tol)
     np.testing.assert_allclose(grid_m[-1]["val_loss"], ref_m[-1]["val_loss"], rtol=tol)
     for spec in grid.params.specs:       # this rank's part of every parameter it holds
         for view in ("grad_view", "view"):
