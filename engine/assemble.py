@@ -338,7 +338,8 @@ def build_model(r: Run, cleanup) -> None:
     r.start_step = r.manifest["step"]
     r.report.say(f"resumed from {r.resume_path} at step {r.start_step}")
     saved = r.manifest.get("args", {})
-    for note in resume_differences(saved, cfg) + schedule_change(saved, cfg, r.start_step):
+    resolved = {"seq_len": r.seq_len, "data": cfg.dataset}      # as checkpoint_meta records them
+    for note in resume_differences(saved, cfg, resolved) + schedule_change(saved, cfg, r.start_step):
         r.report.say(note)
 
 

@@ -156,7 +156,7 @@ def _parallelism_flags(p):
     g.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: LayerNorms and the residual stream split along the sequence between the "
                         "tensor-parallel regions (all-gather/reduce-scatter instead of all-reduce; activation "
-                        "memory there / tp). --seq-len must divide by tp")
+                        "memory there / tp). --seq-len must be a multiple of --tp")
     g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zbh1"], default=None,
                    help="pipeline schedule (default 1f1b; zbh1 = zero-bubble H1; interleaved needs --chunks "
                         ">= 2); needs --pp >= 2 or --chunks >= 2")

@@ -410,12 +410,18 @@ TRAJECTORY_FIELDS = ("seed", "data", "data_path", "max_data_mb", "dtype", "preci
                      "lr", "warmup", "min_lr_ratio", "weight_decay", "grad_clip")
 
 
-def resume_differences(saved: dict, cfg: Config) -> list[str]:
-    """A note for each trajectory setting that differs from the checkpoint's run."""
+def resume_differences(saved: dict, cfg: Config, resolved: dict | None = None) -> list[str]:
+    """A note for each trajectory setting that differs from the checkpoint's run.
+    `resolved`: values as the run resolved them (the checkpoint records <seq_len> and
+    <data> so), compared in place of the fields left at their defaults."""
+    resolved = resolved or {}
     notes = []
     for field in TRAJECTORY_FIELDS:
-        if field in saved and not same_value(saved[field], getattr(cfg, field)):
-            notes.append(f"note: resuming with <{field}> {getattr(cfg, field)} where the checkpoint's run had "
+        value = getattr(cfg, field)
+        if value is None and field in resolved:
+            value = resolved[field]
+        if field in saved and not same_value(saved[field], value):
+            notes.append(f"note: resuming with <{field}> {value} where the checkpoint's run had "
                          f"{saved[field]}: it continues, but no longer as that run would have")
     return notes
 

@@ -218,6 +218,8 @@ def test_resume_with_changed_trajectory_flags_says_so(tmp_path, capsys):
     said = capsys.readouterr().out
     assert "note: resuming with --seed 7 where the checkpoint's run had 1337" in said
     assert "--dp" not in said.split("resumed from")[1], "a layout change is not a trajectory change"
+    # settings left at their defaults compare as the run resolved them, as the checkpoint recorded them
+    assert "--seq-len" not in said and "resuming with --data" not in said, said
 
 
 def test_existing_run_is_not_overwritten(tmp_path):
