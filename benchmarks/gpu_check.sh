@@ -22,6 +22,8 @@
 #      CUDA-aware) direct
 #   7. the Numba CUDA kernels on the device: tests/support/cuda_sim_check.py --gpu
 #   8. nvcc compile checks with the ptxas register/spill report
+#   9. a tensor-parallel run, --tp 2 --sequence-parallel, two ranks on the GPU (its
+#      overlap thread on, as --tp-overlap auto is for cuda; tokens/s in check.log)
 # Results go to ${OUT:-gpu_results}, at most 8 files (what a device run brings back):
 #   check.log (everything, in order), steps.tsv (step, exit code, seconds), env.txt,
 #   pytest_gpu.xml, gemm.json, train_metrics.jsonl, train_bf16_metrics.jsonl
@@ -172,6 +174,10 @@ else
 fi
 step "numba-gpu" 120 "$PY" tests/support/cuda_sim_check.py --gpu
 step "nvcc-ptxas" 90 "$PY" -m pytest -q -s -p no:cacheprovider tests/kernels/test_cuda_kernels.py -k "nvcc or nvrtc"
+# Last: the budget skips it before the checks above.
+# shellcheck disable=SC2086
+RINGPIPE_CUDA_AWARE_MPI=0 step "train-cuda-tp2" 120 "$MPIEXEC" -n 2 "$PY" -m ringpipe.train --device cuda --tp 2 \
+    --sequence-parallel --steps 30 --out "$TMPD/train-cuda-tp2" --overwrite ${TRAIN_ARGS:-}
 
 # ---------------------------------------------------------------------------
 say "=== summary ($(($(date +%s) - START))s of ${BUDGET}s budget)"
