@@ -214,6 +214,12 @@ def finish(r: Run, loss: float, stopped_at: int | None) -> RunResult:
         code = lifecycle.INTERRUPT_EXIT_CODE if r.stop.signum == signal.SIGINT else lifecycle.REQUEUE_EXIT_CODE
         # A second signal from here on must not turn this into "killed": the checkpoint is on disk.
         r.stop.forced_exit_code, r.stop.forced_note = code, f"the checkpoint of step {stopped_at} is written"
+        # Every rank holds the code before rank 0 announces it. Without this, a second
+        # signal could end another rank (still on its way here) as "killed" after rank 0
+        # had announced this code: the job's exit code would contradict what it said.
+        # A second signal before this point ends the job as killed, with nothing announced.
+        if r.world.Get_size() > 1:
+            r.world.Barrier()
         then = ("so the batch script requeues the job (--resume auto continues)" if code == lifecycle.REQUEUE_EXIT_CODE
                 else f"(interrupted); continue with <resume> auto <out> {cfg.out_dir}")
         report.say(f"{r.stop.signal_name} received: checkpoint at step {stopped_at} written; exiting with code "
