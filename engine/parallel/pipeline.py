@@ -89,9 +89,10 @@ class PipelineModel:
         # Checkpointing is not a hot path: a pickled gather of named arrays is fine here.
         arrays = named_state(self.params, opt_state)
         parts = self.pipe_comm.gather(arrays, root=0)
-        if self.grid.index("pipe") == 0:
-            for part in parts:
-                arrays.update(part)
+        if self.grid.index("pipe") != 0:
+            return {}        # only pipeline rank 0 holds the whole model (an outer axis need not join the rest)
+        for part in parts:
+            arrays.update(part)
         return arrays
 
     def state_shapes(self, state_names):

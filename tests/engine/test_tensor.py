@@ -31,7 +31,7 @@ TOL = 1e-10
 @pytest.mark.parametrize("dim,groups", [(0, 1), (0, 3), (1, 1)])
 def test_splits_take_and_place_cover_the_parameter_once(dim, groups):
     full = np.arange(12 * 6, dtype=np.float64).reshape(12, 6)
-    count = 2 if dim == 1 else 2
+    count = 2
     rebuilt = np.full_like(full, -1)
     for index in range(count):
         split = Split(dim, index, count, groups)
