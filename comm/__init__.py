@@ -32,7 +32,14 @@ One module per concern:
     abort.py        the abort handler: one rank's uncaught exception ends the job
     device.py       device (GPU) arrays and MPI: direct or staged
     settings.py     the RINGPIPE_* variables, parsed, checked and agreed on
+    launcher.py     what a launch needs settled before MPI_Init (srun's pmi2
+                    plugin and the mpich wheel: the OFI netmod)
 """
+
+# First, before the imports below: the first `from mpi4py import MPI` initializes MPI.
+from . import launcher as _launcher
+
+_launcher.prepare_mpi_init()
 
 from .abort import abort_on_error, install_abort_handler
 from .buckets import GradBuckets

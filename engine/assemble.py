@@ -382,6 +382,8 @@ def start_reporting(r: Run, cleanup) -> None:
     report.say(f"data {r.dataset.name} | global batch {cfg.batch_size} x {r.items_per_example} = "
                f"{r.items_per_step} {'tokens' if cfg.model == 'gpt' else 'examples'}/step | {world.Get_size()} "
                f"ranks: {layout}{f' | {described}' if described else ''}")
+    if comm.launcher.prepared:
+        report.say(f"MPI: {comm.launcher.prepared}")
     if r.xp is not np:
         from ringpipe.engine.array_module import describe as describe_device
         report.say(f"device: {describe_device(r.xp)} on rank 0")
