@@ -43,6 +43,11 @@ def cluster():
     assert not os.path.exists(DIR) and not os.path.exists("/run/netns/rp-head")
 
 
+# What the README tells users: under Slurm, a task that fails ends the step (the others
+# would otherwise wait for it in their next collective, or in MPI_Init's PMI barrier).
+SRUN = ["srun", "--kill-on-bad-exit=1"]
+
+
 def run(env, *cmd, timeout=240):
     try:
         return subprocess.run(list(cmd), env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
@@ -64,9 +69,12 @@ def test_srun_across_two_nodes_trains_like_one_process(cluster, tmp_path):
              "--quiet"]
     one = run(ENV, sys.executable, *flags, "--out", str(tmp_path / "one"))
     assert one.returncode == 0, one.stderr
-    four = run(cluster, "srun", "-N", "2", "--ntasks-per-node", "2", "--mpi=pmi2", sys.executable, *flags,
+    loud = [f for f in flags if f != "--quiet"]
+    four = run(cluster, *SRUN, "-N", "2", "--ntasks-per-node", "2", "--mpi=pmi2", sys.executable, *loud,
                "--out", str(tmp_path / "four"))
     assert four.returncode == 0, four.stdout[-2000:] + four.stderr[-2000:]
+    # The mpich wheel under srun's pmi2 plugin: the OFI netmod, chosen before MPI_Init (comm/launcher.py)
+    assert "MPI: MPIR_CVAR_CH4_NETMOD=ofi" in four.stdout, four.stdout[-2000:]
     a, b = losses(str(tmp_path / "one")), losses(str(tmp_path / "four"))
     assert len(a) == 3 and all(abs(x - y) <= 1e-10 * max(1.0, abs(x)) for x, y in zip(a, b)), (a, b)
 
@@ -88,10 +96,16 @@ def test_a_cut_link_under_srun_ends_the_job_naming_the_node(cluster, tmp_path):
     flags = ["-m", "ringpipe", "train", "--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2",
              "--context", "16", "--batch-size", "8", "--steps", "1000000", "--log-every", "1000",
              "--sample-bytes", "0", "--watchdog", "6", "--watchdog-abort", "--out", str(out)]
+    # The watchdog of 6 s would take a first step that compiles the Numba kernels (tens of
+    # seconds on a cold cache) for a hang: compile them first, in one process, without it.
+    warm = [f for f in flags if f not in ("--watchdog", "6", "--watchdog-abort")]
+    warm[warm.index("1000000")] = "1"
+    r = run(ENV, sys.executable, *warm[:-1], str(tmp_path / "warm"))
+    assert r.returncode == 0, r.stderr[-2000:]
     cutter, cut = when_training(str(out), lambda: subprocess.run(
         ["ip", "-n", "rp-n2", "link", "set", "eth0", "down"], check=True), min_bytes=3000, wait_s=120)
     try:
-        r = run(cluster, "srun", "-N", "2", "--ntasks-per-node", "2", "--mpi=pmi2", sys.executable, *flags,
+        r = run(cluster, *SRUN, "-N", "2", "--ntasks-per-node", "2", "--mpi=pmi2", sys.executable, *flags,
                 timeout=200)
     finally:
         cutter.join(timeout=130)
@@ -113,15 +127,49 @@ def test_resume_on_fewer_nodes_through_slurm(cluster, tmp_path):
     flags = ["-m", "ringpipe", "train", "--data", "synthetic", "--layers", "2", "--d-model", "16", "--heads", "2",
              "--context", "16", "--batch-size", "8", "--steps", "6", "--dtype", "float64", "--sample-bytes", "0",
              "--quiet"]
-    two_nodes = ["srun", "-N", "2", "--ntasks-per-node", "2", "--mpi=pmi2", sys.executable]
+    two_nodes = [*SRUN, "-N", "2", "--ntasks-per-node", "2", "--mpi=pmi2", sys.executable]
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     for out, extra in ((full, []), (part, ["--checkpoint-every", "3"])):
         r = run(cluster, *two_nodes, *flags, *extra, "--out", out)
         assert r.returncode == 0, r.stderr[-2000:]
     for ext in ("json", "npz"):
         os.remove(os.path.join(part, "checkpoints", f"ckpt_00000006.{ext}"))
-    r = run(cluster, "srun", "-N", "1", "-n", "2", "--mpi=pmi2", sys.executable, *flags, "--out", part,
+    r = run(cluster, *SRUN, "-N", "1", "-n", "2", "--mpi=pmi2", sys.executable, *flags, "--out", part,
             "--resume", "auto")
     assert r.returncode == 0, r.stderr[-2000:]
     a, b = losses(full), losses(part)                    # a redone step: the later record counts
     assert len(a) == len(b) == 6 and all(abs(x - y) <= 1e-10 * max(1.0, abs(x)) for x, y in zip(a[3:], b[3:]))
+
+
+PMI1_PUT = """
+import os, select, sys
+fd = int(os.environ["PMI_FD"])
+def ask(line):                              # a request, and its answer ('' if none within 10 s)
+    os.write(fd, line.encode())
+    ready, _, _ = select.select([fd], [], [], 10)
+    return os.read(fd, 4096).decode() if ready else ""
+ask("cmd=init pmi_version=1 pmi_subversion=1\\n")
+kvs = ask("cmd=get_my_kvsname\\n").split("kvsname=")[1].split()[0]
+ask(f"cmd=put kvsname={kvs} key=k value={'A' * int(sys.argv[1])}\\n")
+ask("cmd=barrier_in\\n")                     # puts are seen after the barrier
+got = ask(f"cmd=get kvsname={kvs} key=k\\n")
+print("stored", got.split("value=")[1].strip().count("A") if "value=" in got else 0, flush=True)
+"""
+
+
+def test_the_pmi2_plugin_truncates_a_pmi1_request_longer_than_1024_bytes(cluster, tmp_path):
+    """Why comm/launcher.py chooses the OFI netmod for the mpich wheel under srun --mpi=pmi2:
+    the wheel speaks PMI-1 to the plugin, which takes a request in a single read() of at most
+    1024 bytes; MPICH's UCX start-up sends requests of up to about 1,090. A value of 920
+    bytes is stored whole; one of 1,020 (a 1,060-byte request) is answered 'rc=0' but lost,
+    and its tail refused: the CI failure this pins ('mpi/pmi2: value not properly terminated
+    in client request', then UCX 'failed to unpack address' on the ranks that read it)."""
+    script = tmp_path / "pmi1_put.py"
+    script.write_text(PMI1_PUT)
+    said = {}
+    for n in (920, 1020):
+        r = run(cluster, *SRUN, "-N", "1", "-n", "1", "--mpi=pmi2", sys.executable, str(script), str(n), timeout=60)
+        said[n] = r.stdout + r.stderr
+    assert "stored 920" in said[920] and "error" not in said[920], said
+    stored = int(said[1020].split("stored ")[1].split()[0])
+    assert stored < 1020 and "value not properly terminated in client request" in said[1020], said
