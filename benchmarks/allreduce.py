@@ -33,9 +33,11 @@ import time
 import numpy as np
 
 
+# ringpipe.comm first: it settles what the launch needs before MPI_Init (comm/launcher.py),
+# and the import of mpi4py.MPI below initializes MPI.
+from ringpipe import comm as rcomm  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from ringpipe import comm as rcomm  # noqa: E402
 from _common import (choice_list, fmt_size, median, nonneg_float, nonneg_int, output_path,  # noqa: E402
                      positive_float, positive_int, positive_size, size_arg, table, write_json)
 

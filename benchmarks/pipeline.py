@@ -29,10 +29,12 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS", "MK
     os.environ.setdefault(_var, "1")
 
 import numpy as np  # noqa: E402
+# ringpipe.comm first: it settles what the launch needs before MPI_Init (comm/launcher.py),
+# and the import of mpi4py.MPI below initializes MPI.
+from ringpipe import comm  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 
-from ringpipe import comm  # noqa: E402
 from _common import choice_list, int_list, output_path, positive_int  # noqa: E402
 from ringpipe.engine.gpt import GPTConfig, gpt_layers  # noqa: E402
 from ringpipe.engine.pipeline import SCHEDULE_NAMES, simulate, theoretical_bubble  # noqa: E402

@@ -35,10 +35,12 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS", "MK
     os.environ.setdefault(_var, "1")
 
 import numpy as np  # noqa: E402
+# ringpipe.comm first: it settles what the launch needs before MPI_Init (comm/launcher.py),
+# and the import of mpi4py.MPI below initializes MPI.
+from ringpipe import comm  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from _common import median, output_path, positive_int, table, write_json  # noqa: E402
-from ringpipe import comm  # noqa: E402
 from ringpipe.engine.config import Config  # noqa: E402
 from ringpipe.engine.gpt import GPTConfig, flops_per_token, gpt_layers  # noqa: E402
 from ringpipe.engine.model import LayerChain  # noqa: E402
