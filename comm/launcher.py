@@ -16,9 +16,8 @@ shrinks a segment changes with the environment, the paths and the memory
 layout. When one request is longer than 1024 bytes the plugin answers success
 but loses the value ("mpi/pmi2: value not properly terminated in client
 request"), the peers decode a damaged address ("UCX ERROR failed to unpack
-address"), and some ranks exit
-with code 15 while the others wait in the PMI barrier until srun kills them
-(with --kill-on-bad-exit) or forever (without).
+address"), and some ranks exit with code 15 while the others wait in the PMI
+barrier until srun kills them (with --kill-on-bad-exit) or forever (without).
 
 The OFI netmod, also in the wheel, exchanges a fixed-length address of a few
 dozen bytes: one short request per rank. So under exactly that launch (srun's

@@ -99,8 +99,9 @@ def test_a_cut_link_under_srun_ends_the_job_naming_the_node(cluster, tmp_path):
     # The watchdog of 6 s would take a first step that compiles the Numba kernels (tens of
     # seconds on a cold cache) for a hang: compile them first, in one process, without it.
     warm = [f for f in flags if f not in ("--watchdog", "6", "--watchdog-abort")]
-    warm[warm.index("1000000")] = "1"
-    r = run(ENV, sys.executable, *warm[:-1], str(tmp_path / "warm"))
+    warm[warm.index("1000000")] = "1"                     # --steps 1
+    warm[warm.index(str(out))] = str(tmp_path / "warm")   # --out of its own
+    r = run(ENV, sys.executable, *warm)
     assert r.returncode == 0, r.stderr[-2000:]
     cutter, cut = when_training(str(out), lambda: subprocess.run(
         ["ip", "-n", "rp-n2", "link", "set", "eth0", "down"], check=True), min_bytes=3000, wait_s=120)
