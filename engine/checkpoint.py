@@ -719,3 +719,29 @@ def _read_array(zf, member):
     if member.fortran_order:
         return flat.reshape(member.shape[::-1]).transpose()
     return flat.reshape(member.shape)
+
+
+# ---- declared shapes, for sizing a model before building it ----------------------------
+
+def declared_arrays(path) -> tuple[dict, dict]:
+    """(manifest, {array name: (shape, dtype)}) of checkpoint `path` (resolved as for
+    `load`), from the manifest and the npz's .npy headers: no array data is allocated.
+
+    A caller sizes its model from these rather than from the manifest's model_config
+    alone: nothing binds model_config to the arrays (a manifest edited, its checksum
+    recomputed, can declare any n_layer), while every declared shape here is checked
+    against the bytes the npz holds, so building a model that matches them costs at most
+    what the file already is. Raises CheckpointError like `load`."""
+    path = _existing(resolve(path))
+    manifest = _read_manifest_or_raise(path)
+    npz_path = _npz_path(path, manifest)
+    try:
+        with _open_regular(npz_path, "npz") as fh:
+            _check_size_and_crc(fh, manifest)
+            with _open_zip(fh) as zf:
+                members = _check_members(zf, fh)
+    except _Problem as e:
+        raise CheckpointError(f"checkpoint {npz_path!r} cannot be used: {e}; {_DAMAGED_HINT}") from None
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {npz_path!r} cannot be read ({e.strerror or e})") from e
+    return manifest, {name: (member.shape, member.dtype) for name, member in members.items()}
