@@ -1,19 +1,26 @@
-"""Fault matrix: jobs killed, signalled twice, starved of disk, fed damaged or
-hostile checkpoints, or sharing their --out with a second run, each repeated
-with random timing, and what happened.
+"""Fault matrix: jobs and tools killed, interrupted, signalled twice, starved of
+disk, fed damaged or hostile files, or sharing their output folder with a second
+run, each repeated with random timing, and what happened.
 
-    python benchmarks/fault_matrix.py --repeat 10 --json faults.json     # ~10 minutes on 2 cores
+    python benchmarks/fault_matrix.py --repeat 10 --json faults.json     # ~15 minutes on 2 cores
     python benchmarks/fault_matrix.py --repeat 1 --only kill,disk-full   # what CI runs, in seconds
 
-Every trial is a real `mpiexec -n 2 python -m ringpipe.train` job of a tiny
-float64 GPT. For each one the table counts:
+Training trials are real `mpiexec -n 2 python -m ringpipe.train` jobs of a tiny
+float64 GPT; the tool trials run `ringpipe prepare` (under `mpiexec -n 2` where
+it matters), `export`, `sample`, `train --init-from` and `finished` the way a
+user would. For each trial the table counts:
 
-    ended   the job ended within --deadline seconds of the fault (no hang)
-    named   its output names the cause (the signal, "disk full", the damaged
-            checkpoint it skipped, the other run's pid)
-    kept    every checkpoint that was valid before the fault is still valid
-    exact   `--resume auto` then finishes bit-identical (every parameter) to an
-            uninterrupted run of the same seed
+    ended     the job ended within --deadline seconds of the fault (no hang)
+    named     its output names the cause (the signal, "disk full", the damaged
+              checkpoint or file, the other run's pid)
+    kept      nothing valid before the fault was lost: every checkpoint, the run,
+              the dataset (old or new, never a mix), the files beside them
+    truthful  the exit code says what happened (0 only for work done; 2 for a
+              refusal; the signal's or the abort's code for a stop)
+    exact     (training) `--resume auto` then finishes bit-identical (every
+              parameter) to an uninterrupted run of the same seed
+
+A check that does not apply to a scenario is shown as "-".
 
 A trial prints its random choices, so a failure can be replayed with --seed.
 """
@@ -46,7 +53,10 @@ MODEL = ["--data", "synthetic", "--layers", "2", "--d-model", "16", "--heads", "
 ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
            PYTHONUNBUFFERED="1")
 LONG = 10**6       # steps of a run that is stopped by its fault long before it ends
-SCENARIOS = ("kill", "double-signal", "disk-full", "bad-checkpoint", "concurrent")
+SCENARIOS = ("kill", "double-signal", "disk-full", "bad-checkpoint", "concurrent",
+             "prepare-kill", "prepare-interrupt", "prepare-disk-full", "prepare-concurrent",
+             "export-overwrite", "hostile-load", "hostile-markers")
+CHECKS = ("ended", "named", "kept", "truthful", "exact")
 
 
 # ---- running jobs -------------------------------------------------------------------------
@@ -74,8 +84,8 @@ def run_to_end(out, *extra, steps=STEPS, deadline=300):
     return rc, output
 
 
-def rank_pids(mpiexec_pid):
-    """PIDs of the python ranks below an mpiexec (through hydra's proxy)."""
+def rank_pids(mpiexec_pid, command=b"ringpipe.train"):
+    """PIDs of the python ranks below an mpiexec (through hydra's proxy) whose command line holds `command`."""
     children = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -92,7 +102,7 @@ def rank_pids(mpiexec_pid):
     while todo:
         for pid, cmd in children.get(todo.pop(), []):
             todo.append(pid)
-            if b"ringpipe.train" in cmd and b"mpiexec" not in cmd and b"hydra" not in cmd:
+            if command in cmd and b"mpiexec" not in cmd and b"hydra" not in cmd:
                 found.append(pid)
     return sorted(found)
 
@@ -152,7 +162,7 @@ def kill(rng, folder, reference, deadline):
     rc, output, seconds, ended = finish(proc, deadline)
     kept = set(before) <= set(valid_checkpoints(out))
     exact, _ = resume_is_exact(out, reference)
-    return dict(did=f"SIGKILL rank {victim} after step {at}", seconds=seconds, ended=ended and rc != 0,
+    return dict(did=f"SIGKILL rank {victim} after step {at}", seconds=seconds, ended=ended, truthful=rc != 0,
                 named="signal 9" in output.lower() or "killed" in output.lower(), kept=kept, exact=exact)
 
 
@@ -181,7 +191,7 @@ def double_signal(rng, folder, reference, deadline):
     kept = set(before) <= set(valid_checkpoints(out))
     exact, _ = resume_is_exact(out, reference)
     return dict(did=f"{sig.name} then {second.name} {gap * 1e3:.0f} ms later to rank {victim} after step {at}",
-                seconds=seconds, ended=ended and truthful, named=sig.name in output or second.name in output,
+                seconds=seconds, ended=ended, truthful=truthful, named=sig.name in output or second.name in output,
                 kept=kept, exact=exact)
 
 
@@ -213,7 +223,7 @@ def disk_full(rng, folder, reference, deadline):
         subprocess.run(["mount", "-o", "remount,size=64m", disk], check=True)
         exact, _ = resume_is_exact(out, reference)
         return dict(did=f"{size // 1024} KiB disk, a checkpoint every step", seconds=seconds,
-                    ended=ended and rc == 1, named="disk full at" in output,
+                    ended=ended, truthful=rc == 1, named="disk full at" in output,
                     kept=not leftovers and not invalid and whole, exact=exact)
     finally:
         subprocess.run(["umount", "-l", disk], capture_output=True)
@@ -305,7 +315,7 @@ def bad_checkpoint(rng, folder, reference, deadline):
     # The checkpoints it resumed from and before stay valid; the run then rewrote the damaged steps.
     kept = set(before) <= set(valid_checkpoints(out))
     return dict(did="; ".join(f"{os.path.basename(p)}: {k}" for p, k in zip(damaged, kinds)), seconds=seconds,
-                ended=ended and rc == 0, named=named, kept=kept, exact=rc == 0 and same_as(reference, out))
+                ended=ended, truthful=rc == 0, named=named, kept=kept, exact=rc == 0 and same_as(reference, out))
 
 
 def concurrent(rng, folder, reference, deadline):
@@ -326,14 +336,368 @@ def concurrent(rng, folder, reference, deadline):
     run_to_end(alone, "--steps", str(stopped_at), steps=stopped_at)
     valid = valid_checkpoints(out)
     return dict(did=f"second run {' '.join(how) or '(fresh)'} on the same --out", seconds=seconds,
-                ended=ended2 and rc2 == 2 and ended1 and rc1 == 85,
+                ended=ended2 and ended1, truthful=rc2 == 2 and rc1 == 85,
                 named=f"pid {first.pid}" in output2 or "is in use by another run" in output2,
                 kept=len(valid) == stopped_at // 2 or len(valid) == stopped_at // 2 + 1,
                 exact=same_as(params(alone), out))
 
 
+# ---- the tools around training: prepare, export, sample, --init-from, finished --------------
+# Each trial builds what it needs in its own folder; corpora and reference datasets are made
+# once per matrix (in the matrix's root folder) and reused.
+
+def ringpipe_cmd(*args, ranks=1):
+    """A `ringpipe` command line, under `mpiexec -n ranks` when ranks > 1."""
+    cmd = [PY, "-m", "ringpipe", *args]
+    return [MPIEXEC, "-n", str(ranks), *cmd] if ranks > 1 else cmd
+
+
+def start_tool(*args, ranks=1, cwd=ROOT):
+    return subprocess.Popen(ringpipe_cmd(*args, ranks=ranks), cwd=cwd, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def run_tool(*args, ranks=1, deadline=60.0, cwd=ROOT):
+    """(returncode, output, seconds, ended) of a whole tool run."""
+    return finish(start_tool(*args, ranks=ranks, cwd=cwd), deadline)
+
+
+def _corpus(root, name, files, kb):
+    """A folder of `files` text files of about `kb` KB each (deterministic words), made once."""
+    folder = os.path.join(root, f"corpus-{name}")
+    if not os.path.isdir(folder):
+        rng = np.random.default_rng(len(name) * 1000 + files)
+        words = np.array(["ring", "pipe", "rank", "shard", "token", "step", "all-reduce", "bubble", "node",
+                          "gradient", "stage", "micro-batch", "the", "a", "of", "and", "is", "\n"])
+        os.makedirs(folder + ".tmp", exist_ok=True)
+        for i in range(files):
+            text = " ".join(words[rng.integers(0, len(words), size=kb * 180)])
+            with open(os.path.join(folder + ".tmp", f"doc{i:03d}.txt"), "w") as fh:
+                fh.write(f"{name} {i}\n{text}\n")
+        os.rename(folder + ".tmp", folder)
+    return folder
+
+
+def prepare_args(corpus, out, *extra):
+    return ("prepare", corpus, "--out", out, "--quiet", "--tokens-per-shard", "500000", *extra)
+
+
+def dataset_id(folder):
+    """A valid prepared dataset's fingerprint (its tokenizer and every shard's bytes, in order), or None."""
+    from ringpipe.engine import shards
+    import hashlib
+    try:
+        m = shards.read_manifest(folder)
+    except (ValueError, OSError):
+        return None
+    h = hashlib.sha256(m["tokenizer"]["sha256"].encode())
+    for split in shards.SPLITS:
+        for name in m["splits"][split]["shards"]:
+            with open(os.path.join(folder, name), "rb") as fh:
+                h.update(fh.read())
+    return h.hexdigest()
+
+
+def datasets_in(out):
+    """The fingerprints of the valid datasets in `out` and in the folders inside it (previous/...)."""
+    found = [dataset_id(out)]
+    if os.path.isdir(out):
+        found += [dataset_id(os.path.join(out, d)) for d in sorted(os.listdir(out))
+                  if os.path.isdir(os.path.join(out, d))]
+    return [f for f in found if f]
+
+
+_REFERENCES = {}
+
+
+def reference_datasets(root):
+    """Corpus A (small: prepared in a second), corpus B (a few seconds under 2 ranks), their
+    fingerprints, and how long B takes under `mpiexec -n 2` (to place faults inside the run)."""
+    if root not in _REFERENCES:
+        small, large = _corpus(root, "A", 4, 8), _corpus(root, "B", 48, 300)
+        ids = {}
+        for name, corpus in (("A", small), ("B", large)):
+            out = os.path.join(root, f"reference-{name}")
+            t0 = time.time()
+            rc, output, seconds, _ = run_tool(*prepare_args(corpus, out), ranks=2, deadline=300)
+            if rc != 0:
+                raise SystemExit(f"fault_matrix: preparing corpus {name} failed:\n{output[-3000:]}")
+            ids[name] = dataset_id(out)
+            ids[f"{name}_seconds"] = time.time() - t0
+        _REFERENCES[root] = dict(small=small, large=large, **ids)
+    return _REFERENCES[root]
+
+
+def _dataset_verdict(out, refs):
+    """kept: a whole dataset (old or new) is in `out` or beside it, and nothing there is a mix."""
+    found = datasets_in(out)
+    return bool(found) and all(f in (refs["A"], refs["B"]) for f in found)
+
+
+def _signal_prepare(rng, folder, deadline, sig):
+    refs = reference_datasets(os.path.dirname(folder))
+    out = os.path.join(folder, "data")
+    rc, output, _, _ = run_tool(*prepare_args(refs["small"], out))
+    assert rc == 0, output
+    victim = rng.randint(0, 1)
+    at = rng.uniform(0.05, 0.95) * refs["B_seconds"]
+    proc = start_tool(*prepare_args(refs["large"], out, "--overwrite"), ranks=2)
+    time.sleep(at)
+    pids = rank_pids(proc.pid, b"prepare")
+    if proc.poll() is not None or len(pids) < 2:
+        rc, output, seconds, ended = finish(proc, deadline)
+        return dict(did=f"{sig.name} meant for rank {victim} at {at:.2f} s: the job had already ended",
+                    seconds=seconds, ended=ended, named=True, kept=_dataset_verdict(out, refs),
+                    truthful=rc == 0 and dataset_id(out) == refs["B"])
+    t0 = time.time()
+    os.kill(pids[victim], sig)
+    rc, output, _, ended = finish(proc, deadline)
+    seconds = time.time() - t0
+    if sig == signal.SIGKILL:
+        named = "signal 9" in output.lower() or "killed" in output.lower()
+    else:
+        named = sig.name in output or "interrupt" in output.lower()
+    # rc 0 is truthful only if the job had finished its work before the signal landed.
+    truthful = rc != 0 or dataset_id(out) == refs["B"]
+    return dict(did=f"{sig.name} to rank {victim} of `mpiexec -n 2 prepare --overwrite` {at:.2f} s in",
+                seconds=seconds, ended=ended, named=named, kept=_dataset_verdict(out, refs), truthful=truthful)
+
+
+def prepare_kill(rng, folder, reference, deadline):
+    return _signal_prepare(rng, folder, deadline, signal.SIGKILL)
+
+
+def prepare_interrupt(rng, folder, reference, deadline):
+    return _signal_prepare(rng, folder, deadline, signal.SIGINT)
+
+
+def prepare_disk_full(rng, folder, reference, deadline):
+    refs = reference_datasets(os.path.dirname(folder))
+    disk = os.path.join(folder, "disk")
+    size = rng.randint(300, 2000) * 1024
+    refused = _mount_tmpfs(disk, size)
+    if refused:
+        return dict(did=f"skipped: {refused}", skipped=True)
+    try:
+        out = os.path.join(disk, "data")
+        rc, output, _, _ = run_tool(*prepare_args(refs["small"], out))
+        if rc != 0:
+            return dict(did=f"skipped: the small dataset does not fit a {size // 1024} KiB disk", skipped=True)
+        ranks = rng.choice([1, 2])
+        rc, output, seconds, ended = run_tool(*prepare_args(refs["large"], out, "--overwrite"), ranks=ranks,
+                                              deadline=deadline + refs["B_seconds"])
+        low = output.lower()
+        return dict(did=f"prepare --overwrite on a {size // 1024} KiB disk ({ranks} rank(s))", seconds=seconds,
+                    ended=ended, named="disk" in low and ("full" in low or "space" in low),
+                    kept=dataset_id(out) == refs["A"] or _dataset_verdict(out, refs), truthful=rc in (1, 2))
+    finally:
+        subprocess.run(["umount", "-l", disk], capture_output=True)
+
+
+def prepare_concurrent(rng, folder, reference, deadline):
+    """A long prepare (corpus B) and, after a random delay, a second one (corpus A) on the same --out."""
+    refs = reference_datasets(os.path.dirname(folder))
+    out = os.path.join(folder, "data")
+    how = rng.choice([[], ["--overwrite"]])
+    delay = rng.uniform(0, 1.2 * refs["B_seconds"])
+    first = start_tool(*prepare_args(refs["large"], out), ranks=2)
+    time.sleep(delay)
+    t0 = time.time()
+    rc2, output2, _, ended2 = run_tool(*prepare_args(refs["small"], out, *how), deadline=deadline)
+    seconds = time.time() - t0
+    rc1, output1, _, ended1 = finish(first, deadline + refs["B_seconds"])
+    final = dataset_id(out)
+    wrote = [name for name, rc in (("B", rc1), ("A", rc2)) if rc == 0]
+    refused = [out_ for rc, out_ in ((rc1, output1), (rc2, output2)) if rc != 0]
+    # Whoever exited 0 wrote the dataset; if both did, they ran one after the other and the second's is there.
+    kept = bool(wrote) and final == refs[wrote[-1]]
+    named = all("pid " in o or "in use" in o or "already holds" in o for o in refused)
+    truthful = all(rc in (0, 2) for rc in (rc1, rc2)) and (rc1 == 0 or rc2 == 0)
+    return dict(did=f"a second prepare {' '.join(how) or '(plain)'} {delay:.2f} s after the first "
+                    f"(exits {rc1}, {rc2})", seconds=seconds, ended=ended1 and ended2, named=named, kept=kept,
+                truthful=truthful)
+
+
+def _tiny_run(folder, data):
+    """A 2-step GPT run on `data` with a checkpoint per step (a run to export, sample, damage)."""
+    run = os.path.join(folder, "run")
+    rc, output, _, _ = run_tool("train", "--data", data, "--layers", "1", "--d-model", "16", "--heads", "2",
+                                "--context", "16", "--batch-size", "4", "--steps", "2", "--checkpoint-every", "1",
+                                "--sample-bytes", "0", "--quiet", "--out", run, deadline=300)
+    if rc != 0:
+        raise SystemExit(f"fault_matrix: the run to export failed:\n{output[-3000:]}")
+    return run
+
+
+def _snapshot(paths):
+    """Every file under `paths` with its bytes' hash: what must still be there, unchanged."""
+    import hashlib
+    seen = {}
+    for top in paths:
+        for dirpath, _, files in os.walk(top):
+            for name in files:
+                path = os.path.join(dirpath, name)
+                try:
+                    with open(path, "rb") as fh:
+                        seen[path] = hashlib.sha256(fh.read()).hexdigest()
+                except OSError:
+                    seen[path] = None
+    return seen
+
+
+EXPORT_TARGETS = ("the folder holding the run", "the run itself", "the run's checkpoints/", "a prepared dataset",
+                  "a folder of the user's notes", "--out . from the folder holding the run", "an earlier export")
+
+
+def export_overwrite(rng, folder, reference, deadline):
+    refs = reference_datasets(os.path.dirname(folder))
+    work = os.path.join(folder, "work")
+    os.makedirs(work)
+    data = os.path.join(work, "data")
+    run_tool(*prepare_args(refs["small"], data))
+    run = _tiny_run(work, data)
+    notes = os.path.join(work, "notes")
+    os.makedirs(notes)
+    with open(os.path.join(notes, "results.txt"), "w") as fh:
+        fh.write("three weeks of notes\n")
+    model = os.path.join(work, "model")
+    run_tool("export", run, "--out", model)
+    target = rng.choice(EXPORT_TARGETS)
+    out, cwd = {EXPORT_TARGETS[0]: (work, ROOT), EXPORT_TARGETS[1]: (run, ROOT),
+                EXPORT_TARGETS[2]: (os.path.join(run, "checkpoints"), ROOT), EXPORT_TARGETS[3]: (data, ROOT),
+                EXPORT_TARGETS[4]: (notes, ROOT), EXPORT_TARGETS[5]: (".", work),
+                EXPORT_TARGETS[6]: (model, ROOT)}[target]
+    precious = [run, data, notes] + ([] if target == EXPORT_TARGETS[6] else [model])
+    before = _snapshot(precious)
+    rc, output, seconds, ended = run_tool("export", run, "--out", out, "--overwrite", cwd=cwd, deadline=deadline)
+    after = _snapshot(precious)
+    if target == EXPORT_TARGETS[6]:              # the one target --overwrite is for: replaced, nothing else touched
+        ok = rc == 0 and os.path.exists(os.path.join(model, "config.json"))
+        return dict(did=f"export --overwrite onto {target}", seconds=seconds, ended=ended, named=True,
+                    kept=before == after, truthful=ok)
+    return dict(did=f"export --overwrite onto {target}", seconds=seconds, ended=ended,
+                named="refus" in output.lower() or "not a model folder" in output or "holds" in output,
+                kept=before == after, truthful=rc == 2)
+
+
+def _edit_json(path, edit):
+    with open(path) as fh:
+        obj = json.load(fh)
+    edit(obj)
+    with open(path, "w") as fh:
+        json.dump(obj, fh)
+
+
+def _int_tensor(model_dir):
+    """Rewrite model.safetensors with one tensor stored as int64."""
+    from safetensors.numpy import load_file, save_file
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].astype(np.int64)
+    save_file(tensors, path)
+
+
+HOSTILE = ("init-from: config.json n_layer 10^6", "init-from: config.json n_embd 10^8",
+           "init-from: config.json is a FIFO", "init-from: config.json is /dev/zero",
+           "init-from: config.json nested 10^5 deep", "init-from: an int64 tensor",
+           "sample: every checkpoint's n_embd 10^6 (forged manifests)",
+           "export: every checkpoint's n_head edited (forged manifests)", "sample: every manifest a FIFO")
+
+
+def _damage_hostile(kind, model, run):
+    config = os.path.join(model, "config.json")
+    manifests = checkpoint.list_checkpoints(os.path.join(run, "checkpoints"))
+    if kind == HOSTILE[0]:
+        _edit_json(config, lambda c: c.update(n_layer=10**6))
+    elif kind == HOSTILE[1]:
+        _edit_json(config, lambda c: c.update(n_embd=10**8))
+    elif kind == HOSTILE[2]:
+        os.remove(config)
+        os.mkfifo(config)
+    elif kind == HOSTILE[3]:
+        os.remove(config)
+        os.symlink("/dev/zero", config)
+    elif kind == HOSTILE[4]:
+        with open(config, "w") as fh:
+            fh.write("[" * 100000 + "]" * 100000)
+    elif kind == HOSTILE[5]:
+        _int_tensor(model)
+    elif kind in HOSTILE[6:8]:
+        for path in manifests:
+            key, value = ("n_embd", 10**6) if kind == HOSTILE[6] else ("n_head", 3)
+            _edit_json(path, lambda m: m["model_config"].update({key: value}))
+            _forge_manifest(path)
+    else:
+        for path in manifests:
+            os.remove(path)
+            os.mkfifo(path)
+
+
+def hostile_load(rng, folder, reference, deadline):
+    refs = reference_datasets(os.path.dirname(folder))
+    data = os.path.join(folder, "data")
+    run_tool(*prepare_args(refs["small"], data))
+    run = _tiny_run(folder, data)
+    model = os.path.join(folder, "model")
+    run_tool("export", run, "--out", model)
+    kind = rng.choice(HOSTILE)
+    _damage_hostile(kind, model, run)
+    if kind.startswith("init-from"):
+        args = ("train", "--init-from", f"hf:{model}", "--data", data, "--steps", "1", "--sample-bytes", "0",
+                "--out", os.path.join(folder, "new"))
+        culprit = "config.json" if "config" in kind else "model.safetensors"
+    elif kind.startswith("sample"):
+        args, culprit = ("sample", run, "--tokens", "4"), "ckpt_"
+    else:
+        args, culprit = ("export", run, "--out", os.path.join(folder, "model2")), "ckpt_"
+    rc, output, seconds, ended = run_tool(*args, deadline=deadline)
+    return dict(did=kind, seconds=seconds, ended=ended, named=culprit in output, kept=True, truthful=rc == 2)
+
+
+MARKERS = ('"ranks": 1e12', '"ranks": 10**12 (an int)', "a string rank count", "a float step",
+           "a marker linked to /dev/zero", "a marker that is a FIFO", "a marker nested 10^5 deep",
+           "--ranks -1 on a missing folder", "--ranks 0")
+
+
+def hostile_markers(rng, folder, reference, deadline):
+    run = os.path.join(folder, "run")
+    done = os.path.join(run, "finished")
+    os.makedirs(done)
+    for r in range(2):
+        with open(os.path.join(done, f"rank{r}.json"), "w") as fh:
+            json.dump({"rank": r, "ranks": 2, "step": 10, "host": "n1", "pid": 1, "time": 0.0}, fh)
+    kind = rng.choice(MARKERS)
+    marker = os.path.join(done, "rank1.json")
+    args = ["finished", run]
+    if kind in MARKERS[:4]:
+        value = {MARKERS[0]: ("ranks", 1e12), MARKERS[1]: ("ranks", 10**12), MARKERS[2]: ("ranks", "2"),
+                 MARKERS[3]: ("step", 10.5)}[kind]
+        _edit_json(marker, lambda m: m.update([value]))
+    elif kind == MARKERS[4]:
+        os.remove(marker)
+        os.symlink("/dev/zero", marker)
+    elif kind == MARKERS[5]:
+        os.remove(marker)
+        os.mkfifo(marker)
+    elif kind == MARKERS[6]:
+        with open(marker, "w") as fh:
+            fh.write("[" * 100000 + "]" * 100000)
+    elif kind == MARKERS[7]:
+        args = ["finished", os.path.join(folder, "missing"), "--ranks", "-1"]
+    else:
+        args = ["finished", run, "--ranks", "0"]
+    rc, output, seconds, ended = run_tool(*args, deadline=deadline)
+    named = "rank1.json" in output or "--ranks" in output or "missing" in output
+    return dict(did=kind, seconds=seconds, ended=ended, named=named, kept=True, truthful=rc in (1, 2))
+
+
 RUNNERS = {"kill": kill, "double-signal": double_signal, "disk-full": disk_full,
-           "bad-checkpoint": bad_checkpoint, "concurrent": concurrent}
+           "bad-checkpoint": bad_checkpoint, "concurrent": concurrent,
+           "prepare-kill": prepare_kill, "prepare-interrupt": prepare_interrupt, "prepare-disk-full": prepare_disk_full,
+           "prepare-concurrent": prepare_concurrent, "export-overwrite": export_overwrite,
+           "hostile-load": hostile_load, "hostile-markers": hostile_markers}
+TRAINING = ("kill", "double-signal", "disk-full", "bad-checkpoint", "concurrent")
 
 
 # ---- the matrix ---------------------------------------------------------------------------
@@ -346,11 +710,17 @@ def reference_params(folder):
     return params(out)
 
 
+def failed_checks(trial):
+    """The checks a trial did not pass (those that do not apply to its scenario are absent)."""
+    return [k for k in CHECKS if k in trial and not trial[k]]
+
+
 def run_matrix(scenarios, repeat, seed, deadline, log=print):
     rng = random.Random(seed)
     root = tempfile.mkdtemp(prefix="ringpipe-faults-")
     try:
-        reference = reference_params(root)
+        # The uninterrupted training run the resumed ones must equal (only training scenarios need it).
+        reference = reference_params(root) if any(s in TRAINING for s in scenarios) else None
         trials = []
         for name in scenarios:
             for i in range(repeat):
@@ -360,12 +730,14 @@ def run_matrix(scenarios, repeat, seed, deadline, log=print):
                 result["scenario"] = name
                 trials.append(result)
                 verdict = "skipped" if result.get("skipped") else " ".join(
-                    f"{k}={'yes' if result[k] else 'NO'}" for k in ("ended", "named", "kept", "exact"))
+                    f"{k}={'yes' if result[k] else 'NO'}" for k in CHECKS if k in result)
                 log(f"{name} #{i + 1}: {result['did']}: {verdict}"
                     + (f" ({result['seconds']:.1f} s to end)" if "seconds" in result else ""))
                 shutil.rmtree(folder, ignore_errors=True)
         return trials
     finally:
+        for sub in os.listdir(root):                 # a trial's tmpfs left mounted by an error
+            subprocess.run(["umount", "-l", os.path.join(root, sub, "disk")], capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -375,8 +747,8 @@ def summarize(trials):
         ts = [t for t in trials if t["scenario"] == name and not t.get("skipped")]
         row = {"scenario": name, "trials": len(ts),
                "skipped": sum(1 for t in trials if t["scenario"] == name and t.get("skipped"))}
-        for k in ("ended", "named", "kept", "exact"):
-            row[k] = sum(1 for t in ts if t[k])
+        for k in CHECKS:
+            row[k] = sum(1 for t in ts if t.get(k)) if any(k in t for t in ts) else None
         row["max_seconds"] = max((t["seconds"] for t in ts), default=None)
         rows.append(row)
     return rows
@@ -405,19 +777,18 @@ def main(argv=None):
           flush=True)
     trials = run_matrix(scenarios, args.repeat, seed, args.deadline, log=lambda s: print(s, flush=True))
     rows = summarize(trials)
-    print("\n| scenario | trials | ended in time | cause named | valid checkpoints kept | resume bit-identical "
-          "| slowest end (s) |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("\n| scenario | trials | ended in time | cause named | nothing lost | exit code truthful "
+          "| resume bit-identical | slowest end (s) |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         slowest = f"{r['max_seconds']:.1f}" if r["max_seconds"] is not None else "-"
         skipped = f" ({r['skipped']} skipped)" if r["skipped"] else ""
-        print(f"| {r['scenario']} | {r['trials']}{skipped} | {r['ended']} | {r['named']} | {r['kept']} "
-              f"| {r['exact']} | {slowest} |")
+        counts = " | ".join("-" if r[k] is None else str(r[k]) for k in CHECKS)
+        print(f"| {r['scenario']} | {r['trials']}{skipped} | {counts} | {slowest} |")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"seed": seed, "repeat": args.repeat, "deadline_s": args.deadline, "summary": rows,
                        "trials": trials}, fh, indent=1)
-    failed = [t for t in trials if not t.get("skipped") and not all(t[k] for k in ("ended", "named", "kept",
-                                                                                    "exact"))]
+    failed = [t for t in trials if not t.get("skipped") and failed_checks(t)]
     return 1 if failed else 0
 
 
