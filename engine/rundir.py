@@ -23,9 +23,13 @@ import fcntl
 import json
 import os
 import shutil
+import re
 import socket
+import stat
 import sys
 import time
+
+from ringpipe.engine.files import UnreadableFile, file_kind, parse_json, read_json
 
 LOCK_NAME = "run.lock"
 METRICS_NAME = "metrics.jsonl"
@@ -86,7 +90,7 @@ class RunDir:
         """Take the run's lock, or raise RunDirError naming the run that holds it.
         Returns notes for the user (a stale lock taken over, no locking here)."""
         notes = []
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_own_file(self.lock_path, os.O_RDWR | os.O_CREAT, "the run's lock file")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -149,22 +153,62 @@ class RunDir:
                 f"resume it with --resume {previous} if that was a mistake")
 
 
+def _open_own_file(path: str, flags: int, what: str) -> int:
+    """os.open(path, flags) for a file of the run that ringpipe writes (the lock, the
+    metrics): never through a symbolic link (O_NOFOLLOW: OUT/run.lock -> ~/notes.txt
+    would have been truncated and overwritten), never a FIFO or device (O_NONBLOCK so
+    opening a FIFO does not wait; fstat afterwards, so what is checked is what is
+    written). RunDirError naming the file otherwise."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP or os.path.islink(path):
+            raise RunDirError(f"{what} {path} is a symbolic link (to {os.readlink(path)!r}); ringpipe writes "
+                              "this file and would overwrite what the link points to. Remove the link "
+                              "(rm " + path + "), or pass another --out") from None
+        raise RunDirError(describe_write_error(e, os.path.dirname(path) or ".", what)) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise RunDirError(f"{what} {path} is {file_kind(mode)}, not a regular file; ringpipe writes this file "
+                          "itself. Remove it, or pass another --out")
+    os.set_blocking(fd, True)
+    return fd
+
+
+# What the lock file may say about its owner, as it is shown: a lock file is any
+# bytes (damaged, or written by hand), so each field is checked before it is used.
+_OWNER_TEXT_LIMIT = 300
+_PID_MAX = 1 << 22                  # Linux's pid_max ceiling; larger is not a process id
+
+
 def _read_owner(fd: int) -> dict | None:
     try:
-        raw = os.pread(fd, 4096, 0)
-        return json.loads(raw.decode()) if raw.strip() else None
-    except (OSError, ValueError, UnicodeDecodeError):
+        raw = os.pread(fd, 4096, 0)      # bounded: a real one is ~200 bytes
+        if not raw.strip():
+            return None
+        owner = parse_json(raw, "run.lock")
+    except (OSError, ValueError):
         return {"unreadable": True}
+    return owner if isinstance(owner, dict) else {"unreadable": True}
+
+
+def _shown(value) -> str:
+    """A field of the lock file as text for a message: printable, bounded."""
+    text = value if isinstance(value, str) else json.dumps(value) if isinstance(value, (int, float)) else "?"
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return text[:_OWNER_TEXT_LIMIT] + ("..." if len(text) > _OWNER_TEXT_LIMIT else "")
 
 
 def _describe_owner(owner: dict | None) -> str:
-    if not owner or "host" not in owner:
+    if not isinstance(owner, dict) or not isinstance(owner.get("host"), str):
         return "owner unknown"
+    pid = owner.get("pid")
     alive = ""
-    if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
-        alive = ", running" if _pid_alive(owner["pid"]) else ", no longer running"
-    return (f"host {owner['host']} pid {owner.get('pid')}{alive}, started {owner.get('started', '?')}: "
-            f"{owner.get('command', '?')}")
+    if owner["host"] == socket.gethostname() and type(pid) is int and 0 < pid < _PID_MAX:
+        alive = ", running" if _pid_alive(pid) else ", no longer running"
+    return (f"host {_shown(owner['host'])} pid {_shown(pid)}{alive}, started {_shown(owner.get('started', '?'))}: "
+            f"{_shown(owner.get('command', '?'))}")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -188,36 +232,47 @@ class MetricsLog:
     def __init__(self, path: str, append: bool):
         self.path = path
         self.notes: list[str] = []
-        if append:
-            self._repair_torn_tail()
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if append else os.O_TRUNC)
-        self._fd = os.open(path, flags, 0o644)
-
-    def _repair_torn_tail(self) -> None:
+        self._fd = None
+        # Opened once, never through a link, and only a regular file (_open_own_file):
+        # a metrics.jsonl linked to another file would have had that file truncated.
+        flags = os.O_RDWR | os.O_CREAT | os.O_APPEND | (0 if append else os.O_TRUNC)
+        fd = _open_own_file(path, flags, "the metrics log")
         try:
-            with open(self.path, "rb+") as fh:
-                size = fh.seek(0, os.SEEK_END)
-                if size == 0:
-                    return
-                # Find the last newline, reading backwards a block at a time.
-                end, block = size, 1 << 16
-                while end > 0:
-                    start = max(0, end - block)
-                    fh.seek(start)
-                    chunk = fh.read(end - start)
-                    cut = chunk.rfind(b"\n")
-                    if cut >= 0:
-                        keep = start + cut + 1
-                        break
-                    end = start
-                else:
-                    keep = 0
-                if keep < size:
-                    fh.truncate(keep)
-                    self.notes.append(f"note: {self.path} ended in a torn line ({size - keep} bytes, from an "
-                                      "interrupted write); it was cut off")
-        except FileNotFoundError:
-            pass
+            if append:
+                self._repair_torn_tail(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    # A record is well under 4 KiB: a "torn line" longer than this is not one,
+    # and searching further back for a line break would read the whole file.
+    TORN_LIMIT = 1 << 20
+
+    def _repair_torn_tail(self, fd: int) -> None:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return
+        # Find the last newline, reading backwards a block at a time, at most TORN_LIMIT bytes.
+        end, block, keep = size, 1 << 16, None
+        while end > 0 and size - end < self.TORN_LIMIT:
+            start = max(0, end - block)
+            chunk = os.pread(fd, end - start, start)
+            cut = chunk.rfind(b"\n")
+            if cut >= 0:
+                keep = start + cut + 1
+                break
+            end = start
+        if keep is None:
+            if end > 0:
+                raise RunDirError(f"the metrics log {self.path} has no line break in its last {self.TORN_LIMIT:,} "
+                                  "bytes: it is not a metrics log ringpipe wrote (one JSON record per line). Move "
+                                  "it aside, then --resume again")
+            keep = 0
+        if keep < size:
+            os.ftruncate(fd, keep)
+            self.notes.append(f"note: {self.path} ended in a torn line ({size - keep} bytes, from an "
+                              "interrupted write); it was cut off")
 
     def write(self, record: dict) -> None:
         line = (json.dumps(record) + "\n").encode()
@@ -248,7 +303,10 @@ class MetricsLog:
 
 def clear_finished(out_dir: str) -> None:
     """Rank 0, at start: markers of an earlier run must not count for this one."""
-    shutil.rmtree(os.path.join(out_dir, DONE_NAME), ignore_errors=True)
+    folder = os.path.join(out_dir, DONE_NAME)
+    if os.path.islink(folder) or (os.path.lexists(folder) and not os.path.isdir(folder)):
+        os.remove(folder)          # rmtree refuses a link: the markers would go where it points
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def mark_finished(out_dir: str, rank: int, size: int, step: int) -> None:
@@ -256,34 +314,116 @@ def mark_finished(out_dir: str, rank: int, size: int, step: int) -> None:
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"rank{rank}.json")
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
+    if os.path.lexists(tmp):
+        os.remove(tmp)             # a leftover of a killed process with our pid
+    # O_EXCL | O_NOFOLLOW: the temp file is ours, never a link planted at its name; then
+    # one rename, so a reader sees the whole marker or none (read_marker checks every field).
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as fh:
         json.dump({"rank": rank, "ranks": size, "step": step, "host": socket.gethostname(), "pid": os.getpid(),
                    "time": time.time()}, fh)
     os.replace(tmp, path)
 
 
+# A marker is a ~150-byte JSON object; a larger file is not one (and is not read).
+MARKER_LIMIT = 64 << 10
+# More ranks than any machine has: a count beyond this (from a marker or --ranks) is a
+# damaged or hand-made value, not a run, and is never looped over.
+MAX_RANKS = 1 << 20
+_MARKER_NAME = re.compile(r"rank(0|[1-9][0-9]{0,6})\.json")
+
+
+class FinishedError(ValueError):
+    """`ringpipe finished` cannot tell: no run folder there, a bad --ranks, or a marker that
+    is not one ringpipe wrote (the message names the file and what to do). Exit code 2."""
+
+
+def _whole_number(value, what: str, where: str, low: int, high: int) -> int:
+    # bool is an int to Python, 1e12 and "3" are not whole numbers to us: all refused.
+    if type(value) is not int or not low <= value <= high:
+        raise FinishedError(f"{where}: {what} is {json.dumps(value)[:60]}, not a whole number in {low}..{high}; "
+                            "the marker is damaged or was not written by ringpipe: remove it and check the run's "
+                            "logs, or run again")
+    return value
+
+
+def read_marker(path: str, rank: int) -> dict:
+    """The completion marker of `rank` at `path`, every field checked (FinishedError otherwise)."""
+    try:
+        rec = read_json(path, "completion marker", MARKER_LIMIT)
+    except UnreadableFile as e:
+        raise FinishedError(f"{e}; remove it and check the run's logs, or run again") from None
+    if not isinstance(rec, dict):
+        raise FinishedError(f"completion marker {path} holds {type(rec).__name__}, not a JSON object; "
+                            "remove it and check the run's logs, or run again")
+    ranks = _whole_number(rec.get("ranks"), '"ranks"', f"completion marker {path}", 1, MAX_RANKS)
+    _whole_number(rec.get("rank"), '"rank"', f"completion marker {path}", 0, ranks - 1)
+    if rec["rank"] != rank:
+        raise FinishedError(f"completion marker {path} says rank {rec['rank']}, but its name says rank {rank}; "
+                            "remove it and check the run's logs, or run again")
+    _whole_number(rec.get("step"), '"step"', f"completion marker {path}", 0, 1 << 62)
+    return rec
+
+
 def finished(out_dir: str, ranks: int | None = None) -> tuple[bool, str]:
     """(every rank finished?, what to say). ranks: how many there were (default: as
-    the markers say)."""
+    the markers say). Raises FinishedError when it cannot tell (see there).
+
+    Everything read is bounded: markers are size-limited regular files (engine/files.py:
+    a marker linked to /dev/zero is refused, not read), their fields checked, and the
+    counts looped over are at most MAX_RANKS, so it ends quickly whatever the folder holds
+    (slurm/train.sbatch runs it after srun: it must never hang)."""
+    if ranks is not None:
+        if type(ranks) is not int or not 1 <= ranks <= MAX_RANKS:
+            raise FinishedError(f"--ranks {ranks}: must be a whole number in 1..{MAX_RANKS} (how many ranks the "
+                                "run had, e.g. $SLURM_NTASKS)")
+    if not os.path.isdir(out_dir):
+        what = "does not exist" if not os.path.lexists(out_dir) else "is not a folder"
+        raise FinishedError(f"run folder {out_dir} {what}: give the --out of the run to check")
     folder = os.path.join(out_dir, DONE_NAME)
-    markers = {}
-    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        if name.startswith("rank") and name.endswith(".json"):
-            try:
-                with open(os.path.join(folder, name)) as fh:
-                    rec = json.load(fh)
-                markers[int(rec["rank"])] = rec
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
+    if os.path.lexists(folder) and not os.path.isdir(folder):
+        raise FinishedError(f"{folder} is not a folder (ringpipe keeps the completion markers there): remove it "
+                            "and check the run's logs, or run again")
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    found = {}
+    for name in names:
+        m = _MARKER_NAME.fullmatch(name)
+        if m:                                  # rank3.json.tmp123: a write a killed rank left; not a marker
+            found[int(m.group(1))] = os.path.join(folder, name)
+    limit = ranks if ranks is not None else MAX_RANKS
+    beyond = sorted(r for r in found if r >= limit)
+    if beyond:
+        raise FinishedError(f"{found[beyond[0]]}: a marker of rank {beyond[0]}, but the run had "
+                            f"{limit if ranks is not None else f'at most {MAX_RANKS:,}'} rank(s) "
+                            f"(ranks 0..{limit - 1}); remove the markers that are not this run's, or give the "
+                            "right --ranks")
+    markers = {r: read_marker(path, r) for r, path in sorted(found.items())}
+    counts = sorted({m["ranks"] for m in markers.values()})
+    if len(counts) > 1:
+        raise FinishedError(f"{folder}: the markers disagree on how many ranks the run had ({counts}): they are "
+                            "from different runs; remove the folder and run again")
+    # The markers' own count differing from --ranks: the ranks were not one world of that
+    # size (e.g. srun with the wrong --mpi plugin: N singletons, each "rank 0 of 1").
+    # Not finished, as expected: exit 1 with both counts, not 2 (the markers are sound).
+    other = (f" (the markers say the run had {counts[0]} rank(s): the ranks were not one MPI job of {ranks})"
+             if ranks is not None and counts and counts[0] != ranks else "")
     if ranks is None:
-        ranks = max((m.get("ranks", 0) for m in markers.values()), default=0)
+        ranks = counts[0] if counts else 0
     if not ranks:
         return False, f"{out_dir}: no rank wrote a completion marker ({folder}): the run did not finish"
-    missing = [r for r in range(ranks) if r not in markers]
-    steps = sorted({m.get("step") for m in markers.values()})
+    missing = ranks - len(markers)
+    if other and not missing:
+        return False, f"{out_dir}: every one of the {ranks} rank(s) left a marker, but{other}"
+    steps = sorted({m["step"] for m in markers.values()})
     if missing:
-        shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
-        return False, (f"{out_dir}: {len(missing)} of {ranks} rank(s) never finished (no marker: {shown}); "
+        first = []
+        for r in range(ranks):               # ranks <= MAX_RANKS; stops at the 21st gap
+            if r not in markers:
+                first.append(r)
+                if len(first) > 20:
+                    break
+        shown = ", ".join(map(str, first[:20])) + (" ..." if missing > 20 else "")
+        return False, (f"{out_dir}: {missing} of {ranks} rank(s) never finished (no marker: {shown}){other}; "
                        "whatever the launcher's exit code said, the run did not complete")
     return True, f"{out_dir}: all {ranks} rank(s) finished (step {', '.join(map(str, steps))})"
 
@@ -291,12 +431,24 @@ def finished(out_dir: str, ranks: int | None = None) -> tuple[bool, str]:
 def main(argv=None, prog="ringpipe finished") -> int:
     import argparse
     p = argparse.ArgumentParser(prog=prog, description="Did every rank of a run finish? Exit 0 if so, 1 if "
-                                "not (naming the ranks): check this, not the launcher's exit code, in batch "
-                                "scripts (mpirun has exited 0 after a node died).")
+                                "not (naming the ranks), 2 if it cannot tell (no such run folder, a bad --ranks, "
+                                "a damaged marker: the message names the file). Check this, not the launcher's "
+                                "exit code, in batch scripts (mpirun has exited 0 after a node died).")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--ranks", type=int, default=None, help="how many ranks the run had (default: as the "
                    "markers say; give it, e.g. $SLURM_NTASKS, so that a rank that never started counts)")
-    args = p.parse_args(argv)
-    ok, message = finished(args.run_dir, args.ranks)
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:                # --help (0) or a usage error (2, argparse printed it)
+        return int(e.code or 0)
+    try:
+        ok, message = finished(args.run_dir, args.ranks)
+    except FinishedError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:                   # the folder cannot be listed (permissions, I/O error)
+        print(f"{prog}: error: cannot read {e.filename or args.run_dir} ({e.strerror or e}); check the path "
+              "and its permissions", file=sys.stderr)
+        return 2
     print(message, file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1
