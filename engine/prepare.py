@@ -822,6 +822,7 @@ def main(argv=None, prog="ringpipe prepare") -> int:
     from mpi4py import MPI
     comm.install_abort_handler()           # a bug on one rank ends the job instead of leaving the others waiting
     world = MPI.COMM_WORLD
+    lifecycle.end_job_on_signal(world, prog)   # and so does Ctrl-C/SIGTERM on one rank (the others would wait)
     try:
         lifecycle.check_launcher()
         t0 = time.perf_counter()
