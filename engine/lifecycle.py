@@ -48,6 +48,9 @@ __all__ = [
     "check_launcher",
     "Watchdog",
     "setup_rank_logging",
+    "TOOL_SIGNALS",
+    "ToolInterrupted",
+    "end_job_on_signal",
 ]
 
 #: Exit code meaning "checkpointed on request; requeue me" (see module docstring).
@@ -252,6 +255,134 @@ class StopFlag:
 
 class StopError(RuntimeError):
     """A rank reported a failure (StopFlag.fail); every rank stops with it."""
+
+
+# ---------------------------------------------------------------------------
+# The tools around training (prepare, ...): a signal on one rank ends the job.
+
+#: What ends a tool run: Ctrl-C (which reaches only the ranks it is sent to: a
+#: `kill -INT` of one rank, or one rank's terminal), Slurm's and kill's SIGTERM, a
+#: closed terminal's SIGHUP.
+TOOL_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class ToolInterrupted(KeyboardInterrupt):
+    """A signal ended a one-rank tool run. A KeyboardInterrupt, so the tool's own
+    `except KeyboardInterrupt` and `finally` cleanup run as for Ctrl-C; `exit_code` is
+    the truthful code, 128 + the signal (130 SIGINT, 143 SIGTERM, 129 SIGHUP)."""
+
+    def __init__(self, signum: int, tool: str):
+        self.signum = int(signum)
+        self.exit_code = 128 + self.signum
+        super().__init__(f"{tool}: interrupted by {signal.Signals(signum).name}")
+
+
+def end_job_on_signal(world, tool: str, signals=TOOL_SIGNALS):
+    """Make SIGINT/SIGTERM/SIGHUP on this rank end the whole job, for a tool whose ranks
+    meet in collectives (`ringpipe prepare`). Call it on every rank, at start, from the
+    main thread, once MPI is up. Returns a function that puts the old handlers back.
+
+    Why: a signal reaches only the rank it is sent to. Python turns SIGINT into a
+    KeyboardInterrupt on that rank alone: it cleans up and leaves, and the other ranks
+    wait forever in their next collective for a rank that is gone (seen: 292 s and
+    counting). Sharing "I was interrupted" in an agreement step would need every rank to
+    reach it, and a rank busy for minutes (training a BPE tokenizer) would not; so the
+    rank that got the signal ends the job itself:
+
+      - more than one rank: print "TOOL: rank R interrupted by SIGINT; ending the job"
+        and MPI_Abort with 128 + the signal (130 SIGINT, 143 SIGTERM), which the launcher
+        passes on. The other ranks are killed by the launcher, so their cleanup (a
+        `finally`, temp folders) does not run: a tool must keep its work in a place its
+        next run finds and removes (prepare: OUT/.prepare-parts-*, reported and removed by
+        the next `prepare --overwrite`), never half-written where a reader would take it.
+      - one rank: raise ToolInterrupted (a KeyboardInterrupt) in the main thread, so the
+        tool's own cleanup runs as for Ctrl-C.
+
+    The Python handler only runs when the main thread is back in Python; a rank blocked
+    in a collective (the very rank the others wait on) may not get there. So the signal
+    is also written to a wakeup pipe (signal.set_wakeup_fd) that a thread watches, and
+    the thread aborts the job: MPI is initialised for threads (mpi4py's default,
+    MPI_THREAD_MULTIPLE), as the Watchdog's abort already relies on. With one rank, a
+    second signal ends the process at once (cleanup that hangs must not need SIGKILL)."""
+    rank, size = world.Get_rank(), world.Get_size()
+    ending = threading.Lock()            # the first of the handler and the thread to get it aborts
+    numbers = {int(s) for s in signals}
+    seen = [0]
+
+    def say(text: str) -> None:
+        try:
+            os.write(2, (text + "\n").encode())     # no buffered stream: a handler may interrupt one
+        except OSError:
+            pass
+
+    def end_job(signum: int) -> None:
+        if not ending.acquire(blocking=False):
+            return                                   # the other path is ending it already
+        name = signal.Signals(signum).name
+        say(f"{tool}: rank {rank} interrupted by {name}; ending the job")
+        from ringpipe.comm.abort import abort_job
+        abort_job(128 + signum, world)               # does not return
+
+    def handler(signum, frame):
+        if size == 1:
+            seen[0] += 1
+            if seen[0] == 1:                         # a second one: the watcher thread exits at once
+                say(f"{tool}: interrupted by {signal.Signals(signum).name}; cleaning up")
+                raise ToolInterrupted(signum, tool)
+            if wakeup is None:                       # no watcher thread to do it
+                os._exit(128 + signum)
+            return
+        end_job(signum)
+        while True:                                  # the watcher thread got there first: it ends
+            time.sleep(1)                            # the process; do no more work meanwhile
+
+    previous = {s: signal.signal(s, handler) for s in signals}
+
+    # The watcher: a signal arrives while the main thread is inside MPI (or any long C call).
+    wakeup = None
+    try:
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        if old_fd != -1:                 # someone else watches already (a StopFlag): leave theirs
+            signal.set_wakeup_fd(old_fd)
+            os.close(r)
+            os.close(w)
+        else:
+            wakeup = (r, w)
+    except (ValueError, OSError):        # not the main thread, or no pipes: the handler alone
+        pass
+
+    if wakeup is not None:
+        def watch():
+            count = 0
+            while True:
+                try:
+                    data = os.read(wakeup[0], 64)
+                except OSError:
+                    return
+                if not data:
+                    return
+                for number in data:      # one byte per signal that arrived
+                    if number not in numbers:
+                        continue
+                    count += 1
+                    if size > 1:
+                        end_job(number)
+                    elif count >= 2:
+                        say(f"{tool}: second {signal.Signals(number).name}: stopping now, without cleanup")
+                        os._exit(128 + number)
+
+        threading.Thread(target=watch, name="ringpipe-end-job-on-signal", daemon=True).start()
+
+    def restore() -> None:
+        for s, old in previous.items():
+            signal.signal(s, old if old is not None else signal.SIG_DFL)
+        if wakeup is not None:
+            signal.set_wakeup_fd(-1)
+            os.close(wakeup[1])          # the watcher's read sees the end and it returns
+
+    return restore
 
 
 # ---------------------------------------------------------------------------
