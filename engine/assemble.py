@@ -390,7 +390,9 @@ def start_reporting(r: Run, cleanup) -> None:
         if world.Get_size() > 1:
             report.say(f"GPU buffers and MPI: {r.transport.describe()}")
     if cfg.model == "gpt":
-        nats = r.dataset.unigram_entropy()
+        # Reads each split's first 256 MiB (and refuses a token id outside the vocabulary
+        # there): a read error on one rank must stop every rank alike.
+        nats = agree(world, r.dataset.unigram_entropy, "unigram baseline of the data")
         per_token = r.dataset.bytes_per_token("val")
         bpb = f" = {nats / math.log(2) / per_token:.3f} bits/byte" if per_token else ""
         report.say(f"unigram baseline (val): {nats:.4f} nats/token{bpb} (a model must beat it to have learned)")

@@ -24,6 +24,7 @@ import numpy as np
 
 from ringpipe import comm, kernels as K
 from ringpipe.engine import checkpoint, lifecycle, rundir
+from ringpipe.engine.agreement import BadBatch, agree_batch, batch_error, batch_problem
 from ringpipe.engine.assemble import Run, assemble
 from ringpipe.engine.config import Config
 from ringpipe.engine.errors import Diverged, JobFailure
@@ -68,6 +69,10 @@ def train(r: Run) -> tuple[float, int | None]:
     r.report.first_step_starts()
     # The next step's rows are read in a background thread while this step computes.
     with Prefetcher(r.dataset, r.cfg.batch_size, *r.rows) as batches:
+        if r.start_step < r.cfg.steps:
+            # The first batch is agreed on before the loop (one tiny all-reduce, once);
+            # each later one inside the step before it (next_batch_problem).
+            agree_batch(r.world, read_error(batches.error_of(r.start_step)))
         return steps(r, batches)
 
 
@@ -88,15 +93,27 @@ def steps(r: Run, batches: Prefetcher) -> tuple[float, int | None]:
         done = step + 1
         record = step_record(done, loss, lr, norm_sq, time.perf_counter() - t0, r.items_per_step,
                              r.flops_per_item, cfg.model, getattr(model, "comm_hidden_fraction", lambda: None)())
-        if done % (cfg.eval_every or max(1, cfg.steps // 5)) == 0 or done == cfg.steps:
-            record.update(evaluate(r))
-            refuse_non_finite(r, done, validation_loss=record["val_loss"])
-        report_step(r, record)
-        saved_now = bool(cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done != cfg.steps)
-        if saved_now:
-            save(r, done, loss)
-        r.dog.beat(done)
-        if agree_to_stop(r) and done != cfg.steps:
+        reported = saved_now = False
+        try:
+            if done % (cfg.eval_every or max(1, cfg.steps // 5)) == 0 or done == cfg.steps:
+                record.update(evaluate(r))
+                refuse_non_finite(r, done, validation_loss=record["val_loss"])
+            report_step(r, record)
+            reported = True
+            saved_now = bool(cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done != cfg.steps)
+            if saved_now:
+                save(r, done, loss)
+            r.dog.beat(done)
+            stopping = agree_to_stop(r, next_batch_problem(r, batches, done))
+        except BadBatch as e:
+            # Every rank is here alike (the verdict was agreed): keep the steps done so far.
+            if not reported:
+                report_step(r, record)
+            if not saved_now:
+                save(r, done, loss)
+            raise BadBatch(f"{e.message} (stopped after step {done}, before any rank used the batch; the "
+                           f"checkpoint of step {done} holds the training so far)") from None
+        if stopping and done != cfg.steps:
             if not saved_now:
                 save(r, done, loss)
             return loss, done
@@ -142,8 +159,14 @@ def evaluate(r: Run) -> dict:
     tokenizers, since a token covers bytes_per_token bytes of the text on average."""
     total = 0.0
     for i in range(r.cfg.eval_batches):
-        x, y = r.dataset.batch(i, r.cfg.batch_size, *r.rows, split="val")
-        total += r.model.forward_loss(x, y)
+        try:
+            batch, error = r.dataset.batch(i, r.cfg.batch_size, *r.rows, split="val"), None
+        except (ValueError, OSError) as e:
+            batch, error = None, e
+        # Agreed before any rank uses it: one 8-byte all-reduce per validation batch,
+        # next to the forward pass it guards (evaluation is not every step).
+        agree_batch(r.world, error)
+        total += r.model.forward_loss(*batch)
     val = {"val_loss": sum_over_ranks(r, total) / (r.cfg.eval_batches * r.items_per_step)}
     per_token = getattr(r.dataset, "bytes_per_token", lambda split: None)("val")
     if per_token:
@@ -158,11 +181,46 @@ def report_step(r: Run, record: dict) -> None:
         r.stop.fail(str(e))                  # every rank stops at the next boundary
 
 
-def agree_to_stop(r: Run) -> bool:
-    """A collective every step: all ranks see the same answer, so none is left behind."""
+# What stop.fail() is given when this rank's rows of the next batch cannot be used:
+# the flag rides in the step's stop all-reduce, the message is gathered only then.
+_BAD_BATCH = "ringpipe: a rank could not use its rows of the next batch"
+
+
+def read_error(error):
+    """The error a batch read raised that the ranks agree on and stop for (a bad token
+    id, a shard that changed or cannot be read); anything else is a bug, raised as is."""
+    if error is None or isinstance(error, (ValueError, OSError)):
+        return error
+    raise error
+
+
+def next_batch_problem(r: Run, batches: Prefetcher, done: int):
+    """Check this rank's rows of the next step's batch (read ahead while this step
+    computed) before any rank uses them. Each rank reads only its rows (and every
+    rank of a tensor group or pipeline the same ones), so a bad id one replica holds
+    must stop all: the verdict is folded into the stop signal's all-reduce at the end
+    of this step, costing no message of its own. (Checking the whole global batch on
+    every rank would need no agreement, but multiplies each rank's reads by the
+    data-parallel size: dp times the I/O on a shared filesystem, every step.)"""
+    if done >= r.cfg.steps:
+        return None                              # the batch read ahead past the last step is never used
+    problem = batch_problem(read_error(batches.error_of(done)), r.world.Get_rank())
+    if problem is not None:
+        r.stop.fail(_BAD_BATCH)
+    return problem
+
+
+def agree_to_stop(r: Run, problem=None) -> bool:
+    """A collective every step: all ranks see the same answer, so none is left behind.
+    `problem`: this rank's with the next batch (next_batch_problem), raised as
+    BadBatch on every rank when any rank has one."""
     try:
         return r.stop.should_stop(r.world)
     except lifecycle.StopError as e:
+        # Every rank holds the same StopError (the first failing rank's message), so
+        # all take the same branch here, and the gather below is collective.
+        if str(e).startswith(_BAD_BATCH):
+            raise batch_error(r.world, problem) from None
         raise JobFailure(str(e)) from None
 
 

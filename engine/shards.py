@@ -20,9 +20,26 @@ so llm.c reads our shards and we read its. nanoGPT's headerless uint16
 Training never reads a whole shard: np.memmap maps the files, and a batch reads
 only the windows it samples. A split's shards are one virtual concatenation
 (ConcatenatedShards): a window may cross from one shard into the next.
+
+A dataset does not change under a training run. Every shard's file is opened
+when the dataset is opened (ConcatenatedShards), and every read goes through
+those descriptors: a folder that `ringpipe prepare` replaces while a run reads
+it (by renaming a new one into place) leaves the run reading the old files,
+whose inodes stay readable while they are open. When DATA_DIR/prepare.lock
+exists (a regular file), open_dataset also takes a shared flock on it for the
+dataset's lifetime (hold_dataset): a prepare that takes it exclusively can see
+that a run is reading. Not having it is not an error: a prepare holding it,
+or no lock file, is said nothing of.
+
+Every token id that reaches the model is checked against the tokenizer's
+vocabulary, window by window as a batch is read (ShardDataset.batch: one max()
+of the window; BadTokens otherwise); the start-up histogram sees only the first
+256 MiB of a split.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import mmap
 import os
@@ -31,6 +48,8 @@ import stat
 import threading
 
 import numpy as np
+
+from ringpipe.engine import files
 
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
@@ -46,6 +65,19 @@ MANIFEST_FORMAT, MANIFEST_VERSION = "ringpipe-data", 1
 SPLITS = ("train", "val")
 _SPLIT_IDS = {"train": 0, "val": 1}             # as engine/data.py's: the same batches for the same tokens
 SHARD_NAME = re.compile(r"^(train|val)_[0-9]{6}\.bin$")
+LOCK_NAME = "prepare.lock"
+# A real manifest is kilobytes (a line per shard and per source); this is far above
+# any prepared corpus and far below what would hurt to read.
+MANIFEST_LIMIT_BYTES = 64 * files.MiB
+
+
+class BadTokens(ValueError):
+    """A token id outside the tokenizer's vocabulary in a batch about to be used.
+    `position`: where the first such token is in its split (the same at every layout)."""
+
+    def __init__(self, message: str, position: int):
+        super().__init__(message)
+        self.position = position
 
 
 def shard_dtype(vocab_size: int) -> np.dtype:
@@ -158,52 +190,90 @@ def write_text_atomic(path: str, text: str) -> None:
 # ---- reading ----------------------------------------------------------------------------
 
 class Shard:
-    """Where a shard's tokens are in its file (what read_shard found in the header)."""
+    """Where a shard's tokens are in its file (what read_shard found in the header).
+    `identity`: (st_dev, st_ino) of the file, so one file listed twice is seen."""
 
-    def __init__(self, path: str, dtype: np.dtype, offset: int, count: int, headerless: bool = False):
+    def __init__(self, path: str, dtype: np.dtype, offset: int, count: int, headerless: bool = False,
+                 identity: tuple | None = None):
         self.path, self.dtype, self.offset, self.count, self.headerless = path, dtype, offset, count, headerless
+        self.identity = identity
 
-    def memmap(self) -> np.ndarray:
-        """The tokens as a read-only array over a memory map of the file. The map is
-        advised MADV_RANDOM: a batch reads a few KB at random places, and the kernel's
-        read-around of each page fault (8 MB on some systems) would otherwise read a
-        200 MB shard whole for a few hundred windows (measured)."""
+    @property
+    def size(self) -> int:
+        """The file's size in bytes, as the header says."""
+        return self.offset + self.count * self.dtype.itemsize
+
+    def open(self) -> int:
+        """A read-only descriptor of the file, checked to still be the file inspect_shard
+        read (a regular file of the size its header gives): every later read goes
+        through it, so a shard renamed away or replaced keeps reading as it was."""
+        fd = files.open_regular(self.path, "shard")
+        st = os.fstat(fd)
+        if st.st_size != self.size:
+            os.close(fd)
+            raise ValueError(f"shard {self.path} is {st.st_size} bytes, its header said {self.size}: it changed "
+                             "while the dataset was opened (is `ringpipe prepare` writing it?); prepare again")
+        return fd
+
+    def memmap(self, fd: int | None = None) -> np.ndarray:
+        """The tokens as a read-only array over a memory map of the file (of `fd` when
+        given). The map is advised MADV_RANDOM: a batch reads a few KB at random places,
+        and the kernel's read-around of each page fault (8 MB on some systems) would
+        otherwise read a 200 MB shard whole for a few hundred windows (measured)."""
         if self.count == 0:
             return np.zeros(0, dtype=self.dtype)      # a zero-length file cannot be mapped
-        with open(self.path, "rb") as fh:
-            mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        if fd is None:
+            fd = self.open()
+            try:
+                mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+            finally:
+                os.close(fd)
+        else:
+            mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_RANDOM"):
             mapped.madvise(mmap.MADV_RANDOM)
         return np.frombuffer(mapped, dtype=self.dtype, count=self.count, offset=self.offset)
 
-    def blocks(self, limit: int | None = None, block: int = 1 << 20):
+    def blocks(self, limit: int | None = None, block: int = 1 << 20, fd: int | None = None):
         """The tokens in blocks of `block`, at most `limit` of them, read with plain
-        file reads: the page cache holds them, not this process's memory (a pass
-        over a memmap would leave the whole file resident in it)."""
+        file reads (pread of `fd` when given): the page cache holds them, not this
+        process's memory (a pass over a memmap would leave the whole file resident in it)."""
         remaining = self.count if limit is None else min(self.count, limit)
-        with open(self.path, "rb") as fh:
-            fh.seek(self.offset)
+        own = fd is None
+        if own:
+            fd = self.open()
+        try:
+            pos = self.offset
             while remaining > 0:
                 n = min(block, remaining)
-                chunk = np.fromfile(fh, dtype=self.dtype, count=n)
-                if len(chunk) != n:
+                chunk = np.empty(n, dtype=self.dtype)
+                got = os.preadv(fd, [memoryview(chunk).cast("B")], pos)
+                if got != chunk.nbytes:
                     raise ValueError(f"{self.path} ended early: it changed while it was read; prepare again")
                 remaining -= n
+                pos += chunk.nbytes
                 yield chunk
+        finally:
+            if own:
+                os.close(fd)
 
 
 def inspect_shard(path: str) -> Shard:
     """Read and check a shard's header (not its tokens): llm.c's magic and version,
     and that the token count matches the file's size; or nanoGPT's headerless
     uint16 train.bin / val.bin. ValueError naming the file otherwise."""
+    # Opened without blocking and checked after opening: a FIFO or device in a data
+    # folder is refused at once instead of waiting for a writer or reading forever.
     try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise ValueError(f"shard {path} does not exist; prepare the data again") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"shard {path} is not a regular file; prepare the data again")
-    with open(path, "rb") as fh:
-        head = fh.read(HEADER_BYTES)
+        fd = files.open_regular(path, "shard")
+    except files.UnreadableFile as e:
+        raise files.UnreadableFile(f"{e}; prepare the data again") from None
+    try:
+        st = os.fstat(fd)
+        head = os.pread(fd, HEADER_BYTES, 0)
+    finally:
+        os.close(fd)
+    identity = (st.st_dev, st.st_ino)
     magic = int.from_bytes(head[:4], "little", signed=True) if len(head) >= 4 else None
     if magic in _DTYPE_OF_MAGIC:
         if len(head) < HEADER_BYTES:
@@ -224,12 +294,12 @@ def inspect_shard(path: str) -> Shard:
         if st.st_size != HEADER_BYTES + count * dtype.itemsize:
             raise ValueError(f"shard {path}: header says {count} tokens but the file holds {held} "
                              f"({st.st_size} bytes): it is damaged or was written by another program; prepare again")
-        return Shard(path, dtype, HEADER_BYTES, count)
+        return Shard(path, dtype, HEADER_BYTES, count, identity=identity)
     if os.path.basename(path) in NANOGPT_NAMES:
         if st.st_size % 2:
             raise ValueError(f"{path}: a nanoGPT token file holds uint16 tokens, but its size ({st.st_size} bytes) "
                              "is odd: it is truncated or not a token file")
-        return Shard(path, np.dtype("<u2"), 0, st.st_size // 2, headerless=True)
+        return Shard(path, np.dtype("<u2"), 0, st.st_size // 2, headerless=True, identity=identity)
     raise ValueError(f"{path} is not a token shard: it starts with {magic}, not llm.c's magic {MAGIC_UINT16} "
                      f"(uint16 tokens) or {MAGIC_UINT32} (uint32); nanoGPT's headerless files must be named "
                      "train.bin / val.bin")
@@ -240,19 +310,72 @@ def read_shard(path: str) -> np.ndarray:
     return inspect_shard(path).memmap()
 
 
+def _room_for_descriptors(n: int) -> None:
+    """Raise this process's soft limit on open files (towards the hard one) when a
+    dataset's shards need more descriptors than it leaves: they are all held open."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return
+    want = n + 256                              # what the rest of the process (MPI, logs) may use
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE,
+                               (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
+        except (OSError, ValueError):
+            pass
+
+
+def _open_shard(shard: Shard, n_shards: int) -> int:
+    try:
+        return shard.open()
+    except OSError as e:
+        if e.errno in (errno.EMFILE, errno.ENFILE):
+            raise ValueError(f"the dataset has {n_shards} shards, more files than this process may hold open "
+                             f"(opening {shard.path}: {e.strerror}); raise `ulimit -n`, or prepare the data "
+                             "with larger shards (`ringpipe prepare --tokens-per-shard`)") from None
+        raise ValueError(f"shard {shard.path} cannot be opened ({e.strerror or e}); prepare the data again") from None
+
+
 class ConcatenatedShards:
     """A split's shards as one read-only 1-D token array: len(a), a[i], a[lo:hi] and
     a[index_array] read only the tokens asked for, from whichever shards hold them
-    (a window may start in one shard and end in the next)."""
+    (a window may start in one shard and end in the next).
+
+    Every shard's file is opened here, once, and read only through that descriptor
+    (windows, blocks, the memory maps): a dataset replaced on disk while a run reads
+    it keeps reading the files it was opened with, consistently."""
 
     def __init__(self, shards: list[Shard]):
         self.shards = shards
-        self.arrays = [s.memmap() for s in shards]
-        self._fds: list[int | None] = [None] * len(shards)       # for windows(): opened on first use
+        self._fds: list[int | None] = []
+        _room_for_descriptors(len(shards))
+        try:
+            for shard in shards:
+                self._fds.append(_open_shard(shard, len(shards)))
+        except BaseException:
+            self.close()
+            raise
+        self._arrays = None                    # memory maps, made from the descriptors on first use
         # starts[k]: the position of shard k's first token in the concatenation; starts[-1]: the total.
         self.starts = np.cumsum([0] + [s.count for s in shards], dtype=np.int64)
         self.dtype = shards[0].dtype if shards else np.dtype("<u2")
         self.nbytes = int(sum(s.count * s.dtype.itemsize for s in shards))
+
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        """Each shard's tokens as a memory map of its open descriptor (made on first use:
+        training reads by window, and a map costs a descriptor of its own)."""
+        if self._arrays is None:
+            self._arrays = [s.memmap(self._fd(k)) for k, s in enumerate(self.shards)]
+        return self._arrays
+
+    def _fd(self, k: int) -> int:
+        fd = self._fds[k] if k < len(self._fds) else None
+        if fd is None:
+            raise ValueError(f"the dataset's shard {self.shards[k].path} was closed; open the dataset again")
+        return fd
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -299,10 +422,8 @@ class ConcatenatedShards:
                 k = int(np.searchsorted(self.starts, pos, side="right")) - 1
                 take = min(end, int(self.starts[k + 1])) - pos
                 shard = self.shards[k]
-                if self._fds[k] is None:
-                    self._fds[k] = os.open(shard.path, os.O_RDONLY)
                 target = out[row, pos - start:pos - start + take]
-                got = os.preadv(self._fds[k], [memoryview(target).cast("B")],
+                got = os.preadv(self._fd(k), [memoryview(target).cast("B")],
                                 shard.offset + (pos - int(self.starts[k])) * item)
                 if got != take * item:
                     raise ValueError(f"{shard.path} ended early: it changed while it was read; prepare again")
@@ -310,6 +431,7 @@ class ConcatenatedShards:
         return out
 
     def close(self) -> None:
+        self._arrays = None                    # the maps hold their own descriptors until collected
         for k, fd in enumerate(self._fds):
             if fd is not None:
                 os.close(fd)
@@ -332,10 +454,10 @@ class ConcatenatedShards:
     def blocks(self, limit: int | None = None, block: int = 1 << 20):
         """The first `limit` tokens (all: None) in blocks, by plain file reads (see Shard.blocks)."""
         remaining = len(self) if limit is None else min(len(self), limit)
-        for shard in self.shards:
+        for k, shard in enumerate(self.shards):
             if remaining <= 0:
                 break
-            for chunk in shard.blocks(limit=remaining, block=block):
+            for chunk in shard.blocks(limit=remaining, block=block, fd=self._fd(k)):
                 remaining -= len(chunk)
                 yield chunk
 
@@ -368,14 +490,16 @@ def read_manifest(data_dir: str) -> dict:
     header, and that the shards' token counts sum to the manifest's. ValueError
     saying what is wrong otherwise. Reads shard headers only, never tokens."""
     path = os.path.join(data_dir, MANIFEST_NAME)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            m = json.load(fh)
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         raise ValueError(f"{path} does not exist: {data_dir} is not a prepared data folder; write one with "
-                         f"`ringpipe prepare INPUT... --out {data_dir}`") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}): it was damaged; prepare the data again") from None
+                         f"`ringpipe prepare INPUT... --out {data_dir}`")
+    # A FIFO, a device, a huge file or JSON nested past the parser's recursion is
+    # refused naming the file (engine/files.py), never a hang or a traceback.
+    try:
+        m = files.read_json(path, "the data manifest", limit=MANIFEST_LIMIT_BYTES)
+    except files.UnreadableFile as e:
+        raise files.UnreadableFile(f"{e}: {data_dir} is not a usable prepared data folder; prepare the data "
+                                   "again") from None
     _expect(isinstance(m, dict), path, "it is not a JSON object")
     _expect(m.get("format") == MANIFEST_FORMAT, path,
             f"its format is {m.get('format')!r}, not {MANIFEST_FORMAT!r}")
@@ -399,6 +523,10 @@ def read_manifest(data_dir: str) -> dict:
     splits = m.get("splits")
     _expect(isinstance(splits, dict) and set(splits) == set(SPLITS), path, "\"splits\" must hold train and val")
     dtype = shard_dtype(t["vocab_size"])
+    # A shard in both splits would train on the validation tokens (and validate on
+    # training ones); twice in one split, it would count double. Either is refused,
+    # by name and by file (a hard or symbolic link is the same file).
+    listed: dict = {}
     for name in SPLITS:
         s = splits[name]
         _expect(isinstance(s, dict), path, f"splits.{name} is not an object")
@@ -409,6 +537,14 @@ def read_manifest(data_dir: str) -> dict:
         held = 0
         for file in s["shards"]:
             shard = inspect_shard(os.path.join(data_dir, file))
+            for key in (("name", file), ("file", shard.identity)):
+                if key in listed:
+                    where = listed[key]
+                    raise ValueError(f"{path}: shard {file} is listed in splits.{name} and already in splits."
+                                     f"{where[0]} (as {where[1]}): a shard belongs to one split, once; the "
+                                     "manifest was edited or the folder's files linked together: prepare the "
+                                     "data again")
+                listed[key] = (name, file)
             if shard.headerless or shard.dtype != dtype:
                 raise ValueError(f"{shard.path} holds {shard.dtype.name} tokens, but a vocabulary of "
                                  f"{t['vocab_size']} is stored as {dtype.name}: it does not belong to "
@@ -457,6 +593,7 @@ class ShardDataset:
         self.vocab_size, self.tokenizer = vocab_size, tokenizer
         self.description = description
         self._text_bytes = text_bytes or {}
+        self._lock_fd = None                      # hold_dataset's shared flock, held while the dataset is open
 
     def describe(self) -> str:
         """What was read, for the run's start-up lines."""
@@ -471,8 +608,47 @@ class ShardDataset:
         T = self.seq_len
         rng = np.random.default_rng([self.seed, step, _SPLIT_IDS[split]])
         starts = rng.integers(0, len(tokens) - T - 1, size=batch_size)[lo:hi]
-        window = tokens.windows(starts, T + 1).astype(np.int64)   # (b, T+1), read from the shards that hold it
+        window = tokens.windows(starts, T + 1)               # (b, T+1), read from the shards that hold it
+        # Every id that reaches the model is checked here, as it is read: one max() of a
+        # few KB per row, next to the pread that fetched it. Past the start-up histogram
+        # (a split's first 256 MiB) an id outside the vocabulary would otherwise index
+        # past the embedding (an IndexError at --tp 1), be masked to a zero vector by the
+        # vocabulary-parallel layers (--tp 2: trains on nothing, says nothing) or hit a
+        # padding row (a loss of 1e8).
+        if window.size and int(window.max()) >= self.vocab_size:
+            bad = np.argwhere(window >= self.vocab_size)
+            positions = starts[bad[:, 0]] + bad[:, 1]
+            first = int(np.argmin(positions))
+            raise self.bad_tokens(split, int(positions[first]), int(window[tuple(bad[first])]))
+        window = window.astype(np.int64)
         return window[:, :-1], window[:, 1:]
+
+    def bad_tokens(self, split: str, position: int, token: int) -> BadTokens:
+        """The error for token id `token` at `position` of `split`: what it is, where
+        (the split's position and the shard's), and what to do. Layout-independent:
+        the same id at the same place gives the same words at any number of ranks."""
+        tokens = self.splits[split]
+        k = int(np.searchsorted(tokens.starts, position, side="right")) - 1
+        shard = os.path.basename(tokens.shards[k].path)
+        return BadTokens(f"{self.name}: the {split} split holds token id {token} at token position {position:,} "
+                         f"(token {position - int(tokens.starts[k]):,} of shard {shard}), outside the tokenizer's "
+                         f"vocabulary 0..{self.vocab_size - 1}; the data and its tokenizer do not belong together "
+                         "(a shard was damaged, replaced or written with another tokenizer): prepare the data "
+                         "again", position)
+
+    def close(self) -> None:
+        """Close the shards' files and let go of the dataset's lock."""
+        for tokens in self.splits.values():
+            tokens.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)              # closing the descriptor releases the flock
+            self._lock_fd = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def bytes_per_token(self, split="val"):
         """Bytes of text per token in `split` (for bits per byte), or None when unknown."""
@@ -485,12 +661,19 @@ class ShardDataset:
         whole memmap would first copy it into an int64 array, 4-8x its size)."""
         tokens = self.splits[split]
         counts = np.zeros(self.vocab_size, dtype=np.float64)
+        at = 0
         for block in tokens.blocks(limit=self.UNIGRAM_LIMIT_BYTES // tokens.dtype.itemsize):
             hist = np.bincount(block, minlength=self.vocab_size)
             if len(hist) > self.vocab_size:
-                raise ValueError(f"{self.name}: the {split} split holds token id {len(hist) - 1}, outside the "
-                                 f"vocabulary 0..{self.vocab_size - 1}; prepare the data again")
+                # The largest id, and where it first is (the step loop's check names the first bad id).
+                where = int(np.argmax(block == len(hist) - 1))
+                k = int(np.searchsorted(tokens.starts, at + where, side="right")) - 1
+                raise BadTokens(f"{self.name}: the {split} split holds token id {len(hist) - 1}, outside the "
+                                f"vocabulary 0..{self.vocab_size - 1} (at token position {at + where:,}, shard "
+                                f"{os.path.basename(tokens.shards[k].path)}); the data and its tokenizer do not "
+                                "belong together: prepare the data again", at + where)
             counts += hist
+            at += len(block)
         return counts
 
     def unigram_entropy(self):
@@ -503,14 +686,50 @@ class ShardDataset:
         return float(-(val * logp).sum() / val.sum())
 
 
+def hold_dataset(data_dir: str) -> int | None:
+    """A shared flock on DATA_DIR/prepare.lock, when that is a regular file: the
+    descriptor holding it (closing it lets go), or None. Opened read-only with
+    O_NOFOLLOW|O_NONBLOCK (a link or FIFO put there neither redirects nor blocks),
+    locked with LOCK_NB: training never waits for a prepare. No lock file, or a
+    lock that cannot be had, is not an error and is said nothing of: the shard
+    descriptors the dataset holds keep its reads consistent either way."""
+    path = os.path.join(data_dir, LOCK_NAME)
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def open_dataset(data_dir: str, seq_len: int, seed: int) -> ShardDataset:
     """A prepared data folder (data.json, written by `ringpipe prepare`), or a nanoGPT
-    folder (train.bin + val.bin: headerless uint16 tokens)."""
+    folder (train.bin + val.bin: headerless uint16 tokens). Every shard is opened now
+    and DATA_DIR/prepare.lock held shared (hold_dataset) for the dataset's lifetime."""
     if not os.path.isdir(data_dir):
         what = "does not exist" if not os.path.exists(data_dir) else "is not a folder"
         raise ValueError(f"--data {data_dir} {what}; write a data folder with `ringpipe prepare INPUT... "
                          f"--out {data_dir}`")
-    if os.path.exists(os.path.join(data_dir, MANIFEST_NAME)):
+    lock = hold_dataset(data_dir)
+    try:
+        dataset = _open_folder(data_dir, seq_len, seed)
+    except BaseException:
+        if lock is not None:
+            os.close(lock)
+        raise
+    dataset._lock_fd = lock
+    return dataset
+
+
+def _open_folder(data_dir, seq_len, seed):
+    if os.path.lexists(os.path.join(data_dir, MANIFEST_NAME)):
         return _open_prepared(data_dir, seq_len, seed)
     if all(os.path.exists(os.path.join(data_dir, n)) for n in NANOGPT_NAMES):
         return _open_nanogpt(data_dir, seq_len, seed)
@@ -603,6 +822,18 @@ class Prefetcher:
         if error is not None:
             raise error
         return result
+
+    def error_of(self, step):
+        """The error reading `step`'s batch raised, or None: found before get(step) uses
+        it, so the ranks can agree on it first (engine/run.py). Waits for the batch
+        being read ahead, or reads it now; get(step) then returns it (or raises)."""
+        if self._thread is None or self._step != step:
+            self.close()
+            self._step = step
+            self._thread = threading.Thread(target=self._run, args=(step,), name="ringpipe-prefetch", daemon=True)
+            self._thread.start()
+        self._thread.join()
+        return self._error
 
     def get(self, step):
         batch = self._take(step)

@@ -39,8 +39,18 @@ class PipelineModel:
         n_stages = p * v
         if partition == "balanced":
             # Measured on one rank (whole layers: it runs alone) and broadcast: every rank must agree on the cut.
-            costs = measure_layer_costs(layers_fn(None), cost_batch, dtype) if grid.rank == 0 else None
-            self.bounds = balanced(grid.world.bcast(costs, root=0), n_stages)
+            # Its batch is read there too: a read that fails (a bad token id, a damaged shard)
+            # is sent with the costs, so every rank raises it instead of waiting in the bcast.
+            costs = error = None
+            if grid.rank == 0:
+                try:
+                    costs = measure_layer_costs(layers_fn(None), cost_batch, dtype)
+                except (ValueError, OSError) as e:
+                    error = str(e)
+            costs, error = grid.world.bcast((costs, error), root=0)
+            if error:
+                raise ValueError(error)
+            self.bounds = balanced(costs, n_stages)
         else:
             self.bounds = uniform(len(layers), n_stages)
         mine = [layers[slice(*self.bounds[c * p + rank])] for c in range(v)]

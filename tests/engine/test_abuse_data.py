@@ -1,0 +1,193 @@
+"""Issue 20, round two, the data side: nothing lost, no hang.
+
+- a token id outside the vocabulary anywhere in a split (past the start-up check) stops
+  every rank, at every layout, with the same message and exit code 2, before a step
+  runs on it (train and validation batches);
+- a dataset opened by a run keeps reading the files it was opened with when the folder
+  is replaced; DATA_DIR/prepare.lock is held shared while it is open;
+- data.json is read safely (FIFO, /dev/zero, deep nesting, a huge file), and a shard
+  listed twice (in both splits, or twice in one) is refused;
+- a resume on prepared data says nothing of a changed <data> when it is the same folder.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ringpipe.engine import shards
+from ringpipe.engine.config import Config
+from ringpipe.engine.errors import ConfigError
+from ringpipe.engine.tokenizer import load_tokenizer
+
+SEQ, BATCH = 8, 4
+TINY = dict(layers=2, d_model=8, heads=2, context=SEQ, seq_len=SEQ, batch_size=BATCH, steps=4, sample_bytes=0,
+            quiet=True, overwrite=True, eval_batches=1, eval_every=100, dtype="float64")
+TRAIN_TOKENS, VAL_TOKENS = 3000, 600
+
+
+def make_data(folder, train=None, val=None, shards_per_split=2, vocab=256):
+    """A prepared data folder written by hand (engine/prepare.py's layout): the bytes
+    tokenizer, `shards_per_split` shards per split, data.json. Shards are written with a
+    vocab_size of 65536 (still uint16, what a vocabulary of 256 is stored as), so a test
+    can put ids the tokenizer does not have into them."""
+    os.makedirs(folder, exist_ok=True)
+    tok = load_tokenizer("bytes")
+    tok.save(folder)
+    rng = np.random.default_rng(0)
+    train = rng.integers(97, 123, size=TRAIN_TOKENS) if train is None else np.asarray(train)
+    val = rng.integers(97, 123, size=VAL_TOKENS) if val is None else np.asarray(val)
+    splits = {}
+    for name, tokens in (("train", train), ("val", val)):
+        files = []
+        for k, part in enumerate(np.array_split(tokens, shards_per_split)):
+            file = f"{name}_{k:06d}.bin"
+            shards.write_shard(os.path.join(folder, file), part, vocab_size=65536)
+            files.append(file)
+        splits[name] = {"shards": files, "tokens": int(len(tokens)), "bytes": int(len(tokens)), "documents": 1}
+    manifest = {"format": shards.MANIFEST_FORMAT, "version": shards.MANIFEST_VERSION,
+                "tokenizer": {"kind": "bytes", "file": "tokenizer.json", "sha256": tok.sha256, "vocab_size": vocab},
+                "separator": list(tok.separator), "tokens_per_shard": max(TRAIN_TOKENS, VAL_TOKENS),
+                "splits": splits, "sources": [], "split": {}, "skipped": {}, "created": "now", "command": "test"}
+    shards.write_manifest(folder, manifest)
+    return folder
+
+
+def starts_of(step, split="train", seed=1337, n=TRAIN_TOKENS):
+    """The window starts of global batch `step` (as ShardDataset.batch draws them)."""
+    rng = np.random.default_rng([seed, step, shards._SPLIT_IDS[split]])
+    return rng.integers(0, n - SEQ - 1, size=BATCH)
+
+
+def late_bad_position(step=2, row=BATCH - 1, seed=1337):
+    """A train position in row `row` of batch `step` and in no window of an earlier batch:
+    the start-up check (patched to read little) and steps 0..step-1 never see it. Row
+    BATCH - 1 is the second data-parallel replica's under --dp 2."""
+    seen = set()
+    for s in range(step):
+        for a in starts_of(s, seed=seed):
+            seen.update(range(int(a), int(a) + SEQ + 1))
+    start = int(starts_of(step, seed=seed)[row])
+    for pos in range(start + SEQ, start - 1, -1):
+        if pos not in seen and pos > 64:
+            return pos
+    pytest.skip("no position only batch 2 reads (another seed would find one)")
+
+
+def bad_train(position, token=300):
+    tokens = np.random.default_rng(0).integers(97, 123, size=TRAIN_TOKENS)
+    tokens[position] = token
+    return tokens
+
+
+# ---- out-of-vocabulary ids: the dataset ---------------------------------------------------
+
+def test_a_batch_holding_an_id_outside_the_vocabulary_is_refused_with_where_it_is(tmp_path):
+    pos = late_bad_position()
+    data = make_data(str(tmp_path / "d"), train=bad_train(pos, 70000 % 65536))
+    ds = shards.open_dataset(data, SEQ, 1337)
+    ds.batch(0, BATCH)                                    # batch 0 does not reach it
+    with pytest.raises(shards.BadTokens) as e:
+        ds.batch(2, BATCH)
+    assert e.value.position == pos
+    assert f"token id {70000 % 65536} at token position {pos:,}" in str(e.value)
+    assert "train_000000.bin" in str(e.value) or "train_000001.bin" in str(e.value)
+    assert "vocabulary 0..255" in str(e.value) and "prepare the data again" in str(e.value)
+    # Only the rows that hold it: rows 0..2 of batch 2 are fine.
+    ds.batch(2, BATCH, 0, BATCH - 1)
+
+
+def test_the_start_up_check_says_where_the_id_is(tmp_path):
+    data = make_data(str(tmp_path / "d"), train=bad_train(100, 256))
+    ds = shards.open_dataset(data, SEQ, 1337)
+    with pytest.raises(shards.BadTokens, match=r"token id 256, outside the vocabulary 0..255 \(at token position "
+                                               r"100, shard train_000000.bin\)"):
+        ds.unigram_entropy()
+
+
+# ---- out-of-vocabulary ids: a run, every layout -------------------------------------------------
+
+RUNNER = ("import sys; from ringpipe.engine import shards; shards.ShardDataset.UNIGRAM_LIMIT_BYTES = 64; "
+          "from ringpipe.engine.cli import main; sys.argv[0] = 'ringpipe train'; main()")
+
+
+def cli_run(data, out, ranks=1, extra=(), timeout=240):
+    """`ringpipe train` in a subprocess (under mpiexec when ranks > 1), with the start-up
+    histogram cut to the first 32 tokens so a late bad id is found only by the step loop."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items() if k not in ("quiet", "overwrite")]
+    cmd = [sys.executable, "-c", RUNNER, "--data", data, *flags, "--out", out, *extra]
+    if ranks > 1:
+        mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        if not os.path.exists(mpiexec):
+            pytest.skip("no mpiexec next to this python")
+        cmd = [mpiexec, "-n", str(ranks), *cmd]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def error_line(r):
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, f"rc {r.returncode}\nstdout:\n{r.stdout[-2000:]}\nstderr:\n{r.stderr[-4000:]}"
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def late_bad(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("late-bad")
+    pos = late_bad_position()
+    data = make_data(str(folder / "data"), train=bad_train(pos))
+    return str(folder), data, pos
+
+
+@pytest.fixture(scope="module")
+def one_rank(late_bad):
+    folder, data, pos = late_bad
+    return cli_run(data, os.path.join(folder, "one"))
+
+
+def test_a_late_bad_id_stops_one_rank_with_exit_2_before_the_step_that_would_use_it(one_rank, late_bad):
+    folder, data, pos = late_bad
+    assert one_rank.returncode == 2, one_rank.stderr[-3000:]
+    line = error_line(one_rank)
+    assert f"the train split holds token id 300 at token position {pos:,}" in line
+    assert "stopped after step 2" in line and "Traceback" not in one_rank.stderr
+    # Nothing lost: the two good steps are in a checkpoint and in the metrics.
+    assert os.path.exists(os.path.join(folder, "one", "checkpoints", "ckpt_00000002.json"))
+    with open(os.path.join(folder, "one", "metrics.jsonl")) as fh:
+        assert [json.loads(line)["step"] for line in fh] == [1, 2]
+
+
+@pytest.mark.parametrize("layout", [["--dp", "2"], ["--pp", "2", "--microbatches", "2"], ["--tp", "2"]],
+                         ids=["dp2", "pp2", "tp2"])
+def test_a_late_bad_id_stops_every_layout_with_the_same_message(one_rank, late_bad, layout):
+    folder, data, pos = late_bad
+    r = cli_run(data, os.path.join(folder, "-".join(layout)), ranks=2, extra=layout)
+    assert r.returncode == 2, f"stdout:\n{r.stdout[-2000:]}\nstderr:\n{r.stderr[-4000:]}"
+    assert error_line(r) == error_line(one_rank)
+
+
+def test_a_bad_id_in_the_first_batch_stops_before_any_step(tmp_path):
+    pos = int(starts_of(0)[BATCH - 1]) + 3
+    data = make_data(str(tmp_path / "d"), train=bad_train(pos))
+    r = cli_run(data, str(tmp_path / "out"), ranks=2, extra=["--dp", "2"])
+    assert r.returncode == 2, r.stderr[-3000:]
+    line = error_line(r)
+    assert f"token id 300 at token position {pos:,}" in line and "stopped after" not in line
+    assert not os.path.exists(os.path.join(tmp_path, "out", "checkpoints", "ckpt_00000001.json"))
+
+
+def test_a_bad_id_in_a_validation_batch_stops_before_it_is_used(tmp_path, monkeypatch):
+    from mpi4py import MPI
+    monkeypatch.setattr(shards.ShardDataset, "UNIGRAM_LIMIT_BYTES", 64)     # past the start-up check
+
+    from ringpipe.engine.run import run
+    val = np.random.default_rng(1).integers(97, 123, size=VAL_TOKENS)
+    val[int(starts_of(0, "val", n=VAL_TOKENS)[0]) + 2] = 999
+    data = make_data(str(tmp_path / "d"), val=val)
+    out = str(tmp_path / "out")
+    with pytest.raises(ConfigError, match=r"the val split holds token id 999 .*stopped after step 2"):
+        run(Config(**dict(TINY, data=data, out=out, eval_every=2)), world=MPI.COMM_SELF)
+    assert os.path.exists(os.path.join(out, "checkpoints", "ckpt_00000002.json"))
