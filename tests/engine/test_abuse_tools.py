@@ -225,3 +225,131 @@ def test_metrics_torn_tail_is_still_cut(tmp_path):
     log.close()
     assert path.read_bytes() == b'{"step": 1}\n{"step": 2}\n{"step": 3}\n'
     assert log.notes and "torn line (4 bytes" in log.notes[0]
+
+
+# ---- a signal to one rank of a collective tool ends the job ------------------------------------------
+
+def _corpus(folder, files=8, words_per_file=150_000):
+    """Text that `prepare --tokenizer bpe:4000` takes several seconds over (rank 0 trains the
+    tokenizer on all of it while the other ranks wait), made once per test."""
+    import random
+    rng = random.Random(1)
+    vocab = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(5000)]
+    folder.mkdir()
+    for i in range(files):
+        (folder / f"f{i}.txt").write_text(" ".join(rng.choice(vocab) for _ in range(words_per_file)))
+    return folder
+
+
+def _rank_pids(mpiexec_pid):
+    from benchmarks.fault_matrix import rank_pids
+    return rank_pids(mpiexec_pid, b"prepare")
+
+
+def _when_working(proc, out, ranks, timeout=120):
+    """The ranks' pids once prepare has made its parts folder (past start-up: the signal
+    handling is in place, and the tokenizer is being trained)."""
+    end = time.time() + timeout
+    while time.time() < end:
+        if proc.poll() is not None:
+            pytest.fail(f"prepare ended before the signal: {proc.communicate()}")
+        parts = out.is_dir() and any(n.startswith(".prepare-parts-") for n in os.listdir(out))
+        pids = _rank_pids(proc.pid) if ranks > 1 else [proc.pid]
+        if parts and len(pids) == ranks:
+            time.sleep(0.3)
+            return pids
+        time.sleep(0.05)
+    pytest.fail("prepare did not start working")
+
+
+@pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec next to this python")
+@pytest.mark.parametrize("victim, sig", [(1, signal.SIGINT), (0, signal.SIGTERM)])
+def test_a_signal_to_one_rank_of_prepare_ends_the_whole_job(tmp_path, victim, sig):
+    # Rank 1 waits while rank 0 trains the tokenizer; SIGINT to rank 1 alone used to end
+    # rank 1 only, and rank 0 then waited for it forever in the next collective.
+    corpus, out = _corpus(tmp_path / "corpus"), tmp_path / "out"
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "ringpipe", "prepare", str(corpus),
+                             "--out", str(out), "--tokenizer", "bpe:4000", "--quiet"], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        pids = _when_working(proc, out, 2)
+        t0 = time.time()
+        os.kill(pids[victim], sig)
+        try:
+            _, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job was still running 15 s after {sig.name} to rank {victim}")
+        assert time.time() - t0 < 15
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert f"ringpipe prepare: rank {victim} interrupted by {sig.name}; ending the job" in err, err
+    assert proc.returncode == 128 + sig, (proc.returncode, err)
+    assert not (out / "data.json").exists()          # no dataset claimed; the parts folder the next run removes
+
+
+def test_a_signal_to_a_one_rank_prepare_runs_its_cleanup(tmp_path):
+    # One rank: KeyboardInterrupt (ToolInterrupted), so prepare removes its parts folder;
+    # SIGTERM used to kill it outright and leave the folder behind.
+    corpus, out = _corpus(tmp_path / "corpus"), tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "ringpipe", "prepare", str(corpus), "--out", str(out),
+                             "--tokenizer", "bpe:4000", "--quiet"], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _when_working(proc, out, 1)
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode > 0, (proc.returncode, err)          # a return, not death by the signal
+    assert "interrupted by SIGTERM" in err, err
+    assert not out.exists() or not [n for n in os.listdir(out) if n.startswith(".prepare-parts-")]
+
+
+def test_end_job_on_signal_one_rank_raises_keyboard_interrupt_with_the_exit_code():
+    from ringpipe.engine import lifecycle
+
+    class One:
+        def Get_rank(self):
+            return 0
+
+        def Get_size(self):
+            return 1
+
+    restore = lifecycle.end_job_on_signal(One(), "ringpipe test")
+    try:
+        with pytest.raises(KeyboardInterrupt) as caught:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)                              # the handler raises in here
+        assert isinstance(caught.value, lifecycle.ToolInterrupted) and caught.value.exit_code == 143
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None) or callable(signal.getsignal(signal.SIGTERM))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained") / "run"
+    r = subprocess.run([sys.executable, "-m", "ringpipe", "train", "--data", "synthetic", "--layers", "1",
+                        "--d-model", "8", "--heads", "2", "--context", "8", "--batch-size", "2", "--steps", "1",
+                        "--sample-bytes", "0", "--quiet", "--out", str(out)],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r
+    return out
+
+
+@pytest.mark.parametrize("module", ["ringpipe.engine.sample", "ringpipe.engine.hf"])
+def test_sample_and_export_run_no_collectives(trained, tmp_path, module):
+    # `mpiexec -n 2 ringpipe sample|export` is N independent processes: no MPI, so no rank
+    # can wait in a collective for another that failed (end_job_on_signal is not needed;
+    # hydra lets the others run to their own end).
+    args = [str(trained), "--tokens", "2"] if module.endswith("sample") else [str(trained), "--out",
+                                                                               str(tmp_path / "hf")]
+    code = (f"import sys, {module} as m\n"
+            f"rc = m.main({args!r})\n"
+            "print(rc, 'mpi4py' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.stdout.strip().splitlines()[-1] in ("0 False", "None False"), r
