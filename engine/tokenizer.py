@@ -24,12 +24,35 @@ from typing import Iterable
 
 import numpy as np
 
+from ringpipe.engine import files
+
 # Token ids are stored as uint32 at most (llm.c's largest shard format).
 MAX_VOCAB = 2**32
 # The names of an end-of-document token, in the order we look for them when a
 # tokenizer.json has no "<|endoftext|>" (GPT-2's): Llama 3's, then SentencePiece's.
 END_OF_TEXT = "<|endoftext|>"
 _OTHER_EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>")
+# A tokenizer.json is megabytes (Llama 3's: 9 MB); one past this is not a tokenizer,
+# and would be read into memory whole before the JSON parser saw it.
+MAX_TOKENIZER_JSON = 512 << 20
+
+
+def _library_failure(e: BaseException) -> bool:
+    """Whether `e` is the `tokenizers` library failing on its input: it raises bare
+    Exception and TypeError (a lone surrogate in the text), and a panic in its Rust
+    code surfaces as pyo3's PanicException, which derives from BaseException (so an
+    `except Exception` misses it). Ctrl-C and exits are not failures to reword."""
+    if isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit, MemoryError)):
+        return False
+    return isinstance(e, Exception) or type(e).__name__ == "PanicException"
+
+
+def _failed(source: str, doing: str, e: BaseException) -> ValueError:
+    """The ValueError (exit code 2) for the library failing while `doing`, naming the tokenizer file."""
+    detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return ValueError(f"the tokenizer {source} failed while {doing} ({type(e).__name__}: {detail}); it is not a "
+                      "tokenizer this library can use on this text (a pathological regex, a vocabulary without its "
+                      "unknown token?): fix or replace the tokenizer.json, or use 'bytes' or bpe:VOCAB")
 
 
 class Tokenizer:
@@ -67,14 +90,29 @@ class Tokenizer:
     def encode(self, text: str) -> np.ndarray:
         """The token ids of `text` (no special tokens added: documents are joined by the separator)."""
         if self.kind == "bytes":
-            return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(self.dtype)
-        return np.asarray(self._hf.encode(text, add_special_tokens=False).ids, dtype=self.dtype)
+            return np.frombuffer(_utf8(text), dtype=np.uint8).astype(self.dtype)
+        try:
+            ids = self._hf.encode(text, add_special_tokens=False).ids
+        except BaseException as e:
+            if not _library_failure(e):
+                raise
+            _utf8(text)                    # a lone surrogate is the text's fault: say so, not the tokenizer's
+            raise _failed(self.source, "encoding text", e) from None
+        return np.asarray(ids, dtype=self.dtype)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """encode() of each text; Hugging Face tokenizers encode the batch on several threads."""
         if self.kind == "bytes":
             return [self.encode(t) for t in texts]
-        return [np.asarray(e.ids, dtype=self.dtype) for e in self._hf.encode_batch(texts, add_special_tokens=False)]
+        try:
+            encodings = self._hf.encode_batch(texts, add_special_tokens=False)
+        except BaseException as e:
+            if not _library_failure(e):
+                raise
+            for t in texts:
+                _utf8(t)                   # a lone surrogate is the text's fault: say so, not the tokenizer's
+            raise _failed(self.source, "encoding text", e) from None
+        return [np.asarray(e.ids, dtype=self.dtype) for e in encodings]
 
     def decode(self, ids) -> str:
         """Text of `ids`; a character cut off by the ends of `ids` becomes U+FFFD."""
@@ -84,7 +122,12 @@ class Tokenizer:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary of {self.source} (0..{self.vocab_size - 1})")
         if self.kind == "bytes":
             return bytes(ids).decode("utf-8", errors="replace")
-        return self._hf.decode(ids, skip_special_tokens=False)
+        try:
+            return self._hf.decode(ids, skip_special_tokens=False)
+        except BaseException as e:
+            if not _library_failure(e):
+                raise
+            raise _failed(self.source, "decoding ids", e) from None
 
     def to_json(self) -> str:
         """The tokenizer as a Hugging Face tokenizer.json."""
@@ -97,6 +140,16 @@ class Tokenizer:
         path = os.path.join(folder, "tokenizer.json")
         write_text_atomic(path, self._json)
         return path
+
+
+def _utf8(text: str) -> bytes:
+    """text as UTF-8; a lone surrogate (JSON's "\\ud800" decodes to one) is not Unicode
+    text and has no UTF-8: a ValueError that says so, where the caller adds the file."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text holds a lone surrogate U+{ord(text[e.start]):04X} at character {e.start} "
+                         "(half of a UTF-16 pair, not a character): fix the text that produced it") from None
 
 
 def json_sha256(json_text: str) -> str:
@@ -172,10 +225,9 @@ def from_json(json_text: str, source: str = "tokenizer.json", folder: str | None
     comes back as the bytes tokenizer (the fast numpy path); anything else is "hf".
     `folder`: where to look for a tokenizer_config.json naming the end-of-text token."""
     try:
-        parsed = json.loads(json_text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{source} is not valid JSON ({e}); pass a Hugging Face tokenizer.json, "
-                         "'bytes', or bpe:VOCAB") from None
+        parsed = files.parse_json(json_text, source)          # deep nesting too: a ValueError naming the file
+    except ValueError as e:
+        raise ValueError(f"{e}; pass a Hugging Face tokenizer.json, 'bytes', or bpe:VOCAB") from None
     if not isinstance(parsed, dict) or "model" not in parsed:
         raise ValueError(f"{source} is JSON but not a Hugging Face tokenizer.json (no \"model\" in it); "
                          "pass the tokenizer.json of a Hugging Face tokenizer, 'bytes', or bpe:VOCAB")
@@ -184,18 +236,28 @@ def from_json(json_text: str, source: str = "tokenizer.json", folder: str | None
     tokenizers = _import_tokenizers()
     try:
         hf = tokenizers.Tokenizer.from_str(json_text)
-    except Exception as e:        # the Rust library raises a bare Exception
+    except BaseException as e:    # the Rust library raises a bare Exception, or panics
+        if not _library_failure(e):
+            raise
         raise ValueError(f"{source} does not load as a Hugging Face tokenizer ({e}); pass a tokenizer.json "
                          "that `tokenizers.Tokenizer.from_file` reads, 'bytes', or bpe:VOCAB") from None
-    vocab_size = hf.get_vocab_size(with_added_tokens=True)
-    # The ids must run 0 .. vocab_size - 1: take the largest id, since added tokens may sit past the model's.
-    vocab_size = max(vocab_size, max(hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1)
-    eos = _end_of_text(hf, folder)
-    if eos is not None:
-        separator, separator_bytes = (eos,), 0
-    else:
-        separator = tuple(hf.encode("\n", add_special_tokens=False).ids)
-        separator_bytes = 1
+    try:
+        vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        # The ids must run 0 .. vocab_size - 1: take the largest id, since added tokens may sit past the model's.
+        vocab_size = max(vocab_size, max(hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1)
+        eos = _end_of_text(hf, folder)
+        if eos is not None:
+            separator, separator_bytes = (eos,), 0
+        else:
+            # Encoding here, at load, finds a model that fails on any text (a WordLevel
+            # without its unknown token) before hours of work, not at the first document.
+            separator = tuple(hf.encode("\n", add_special_tokens=False).ids)
+            separator_bytes = 1
+        hf.encode("Probe text, 123 .\n", add_special_tokens=False)
+    except BaseException as e:
+        if not _library_failure(e):
+            raise
+        raise _failed(source, "loading (its first encode)", e) from None
     return Tokenizer("hf", vocab_size, separator, separator_bytes, json_text, hf=hf, source=source)
 
 
@@ -205,11 +267,10 @@ def _end_of_text(hf, folder):
     if hf.token_to_id(END_OF_TEXT) is not None:
         return hf.token_to_id(END_OF_TEXT)
     config_path = os.path.join(folder, "tokenizer_config.json") if folder else None
-    if config_path and os.path.isfile(config_path):
-        try:
-            with open(config_path, encoding="utf-8") as fh:
-                eos = json.load(fh).get("eos_token")
-        except (OSError, ValueError, AttributeError):
+    if config_path and os.path.lexists(config_path):
+        try:                                # a FIFO here must not block, nor a deep one recurse: files.read_json
+            eos = files.read_json(config_path, "tokenizer config", 16 << 20).get("eos_token")
+        except (ValueError, AttributeError):
             eos = None                      # an unreadable config only loses the hint
         if isinstance(eos, dict):
             eos = eos.get("content")
@@ -234,11 +295,9 @@ def load_tokenizer(spec: str) -> Tokenizer:
         where = f"the folder {spec} holds no tokenizer.json" if os.path.isdir(spec) else f"{spec} does not exist"
         raise ValueError(f"tokenizer: {where}; pass 'bytes', bpe:VOCAB (prepare only), a tokenizer.json "
                          "or a folder holding one")
-    if not os.path.isfile(path):
-        raise ValueError(f"tokenizer: {path} is not a regular file; pass a tokenizer.json")
+    # A FIFO or device is refused without blocking, a huge file before it is read (files.read_regular).
+    raw = files.read_regular(path, "tokenizer", MAX_TOKENIZER_JSON)
     try:
-        with open(path, "rb") as fh:
-            raw = fh.read()
         json_text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ValueError(f"{path} is not UTF-8 text, so not a tokenizer.json; pass a Hugging Face "
@@ -278,5 +337,10 @@ def train_bpe(texts: Iterable[str], vocab_size: int, progress: bool = False) -> 
     hf.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_OF_TEXT],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=progress)
-    hf.train_from_iterator(texts, trainer=trainer)
+    try:
+        hf.train_from_iterator(texts, trainer=trainer)
+    except BaseException as e:
+        if not _library_failure(e) or isinstance(e, ValueError):
+            raise                          # ValueError: the texts' own refusal (a bad input file), already worded
+        raise _failed(f"bpe:{vocab_size}", "training", e) from None
     return from_json(hf.to_str(pretty=True), source=f"bpe:{vocab_size}")
