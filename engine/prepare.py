@@ -18,7 +18,8 @@ one rank stops all ranks with the same message, never leaves them waiting):
   1. rank 0 lists the input files, folders walked in sorted order
   2. every rank checks its share (file i belongs to rank i % ranks): not empty, text, has the field
   3. rank 0 checks the out folder and makes a temporary parts folder inside it
-  4. the tokenizer: bytes, a tokenizer.json, or bpe:VOCAB trained by rank 0 on all the text
+  4. the tokenizer: bytes, a tokenizer.json, or bpe:VOCAB trained by rank 0 on the text
+     (at most --bpe-train-mb MB of it, sampled from every file)
   5. every rank tokenizes its share, a part file per input file
   6. rank 0 joins the parts in file order into the shards, writes tokenizer.json and
      data.json (last), removes the parts
@@ -30,10 +31,12 @@ from __future__ import annotations
 
 import argparse
 import array
+import codecs
 import datetime
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -43,7 +46,7 @@ import zlib
 
 import numpy as np
 
-from ringpipe.engine import shards
+from ringpipe.engine import files, shards
 from ringpipe.engine import tokenizer as tokenizers_
 from ringpipe.engine.data import _looks_like_text      # the trainer's own test of "is this text?"
 
@@ -183,25 +186,36 @@ def list_sources(inputs: list[str]) -> tuple[list[Source], list[str]]:
 # ---- step 2: checks before any work -------------------------------------------------------
 
 def check_source(source: Source, field: str) -> None:
-    """The checks that cost little, so a bad file is found before hours of tokenizing."""
+    """The checks that cost little, so a bad file is found before hours of tokenizing.
+    The file is opened without blocking and must be a regular file (files.open_regular):
+    a FIFO would otherwise wait forever for a writer, and /dev/zero be read forever."""
     path = source.path
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise PrepareError(f"input {path} does not exist (any more) on this rank; is the folder on a filesystem "
                            "every rank sees?")
-    if os.path.getsize(path) == 0:
-        raise PrepareError(f"input {path} is empty (0 bytes); remove it, or fill it")
-    if source.kind == ".parquet":
-        _parquet_column(path, field)
-        return
-    with open(path, "rb") as fh:
+    with os.fdopen(_open_input(path), "rb") as fh:
+        if os.fstat(fh.fileno()).st_size == 0:
+            raise PrepareError(f"input {path} is empty (0 bytes); remove it, or fill it")
+        if source.kind == ".parquet":
+            _parquet_column(path, field, fh)
+            return
         head = fh.read(_HEAD_BYTES)
     if not _looks_like_text(head):
         raise PrepareError(f"input {path} is not text: NUL bytes or invalid UTF-8 in its first 8 KiB; remove it "
                            "from the inputs (or convert it to UTF-8 text)")
 
 
-def _parquet_column(path: str, field: str):
-    """The opened parquet file, after checking that it has a string column `field`."""
+def _open_input(path: str) -> int:
+    """A descriptor of the input file `path`; PrepareError if it is not a regular file
+    (a FIFO, a device, a socket), checked on the descriptor that is then read."""
+    try:
+        return files.open_regular(path, "input")
+    except files.UnreadableFile as e:
+        raise PrepareError(f"{e}; leave it out of the inputs") from None
+
+
+def _parquet_column(path: str, field: str, fh):
+    """The parquet file open on `fh`, after checking that it has a string column `field`."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -209,7 +223,7 @@ def _parquet_column(path: str, field: str):
         raise PrepareError(f"input {path}: reading .parquet needs pyarrow: pip install 'pyarrow>=14' "
                            "(or pip install -e '.[data]')") from None
     try:
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(fh)
     except (pa.ArrowException, OSError) as e:
         raise PrepareError(f"input {path} is not a readable parquet file ({e}); check the file") from None
     names = pf.schema_arrow.names
@@ -227,18 +241,149 @@ def _parquet_column(path: str, field: str):
 
 
 # ---- reading documents --------------------------------------------------------------------
+#
+# Memory must not grow with the size of a document (a 1 GiB one-line .txt peaked at
+# 5.3 GB, a 100 MB document under bpe:1000 at 16.4 GB): a document is read and encoded
+# in pieces of at most PIECE_CHARS characters, each a document of its own to the
+# tokenizer, and counted as ONE document in the part's table (its tokens and bytes
+# summed, one split), so the shards are those of encoding it whole. Where a piece is
+# cut (_cut_at):
+#   - bytes tokenizer: anywhere between two characters (its ids are the UTF-8 bytes);
+#   - a Hugging Face tokenizer: at the last _SAFE_CUT boundary in the piece: before a
+#     space between two word characters ("foo| bar"), or after a line break between
+#     two ("foo\n|bar"). GPT-2's, Llama 3's and our own BPE's pre-tokenizers end a
+#     pre-token there and start the next alike with or without the text before it, and
+#     BPE never merges across pre-tokens. _cuts_alike checks this on the tokenizer at
+#     hand (a normalizer that prepends "▁" to every text fails it): one that fails
+#     encodes each document whole, refusing one over MAX_WHOLE_DOCUMENT characters.
+#   - the hard-cut rule: when no boundary lies within the PIECE_CHARS window (a
+#     megabyte without a space or a line break), the piece is cut at the window's end,
+#     between two characters; only the tokens at that cut may differ from encoding the
+#     text whole (one pre-token becomes two).
+# A document of at most PIECE_CHARS characters is never cut: it is encoded whole, as ever.
+
+PIECE_CHARS = 1 << 20
+MAX_JSONL_LINE = 64 << 20          # a .jsonl line is JSON, parsed whole: a longer one is refused (see _jsonl_documents)
+MAX_WHOLE_DOCUMENT = 16 << 20      # characters, for a tokenizer that pieces cannot be given to (see above)
+DEFAULT_BPE_TRAIN_MB = 1024        # how much text bpe:VOCAB trains on at most (--bpe-train-mb)
+_SAFE_CUT = re.compile(r"(?<=[^\W_])(?= [^\W_])|(?<=[^\W_]\n)(?=[^\W_])")
+# Text with every kind of boundary _SAFE_CUT finds, and the neighbours that could join across one.
+_CUT_PROBE = ("The quick brown fox, 3 jumped over 1234567 lazy dogs.\nNew line here\n\n  Indented  text\twith tabs"
+              " naïve café 東京 and 🐍 emoji; it's don't WE'LL x\nyes\r\nno - dash -- and... dots 12 34 56 a1b2 c3"
+              " Ünïcödé words\nend a\nb\n c d\n\ne f  g")
+
+
+def _cut_at(text: str, start: int, end: int, safe=_SAFE_CUT) -> int:
+    """Where the piece text[start:...] ends: start < at <= end; the last `safe` boundary
+    before `end` (searched in growing windows from the end), else `end` (a hard cut).
+    safe=None: anywhere (the bytes tokenizer)."""
+    if safe is None:
+        return end
+    for back in (1 << 12, 1 << 16, end - start):
+        lo = max(start + 1, end - back)
+        last = None
+        for m in safe.finditer(text, lo, end):
+            last = m.start()
+        if last is not None:
+            return last
+        if lo == start + 1:
+            break
+    return end
+
+
+_ALIKE: dict = {}      # tokenizer sha256 -> whether _cuts_alike
+
+
+def _cuts_alike(tok) -> bool:
+    """Whether `tok` encodes text cut at _SAFE_CUT boundaries, piece by piece, to the
+    ids of the whole text (checked on _CUT_PROBE, cut at every boundary)."""
+    if tok.sha256 not in _ALIKE:
+        cuts = [0] + [m.start() for m in _SAFE_CUT.finditer(_CUT_PROBE)] + [len(_CUT_PROBE)]
+        pieces = [_CUT_PROBE[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+        whole = tok.encode(_CUT_PROBE)
+        joined = np.concatenate(tok.encode_batch(pieces))
+        _ALIKE[tok.sha256] = len(whole) == len(joined) and bool((whole == joined).all())
+    return _ALIKE[tok.sha256]
+
+
+def _cutter(tok):
+    """How documents are cut for `tok` (see above): a function (text, start, end) -> at, or
+    None: not at all."""
+    if tok.kind == "bytes":
+        return lambda text, start, end: end
+    if _cuts_alike(tok):
+        return _cut_at
+    return None
+
+
+def _pieces(chunks, cut, path: str, where: str):
+    """One document, given as str chunks, as (piece, last) pairs: one piece when it holds
+    at most PIECE_CHARS characters, else pieces of at most that many, ended where `cut`
+    says. cut=None: the document whole, refused past MAX_WHOLE_DOCUMENT characters."""
+    buf, pos = "", 0
+    for chunk in chunks:
+        if chunk:
+            buf = buf[pos:] + chunk
+            pos = 0
+        if cut is None:
+            if len(buf) > MAX_WHOLE_DOCUMENT:
+                raise PrepareError(
+                    f"input {path}{where}: a document over {MAX_WHOLE_DOCUMENT:,} characters, and this tokenizer "
+                    "encodes a document cut in pieces differently from the whole (its normalizer or pre-tokenizer "
+                    "joins text across spaces), so it would have to be held and encoded whole: split the document, "
+                    "or use 'bytes' or bpe:VOCAB")
+            continue
+        while len(buf) - pos > PIECE_CHARS:
+            at = cut(buf, pos, pos + PIECE_CHARS)
+            yield buf[pos:at], False
+            pos = at
+    yield buf[pos:], True
+
+
+def read_pieces(source: Source, field: str, cut):
+    """The documents of a file, in order, as (piece, last) pairs (see _pieces); a .txt
+    file is read PIECE_CHARS bytes at a time, so memory stays bounded however long its line."""
+    if source.kind == ".txt":
+        yield from _pieces(_txt_chunks(source.path), cut, source.path, "")
+        return
+    documents = _jsonl_documents(source.path, field) if source.kind == ".jsonl" else \
+        _parquet_documents(source.path, field)
+    for text, where in documents:
+        yield from _pieces((text,), cut, source.path, where)
+
 
 def read_documents(source: Source, field: str):
-    """The documents of a file, in order, as str; PrepareError naming the file (and the
-    line or row) for anything that is not UTF-8 text or lacks the field."""
+    """The documents of a file, in order, as whole str; PrepareError naming the file (and
+    the line or row) for anything that is not UTF-8 text or lacks the field. (Holds a
+    document whole: prepare itself reads read_pieces.)"""
     if source.kind == ".txt":
-        with open(source.path, "rb") as fh:
-            raw = fh.read()
-        yield _decode(raw, source.path, "")
+        yield "".join(_txt_chunks(source.path))
     elif source.kind == ".jsonl":
-        yield from _jsonl_documents(source.path, field)
+        yield from (text for text, _ in _jsonl_documents(source.path, field))
     else:
-        yield from _parquet_documents(source.path, field)
+        yield from (text for text, _ in _parquet_documents(source.path, field))
+
+
+def _txt_chunks(path: str):
+    """A .txt file's text, decoded PIECE_CHARS bytes at a time (a character cut by a
+    read is completed by the next: the incremental decoder keeps its first bytes)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0                                           # bytes read before this read
+    with os.fdopen(_open_input(path), "rb") as fh:
+        while True:
+            raw = fh.read(PIECE_CHARS)
+            pending = len(decoder.getstate()[0])         # bytes of a character the last read cut
+            try:
+                text = decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as e:
+                raise PrepareError(f"input {path}: invalid UTF-8 at byte {offset - pending + e.start}; ringpipe "
+                                   "prepare reads UTF-8 text: convert the file (e.g. iconv -f latin1 -t utf-8) "
+                                   "or leave it out") from None
+            offset += len(raw)
+            if text:
+                yield text
+            if not raw:
+                return
 
 
 def _decode(raw: bytes, path: str, where: str) -> str:
@@ -250,10 +395,22 @@ def _decode(raw: bytes, path: str, where: str) -> str:
 
 
 def _jsonl_documents(path: str, field: str):
+    """(text, where) of each line's document."""
     n_documents = 0
-    with open(path, "rb") as fh:
-        for line_no, raw in enumerate(fh, 1):
+    with os.fdopen(_open_input(path), "rb") as fh:
+        line_no = 0
+        while True:
+            # A line is read whole (JSON is parsed whole), so its length is bounded before
+            # it is read: a 20 GB line without a newline would otherwise fill the memory.
+            raw = fh.readline(MAX_JSONL_LINE + 1)
+            if not raw:
+                break
+            line_no += 1
             where = f", line {line_no}"
+            if len(raw) > MAX_JSONL_LINE and not raw.endswith(b"\n"):
+                raise PrepareError(f"input {path}{where} is longer than {MAX_JSONL_LINE:,} bytes, the most a .jsonl "
+                                   "line may hold (it is parsed whole): put so long a document in a .txt file of "
+                                   "its own (read in pieces), or split it")
             line = _decode(raw, path, where)
             if not line.strip():
                 continue                                 # a blank line (often the last) holds no document
@@ -262,6 +419,9 @@ def _jsonl_documents(path: str, field: str):
             except json.JSONDecodeError as e:
                 raise PrepareError(f"input {path}{where} is not JSON ({e.msg} at column {e.colno}); every line of "
                                    "a .jsonl file must be one JSON object") from None
+            except RecursionError:
+                raise PrepareError(f"input {path}{where} is JSON nested too deeply to read; every line of a .jsonl "
+                                   f"file must be one JSON object with a {field!r} string") from None
             if not isinstance(record, dict):
                 raise PrepareError(f"input {path}{where} is a JSON {type(record).__name__}, not an object with a "
                                    f"{field!r} field")
@@ -273,29 +433,52 @@ def _jsonl_documents(path: str, field: str):
             if not isinstance(text, str):
                 raise PrepareError(f"input {path}{where}: {field!r} is a JSON {type(text).__name__}, not a string; "
                                    "pass --field with a text field")
+            if "\\u" in line:                            # only an escape can make a lone surrogate
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    code = ord(text[e.start])
+                    raise PrepareError(f"input {path}{where}: {field!r} holds a lone surrogate (\\u{code:04x} at "
+                                       f"character {e.start}: half of a UTF-16 pair, which JSON allows but "
+                                       "text cannot hold); fix the line, or leave it out") from None
             n_documents += 1
-            yield text
+            yield text, where
     if n_documents == 0:
         raise PrepareError(f"input {path} holds no documents (only blank lines); remove it from the inputs")
 
 
 def _parquet_documents(path: str, field: str):
-    pf = _parquet_column(path, field)
-    row = 0
-    for batch in pf.iter_batches(batch_size=1024, columns=[field]):
-        for text in batch.column(0).to_pylist():
-            if text is None:
-                raise PrepareError(f"input {path}, row {row}: {field!r} is null; fill or drop the rows without text")
-            row += 1
-            yield text
+    """(text, where) of each row's document. A file damaged past its footer (truncated,
+    overwritten) fails in the middle of reading: a PrepareError naming it, too."""
+    with os.fdopen(_open_input(path), "rb") as fh:
+        pf = _parquet_column(path, field, fh)
+        import pyarrow as pa
+        batches = pf.iter_batches(batch_size=1024, columns=[field])
+        row = 0
+        while True:
+            try:
+                batch = next(batches, None)
+                texts = None if batch is None else batch.column(0).to_pylist()
+            except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
+                raise PrepareError(f"input {path}: reading it failed at row {row} ({type(e).__name__}: {e}); the "
+                                   "file is damaged (truncated, or partly overwritten): write it again, or leave "
+                                   "it out") from None
+            if texts is None:
+                break
+            for text in texts:
+                if text is None:
+                    raise PrepareError(f"input {path}, row {row}: {field!r} is null; fill or drop the rows without "
+                                       "text")
+                yield text, f", row {row}"
+                row += 1
 
 
-def _batches(documents, max_docs=256, max_bytes=4 << 20):
-    """Documents in groups (a few MB each), for encode_batch's threads."""
+def _batches(pieces, max_docs=256, max_bytes=4 << 20):
+    """(piece, last) pairs in groups (a few MB each), for encode_batch's threads."""
     group, size = [], 0
-    for text in documents:
-        group.append(text)
-        size += len(text)
+    for item in pieces:
+        group.append(item)
+        size += len(item[0])
         if len(group) >= max_docs or size >= max_bytes:
             yield group
             group, size = [], 0
@@ -320,22 +503,40 @@ _DOC_DTYPE = np.dtype([("tokens", "<i8"), ("bytes", "<i8"), ("val", "?")])
 def tokenize_source(source: Source, index: int, tok, field: str, val_every: int, parts_dir: str, bar=None):
     """Encode the documents of `source`, each followed by the separator, into the
     part files of `index`: the tokens in document order, and a table of the
-    documents (their token and byte counts, and which split each goes to)."""
+    documents (their token and byte counts, and which split each goes to). A long
+    document comes in pieces (read_pieces): its pieces' tokens follow one another and
+    the table holds it once, with their sums, as if it had been encoded whole."""
     tokens_path, docs_path = _part_paths(parts_dir, index)
     separator = np.asarray(tok.separator, dtype=tok.dtype)
     n_tokens, n_bytes, splits = array.array("q"), array.array("q"), array.array("b")
+    doc_tokens = doc_bytes = 0     # of the document whose pieces are being written
     shown = 0                      # bytes of the file the progress bar has been told about
     with open(tokens_path, "wb") as out:
-        for group in _batches(read_documents(source, field)):
-            for text, ids in zip(group, tok.encode_batch(group)):
+        for group in _batches(read_pieces(source, field, _cutter(tok))):
+            try:
+                encoded = tok.encode_batch([text for text, _ in group])
+            except ValueError as e:                      # the tokenizer's refusal, worded in engine/tokenizer.py
+                raise PrepareError(f"input {source.path}: {e}") from None
+            group_tokens = group_bytes = 0
+            for (text, last), ids in zip(group, encoded):
                 out.write(ids.data)
-                out.write(separator.data)
-                n_tokens.append(len(ids) + len(separator))
-                n_bytes.append(len(text.encode("utf-8")) + tok.separator_bytes)
-                splits.append(_is_val(source.key, len(splits), val_every))
+                # The bytes tokenizer's ids are the text's UTF-8 bytes: no second encode to count them.
+                size = len(ids) if tok.kind == "bytes" else len(text.encode("utf-8"))
+                doc_tokens += len(ids)
+                doc_bytes += size
+                group_tokens += len(ids)
+                group_bytes += size
+                if last:
+                    out.write(separator.data)
+                    n_tokens.append(doc_tokens + len(separator))
+                    n_bytes.append(doc_bytes + tok.separator_bytes)
+                    splits.append(_is_val(source.key, len(splits), val_every))
+                    group_tokens += len(separator)
+                    group_bytes += tok.separator_bytes
+                    doc_tokens = doc_bytes = 0
             if bar is not None:
-                step = min(sum(n_bytes[-len(group):]), source.size - shown)
-                bar.advance(step, sum(n_tokens[-len(group):]))
+                step = min(group_bytes, source.size - shown)
+                bar.advance(step, group_tokens)
                 shown += step
     if bar is not None:
         bar.advance(source.size - shown)
@@ -566,17 +767,35 @@ class _Progress:
             self.bar.close()
 
 
-def _texts_for_bpe(sources, field, bar):
+def _texts_for_bpe(sources, field, bar, budget_bytes: int, used: list):
+    """The text bpe:VOCAB trains on, at most `budget_bytes` of it (of UTF-8 text): all of
+    every file when they hold less; else the head of each file, its share of the budget
+    in proportion to its size on disk, so that every file is sampled and the same inputs
+    give the same sample. Long documents come in pieces cut at _SAFE_CUT boundaries,
+    where the trainer's ByteLevel pre-tokenizer splits anyway: the words it counts are
+    those of the whole text. used[0]: the bytes given so far (for the manifest)."""
+    total = sum(s.size for s in sources)
     for source in sources:
-        for text in read_documents(source, field):
-            bar.advance(len(text))
+        share = source.size if total <= budget_bytes else budget_bytes * source.size // total
+        taken = 0
+        for text, _ in read_pieces(source, field, _cut_at):
+            if taken >= share:
+                break
+            raw = text.encode("utf-8")
+            if taken + len(raw) > share:                 # the share ends inside this piece: its head
+                raw = raw[:share - taken]
+                text = raw.decode("utf-8", errors="ignore")
+            taken += len(raw)
+            used[0] += len(raw)
+            bar.advance(len(raw))
             yield text
 
 
 # ---- the whole job --------------------------------------------------------------------------
 
 def prepare(inputs, out, tokenizer="bytes", field="text", overwrite=False, world=None, progress=True,
-            val_every=DEFAULT_VAL_EVERY, tokens_per_shard=DEFAULT_TOKENS_PER_SHARD, command=None) -> dict:
+            val_every=DEFAULT_VAL_EVERY, tokens_per_shard=DEFAULT_TOKENS_PER_SHARD, command=None,
+            bpe_train_mb=DEFAULT_BPE_TRAIN_MB) -> dict:
     """Tokenize `inputs` (files or folders) into token shards in `out`; returns the
     manifest (also written to out/data.json). `tokenizer`: "bytes", "bpe:VOCAB"
     (trained on the inputs) or a tokenizer.json (or a folder holding one). `world`:
@@ -596,6 +815,9 @@ def prepare(inputs, out, tokenizer="bytes", field="text", overwrite=False, world
             raise PrepareError(f"--tokens-per-shard {tokens_per_shard}: must be a whole number in 1..2^31-1")
         if tokenizer.startswith("bpe:"):
             tokenizers_.parse_vocab_spec(tokenizer)
+            if not isinstance(bpe_train_mb, (int, float)) or not 0 < bpe_train_mb < float("inf"):
+                raise PrepareError(f"--bpe-train-mb {bpe_train_mb}: must be a number of MB > 0 (how much of "
+                                   "the text bpe:VOCAB trains on at most)")
         elif tokenizer != "bytes":
             tokenizers_.load_tokenizer(tokenizer)       # parse it now: a bad file is refused before any work
 
@@ -608,7 +830,7 @@ def prepare(inputs, out, tokenizer="bytes", field="text", overwrite=False, world
         for note in notes:
             print(f"note: {note}", file=sys.stderr, flush=True)
     try:
-        tok = _make_tokenizer(world, tokenizer, sources, field, parts_dir, progress)
+        tok = _make_tokenizer(world, tokenizer, sources, field, parts_dir, progress, bpe_train_mb)
 
         def tokenize_mine():
             bar = _Progress(sum(sources[i].size for i in mine),
@@ -641,7 +863,8 @@ def build_manifest(tok, split, splits, records, skipped, tokens_per_shard, comma
     """DATA_DIR/data.json: what engine/shards.py's read_manifest checks and open_dataset reads."""
     return {
         "format": shards.MANIFEST_FORMAT, "version": shards.MANIFEST_VERSION,
-        "tokenizer": {"kind": tok.kind, "file": "tokenizer.json", "sha256": tok.sha256, "vocab_size": tok.vocab_size},
+        "tokenizer": {"kind": tok.kind, "file": "tokenizer.json", "sha256": tok.sha256, "vocab_size": tok.vocab_size,
+                      **({"training": tok.training} if getattr(tok, "training", None) else {})},  # bpe:VOCAB's sample
         "separator": list(tok.separator),           # the ids after every document
         "dtype": tok.dtype.name,                    # of the shards' tokens: uint16, or uint32 over 65536 ids
         "tokens_per_shard": tokens_per_shard,
@@ -654,28 +877,39 @@ def build_manifest(tok, split, splits, records, skipped, tokens_per_shard, comma
     }
 
 
-def _make_tokenizer(world, spec, sources, field, parts_dir, progress):
+def _make_tokenizer(world, spec, sources, field, parts_dir, progress, bpe_train_mb=DEFAULT_BPE_TRAIN_MB):
     """Every rank's tokenizer: "bytes", a file every rank loads, or a BPE rank 0 trains
-    on all the inputs and saves in the parts folder for the others to load."""
+    on the inputs (at most bpe_train_mb MB of their text) and saves in the parts folder
+    for the others to load. A trained one carries `training`, what data.json records of it."""
     if spec == "bytes":
         return tokenizers_.bytes_tokenizer()
+    training = None
     if spec.startswith("bpe:"):
         vocab_size = tokenizers_.parse_vocab_spec(spec)
+        budget = int(bpe_train_mb * 1_000_000)
 
         def train():
-            bar = _Progress(sum(s.size for s in sources), f"training BPE ({vocab_size} tokens)", progress)
+            total = sum(s.size for s in sources)
+            bar = _Progress(min(total, budget), f"training BPE ({vocab_size} tokens) on at most {bpe_train_mb:g} MB "
+                            "of the text (--bpe-train-mb)", progress)
+            used = [0]
             try:
-                trained = tokenizers_.train_bpe(_texts_for_bpe(sources, field, bar), vocab_size)
+                trained = tokenizers_.train_bpe(_texts_for_bpe(sources, field, bar, budget, used), vocab_size)
             finally:
                 bar.close()
-            return trained.save(parts_dir)
+            record = {"bpe_train_mb": bpe_train_mb, "trained_on_bytes": used[0],
+                      "sample": "all of the text" if total <= budget else
+                      "the head of each file, its share of --bpe-train-mb in proportion to its size"}
+            return trained.save(parts_dir), record
 
-        spec = _on_rank0(world, train, "BPE training")
+        spec, training = _on_rank0(world, train, "BPE training")
     tok = _on_every_rank(world, lambda: tokenizers_.load_tokenizer(spec), "tokenizer")
     hashes = world.allgather(tok.sha256)
     if len(set(hashes)) > 1:
         raise PrepareError(f"the ranks loaded different tokenizers from {spec} (sha256 {', '.join(h[:12] for h in hashes)}"
                            "); put it on a filesystem every rank sees, with the same file")
+    if training is not None:
+        tok.training = training
     return tok
 
 
@@ -781,6 +1015,9 @@ def build_parser(prog="ringpipe prepare") -> argparse.ArgumentParser:
                         "of the tokens are validation instead")
     p.add_argument("--tokens-per-shard", type=int, default=DEFAULT_TOKENS_PER_SHARD, metavar="N",
                    help="tokens per shard file (default 100000000, llm.c's)")
+    p.add_argument("--bpe-train-mb", type=float, default=DEFAULT_BPE_TRAIN_MB, metavar="MB",
+                   help=f"bpe:VOCAB trains on at most this many MB of the text (default {DEFAULT_BPE_TRAIN_MB}): "
+                        "the head of each file, its share in proportion to its size; data.json records how much")
     p.add_argument("--overwrite", action="store_true", help="replace the dataset in --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary (errors are still printed)")
     return p
@@ -829,6 +1066,7 @@ def main(argv=None, prog="ringpipe prepare") -> int:
         manifest = prepare(args.inputs, args.out, tokenizer=args.tokenizer, field=args.field,
                            overwrite=args.overwrite, world=world, progress=not args.quiet,
                            val_every=args.val_every, tokens_per_shard=args.tokens_per_shard,
+                           bpe_train_mb=args.bpe_train_mb,
                            command=shlex.join([prog] + argv))
     except lifecycle.LauncherError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)      # every task is alone: each says so
