@@ -17,12 +17,26 @@ one rank stops all ranks with the same message, never leaves them waiting):
 
   1. rank 0 lists the input files, folders walked in sorted order
   2. every rank checks its share (file i belongs to rank i % ranks): not empty, text, has the field
-  3. rank 0 checks the out folder and makes a temporary parts folder inside it
+  3. rank 0 takes the out folder: flock(LOCK_EX) on OUT/prepare.lock for the whole run
+     (refused while another prepare, or a training run holding it shared, uses the
+     folder), checks what the folder holds, makes a temporary parts folder inside it
   4. the tokenizer: bytes, a tokenizer.json, or bpe:VOCAB trained by rank 0 on the text
      (at most --bpe-train-mb MB of it, sampled from every file)
   5. every rank tokenizes its share, a part file per input file
-  6. rank 0 joins the parts in file order into the shards, writes tokenizer.json and
-     data.json (last), removes the parts
+  6. rank 0 joins the parts in file order into the new dataset's shards, tokenizer.json and
+     data.json in PARTS/dataset/, then swaps it in (renames only): the old dataset's files
+     hard-linked into OUT/previous/, the new ones renamed in (data.json last), the old shards
+     the new data.json does not name removed, OUT/previous/ removed. At every instant OUT or
+     OUT/previous/ holds a whole dataset; a prepare that finds one only in previous/ says
+     how to restore it. The parts folder is removed and the lock released however the
+     run ends (the lock file stays, emptied: training runs lock it too).
+
+What prepare deletes: only its own parts folder, and under --overwrite the files the
+old data.json names. Shards no data.json names (llm.c's, or a dataset whose manifest
+was lost) are refused, never replaced. Symbolic links inside input folders that lead
+out of them are skipped and listed (--follow-symlinks reads them); a folder that cannot
+be read is refused, naming it. Write errors (a full disk) name the file, exit 2, and
+leave the old dataset as it was.
 
 The shards and manifest are the same bytes for 1 rank and N ranks (but for the
 manifest's "created" and "command").
@@ -33,12 +47,16 @@ import argparse
 import array
 import codecs
 import datetime
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shlex
 import shutil
+import socket
+import stat
 import sys
 import tempfile
 import time
@@ -138,27 +156,20 @@ def _shown(path: str) -> str:
     return path
 
 
-def list_sources(inputs: list[str]) -> tuple[list[Source], list[str]]:
+def list_sources(inputs: list[str], follow_symlinks: bool = False) -> tuple[list[Source], list[str], list[str]]:
     """The input files in order (each folder walked in sorted order, hidden entries
-    left out), and the other files found in folders (skipped)."""
+    left out), the other files found in folders (skipped), and the symbolic links
+    inside folders that lead out of the folder given (skipped unless follow_symlinks:
+    `in/secret.txt -> /etc/passwd` must not end up in the shards because a folder was
+    prepared). An INPUT that is itself a link is the user's explicit choice and is read."""
     if not inputs:
         raise PrepareError("no input given; pass .txt, .jsonl or .parquet files, or folders of them")
-    found, skipped, seen = [], [], {}
+    found, skipped, links, seen = [], [], [], {}
     for given in inputs:
         if not os.path.exists(given):
             raise PrepareError(f"input {given} does not exist; check the path")
         if os.path.isdir(given):
-            for dirpath, dirs, files in os.walk(given):
-                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-                for name in sorted(files):
-                    if name.startswith("."):
-                        continue
-                    path = os.path.join(dirpath, name)
-                    if not name.lower().endswith(SUPPORTED) or not os.path.isfile(path):
-                        skipped.append(_shown(path))
-                        continue
-                    key = os.path.relpath(path, given).replace(os.sep, "/")
-                    found.append((path, key, given))
+            found += _walk_folder(given, follow_symlinks, skipped, links)
         else:
             if not os.path.isfile(given):
                 raise PrepareError(f"input {given} is not a regular file or folder (a FIFO or device?); "
@@ -179,8 +190,59 @@ def list_sources(inputs: list[str]) -> tuple[list[Source], list[str]]:
         sources.append(Source(_shown(path), key, os.path.getsize(path)))
     if not sources:
         raise PrepareError(f"no .txt, .jsonl or .parquet file in {', '.join(inputs)}"
-                           + (f" ({len(skipped)} other file(s) skipped, e.g. {skipped[0]})" if skipped else ""))
-    return sources, skipped
+                           + (f" ({len(skipped)} other file(s) skipped, e.g. {skipped[0]})" if skipped else "")
+                           + (f" ({len(links)} symbolic link(s) out of the folder skipped, e.g. {links[0]}; pass "
+                              "--follow-symlinks to read them)" if links else ""))
+    return sources, skipped, links
+
+
+def _walk_folder(given: str, follow_symlinks: bool, skipped: list, links: list) -> list:
+    """(path, key, given) of the supported files under the folder `given`, in sorted order."""
+    root = os.path.realpath(given)
+
+    def inside(real):
+        return real == root or real.startswith(root.rstrip(os.sep) + os.sep)
+
+    def unreadable(e: OSError):
+        # os.walk would skip a folder it cannot list without a word, and its files would be
+        # silently missing from the data: refuse instead, naming it.
+        where = _shown(e.filename) if e.filename else given
+        raise PrepareError(f"input folder {where} cannot be read ({e.strerror or e}); make it readable (chmod) "
+                           "or move it out of the input folder")
+
+    found = []
+    walked = set()                 # the real folders walked: a followed link back up is not walked twice
+    for dirpath, dirs, names in os.walk(given, onerror=unreadable, followlinks=follow_symlinks):
+        walked.add(os.path.realpath(dirpath))
+        keep = []
+        for name in sorted(dirs):
+            if name.startswith("."):
+                continue
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path):
+                real = os.path.realpath(path)
+                if inside(real) and not follow_symlinks:
+                    continue       # a link to a folder of the input itself: its files are read where they are
+                if not follow_symlinks:
+                    links.append(f"{_shown(path)} -> {real}")
+                    continue
+                if real in walked or any(real == w or w.startswith(real + os.sep) for w in walked):
+                    continue       # a loop (a link to a folder above it, or one walked already)
+            keep.append(name)
+        dirs[:] = keep
+        for name in sorted(names):
+            if name.startswith("."):
+                continue
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path) and not follow_symlinks and not inside(os.path.realpath(path)):
+                links.append(f"{_shown(path)} -> {os.path.realpath(path)}")
+                continue
+            if not name.lower().endswith(SUPPORTED) or not os.path.isfile(path):
+                skipped.append(_shown(path))
+                continue
+            key = os.path.relpath(path, given).replace(os.sep, "/")
+            found.append((path, key, given))
+    return found
 
 
 # ---- step 2: checks before any work -------------------------------------------------------
@@ -561,25 +623,43 @@ class SplitWriter:
         while len(tokens):
             if self._current is None:
                 name = f"{self.split}_{len(self.files):06d}.bin"
-                self._current = shards.ShardWriter(os.path.join(self.folder, name), self.vocab_size)
+                with _naming(os.path.join(self.folder, name)):
+                    self._current = shards.ShardWriter(os.path.join(self.folder, name), self.vocab_size)
                 self.files.append(name)
             room = self.per_shard - self._current.count
-            self._current.write(tokens[:room])
+            with _naming(self._current.path):
+                self._current.write(tokens[:room])
             self.tokens += min(room, len(tokens))
             tokens = tokens[room:]
             if self._current.count == self.per_shard:
-                self._current.close()
-                self._current = None
+                self.close()
 
     def close(self) -> None:
         if self._current is not None:
-            self._current.close()
-            self._current = None
+            current, self._current = self._current, None
+            with _naming(current.path):
+                current.close()                  # on failure it removed its temp file itself
 
     def abort(self) -> None:
         if self._current is not None:
             self._current.abort()
             self._current = None
+
+
+class _naming:
+    """A write's OSError carries no file name (a full disk fails in write(2) or fsync):
+    give it the shard's, so the message can say which file could not be written."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        if isinstance(value, OSError) and not value.filename:
+            raise OSError(value.errno, value.strerror or str(value), self.path) from None
+        return False
 
 
 def _read_tokens(fh, dtype, count, block=16 << 20):
@@ -688,52 +768,357 @@ def _write_tail(tables, parts_dir, dtype, writers, cut):
 
 # ---- the out folder -------------------------------------------------------------------------
 
-def _prepare_out_folder(out: str, overwrite: bool) -> tuple[str, list[str], bool]:
-    """Rank 0: refuse a folder that holds a dataset (unless overwrite), make the
-    temporary parts folder. Returns it, notes for the user, and whether `out` was made now."""
-    notes = []
-    made = not os.path.exists(out)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise PrepareError(f"--out {out} exists and is not a folder; choose another --out")
-    manifest = os.path.join(out, shards.MANIFEST_NAME)
-    if os.path.exists(manifest) and not overwrite:
-        raise PrepareError(f"--out {out} already holds a dataset ({manifest}); pass --overwrite to replace it, "
-                           "or choose another --out")
-    for name in ("train.bin", "val.bin"):
-        if os.path.exists(os.path.join(out, name)) and not overwrite:
-            raise PrepareError(f"--out {out} already holds nanoGPT data ({name}); pass --overwrite to write "
-                               "beside it, or choose another --out")
+LOCK_NAME = "prepare.lock"          # OUT/prepare.lock: flock'd by the prepare writing OUT (and shared by training runs)
+PREVIOUS_NAME = "previous"         # OUT/previous/: the old dataset while --overwrite swaps the new one in
+STAGING_NAME = "dataset"           # PARTS/dataset/: the new dataset, complete, before it is swapped in
+# flock() is not offered by every cluster filesystem (Lustre without -o flock, some FUSE mounts).
+_NO_LOCKING = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
+
+
+def _fsync_dir(path: str) -> None:
+    """Make the renames in a folder durable (a crash after it must not undo them)."""
     try:
-        os.makedirs(out, exist_ok=True)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass                       # not every filesystem can fsync a folder; the renames still happened
+    finally:
+        os.close(fd)
+
+
+def _write_error(e: OSError, out: str, path: str | None = None) -> PrepareError:
+    """A failed write as a refusal naming the file and what to do; the old dataset is untouched
+    (the new one is built in the parts folder, and only renames touch OUT's dataset)."""
+    path = path or e.filename or out
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        from ringpipe.engine.rundir import free_mb
+        free = free_mb(out)
+        free = "free space unknown" if free != free else f"{free:.0f} MB free"
+        why = f"disk full writing {path} ({free})"
+        todo = "free space (the new dataset needs about as much as its inputs' tokens) or choose another --out"
+    elif e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        why = f"cannot write {path} ({'read-only filesystem' if e.errno == errno.EROFS else 'permission denied'})"
+        todo = "make --out writable or choose another --out"
+    else:
+        why = f"cannot write {path} ({e.strerror or e})"
+        todo = "fix the cause or choose another --out"
+    return PrepareError(f"{why}: {todo}, then prepare again; the dataset already in {out} (if any) is unchanged")
+
+
+class _OutFolder:
+    """Rank 0's hold on --out for the whole run: the lock, the parts folder, and the
+    swap of the new dataset for the old one.
+
+    Only the files a manifest names are the dataset (data.json, its tokenizer, its
+    shards): prepare replaces those and never deletes any other file in OUT. The new
+    dataset is written whole into PARTS/dataset/ first; the swap (`install`) then only
+    renames, so at every instant OUT or OUT/previous/ holds a complete dataset."""
+
+    def __init__(self, out: str, overwrite: bool):
+        self.out, self.overwrite = out, overwrite
+        self.made = False                    # OUT did not exist: a refusal removes it again
+        self.parts_dir = None
+        self.old: list[str] = []             # the old dataset's files, data.json last
+        self._lock_fd = None
+
+    @property
+    def staging(self) -> str:
+        return os.path.join(self.parts_dir, STAGING_NAME)
+
+    # ---- taking the folder ----------------------------------------------------------
+    def open(self) -> list[str]:
+        """Lock OUT, check what it holds, make the parts folder. Returns notes for the user."""
+        out = self.out
+        if os.path.lexists(out) and not os.path.isdir(out):
+            raise PrepareError(f"--out {out} exists and is not a folder; choose another --out")
+        self.made = not os.path.exists(out)
+        try:
+            os.makedirs(out, exist_ok=True)
+        except OSError as e:
+            raise PrepareError(f"--out {out} cannot be made ({e.strerror or e}); choose another --out") from None
+        try:
+            notes = self._lock()
+            notes += self._check_contents()
+            self.parts_dir = tempfile.mkdtemp(prefix=PARTS_PREFIX, dir=out)
+            os.mkdir(self.staging)
+        except OSError as e:
+            self.close()
+            raise PrepareError(f"--out {out} cannot be written ({e.strerror or e}); choose another --out") from None
+        except BaseException:
+            self.close()
+            raise
+        return notes
+
+    def _lock(self) -> list[str]:
+        """OUT/prepare.lock, flock'd exclusively until close(): one prepare writes OUT at a
+        time, and none while a training run holds it shared (it reads the shards). The
+        kernel drops a flock when its process dies, so a lock left by a killed prepare is
+        taken over; the file stays (training locks it too) and names its last owner."""
+        path = os.path.join(self.out, LOCK_NAME)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(path, flags, 0o644)
+        except OSError as e:
+            if os.path.islink(path):
+                raise PrepareError(f"{path} is a symbolic link, not prepare's lock file; remove it") from None
+            raise PrepareError(f"--out {self.out}: cannot open its lock file {path} ({e.strerror or e}); "
+                               "make the folder writable or choose another --out") from None
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(fd)
+            raise PrepareError(f"{path} is {files.file_kind(mode)}, not prepare's lock file; remove it")
+        notes = []
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = _read_lock_owner(fd)
+            os.close(fd)
+            raise PrepareError(f"--out {self.out} is in use ({_describe_lock_owner(owner)}); a prepare writing "
+                               "it now would mix two datasets or pull the shards from under a training run. Wait "
+                               "for it to end or stop it, or choose another --out") from None
+        except OSError as e:
+            if e.errno not in _NO_LOCKING:
+                os.close(fd)
+                raise
+            notes.append(f"the filesystem of {self.out} does not support file locks ({e.strerror}): a second "
+                         "prepare, or a training run, on the same folder would not be detected")
+        owner = _read_lock_owner(fd)
+        if owner:
+            notes.append(f"took over the lock of a prepare that did not end cleanly ({_describe_lock_owner(owner)})")
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "command": " ".join(sys.argv)[:500]}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        self._lock_fd = fd
+        return notes
+
+    def _check_contents(self) -> list[str]:
+        """Refuse what this run may not replace; find the old dataset's files; clear what a
+        killed prepare left (safe: we hold the lock, so no live prepare uses it)."""
+        out, notes = self.out, []
+        manifest = os.path.join(out, shards.MANIFEST_NAME)
+        previous = os.path.join(out, PREVIOUS_NAME)
+        has_manifest = os.path.lexists(manifest)
+        if os.path.lexists(os.path.join(previous, shards.MANIFEST_NAME)) and not has_manifest:
+            q = shlex.quote
+            raise PrepareError(
+                f"--out {out} holds no dataset, but {previous} holds one: a prepare --overwrite was stopped while it "
+                f"swapped the new dataset in. Restore the old one with `mv -f {q(previous)}/* {q(out)}/ && rmdir "
+                f"{q(previous)}` (then prepare again), or remove {previous} to give it up")
+        if has_manifest and not self.overwrite:
+            raise PrepareError(f"--out {out} already holds a dataset ({manifest}); pass --overwrite to replace it, "
+                               "or choose another --out")
+        for name in shards.NANOGPT_NAMES:
+            if os.path.exists(os.path.join(out, name)) and not self.overwrite:
+                raise PrepareError(f"--out {out} already holds nanoGPT data ({name}); pass --overwrite to write "
+                                   "beside it (it is left as it is), or choose another --out")
+        if has_manifest:
+            self.old = _dataset_files(out)
+        if has_manifest and os.path.lexists(previous):
+            notes += self._clear_previous(previous)
+        foreign = sorted(name for name in os.listdir(out)
+                         if (shards.SHARD_NAME.match(name) or name == "tokenizer.json") and name not in self.old)
+        if foreign:
+            shown = ", ".join(foreign[:10]) + (f" and {len(foreign) - 10} more" if len(foreign) > 10 else "")
+            raise PrepareError(
+                f"--out {out} holds {shown}, which no data.json there names (llm.c's shards, or a dataset whose "
+                "data.json was lost); prepare writes files of these names and never replaces files it did not "
+                f"write{', not even under --overwrite' if self.overwrite else ''}: move them away, or choose "
+                "another --out")
         for name in sorted(os.listdir(out)):
             if name.startswith(PARTS_PREFIX):
-                left = os.path.join(out, name)
-                if overwrite:
-                    shutil.rmtree(left, ignore_errors=True)
-                    notes.append(f"removed {left}, left by a prepare that did not finish")
-                else:
-                    notes.append(f"{left} was left by a prepare that did not finish: remove it (or pass --overwrite)")
-        parts_dir = tempfile.mkdtemp(prefix=PARTS_PREFIX, dir=out)
-    except OSError as e:
-        raise PrepareError(f"--out {out} cannot be written ({e.strerror or e}); choose another --out") from None
-    return parts_dir, notes, made
+                shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+                notes.append(f"removed {os.path.join(out, name)}, left by a prepare that did not finish")
+        return notes
+
+    def _clear_previous(self, previous: str) -> list[str]:
+        """OUT/previous/ beside a complete dataset in OUT (under --overwrite) is in the way of
+        the swap. Cleared if it is what a stopped prepare left: the dataset it had replaced
+        (named by its own data.json) or hard links of OUT's files; the old shards left in OUT
+        that are the same files and that OUT's data.json does not name go too. Anything
+        else in it is the user's: refuse, deleting nothing."""
+        if not os.path.isdir(previous) or os.path.islink(previous):
+            raise PrepareError(f"{previous} is not a folder prepare made; prepare keeps the old dataset there while "
+                               "it swaps the new one in: move it away")
+
+        def same(name):
+            there, here = os.path.join(previous, name), os.path.join(self.out, name)
+            return os.path.lexists(there) and os.path.lexists(here) and os.path.samefile(there, here)
+        held = os.listdir(previous)
+        ours = set(_dataset_files(previous)) if shards.MANIFEST_NAME in held else set()
+        ours |= {n for n in held if same(n)}
+        others = sorted(set(held) - ours)
+        if others:
+            raise PrepareError(f"{previous} holds {', '.join(others[:10])}: not a dataset prepare set aside; "
+                               "prepare keeps the old dataset there while it swaps the new one in: move the folder "
+                               "away")
+        for name in sorted(ours, key=lambda n: n == shards.MANIFEST_NAME):     # its data.json last
+            if name not in self.old and same(name):
+                os.remove(os.path.join(self.out, name))   # an old shard the new dataset does not name
+            if os.path.lexists(os.path.join(previous, name)):
+                os.remove(os.path.join(previous, name))
+        os.rmdir(previous)
+        return [f"removed {previous}, the old dataset a stopped prepare --overwrite had set aside ({self.out} "
+                "holds a complete one)"]
+
+    # ---- the swap -------------------------------------------------------------------
+    def install(self, manifest: dict, tok) -> None:
+        """The new dataset (shards already in the staging folder) into OUT, the old one
+        aside: staging gets tokenizer.json and data.json; the old dataset's files are
+        hard-linked into OUT/previous/ (data.json last: it is complete there before OUT's
+        goes), OUT/data.json removed, the new files renamed in (data.json last), the old
+        shards the new manifest does not name removed, OUT/previous/ removed. If a rename
+        fails or Ctrl-C's KeyboardInterrupt comes, the old dataset is put back; if the
+        process is killed (SIGKILL, or an MPI abort from another rank's signal), previous/
+        holds the old dataset whole and the next prepare says how to restore it. (Blocking
+        signals would not help: Python runs its handlers in the main thread whatever the
+        thread mask, and engine/lifecycle.py's watcher thread aborts the job.)"""
+        tok.save(self.staging)
+        shards.write_manifest(self.staging, manifest)
+        shards.read_manifest(self.staging)               # the new dataset checks out before anything is replaced
+        new = manifest["splits"]["train"]["shards"] + manifest["splits"]["val"]["shards"] + ["tokenizer.json"]
+        self._swap(new)
+
+    def _swap(self, new: list[str]) -> None:
+        out, previous = self.out, os.path.join(self.out, PREVIOUS_NAME)
+        data_json = shards.MANIFEST_NAME
+        aside = linked = False
+        try:
+            if self.old:
+                os.mkdir(previous)
+                aside = True
+                try:
+                    for name in self.old:                # data.json last
+                        os.link(os.path.join(out, name), os.path.join(previous, name))
+                    linked = True
+                except OSError:
+                    # No hard links here (some FUSE and object-store mounts): move the files
+                    # instead, data.json first, so OUT never holds a manifest naming moved shards.
+                    for name in [data_json] + [n for n in self.old if n != data_json]:
+                        src = os.path.join(out, name)
+                        if os.path.lexists(src):
+                            os.replace(src, os.path.join(previous, name))
+                _fsync_dir(previous)
+                if linked:
+                    os.remove(os.path.join(out, data_json))
+            for name in new:
+                os.replace(os.path.join(self.staging, name), os.path.join(out, name))
+            _fsync_dir(out)
+            os.replace(os.path.join(self.staging, data_json), os.path.join(out, data_json))
+            _fsync_dir(out)
+        except BaseException:
+            if aside:
+                self._put_back(previous, new)
+            raise
+        # The new dataset is in place: what remains of the old one goes, its shards in OUT the
+        # new manifest does not name, then previous/ (its data.json last). Best effort: the run
+        # succeeded; whatever a failure or a kill leaves here is still named by previous/data.json
+        # (or is a hard link of it), and the next prepare clears it (_clear_previous).
+        try:
+            for name in self.old:
+                if name not in new and name != data_json and os.path.lexists(os.path.join(out, name)):
+                    os.remove(os.path.join(out, name))
+            if aside:
+                for name in sorted(os.listdir(previous), key=lambda n: n == data_json):
+                    os.remove(os.path.join(previous, name))
+                os.rmdir(previous)
+        except (OSError, KeyboardInterrupt):
+            pass                   # the new dataset is in place: a Ctrl-C now has nothing left to stop
+
+    def _put_back(self, previous: str, new: list[str]) -> None:
+        """After a failed swap: the old dataset back into OUT (data.json last), the new
+        files that were renamed in removed. If this fails too, OUT/previous/ stays and
+        the next prepare says how to restore it."""
+        out = self.out
+        try:
+            for name in new:
+                if name not in self.old and os.path.lexists(os.path.join(out, name)):
+                    os.remove(os.path.join(out, name))
+            for name in self.old:                        # data.json last
+                if os.path.lexists(os.path.join(previous, name)):
+                    os.replace(os.path.join(previous, name), os.path.join(out, name))
+            os.rmdir(previous)
+            _fsync_dir(out)
+        except OSError:
+            pass
+
+    # ---- letting go -----------------------------------------------------------------
+    def close(self) -> None:
+        """The parts folder removed, the lock released (the lock file stays: training runs
+        lock it too; emptied, it means "ended cleanly"); OUT removed again if this run made
+        it and wrote nothing into it."""
+        try:
+            if self.parts_dir is not None:
+                parts, self.parts_dir = self.parts_dir, None
+                shutil.rmtree(parts, ignore_errors=True)
+        finally:                                         # a second Ctrl-C midway must not keep the lock
+            self._unlock()
+        if self.made:
+            try:
+                if os.listdir(self.out) == [LOCK_NAME]:
+                    os.remove(os.path.join(self.out, LOCK_NAME))
+                os.rmdir(self.out)                       # refused before anything was written: no empty folder
+            except OSError:
+                pass
+
+    def _unlock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is None:
+            return
+        try:
+            os.ftruncate(fd, 0)                          # emptied: "ended cleanly", for the next one's message
+        except OSError:
+            pass
+        finally:
+            os.close(fd)                                 # closing drops the flock
 
 
-def _replace_dataset(out: str, tok, write_shards):
-    """Rank 0: write the new shards (write_shards() -> manifest), the tokenizer and the
-    manifest (last). An old manifest goes first, so a crash midway never leaves a
-    manifest that names half-replaced shards; shards no manifest names are removed at the end."""
-    old = os.path.join(out, shards.MANIFEST_NAME)
-    if os.path.exists(old):
-        os.remove(old)
-    manifest = write_shards()
-    tok.save(out)
-    shards.write_manifest(out, manifest)
-    named = set(manifest["splits"]["train"]["shards"]) | set(manifest["splits"]["val"]["shards"])
-    for name in os.listdir(out):
-        if shards.SHARD_NAME.match(name) and name not in named:
-            os.remove(os.path.join(out, name))
-    return manifest
+def _dataset_files(folder: str) -> list[str]:
+    """The files of the dataset in `folder` its data.json names: tokenizer, shards, then
+    data.json itself. Refused if the manifest cannot be read (prepare cannot tell then
+    which files are the dataset, and deletes nothing it cannot name)."""
+    path = os.path.join(folder, shards.MANIFEST_NAME)
+    try:
+        m = files.read_json(path, "the dataset's manifest")
+        names = [m["tokenizer"]["file"]] + [f for s in shards.SPLITS for f in m["splits"][s]["shards"]]
+        if not all(isinstance(n, str) and n not in ("", ".", "..") and "/" not in n for n in names):
+            raise ValueError("it names files outside its folder")
+    except (ValueError, KeyError, TypeError) as e:
+        raise PrepareError(f"{path} cannot be read ({e}), so prepare cannot tell which files in {folder} are its "
+                           "dataset and replaces none: remove the old dataset's files (data.json, tokenizer.json, "
+                           "the .bin shards) by hand, or choose another --out") from None
+    return [n for n in dict.fromkeys(names) if n != shards.MANIFEST_NAME] + [shards.MANIFEST_NAME]
+
+
+def _read_lock_owner(fd: int) -> dict | None:
+    try:
+        raw = os.pread(fd, 4096, 0)
+        owner = json.loads(raw.decode()) if raw.strip() else None
+        return owner if owner is None or isinstance(owner, dict) else {"unreadable": True}
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {"unreadable": True}
+
+
+def _describe_lock_owner(owner: dict | None) -> str:
+    if not owner:
+        # prepare empties the file when it ends; a training run (hold_dataset) writes nothing in it
+        return "a training run reads the dataset (ringpipe train --data), or a prepare is starting"
+    if "host" not in owner:
+        return "held by a process that left no name"
+    alive = ""
+    if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
+        try:
+            os.kill(owner["pid"], 0)
+            alive = ", running"
+        except ProcessLookupError:
+            alive = ", no longer running: a training run reads the dataset now"
+        except PermissionError:
+            alive = ", running"
+    return (f"by prepare on host {owner['host']} pid {owner.get('pid')}{alive}, started {owner.get('started', '?')}: "
+            f"{owner.get('command', '?')}")
 
 
 # ---- progress -------------------------------------------------------------------------------
@@ -795,7 +1180,8 @@ def _texts_for_bpe(sources, field, bar, budget_bytes: int, used: list):
 
 def prepare(inputs, out, tokenizer="bytes", field="text", overwrite=False, world=None, progress=True,
             val_every=DEFAULT_VAL_EVERY, tokens_per_shard=DEFAULT_TOKENS_PER_SHARD, command=None,
-            bpe_train_mb=DEFAULT_BPE_TRAIN_MB) -> dict:
+            bpe_train_mb=DEFAULT_BPE_TRAIN_MB,
+            follow_symlinks=False) -> dict:
     """Tokenize `inputs` (files or folders) into token shards in `out`; returns the
     manifest (also written to out/data.json). `tokenizer`: "bytes", "bpe:VOCAB"
     (trained on the inputs) or a tokenizer.json (or a folder holding one). `world`:
@@ -822,14 +1208,22 @@ def prepare(inputs, out, tokenizer="bytes", field="text", overwrite=False, world
             tokenizers_.load_tokenizer(tokenizer)       # parse it now: a bad file is refused before any work
 
     _on_every_rank(world, check_settings, "settings")
-    sources, skipped = _on_rank0(world, lambda: list_sources(inputs), "input listing")
+    sources, skipped, links = _on_rank0(world, lambda: list_sources(inputs, follow_symlinks), "input listing")
+    if rank == 0 and progress and links:
+        print(f"note: {len(links)} symbolic link(s) leading out of the input folders skipped (e.g. {links[0]}); pass "
+              "--follow-symlinks to read them", file=sys.stderr, flush=True)
     mine = list(range(rank, len(sources), size))          # this rank's share, round-robin
     _on_every_rank(world, lambda: [check_source(sources[i], field) for i in mine], "input check")
-    parts_dir, notes, made_out = _on_rank0(world, lambda: _prepare_out_folder(out, overwrite), "out folder")
-    if rank == 0 and progress:
-        for note in notes:
-            print(f"note: {note}", file=sys.stderr, flush=True)
+    # Rank 0 owns --out from here to the end (its lock, the parts folder, the swap);
+    # held in `folder` on rank 0 only, so the finally below releases it however this ends
+    # (a refusal, a full disk, Ctrl-C's KeyboardInterrupt).
+    folder = _OutFolder(out, overwrite) if rank == 0 else None
     try:
+        notes = _on_rank0(world, folder.open if folder else None, "out folder")
+        parts_dir = _on_rank0(world, lambda: folder.parts_dir, "parts folder")
+        if rank == 0 and progress:
+            for note in notes:
+                print(f"note: {note}", file=sys.stderr, flush=True)
         tok = _make_tokenizer(world, tokenizer, sources, field, parts_dir, progress, bpe_train_mb)
 
         def tokenize_mine():
@@ -838,28 +1232,35 @@ def prepare(inputs, out, tokenizer="bytes", field="text", overwrite=False, world
                             "files)", progress and rank == 0)
             try:
                 for i in mine:
-                    tokenize_source(sources[i], i, tok, field, val_every, parts_dir, bar)
+                    try:
+                        tokenize_source(sources[i], i, tok, field, val_every, parts_dir, bar)
+                    except OSError as e:
+                        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+                            raise
+                        raise _write_error(e, out, e.filename or _part_paths(parts_dir, i)[0]) from None
             finally:
                 bar.close()
 
         _on_every_rank(world, tokenize_mine, "tokenization")
 
         def write_dataset():
-            def write_shards():
-                split, splits, records = join_parts(sources, parts_dir, out, tok, tokens_per_shard, val_every)
-                return build_manifest(tok, split, splits, records, skipped, tokens_per_shard, command)
-            return _replace_dataset(out, tok, write_shards)
+            try:
+                split, splits, records = join_parts(sources, parts_dir, folder.staging, tok, tokens_per_shard,
+                                                    val_every)
+                manifest = build_manifest(tok, split, splits, records, skipped, tokens_per_shard, command, links)
+                folder.install(manifest, tok)
+            except OSError as e:
+                raise _write_error(e, out) from None
+            return manifest
 
         manifest = _on_rank0(world, write_dataset, "writing the shards")
     finally:
-        if rank == 0:
-            shutil.rmtree(parts_dir, ignore_errors=True)
-            if made_out and not os.listdir(out):
-                os.rmdir(out)              # refused before anything was written: leave no empty folder behind
+        if folder is not None:
+            folder.close()
     return manifest
 
 
-def build_manifest(tok, split, splits, records, skipped, tokens_per_shard, command) -> dict:
+def build_manifest(tok, split, splits, records, skipped, tokens_per_shard, command, links=()) -> dict:
     """DATA_DIR/data.json: what engine/shards.py's read_manifest checks and open_dataset reads."""
     return {
         "format": shards.MANIFEST_FORMAT, "version": shards.MANIFEST_VERSION,
@@ -871,7 +1272,9 @@ def build_manifest(tok, split, splits, records, skipped, tokens_per_shard, comma
         "splits": splits,                           # train/val: shards (in order), tokens, bytes (of text), documents
         "split": split,                             # how documents were assigned to train and val
         "sources": records,                         # every input file: path, size, documents, tokens
-        "skipped": {"files": len(skipped), "examples": skipped[:10]},
+        "skipped": {"files": len(skipped), "examples": skipped[:10],
+                    # symbolic links out of the input folders: named only when there were some
+                    **({"links": len(links), "link_examples": list(links[:10])} if links else {})},
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command,
     }
@@ -1004,7 +1407,8 @@ def build_parser(prog="ringpipe prepare") -> argparse.ArgumentParser:
     p.add_argument("inputs", nargs="+", metavar="INPUT", help=".txt, .jsonl or .parquet files, or folders of them")
     p.add_argument("--out", required=True, metavar="DATA_DIR",
                    help="folder to write (the shards, tokenizer.json, data.json); refused if it holds a dataset, "
-                        "unless --overwrite")
+                        "unless --overwrite, or shards no data.json names (never deleted), or while another "
+                        "prepare or a training run uses it (DATA_DIR/prepare.lock)")
     p.add_argument("--tokenizer", default="bytes",
                    help="bytes (default: UTF-8 bytes, vocab 256), bpe:VOCAB (a byte-level BPE of VOCAB tokens "
                         "trained on the input, e.g. bpe:8192), or a Hugging Face tokenizer.json (or its folder)")
@@ -1018,7 +1422,13 @@ def build_parser(prog="ringpipe prepare") -> argparse.ArgumentParser:
     p.add_argument("--bpe-train-mb", type=float, default=DEFAULT_BPE_TRAIN_MB, metavar="MB",
                    help=f"bpe:VOCAB trains on at most this many MB of the text (default {DEFAULT_BPE_TRAIN_MB}): "
                         "the head of each file, its share in proportion to its size; data.json records how much")
-    p.add_argument("--overwrite", action="store_true", help="replace the dataset in --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the dataset in --out: only the files its data.json names; the new dataset is "
+                        "built aside and swapped in at the end (the old one kept in DATA_DIR/previous/ during the "
+                        "swap, removed after it), so a stopped or failed prepare leaves the old dataset whole")
+    p.add_argument("--follow-symlinks", action="store_true",
+                   help="read symbolic links inside input folders that lead out of them (skipped by default, and "
+                        "listed; a link given as an INPUT is always read)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary (errors are still printed)")
     return p
 
@@ -1031,9 +1441,12 @@ def summary(manifest: dict, out: str, seconds: float) -> str:
     split = manifest["split"]
     how = (f"1 in about {split['val_every']} documents" if split["method"] == "documents"
            else f"the last {split['val_fraction']:.0%} of the tokens (too few documents to split by document)")
+    links = manifest["skipped"].get("links", 0)
     lines = [f"prepared {out}: {len(manifest['sources'])} file(s), {n_docs:,} document(s)"
              + (f"; {manifest['skipped']['files']} other file(s) skipped (e.g. {manifest['skipped']['examples'][0]})"
-                if manifest["skipped"]["files"] else ""),
+                if manifest["skipped"]["files"] else "")
+             + (f"; {links} symbolic link(s) out of the input folders skipped (e.g. "
+                f"{manifest['skipped']['link_examples'][0]}; --follow-symlinks reads them)" if links else ""),
              f"  train {train['tokens']:,} tokens in {len(train['shards'])} shard(s), val {val['tokens']:,} tokens in "
              f"{len(val['shards'])} shard(s) (validation: {how})",
              f"  tokenizer {t['kind']} (vocab {t['vocab_size']:,}), "
@@ -1041,6 +1454,15 @@ def summary(manifest: dict, out: str, seconds: float) -> str:
              f"{total / max(seconds, 1e-9) / 1e6:.2f}M tokens/s over {seconds:.1f} s"]
     lines.append(f"next: ringpipe train --data {shlex.quote(out)}")
     return "\n".join(lines)
+
+
+def _manifest_identity(out: str):
+    """Which data.json OUT holds (inode, mtime), to tell after an interrupt whether it changed."""
+    try:
+        st = os.stat(os.path.join(out, shards.MANIFEST_NAME))
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
 
 
 def main(argv=None, prog="ringpipe prepare") -> int:
@@ -1060,11 +1482,13 @@ def main(argv=None, prog="ringpipe prepare") -> int:
     comm.install_abort_handler()           # a bug on one rank ends the job instead of leaving the others waiting
     world = MPI.COMM_WORLD
     lifecycle.end_job_on_signal(world, prog)   # and so does Ctrl-C/SIGTERM on one rank (the others would wait)
+    before = _manifest_identity(args.out) if world.Get_rank() == 0 else None
     try:
         lifecycle.check_launcher()
         t0 = time.perf_counter()
         manifest = prepare(args.inputs, args.out, tokenizer=args.tokenizer, field=args.field,
                            overwrite=args.overwrite, world=world, progress=not args.quiet,
+                           follow_symlinks=args.follow_symlinks,
                            val_every=args.val_every, tokens_per_shard=args.tokens_per_shard,
                            bpe_train_mb=args.bpe_train_mb,
                            command=shlex.join([prog] + argv))
@@ -1077,7 +1501,12 @@ def main(argv=None, prog="ringpipe prepare") -> int:
         return 2
     except KeyboardInterrupt:
         if world.Get_rank() == 0:
-            print("interrupted: no new dataset was written (a folder without data.json holds none); "
+            # prepare() released the lock and removed the parts folder on its way out, and put
+            # the old dataset back if the interrupt came during the swap: OUT holds one whole
+            # dataset, the old one, or the new one if the interrupt came once it was in place
+            after = _manifest_identity(args.out)
+            print(f"interrupted: {args.out} holds the new dataset (it was in place already)" if after != before
+                  and after is not None else f"interrupted: {args.out} holds the dataset it held before (if any); "
                   "prepare again", file=sys.stderr)
         return 130
     if world.Get_rank() == 0 and not args.quiet:

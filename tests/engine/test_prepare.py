@@ -448,11 +448,12 @@ def test_help_explains_and_main_returns_an_exit_code(capsys):
 def test_overwrite_replaces_a_dataset_and_leaves_no_stale_shards(tmp_path):
     (tmp_path / "in.txt").write_text("x" * 1000)
     prep.prepare([str(tmp_path / "in.txt")], tmp_path / "d", tokens_per_shard=100, progress=False)
-    assert len(os.listdir(tmp_path / "d")) == 2 + 10 + 1
+    assert len(os.listdir(tmp_path / "d")) == 2 + 10 + 1 + 1              # + prepare.lock, which stays
     with pytest.raises(ValueError, match="already holds a dataset"):
         prep.prepare([str(tmp_path / "in.txt")], tmp_path / "d", progress=False)
     m = prep.prepare([str(tmp_path / "in.txt")], tmp_path / "d", overwrite=True, progress=False)
-    assert sorted(os.listdir(tmp_path / "d")) == ["data.json", "tokenizer.json", "train_000000.bin", "val_000000.bin"]
+    assert sorted(os.listdir(tmp_path / "d")) == ["data.json", "prepare.lock", "tokenizer.json", "train_000000.bin",
+                                                  "val_000000.bin"]
     assert m["splits"]["train"]["shards"] == ["train_000000.bin"]
 
 
