@@ -21,6 +21,11 @@ set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd -P)
 DIR=${RINGPIPE_CLUSTER_DIR:-/tmp/ringpipe-cluster}
+# The folder (munge key, config, PID files, the wrappers on PATH) is ours alone: made
+# with mode 0700, or refused with exit 2 if it exists and is not (private.sh).
+PRIVATE_DIR_VAR=RINGPIPE_CLUSTER_DIR
+# shellcheck source=private.sh
+. "$HERE/private.sh"
 export RINGPIPE_NODES_DIR=$DIR/nodes
 NET=10.78.0
 PORT=26817
@@ -30,7 +35,18 @@ export PATH=$PATH:/usr/sbin:/sbin
 log() { echo "cluster.sh: $*" >&2; }
 die() { echo "cluster.sh: error: $1" >&2; exit "${2:-1}"; }
 
-pid_alive() { [ -s "$1" ] && kill -0 "$(tr -dc 0-9 <"$1")" 2>/dev/null; }
+# The PID in a PID file of ours, only if it is that daemon, started with this folder's
+# config (or munge socket): a PID file could name any process (daemon_pid, private.sh).
+our_daemon() {  # our_daemon PIDFILE
+    local name
+    name=$(basename -- "$1" .pid)
+    name=${name%%-*}                       # slurmd-n1 -> slurmd
+    case "$name" in
+        munged) daemon_pid munged "$1" "$DIR/munge/munge.sock" ;;
+        slurmctld|slurmd) daemon_pid "$name" "$1" "$DIR/slurm.conf" ;;
+        *) return 1 ;;
+    esac
+}
 
 sinfo_head() { SLURM_CONF=$DIR/slurm.conf nsenter --net=/run/netns/rp-head sinfo -h -N -o "%N %T" 2>/dev/null || true; }
 
@@ -49,7 +65,8 @@ cmd_up() {
         *) die "unknown option '$1' (see --help)" 2;;
     esac; done
     [[ "$n" =~ ^[0-9]+$ ]] && [ "$n" -ge 1 ] && [ "$n" -le 16 ] || die "--nodes must be 1..16, got '$n'" 2
-    if [ -s "$DIR/nodes.count" ] && [ "$(cat "$DIR/nodes.count")" = "$n" ] && pid_alive "$DIR/run/slurmctld.pid"; then
+    private_dir "cluster state folder" "$DIR" check
+    if [ -s "$DIR/nodes.count" ] && [ "$(cat "$DIR/nodes.count")" = "$n" ] && our_daemon "$DIR/run/slurmctld.pid" >/dev/null; then
         bash "$HERE/nodes.sh" shape "$link" >&2
         log "already up in $DIR ($n nodes); link $link"
         eval_lines
@@ -60,12 +77,13 @@ cmd_up() {
         command -v "$b" >/dev/null 2>&1 && continue
         [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || die "$b is missing: apt-get install -y slurm-wlm munge"
         log "installing slurm-wlm and munge with apt-get (once)"
-        mkdir -p "$DIR"
+        private_dir "cluster state folder" "$DIR"
         { DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
           DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge; } >"$DIR/apt.log" 2>&1 \
             || die "apt-get install slurm-wlm munge failed (log: $DIR/apt.log)"
         break
     done
+    private_dir "cluster state folder" "$DIR"
     mkdir -p "$DIR"/{run,log,state,spool,bin,munge}
     local rc=0
     bash "$HERE/nodes.sh" up --nodes "$n" --link "$link" || rc=$?
@@ -161,12 +179,20 @@ EOF
 
 cmd_down() {
     local f pid
+    # Not ours alone: nothing in it is read, signalled or removed (exit 2).
+    private_dir "cluster state folder" "$DIR" check
     for f in "$DIR"/run/slurmd-*.pid "$DIR/run/slurmctld.pid" "$DIR/run/munged.pid"; do
         [ -s "$f" ] || continue
-        pid=$(tr -dc 0-9 <"$f")
+        if ! pid=$(our_daemon "$f"); then
+            pid=$(head -c 32 -- "$f" | tr -dc 0-9)
+            [ -n "$pid" ] && [ -d "/proc/$pid" ] && log "not signalling pid $pid of $f: it is not the" \
+                "$(basename -- "$f" .pid) of $DIR ($(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | head -c 120))"
+            continue
+        fi
         kill -TERM "$pid" 2>/dev/null || true
-        for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-        kill -KILL "$pid" 2>/dev/null || true
+        for _ in $(seq 1 50); do our_daemon "$f" >/dev/null || break; sleep 0.1; done
+        # Checked again: the PID is signalled only while it is still our daemon.
+        if pid=$(our_daemon "$f"); then kill -KILL "$pid" 2>/dev/null || true; fi
     done
     bash "$HERE/nodes.sh" down 2>/dev/null || true
     rm -rf "$DIR"

@@ -25,6 +25,10 @@
 set -euo pipefail
 
 DIR=${RINGPIPE_NODES_DIR:-/tmp/ringpipe-nodes}
+# It holds the shim mpiexec runs as root: ours alone (mode 0700), or refused (private.sh).
+PRIVATE_DIR_VAR=RINGPIPE_NODES_DIR
+# shellcheck source=private.sh
+. "$(dirname "$0")/private.sh"
 PREFIX=rp
 NET=10.78.0
 ROOT=$(cd "$(dirname "$0")/../.." && pwd -P)
@@ -79,6 +83,7 @@ add_node() {  # NAME OCTET
 }
 
 write_files() {
+    private_dir "emulated nodes' folder" "$DIR"
     mkdir -p "$DIR/bin"
     # The ssh shim hydra calls as its launcher: run the command in the node's
     # namespace, with the node's hostname (a UTS namespace of its own).
@@ -104,6 +109,7 @@ cmd_up() {
     esac; done
     [[ "$n" =~ ^[0-9]+$ ]] && [ "$n" -ge 1 ] && [ "$n" -le 16 ] || die "--nodes must be 1..16, got '$n'" 2
     check_permitted
+    private_dir "emulated nodes' folder" "$DIR"      # before any namespace is made
     if ! ns_exists "$PREFIX-sw"; then
         ip netns add "$PREFIX-sw"
         ip -n "$PREFIX-sw" link set lo up
@@ -169,6 +175,7 @@ cmd_status() {
 }
 
 cmd_down() {
+    private_dir "emulated nodes' folder" "$DIR" check     # before anything: removed below
     for ns in $(ls /run/netns 2>/dev/null | grep "^$PREFIX-" || true); do
         ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
         ip netns del "$ns" 2>/dev/null || true

@@ -8,7 +8,9 @@
 #   slurm/local/stop.sh
 #
 # Everything (config, munge key and socket, spool, state, logs, PID files) lives
-# in ${RINGPIPE_SLURM_DIR:-/tmp/ringpipe-slurm}; nothing under /etc is changed.
+# in ${RINGPIPE_SLURM_DIR:-/tmp/ringpipe-slurm}; nothing under /etc is changed. The
+# folder is made with mode 0700; one that exists already is used only if it is ours
+# alone (owned by us, mode 0700, not a link), else exit 2 (slurm/local/private.sh).
 # If slurmctld/slurmd/munged are missing and we are root, installs Debian's
 # `slurm-wlm munge` with apt (about 15-30 s). Idempotent: when the daemons of this
 # folder already run, it only prints the export line.
@@ -42,7 +44,13 @@ case "${1:-}" in
 esac
 
 DIR=${RINGPIPE_SLURM_DIR:-/tmp/ringpipe-slurm}
-DIR=$(mkdir -p "$DIR" && cd "$DIR" && pwd -P)
+# The folder holds the munge key and the PID files: made private (0700) here, or
+# refused if it exists and is not ours alone (private.sh says why).
+PRIVATE_DIR_VAR=RINGPIPE_SLURM_DIR
+# shellcheck source=private.sh
+. "$(dirname "$0")/private.sh"
+private_dir "Slurm state folder" "$DIR"
+DIR=$(cd "$DIR" && pwd -P)
 CONF=$DIR/slurm.conf
 PORT=${RINGPIPE_SLURM_PORT:-16817}
 TIMEOUT=${RINGPIPE_SLURM_TIMEOUT:-60}
@@ -75,15 +83,12 @@ export PATH=$PATH:/usr/sbin:/sbin
 
 # ---- 2. already running? -----------------------------------------------------------
 # A PID file counts only if its process exists, is not a zombie (PID 1 here does
-# not reap, so a dead daemon can linger as Z) and has the expected name.
+# not reap, so a dead daemon can linger as Z), is the expected daemon and was started
+# with this folder's config or socket (daemon_pid, private.sh): a reused PID is not ours.
 alive() {  # alive NAME PIDFILE
-    local pid state comm
-    [ -s "$2" ] || return 1
-    pid=$(tr -dc 0-9 <"$2")
-    [ -n "$pid" ] && [ -r "/proc/$pid/stat" ] || return 1
-    state=$(sed 's/^.*) //' "/proc/$pid/stat" | cut -d' ' -f1)
-    comm=$(cat "/proc/$pid/comm" 2>/dev/null || true)
-    [ "$state" != Z ] && [ "$state" != X ] && [ "${comm#"$1"}" != "$comm" ]
+    local mark=$CONF
+    [ "$1" = munged ] && mark=$DIR/munge/munge.sock
+    daemon_pid "$1" "$2" "$mark" >/dev/null
 }
 
 node_state() { SLURM_CONF=$CONF timeout 10 sinfo -h -o %T 2>/dev/null | head -1 | tr -d ' *~#$@+-' || true; }
@@ -110,9 +115,10 @@ fi
 # ---- 3. folders, munge key, config -------------------------------------------------
 mkdir -p "$DIR"/{run,log,state,spool,munge}
 chmod 700 "$DIR/munge"
-if [ ! -s "$DIR/munge/munge.key" ]; then
-    (umask 077; dd if=/dev/urandom of="$DIR/munge/munge.key" bs=1024 count=1 status=none)
-fi
+# A fresh key for every start (nothing runs that knows the old one): a key found in
+# the folder is never trusted, whoever left it.
+rm -f "$DIR/munge/munge.key"
+(umask 077; dd if=/dev/urandom of="$DIR/munge/munge.key" bs=1024 count=1 status=none)
 chmod 400 "$DIR/munge/munge.key"
 # Job ids must not repeat across restarts (slurmctld -c starts again from
 # FirstJobId) or between two such clusters on one machine: MPICH under srun

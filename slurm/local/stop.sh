@@ -18,7 +18,13 @@ if [ -z "${RINGPIPE_SLURM_DIR:-}" ] && [ -d "${RINGPIPE_CLUSTER_DIR:-/tmp/ringpi
     bash "$(dirname "$0")/cluster.sh" down
 fi
 DIR=${RINGPIPE_SLURM_DIR:-/tmp/ringpipe-slurm}
-[ -d "$DIR" ] || { echo "stop.sh: nothing to stop ($DIR does not exist)" >&2; exit 0; }
+[ -e "$DIR" ] || [ -L "$DIR" ] || { echo "stop.sh: nothing to stop ($DIR does not exist)" >&2; exit 0; }
+# A folder that is not ours alone is not read (its PID files could name any process)
+# nor removed: exit 2 naming it (private.sh).
+PRIVATE_DIR_VAR=RINGPIPE_SLURM_DIR
+# shellcheck source=private.sh
+. "$(dirname "$0")/private.sh"
+private_dir "Slurm state folder" "$DIR" check
 DIR=$(cd "$DIR" && pwd -P)
 CONF=$DIR/slurm.conf
 export PATH=$PATH:/usr/sbin:/sbin
@@ -32,14 +38,15 @@ running() {  # running PID: exists and is not a zombie
     [ -n "$state" ] && [ "$state" != Z ] && [ "$state" != X ]
 }
 
-pid_of() {  # pid_of NAME PIDFILE -> the PID if that file names a live NAME process
-    local pid comm
-    [ -s "$2" ] || return 1
-    pid=$(tr -dc 0-9 <"$2")
-    [ -n "$pid" ] && running "$pid" || return 1
-    comm=$(cat "/proc/$pid/comm" 2>/dev/null || true)
-    [ "${comm#"$1"}" != "$comm" ] || return 1
-    echo "$pid"
+pid_of() {  # pid_of NAME PIDFILE -> the PID if that file names a live NAME started with this folder
+    local mark=$CONF pid
+    [ "$1" = munged ] && mark=$DIR/munge/munge.sock
+    daemon_pid "$1" "$2" "$mark" && return 0
+    pid=$(head -c 32 -- "$2" 2>/dev/null | tr -dc 0-9)
+    if [ -n "$pid" ] && running "$pid"; then
+        log "not signalling pid $pid of $2: it is not the $1 of $DIR ($(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | head -c 120))"
+    fi
+    return 1
 }
 
 stop_pids() {  # stop_pids LABEL PID...: TERM all, wait (STOP_WAIT tenths, default 100), KILL the rest, wait
