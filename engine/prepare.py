@@ -798,7 +798,8 @@ def _write_error(e: OSError, out: str, path: str | None = None) -> PrepareError:
         free = free_mb(out)
         free = "free space unknown" if free != free else f"{free:.0f} MB free"
         why = f"disk full writing {path} ({free})"
-        todo = "free space (the new dataset needs about as much as its inputs' tokens) or choose another --out"
+        todo = ("free space (prepare needs room for the new dataset beside the old one, and about as much again "
+                "for its temporary parts) or choose another --out")
     elif e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         why = f"cannot write {path} ({'read-only filesystem' if e.errno == errno.EROFS else 'permission denied'})"
         todo = "make --out writable or choose another --out"
@@ -823,6 +824,7 @@ class _OutFolder:
         self.parts_dir = None
         self.old: list[str] = []             # the old dataset's files, data.json last
         self._lock_fd = None
+        self._lock_tries = 0
 
     @property
     def staging(self) -> str:
@@ -885,6 +887,19 @@ class _OutFolder:
                 raise
             notes.append(f"the filesystem of {self.out} does not support file locks ({e.strerror}): a second "
                          "prepare, or a training run, on the same folder would not be detected")
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False))
+        except OSError:
+            same = False
+        if not same:
+            # A prepare that made OUT and was refused removes it again, lock file and all;
+            # a lock taken on the removed file guards nothing: take the one there now.
+            os.close(fd)
+            if self._lock_tries >= 3:
+                raise PrepareError(f"--out {self.out}: its lock file {path} keeps being removed; is another "
+                                   "program clearing the folder? choose another --out")
+            self._lock_tries += 1
+            return self._lock()
         owner = _read_lock_owner(fd)
         if owner:
             notes.append(f"took over the lock of a prepare that did not end cleanly ({_describe_lock_owner(owner)})")
@@ -1054,15 +1069,18 @@ class _OutFolder:
             if self.parts_dir is not None:
                 parts, self.parts_dir = self.parts_dir, None
                 shutil.rmtree(parts, ignore_errors=True)
-        finally:                                         # a second Ctrl-C midway must not keep the lock
-            self._unlock()
-        if self.made:
-            try:
+            if self.made and self._lock_fd is not None:
+                # Refused before anything was written: no empty folder left behind. Only while
+                # holding the lock (a prepare refused because OUT is in use removes nothing),
+                # and the lock file first, so no other prepare can take a lock on it meanwhile.
+                self.made = False
                 if os.listdir(self.out) == [LOCK_NAME]:
                     os.remove(os.path.join(self.out, LOCK_NAME))
-                os.rmdir(self.out)                       # refused before anything was written: no empty folder
-            except OSError:
-                pass
+                    os.rmdir(self.out)
+        except OSError:
+            pass
+        finally:                                         # a second Ctrl-C midway must not keep the lock
+            self._unlock()
 
     def _unlock(self) -> None:
         fd, self._lock_fd = self._lock_fd, None

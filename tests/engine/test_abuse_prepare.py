@@ -338,3 +338,31 @@ def test_ctrl_c_releases_the_lock_removes_the_parts_and_keeps_the_old_dataset(tm
     with pytest.raises(KeyboardInterrupt):
         make(tmp_path, "new.txt", "new text " * 300, overwrite=True)
     assert which(tmp_path / "d") == ["old.txt"] and no_parts_left(tmp_path / "d") and lock_is_free(tmp_path / "d")
+
+
+def _tmpfs(path, size):
+    path.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    return path
+
+
+@pytest.mark.parametrize("new_bytes", [150_000, 400_000])      # fills the disk writing the shards / the parts
+def test_a_really_full_disk_is_refused_naming_the_file_and_the_old_dataset_stays(tmp_path, new_bytes):
+    disk = _tmpfs(tmp_path / "disk", "600k")
+    try:
+        (tmp_path / "old.txt").write_text("old text " * 5000)          # 45 KB: 90 KB of uint16 shards
+        (tmp_path / "new.txt").write_text("n" * new_bytes)
+        out = str(disk / "d")
+        prep.prepare([str(tmp_path / "old.txt")], out, progress=False)
+        r = subprocess.run([sys.executable, "-m", "ringpipe.engine.prepare", str(tmp_path / "new.txt"), "--out", out,
+                            "--overwrite", "--quiet"], env=ENV, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"error: disk full writing {out}/" in r.stderr and "MB free" in r.stderr, r.stderr
+        assert "free space" in r.stderr and "unchanged" in r.stderr, r.stderr
+        assert which(out) == ["old.txt"] and no_parts_left(out) and lock_is_free(out)
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
