@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import struct
 import sys
@@ -37,7 +38,7 @@ import tempfile
 
 import numpy as np
 
-from ringpipe.engine import checkpoint
+from ringpipe.engine import checkpoint, files
 from ringpipe.engine.gpt import GPTConfig, fit_vocab_rows, gpt_layers
 from ringpipe.engine.params import dedup_specs
 
@@ -97,18 +98,155 @@ def _hf_shape(ours: str, shape: tuple, transposed: bool, cfg: GPTConfig) -> tupl
     return tuple(reversed(shape)) if transposed else shape
 
 
+# ---- declared sizes, checked against the tensors before anything is built ------------------
+#
+# config.json and a checkpoint's manifest are a few bytes that declare sizes; the tensors
+# are what the files hold. Building a model from a declared size before looking at the
+# tensors lets a 2 KB file cost minutes and gigabytes (n_layer 10**6 builds a million
+# layers) or a MemoryError. So the declared shape is checked first against the shapes in
+# the files' headers (read without reading any tensor data), then against the memory
+# available; only then is anything built or read.
+
+# Bytes a conversion holds per parameter, at most, as float32: the tensors as read and the
+# converted (or loaded-into) copy. A bound to refuse the hopeless early, not an estimate.
+_CONVERSION_COPIES = 2
+
+
+def _available_memory():
+    """Bytes of memory available now (MemAvailable of /proc/meminfo), or None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _layer_indices(names) -> set:
+    """The block indices i of the names "h.<i>.<...>" (ours), written without leading zeros."""
+    found = set()
+    for name in names:
+        match = re.fullmatch(r"h\.(0|[1-9][0-9]*)\..+", name)
+        if match:
+            found.add(int(match.group(1)))
+    return found
+
+
+def check_gpt_shapes(cfg: GPTConfig, shapes: dict, where: str, wte_rows: int, naming, exact_layers=True) -> int:
+    """Refuse the declared model `cfg` unless the tensors present are that model's, and it fits
+    in memory; returns its number of parameters. Nothing is built and no tensor is read.
+
+    shapes: {our parameter name: shape in our orientation}, from file headers.
+    where: what declared cfg, for messages ("{dir}/config.json", "the manifest ...").
+    wte_rows: the rows the file's wte must have (GPT-2: vocab; a checkpoint: padded).
+    naming(ours, shape) -> (the tensor's name in the file, the shape as the file stores it).
+    exact_layers: refuse layers beyond n_layer too (a checkpoint); an import leaves extra
+    tensors to its own check, which names them."""
+    C = cfg.d_model
+
+    def tensor(ours):
+        name, _ = naming(ours, ())
+        if ours not in shapes:
+            raise HFError(f"the tensor {name} is missing ({where} declares {_describe_cfg(cfg)}): the weights are "
+                          f"incomplete or do not match {where}")
+        return shapes[ours]
+
+    def expect(ours, want, because):
+        have = tensor(ours)
+        if tuple(have) != tuple(want):
+            name, shown = naming(ours, tuple(have))
+            _, wanted = naming(ours, tuple(want))
+            raise HFError(f"the tensor {name} has shape {shown}, but {where} declares {because}, which implies "
+                          f"{wanted}: the two disagree (was {where} edited?)")
+
+    # wte and wpe first: they carry vocab, d_model and context, and are bounded by the file.
+    expect("wte", (wte_rows, C), f"vocab {cfg.vocab} and d_model {C}")
+    expect("wpe", (cfg.context, C), f"context {cfg.context} and d_model {C}")
+    if C % cfg.n_head:
+        raise HFError(f"{where} declares n_head {cfg.n_head}, which does not divide d_model {C}: no GPT has that "
+                      "shape (was it edited?)")
+    present = _layer_indices(shapes)
+    missing = [i for i in range(min(cfg.n_layer, len(present) + 1)) if i not in present]
+    if missing:
+        name, _ = naming(f"h.{missing[0]}.ln1.w", ())
+        raise HFError(f"{where} declares n_layer {cfg.n_layer}, but the weights hold {len(present)} layers: the "
+                      f"tensor {name} (and the rest of layer {missing[0]}) is missing")
+    extra = sorted(i for i in present if i >= cfg.n_layer)
+    if exact_layers and extra:
+        raise HFError(f"{where} declares n_layer {cfg.n_layer}, but the weights hold {len(present)} layers "
+                      f"(up to layer {extra[-1]}): the two disagree (was {where} edited?)")
+    # Every layer is now backed by tensors in the file, so one layer's shapes (from the model's
+    # own specs, so they cannot drift from it) are cheap to compute and to check n_layer times.
+    one = _our_shapes(GPTConfig(n_layer=1, d_model=C, n_head=cfg.n_head, context=cfg.context, vocab=cfg.vocab))
+    block = {ours[len("h.0."):]: shape for ours, shape in one.items() if ours.startswith("h.0.")}
+    for i in range(cfg.n_layer):
+        for suffix, want in block.items():
+            expect(f"h.{i}.{suffix}", want, f"d_model {C}")
+    for ours, want in one.items():
+        if not ours.startswith("h.") and ours not in ("wte", "wpe"):
+            expect(ours, want, f"d_model {C}")
+
+    n_params = (math.prod(shapes["wte"]) + math.prod(shapes["wpe"]) + 2 * C
+                + cfg.n_layer * sum(math.prod(shape) for shape in block.values()))
+    need = _CONVERSION_COPIES * 4 * max(n_params, cfg.padded_vocab * C)
+    available = _available_memory()
+    if available is not None and need > available:
+        raise HFError(f"{where} declares a model of {n_params:,} parameters: it needs about {need / 2**30:.1f} GiB "
+                      f"of memory here, and {available / 2**30:.1f} GiB are available; use a machine with more "
+                      "memory")
+    return n_params
+
+
+def _describe_cfg(cfg: GPTConfig) -> str:
+    return ", ".join(f"{key} {value}" for key, value in cfg.to_dict().items())
+
+
+def check_checkpoint_shapes(manifest: dict, declared: dict, path: str) -> GPTConfig:
+    """The GPTConfig of a GPT checkpoint whose manifest's model_config agrees with the arrays
+    its npz declares ({name: (shape, dtype)}, checkpoint.declared_arrays), else HFError naming
+    the key and the array. Call it before building the model or reading an array."""
+    where = f"the manifest {path}'s model_config"
+    model_config = manifest["model_config"]
+    cfg = GPTConfig(**model_config)
+    params = {}
+    for name, (shape, dtype) in declared.items():
+        if name.startswith("param/"):
+            if np.dtype(dtype).kind != "f":
+                raise HFError(f"the checkpoint's array {name} has dtype {dtype}, not a float type: a GPT's "
+                              f"parameters are floats ({path} was not written by ringpipe, or was edited)")
+            params[name[len("param/"):]] = tuple(shape)
+    from ringpipe.engine.gpt import checkpoint_vocab_rows
+    check_gpt_shapes(cfg, params, where, checkpoint_vocab_rows(cfg, manifest),
+                     lambda ours, shape: (f"param/{ours}", shape))
+    # The run's own record of its flags and tokenizer, where they name a size: n_head is in no
+    # array's shape, so an edited n_head shows only against what the run was started with.
+    heads = manifest.get("args", {}).get("heads")
+    if type(heads) is int and heads != cfg.n_head:
+        raise HFError(f"{where} declares n_head {cfg.n_head}, but the run was started with --heads {heads}: the "
+                      "manifest was edited; use the checkpoint as it was written")
+    tokenizer = manifest.get("tokenizer")
+    if tokenizer and tokenizer["vocab_size"] != cfg.vocab:
+        raise HFError(f"{where} declares vocab {cfg.vocab}, but the run's tokenizer has {tokenizer['vocab_size']} "
+                      "tokens: the manifest was edited; use the checkpoint as it was written")
+    return cfg
+
+
 # ---- export --------------------------------------------------------------------------------
 
 def export_hf(arrays: dict, model_config: dict, out_dir: str, tokenizer_json: str | None = None,
-              overwrite=False) -> str:
+              overwrite=False, protect=()) -> str:
     """Write a GPT's parameters as a Hugging Face GPT-2 folder; returns its absolute path.
 
     arrays: {"param/<name>": host array} as checkpoint.load returns them (other arrays, like
     "opt/m/<name>", are ignored), or {<name>: array}. model_config: a GPTConfig dict.
     tokenizer_json: a tokenizer.json path (or its JSON text) to ship with the model, so that
     AutoTokenizer.from_pretrained(out_dir) works. Written as float32 into a temp folder that
-    is renamed into place, so out_dir is never half-written; a non-empty out_dir is refused
-    unless overwrite (and a ringpipe run directory always is)."""
+    is renamed into place, so out_dir is never half-written. A non-empty out_dir is replaced
+    only with overwrite, and only if it is a model folder (see _check_out_dir): never a run
+    directory, a dataset, a folder holding other files, nor one that is, holds or lies in
+    one of the paths in `protect` (the checkpoint being exported)."""
     cfg = _gpt_config(model_config)
     params = _check_params(cfg, _param_arrays(arrays))
     tokenizer = _Tokenizer.read(tokenizer_json, cfg.vocab) if tokenizer_json is not None else None
@@ -131,7 +269,7 @@ def export_hf(arrays: dict, model_config: dict, out_dir: str, tokenizer_json: st
         files["special_tokens_map.json"] = _json_bytes(tokenizer.special_tokens_map(special_id))
 
     out_dir = os.path.abspath(out_dir)
-    _check_out_dir(out_dir, overwrite)
+    _check_out_dir(out_dir, overwrite, protect)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
@@ -140,9 +278,15 @@ def export_hf(arrays: dict, model_config: dict, out_dir: str, tokenizer_json: st
         for name, data in files.items():
             with open(os.path.join(tmp, name), "wb") as fh:
                 fh.write(data)
+        # mkdtemp makes the folder 0700 and safetensors writes its file 0600: give both the
+        # modes every other file of the user gets (their umask), so the folder is not
+        # readable while model.safetensors, the one file that matters, is not.
+        umask = _umask()
         for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
             _fsync(os.path.join(tmp, name))
-        os.chmod(tmp, 0o755)                # mkdtemp makes it 0700; a model folder is for sharing
+        os.chmod(tmp, 0o777 & ~umask)
+        _check_out_dir(out_dir, overwrite, protect)     # again: it may have changed while we wrote
         _move_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -240,24 +384,83 @@ def _safetensors(module: str):
     return found
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it (/proc: setting it
+    to read it back would briefly change it for every thread)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _fsync(path: str) -> None:
     with open(path, "rb") as fh:
         os.fsync(fh.fileno())
 
 
-def _check_out_dir(out_dir: str, overwrite: bool) -> None:
+# What a model folder is made of: what export_hf writes, what save_pretrained writes for a
+# GPT-2 (sharded weights, the slow tokenizer's files) and what a Hub download adds. Only a
+# folder of these is ever replaced: --overwrite of a parent folder (--out ., --out ~) must
+# not delete everything in it, the run being exported included.
+_MODEL_FOLDER_FILES = frozenset({
+    "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+    "added_tokens.json", "README.md", ".gitattributes"})
+_SHARD_NAME = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors")
+_RUN_DIR_MARKERS = ("run.lock", "checkpoints", "metrics.jsonl", "finished")
+
+
+def _is_model_file(folder: str, name: str) -> bool:
+    if name not in _MODEL_FOLDER_FILES and not _SHARD_NAME.fullmatch(name):
+        return False
+    path = os.path.join(folder, name)
+    return os.path.islink(path) or os.path.isfile(path)     # a Hub snapshot's files are links
+
+
+def _within(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder
+
+
+def _check_out_dir(out_dir: str, overwrite: bool, protect=()) -> None:
+    """Refuse an out_dir that an export must not replace; return if it may be written (it
+    is new or empty, or it is a model folder and overwrite is given). Only a refusal that
+    --overwrite would lift suggests it."""
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
-        raise FileExistsError(f"--out {out_dir} exists and is not a folder")
+        raise FileExistsError(f"--out {out_dir} exists and is not a folder; choose a folder")
     if not os.path.isdir(out_dir) or not os.listdir(out_dir):
         return
-    names = os.listdir(out_dir)
-    # Never replace a training run with a model folder, --overwrite or not: it would
-    # delete the run's checkpoints, probably the very one being exported.
-    if "checkpoints" in names or "metrics.jsonl" in names or any(n.startswith("ckpt_") for n in names):
-        raise FileExistsError(f"--out {out_dir} is a ringpipe run directory (it holds checkpoints or "
-                              "metrics.jsonl); export to another folder")
+    names = sorted(os.listdir(out_dir))
+    real = os.path.realpath(out_dir)
+    for source in protect:
+        src = os.path.realpath(source)
+        if real == src or _within(src, real) or _within(real, src):
+            how = "is" if real == src else "holds" if _within(src, real) else "lies inside"
+            what = ("the run directory" if os.path.isdir(os.path.join(src, "checkpoints")) else
+                    "the checkpoints folder" if os.path.isdir(src) else "the checkpoint")
+            raise FileExistsError(f"--out {out_dir} {how} {what} being exported ({source}), and is not empty: an "
+                                  f"export never replaces it (that could delete the checkpoint); export to a new "
+                                  "folder outside the run")
+    run_marks = [n for n in names if n in _RUN_DIR_MARKERS or n.startswith("ckpt_")]
+    if run_marks:
+        raise FileExistsError(f"--out {out_dir} is a ringpipe run directory (it holds {', '.join(run_marks)}): an "
+                              "export never replaces one; export to a new folder")
+    if "data.json" in names:
+        raise FileExistsError(f"--out {out_dir} is a prepared dataset (it holds data.json): an export never "
+                              "replaces one; export to a new folder")
+    foreign = [n for n in names if not _is_model_file(out_dir, n)]
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+        raise FileExistsError(f"--out {out_dir} holds {shown}, which no model folder is made of: an export "
+                              "replaces only a model folder (config.json, model.safetensors, tokenizer files), "
+                              "never a folder holding other things; export to a new or empty folder")
     if not overwrite:
-        raise FileExistsError(f"--out {out_dir} is not empty ({', '.join(sorted(names)[:4])}"
+        raise FileExistsError(f"--out {out_dir} is not empty: it holds a model ({', '.join(names[:4])}"
                               f"{', ...' if len(names) > 4 else ''}); pass --overwrite to replace it "
                               "(overwrite=True), or choose another folder")
 
@@ -303,17 +506,12 @@ class _Tokenizer:
             text, where = tokenizer_json, "the tokenizer JSON"
         else:
             where = tokenizer_json
+            raw = _files_call(files.read_regular, tokenizer_json, "the tokenizer", MAX_TOKENIZER_BYTES)
             try:
-                with open(tokenizer_json, encoding="utf-8") as fh:
-                    text = fh.read()
-            except OSError as e:
-                raise HFError(f"cannot read the tokenizer {tokenizer_json} ({e.strerror or e})") from None
-            except UnicodeDecodeError:
-                raise HFError(f"the tokenizer {tokenizer_json} is not UTF-8 JSON") from None
-        try:
-            data = json.loads(text)
-        except ValueError as e:
-            raise HFError(f"{where} is not valid JSON ({e})") from None
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise HFError(f"the tokenizer {tokenizer_json} is not UTF-8 text (byte {e.start})") from None
+        data = _files_call(files.parse_json, text, where)
         if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
             raise HFError(f"{where} is not a tokenizer.json of the tokenizers library (no \"model\")")
         ids = {}
@@ -380,8 +578,13 @@ def import_hf(hf_dir: str) -> tuple[GPTConfig, dict, str | None]:
         raise HFError(f"{hf_dir} is not a folder (expected a Hugging Face model folder with config.json)")
     config = _read_config(hf_dir)
     cfg = _config_from_hf(config, hf_dir)
-    tensors = _read_tensors(hf_dir)
-    tensors = _strip_prefix(tensors, hf_dir)
+    headers = _read_headers(_weight_files(hf_dir), hf_dir)
+    # config.json's sizes against the tensors' shapes (headers only), before any model is
+    # built or tensor read: see check_gpt_shapes.
+    declared = _strip_prefix({name: shape for name, (_, shape, _) in headers.items()}, hf_dir)
+    check_gpt_shapes(cfg, _ours_from_gpt2(declared), f"{hf_dir}/config.json", cfg.vocab, _gpt2_naming,
+                     exact_layers=False)
+    tensors = _strip_prefix(_read_tensors(headers), hf_dir)
     shapes = _our_shapes(cfg)
 
     arrays = {}
@@ -419,18 +622,57 @@ def import_hf(hf_dir: str) -> tuple[GPTConfig, dict, str | None]:
         raise HFError(f"{hf_dir}: tensors that GPT-2 with this config.json does not have: "
                       f"{', '.join(leftover[:5])}{', ...' if len(leftover) > 5 else ''}")
     tokenizer = os.path.join(hf_dir, "tokenizer.json")
-    return cfg, arrays, tokenizer if os.path.isfile(tokenizer) else None
+    if os.path.lexists(tokenizer):
+        # Something named tokenizer.json that is a FIFO, a device or not JSON is refused here,
+        # naming it, rather than wherever it is read later.
+        _read_json(tokenizer, "the model's tokenizer", MAX_TOKENIZER_BYTES)
+        return cfg, arrays, tokenizer
+    return cfg, arrays, None
+
+
+# Limits on the JSON files of a model folder: far above any real one, far below a problem.
+MAX_CONFIG_BYTES = files.MiB                # config.json, generation_config.json: a few KB
+MAX_INDEX_BYTES = 64 * files.MiB            # model.safetensors.index.json: ~100 bytes a tensor
+MAX_TOKENIZER_BYTES = 256 * files.MiB       # tokenizer.json: GPT-2's 1.4 MB, large vocabularies tens of MB
+MAX_HEADER_BYTES = 100 * files.MiB          # a safetensors header: the library's own limit
+
+
+def _files_call(function, *args):
+    """engine/files' readers, their refusals (UnreadableFile) as HFError for our callers."""
+    try:
+        return function(*args)
+    except files.UnreadableFile as e:
+        raise HFError(str(e)) from None
+
+
+def _read_json(path: str, what: str, limit: int):
+    return _files_call(files.read_json, path, what, limit)
+
+
+def check_init_data(hf_dir: str, init: tuple, data_vocab) -> list:
+    """For --init-from hf:DIR, once the data is open: refuse data whose vocabulary is larger
+    than the model's (token ids past the embedding's rows), and return the notes to print.
+    init: import_hf's (GPTConfig, arrays, tokenizer.json or None); data_vocab: the data's
+    tokenizer's size, or None where the data has none. Where the folder has a tokenizer.json
+    the caller compares it with the data's by hash; without one nothing can, so a note says
+    that only the vocabulary's size was checked."""
+    cfg, _, tokenizer_json = init
+    if data_vocab is not None and data_vocab > cfg.vocab:
+        raise HFError(f"the data's tokenizer has {data_vocab} tokens, more than the {cfg.vocab} of the model in "
+                      f"{hf_dir} (its embedding's rows): token ids from {cfg.vocab} on have no embedding; prepare "
+                      "the data with the model's tokenizer")
+    if tokenizer_json is None:
+        size = f"its size ({data_vocab} tokens, the model's {cfg.vocab})" if data_vocab is not None else "nothing"
+        return [f"note: {hf_dir} has no tokenizer.json, so the data's tokenizer cannot be verified to be the "
+                f"model's; only {size} was checked. Prepare the data with the tokenizer the model was trained with"]
+    return []
 
 
 def _read_config(hf_dir: str) -> dict:
     path = os.path.join(hf_dir, "config.json")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            config = json.load(fh)
-    except FileNotFoundError:
-        raise HFError(f"{hf_dir} has no config.json: it is not a Hugging Face model folder") from None
-    except (OSError, ValueError) as e:
-        raise HFError(f"{path} cannot be read as JSON ({e})") from None
+    if not os.path.lexists(path):
+        raise HFError(f"{hf_dir} has no config.json: it is not a Hugging Face model folder")
+    config = _read_json(path, "the model's config", MAX_CONFIG_BYTES)
     if not isinstance(config, dict):
         raise HFError(f"{path} holds no JSON object")
     return config
@@ -478,61 +720,128 @@ def _config_from_hf(config: dict, hf_dir: str) -> GPTConfig:
                      context=sizes["n_positions"], vocab=sizes["vocab_size"])
 
 
-def _read_tensors(hf_dir: str) -> dict:
-    """{name: numpy array} of every tensor in model.safetensors, or in the shards that
+def _weight_files(hf_dir: str) -> list:
+    """The safetensors files of a model folder: model.safetensors, or the shards that
     model.safetensors.index.json names. Pickled weights are refused, never opened."""
     single = os.path.join(hf_dir, "model.safetensors")
     index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.isfile(single):
-        files = [single]
-    elif os.path.isfile(index):
-        files = _shard_files(index, hf_dir)
-    else:
-        names = os.listdir(hf_dir)
-        pickles = [n for n in names if n.endswith((".bin", ".pt", ".pth", ".ckpt"))]
-        if pickles:
-            raise HFError(f"{hf_dir} holds its weights only as {pickles[0]}, a pickle, which ringpipe never loads "
-                          "(loading a pickle can run code). Convert it to safetensors: load it with transformers "
-                          "where you trust it and re-save it with model.save_pretrained(folder, "
-                          "safe_serialization=True)")
-        raise HFError(f"{hf_dir} has no model.safetensors (nor model.safetensors.index.json)")
-    tensors = {}
-    for path in files:
-        for name, array in _read_safetensors_file(path).items():
-            if name in tensors:
-                raise HFError(f"{hf_dir}: the tensor {name} is in two shards")
-            tensors[name] = array
-    return tensors
+    # lexists, not isfile: a FIFO or a device under the name is refused by name when it is
+    # opened (engine/files), not mistaken for a missing file.
+    if os.path.lexists(single):
+        return [single]
+    if os.path.lexists(index):
+        return _shard_files(index, hf_dir)
+    names = os.listdir(hf_dir)
+    pickles = [n for n in names if n.endswith((".bin", ".pt", ".pth", ".ckpt"))]
+    if pickles:
+        raise HFError(f"{hf_dir} holds its weights only as {pickles[0]}, a pickle, which ringpipe never loads "
+                      "(loading a pickle can run code). Convert it to safetensors: load it with transformers "
+                      "where you trust it and re-save it with model.save_pretrained(folder, "
+                      "safe_serialization=True)")
+    raise HFError(f"{hf_dir} has no model.safetensors (nor model.safetensors.index.json)")
 
 
 def _shard_files(index: str, hf_dir: str) -> list:
-    try:
-        with open(index, encoding="utf-8") as fh:
-            weight_map = json.load(fh)["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise HFError(f"{index} cannot be read (expected JSON with a \"weight_map\"): {e}") from None
+    document = _read_json(index, "the weights index", MAX_INDEX_BYTES)
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
     if not isinstance(weight_map, dict):
-        raise HFError(f"{index}: \"weight_map\" is not an object")
-    files = []
-    for shard in sorted(set(weight_map.values())):
+        raise HFError(f"{index} has no \"weight_map\" object: it is not a model.safetensors.index.json")
+    shards = list(weight_map.values())
+    files_ = []
+    for shard in sorted(set(shards)) if all(isinstance(v, str) for v in shards) else shards:
         # A shard is a file next to the index, never a path elsewhere on the machine.
         if not isinstance(shard, str) or os.path.basename(shard) != shard or shard in ("", ".", ".."):
             raise HFError(f"{index} names the shard {shard!r}; expected a file name in {hf_dir}")
         path = os.path.join(hf_dir, shard)
-        if not os.path.isfile(path):
+        if not os.path.lexists(path):
             raise HFError(f"{index} names the shard {shard}, which is missing")
-        files.append(path)
-    return files
+        files_.append(path)
+    return files_
 
 
-def _read_safetensors_file(path: str) -> dict:
+# safetensors' float dtypes and their bytes per element: a GPT's weights are floats. An
+# integer or boolean tensor would be cast to float and trained on as if it were weights.
+_FLOAT_DTYPES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
+
+
+def _read_headers(paths: list, hf_dir: str) -> dict:
+    """{tensor name: (dtype, shape, (path, absolute offset of its data))} of every tensor in
+    the files, from their headers alone; a tensor in two files is refused."""
+    headers = {}
+    for path in paths:
+        for name, entry in _safetensors_header(path).items():
+            if name in headers:
+                raise HFError(f"{hf_dir}: the tensor {name} is in two shards")
+            headers[name] = entry
+    return headers
+
+
+def _safetensors_header(path: str) -> dict:
+    """{tensor name: (dtype, shape, (path, data offset))} from one safetensors file's header,
+    every entry checked against the file's size; no tensor data is read. The layout: an
+    8-byte little-endian header size, the JSON header, then the data (offsets relative to
+    its start)."""
+    fd = _files_call(files.open_regular, path, "the weights file")
+    with os.fdopen(fd, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        head = fh.read(8)
+        if len(head) != 8:
+            raise HFError(f"{path} is {size} bytes, too short to be a safetensors file")
+        (header_size,) = struct.unpack("<Q", head)
+        if header_size > min(size - 8, MAX_HEADER_BYTES):
+            raise HFError(f"{path} declares a header of {header_size:,} bytes, more than the file's {size:,} bytes "
+                          f"or safetensors' {MAX_HEADER_BYTES:,}: it is not a safetensors file, or it is damaged")
+        header = _files_call(files.parse_json, fh.read(header_size), f"the header of {path}")
+    if not isinstance(header, dict):
+        raise HFError(f"the header of {path} is not a JSON object: it is not a safetensors file")
+    data_size = size - 8 - header_size
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        shape = info.get("shape") if isinstance(info, dict) else None
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if (not isinstance(info, dict) or not isinstance(info.get("dtype"), str) or not isinstance(shape, list)
+                or not all(type(n) is int and n >= 0 for n in shape) or not isinstance(offsets, list)
+                or len(offsets) != 2 or not all(type(n) is int for n in offsets)):
+            raise HFError(f"{path}: the header's entry for the tensor {name} is malformed (expected dtype, shape "
+                          "and data_offsets): the file is damaged or not safetensors")
+        dtype = info["dtype"]
+        if dtype not in _FLOAT_DTYPES and not name.endswith(_BUFFER_SUFFIXES):
+            raise HFError(f"{path}: the tensor {name} is {dtype}, not a float type (F16, BF16, F32 or F64): a "
+                          "GPT-2's weights are floats, and ringpipe would cast it to float and train on it; "
+                          "remove the tensor or store it as floats")
+        begin, end = offsets
+        itemsize = _FLOAT_DTYPES.get(dtype)
+        if not 0 <= begin <= end <= data_size or (itemsize and end - begin != math.prod(shape) * itemsize):
+            raise HFError(f"{path}: the tensor {name} declares shape {tuple(shape)} of {dtype} at bytes "
+                          f"{begin}..{end}, which the file's {data_size:,} bytes of data do not hold: it is "
+                          "truncated or damaged")
+        entries[name] = (dtype, tuple(shape), (path, 8 + header_size + begin))
+    return entries
+
+
+def _read_tensors(headers: dict) -> dict:
+    """{name: numpy array} of the tensors in `headers` (_read_headers), read after their
+    shapes were checked. The old causal-mask buffers are not read: nothing uses them."""
+    by_file = {}
+    for name, (dtype, shape, (path, _)) in headers.items():
+        if not name.endswith(_BUFFER_SUFFIXES):
+            by_file.setdefault(path, []).append(name)
+    tensors = {}
+    for path, names in by_file.items():
+        tensors.update(_read_safetensors_file(path, names, headers))
+    return tensors
+
+
+def _read_safetensors_file(path: str, names: list, headers: dict) -> dict:
     safetensors = _safetensors("safe_open")
     tensors = {}
     try:
         with safetensors.safe_open(path, framework="np") as fh:
-            for name in fh.keys():
-                if fh.get_slice(name).get_dtype() == "BF16":
-                    tensors[name] = _read_bf16(path, name)     # numpy has no bfloat16
+            for name in names:
+                if headers[name][0] == "BF16":
+                    tensors[name] = _read_bf16(headers[name])     # numpy has no bfloat16
                 else:
                     tensors[name] = fh.get_tensor(name)
     except HFError:
@@ -542,17 +851,52 @@ def _read_safetensors_file(path: str) -> dict:
     return tensors
 
 
-def _read_bf16(path: str, name: str) -> np.ndarray:
-    """A bfloat16 tensor as float32: bfloat16 is the top 16 bits of a float32. The file's
-    layout: an 8-byte little-endian header size, the JSON header, then the data (offsets
-    relative to its start); safe_open has already checked the header."""
-    with open(path, "rb") as fh:
-        (header_size,) = struct.unpack("<Q", fh.read(8))
-        info = json.loads(fh.read(header_size))[name]
-        begin, end = info["data_offsets"]
-        fh.seek(8 + header_size + begin)
-        raw = np.frombuffer(fh.read(end - begin), dtype="<u2")
-    return (raw.astype(np.uint32) << 16).view(np.float32).reshape(info["shape"])
+def _read_bf16(entry) -> np.ndarray:
+    """A bfloat16 tensor as float32: bfloat16 is the top 16 bits of a float32. Its place
+    and size in the file come from the checked header (_safetensors_header)."""
+    _, shape, (path, offset) = entry
+    count = math.prod(shape)
+    fd = _files_call(files.open_regular, path, "the weights file")
+    with os.fdopen(fd, "rb") as fh:
+        fh.seek(offset)
+        raw = np.frombuffer(fh.read(2 * count), dtype="<u2")
+    if raw.size != count:
+        raise HFError(f"{path} ends inside the tensor data: it was truncated while it was read")
+    return (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape)
+
+
+# GPT-2's names (without the prefix) of our parameters, and back.
+def _gpt2_block():
+    return {theirs: (ours, transposed) for ours, theirs, transposed in _BLOCK_NAMES}
+
+
+_GPT2_TOP = {theirs: ours for ours, theirs, _ in name_map(0)}     # wte, wpe, ln_f
+
+
+def _ours_from_gpt2(shapes: dict) -> dict:
+    """{our name: shape in our orientation} of the GPT-2 tensors in `shapes` (prefix stripped);
+    names that are not a GPT-2 parameter are left out (import_hf names them later)."""
+    block = _gpt2_block()
+    ours = {}
+    for name, shape in shapes.items():
+        if name in _GPT2_TOP:
+            ours[_GPT2_TOP[name]] = tuple(shape)
+            continue
+        match = re.fullmatch(r"h\.(0|[1-9][0-9]*)\.(.+)", name)
+        if match and match.group(2) in block:
+            our_suffix, transposed = block[match.group(2)]
+            ours[f"h.{match.group(1)}.{our_suffix}"] = tuple(reversed(shape)) if transposed else tuple(shape)
+    return ours
+
+
+def _gpt2_naming(ours: str, shape: tuple) -> tuple:
+    """(GPT-2's full name of our parameter, the shape as GPT-2 stores it)."""
+    top = {o: t for t, o in _GPT2_TOP.items()}
+    if ours in top:
+        return PREFIX + top[ours], shape
+    index, suffix = ours[len("h."):].split(".", 1)
+    theirs, transposed = next((t, tr) for o, t, tr in _BLOCK_NAMES if o == suffix)
+    return f"{PREFIX}h.{index}.{theirs}", tuple(reversed(shape)) if transposed else shape
 
 
 def _strip_prefix(tensors: dict, hf_dir: str) -> dict:
@@ -587,7 +931,7 @@ def main(argv=None, prog="ringpipe export") -> int:
         return 2 if e.code else 0
     try:
         return _export_command(args)
-    except (HFError, checkpoint.CheckpointError, OSError) as e:
+    except (ValueError, checkpoint.CheckpointError, OSError) as e:    # HFError, UnreadableFile, ConfigError
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -596,17 +940,29 @@ def _export_command(args) -> int:
     if not os.path.exists(args.source):
         raise HFError(f"{args.source} does not exist; pass a run directory, its checkpoints folder or a "
                       "ckpt_XXXXXXXX.json")
-    manifest_path = checkpoint.resolve(args.source)
-    arrays, manifest = checkpoint.load(manifest_path)
+    from ringpipe.engine.sample import resolve_with_note
+    manifest_path, note = resolve_with_note(args.source)
+    if note:
+        print(note, file=sys.stderr)
+    # The manifest and the arrays' declared shapes first: model_config is checked against them
+    # (check_checkpoint_shapes) before anything is built or read, and the output folder before
+    # the arrays are read, so a refusal costs nothing.
+    manifest, declared = checkpoint.declared_arrays(manifest_path)
     if manifest["model"] != "gpt":
         raise HFError(f"{manifest_path} is a checkpoint of the {manifest['model']} model; only the GPT "
                       "exports to the Hugging Face format")
-    params = {name: array for name, array in arrays.items() if name.startswith("param/")}
-    cfg = GPTConfig(**manifest["model_config"])
-    params = fit_vocab_rows(params, cfg, cfg.padded_vocab)      # a tp not dividing 128 padded further
+    cfg = check_checkpoint_shapes(manifest, declared, manifest_path)
     run_dir = _run_dir(args.source, manifest_path)
+    npz_path = manifest_path[:-len(".json")] + ".npz"
+    protect = (os.path.abspath(args.source), os.path.abspath(manifest_path), os.path.abspath(npz_path), run_dir)
+    _check_out_dir(os.path.abspath(args.out), args.overwrite, protect)
+    # Only the parameters (not the optimizer's state), each checked against its declared shape.
+    params, _ = checkpoint.load(manifest_path, expected={name: shape for name, (shape, _) in declared.items()
+                                                         if name.startswith("param/")})
+    params = fit_vocab_rows(params, cfg, cfg.padded_vocab)      # a tp not dividing 128 padded further
     tokenizer, about_tokenizer = _find_tokenizer(manifest, run_dir, manifest["model_config"]["vocab"])
-    out = export_hf(params, manifest["model_config"], args.out, tokenizer_json=tokenizer, overwrite=args.overwrite)
+    out = export_hf(params, manifest["model_config"], args.out, tokenizer_json=tokenizer, overwrite=args.overwrite,
+                    protect=protect)
 
     n_params = sum(int(np.prod(params[f"param/{ours}"].shape)) for ours, _, _ in name_map(
         manifest["model_config"]["n_layer"]))
@@ -624,8 +980,12 @@ def _tokenizer_sha256(path: str) -> str:
     """The sha256 a checkpoint records for its tokenizer: engine.tokenizer's, over the JSON in
     canonical form, so re-indenting the file does not change it."""
     from ringpipe.engine.tokenizer import json_sha256
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
+    raw = _files_call(files.read_regular, path, "the run's tokenizer", MAX_TOKENIZER_BYTES)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise HFError(f"the run's tokenizer {path} is not UTF-8 text (byte {e.start})") from None
+    _files_call(files.parse_json, text, f"the run's tokenizer {path}")     # deep nesting refused by name
     try:
         return json_sha256(text)
     except ValueError as e:
@@ -635,7 +995,7 @@ def _tokenizer_sha256(path: str) -> str:
 def _run_dir(source: str, manifest_path: str) -> str:
     """The run directory: RUN/checkpoints/ckpt_*.json -> RUN (or the source itself if it is one)."""
     if os.path.isdir(os.path.join(source, "checkpoints")):
-        return source
+        return os.path.abspath(source)
     folder = os.path.dirname(os.path.abspath(manifest_path))
     return os.path.dirname(folder) if os.path.basename(folder) == "checkpoints" else folder
 
@@ -646,7 +1006,7 @@ def _find_tokenizer(manifest: dict, run_dir: str, vocab: int):
     entry = manifest.get("tokenizer")
     if entry:
         path = os.path.join(run_dir, entry["file"])
-        if not os.path.isfile(path):
+        if not os.path.lexists(path):       # a FIFO or device under the name is refused when read
             raise HFError(f"the checkpoint was trained with the tokenizer {entry['file']} of its run directory, "
                           f"but {path} is missing; put it back (its sha256 is {entry['sha256']})")
         digest = _tokenizer_sha256(path)
@@ -655,7 +1015,7 @@ def _find_tokenizer(manifest: dict, run_dir: str, vocab: int):
                           f"the checkpoint says {entry['sha256'][:12]}...)")
         return path, f"{path} (the checkpoint's)"
     path = os.path.join(run_dir, "tokenizer.json")
-    if os.path.isfile(path):
+    if os.path.lexists(path):
         return path, path
     if vocab == 256:
         try:

@@ -4,6 +4,16 @@ The checkpoint (a run directory, its checkpoints folder or a ckpt_*.json) gives
 the weights and the model's shape; the run's tokenizer (OUT/tokenizer.json, as
 its manifest names it) encodes the prompt and decodes the continuation. One
 process, on the CPU: every layout's checkpoint holds the whole model.
+
+The model's shape is the manifest's model_config, checked against the shapes the
+npz declares before the model is built (a manifest can declare any size; the npz
+holds what it holds). A run directory's newest valid checkpoint is used; if newer
+ones are damaged, a note on stderr names them and says why they were skipped.
+
+A prompt that is not valid UTF-8 (bytes the shell passed as they are, which Python
+holds as surrogate escapes): the byte tokenizer encodes those bytes as they are,
+and the prompt is echoed with U+FFFD in their place; a BPE tokenizer encodes text,
+so such a prompt is refused.
 """
 from __future__ import annotations
 
@@ -14,15 +24,42 @@ import sys
 import numpy as np
 
 
-def load_run(path: str):
-    """(GPT LayerChain with the checkpoint's weights, its Tokenizer, checkpoint path)."""
+def resolve_with_note(path: str):
+    """(the checkpoint `path` means, as checkpoint.resolve finds it; a note or None). The
+    note, for a run directory or checkpoints folder whose newest checkpoints cannot be
+    used, names the one used and each newer one skipped with why: silently falling back
+    to an older model would pass it off as the newest."""
     from ringpipe.engine import checkpoint
-    from ringpipe.engine.gpt import GPTConfig, build_gpt, checkpoint_vocab_rows, fit_vocab_rows
-    resolved = checkpoint.resolve(path)
-    manifest = checkpoint.read_manifest(resolved)
+    folder = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
+    if not os.path.isdir(folder):
+        return checkpoint.resolve(path), None
+    skipped = []
+    for candidate in reversed(checkpoint.list_checkpoints(folder)):
+        problem = checkpoint.inspect(candidate)
+        if problem is None:
+            if not skipped:
+                return candidate, None
+            why = "; ".join(f"{os.path.basename(p)}: {problem}" for p, problem in skipped)
+            return candidate, (f"note: using {candidate}, an older checkpoint: the newer "
+                               f"{', '.join(os.path.basename(p) for p, _ in skipped)} cannot be used ({why})")
+        skipped.append((candidate, problem))
+    return checkpoint.resolve(folder), None        # none valid: resolve raises the error that lists why
+
+
+def load_run(path: str, notes=None):
+    """(GPT LayerChain with the checkpoint's weights, its Tokenizer, checkpoint path).
+    notes: a list to which a note about skipped newer checkpoints is appended."""
+    from ringpipe.engine import checkpoint
+    from ringpipe.engine.gpt import build_gpt, checkpoint_vocab_rows, fit_vocab_rows
+    from ringpipe.engine.hf import check_checkpoint_shapes
+    resolved, note = resolve_with_note(path)
+    if note and notes is not None:
+        notes.append(note)
+    manifest, declared = checkpoint.declared_arrays(resolved)
     if manifest["model"] != "gpt":
         raise ValueError(f"{resolved} holds a {manifest['model']} model: only a GPT generates text")
-    cfg = GPTConfig(**manifest["model_config"])
+    # model_config against the npz's declared shapes and the memory, before the model is built.
+    cfg = check_checkpoint_shapes(manifest, declared, resolved)
     model = build_gpt(cfg, dtype=np.float32)
     wanted = {f"param/{s.name}": s.shape for s in model.params.specs}
     wanted["param/wte"] = (checkpoint_vocab_rows(cfg, manifest), cfg.d_model)
@@ -44,11 +81,22 @@ def run_tokenizer(checkpoint_path: str, manifest: dict):
             return load_tokenizer("bytes")
         raise ValueError(f"{checkpoint_path} records no tokenizer and its vocabulary is not bytes: nothing can "
                          "decode its tokens")
+    from ringpipe.engine import files
+    from ringpipe.engine.tokenizer import from_json
     path = os.path.join(run_dir, entry["file"])
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         raise ValueError(f"the run's tokenizer {path} is missing (the checkpoint names it): copy it back from the "
                          "data folder the run trained on")
-    tokenizer = load_tokenizer(path)
+    # Read through engine/files: a FIFO, a device, a huge file or JSON nested too deeply is
+    # refused naming the file (load_tokenizer would block, read forever or overflow).
+    raw = files.read_regular(path, "the run's tokenizer", 256 * files.MiB)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the run's tokenizer {path} is not UTF-8 text (byte {e.start}); copy it back from the "
+                         "data folder the run trained on") from None
+    files.parse_json(text, f"the run's tokenizer {path}")
+    tokenizer = from_json(text, source=path, folder=os.path.dirname(path))
     if tokenizer.sha256 != entry["sha256"]:
         raise ValueError(f"{path} is not the tokenizer the checkpoint was trained with (sha256 differs)")
     return tokenizer
@@ -71,18 +119,48 @@ def main(argv=None, prog="ringpipe sample") -> int:
     args.checkpoint = args.checkpoint or args.path
     if args.tokens < 1 or args.temperature < 0 or not np.isfinite(args.temperature):
         p.error("--tokens must be >= 1 and --temperature a number >= 0")
+    if args.seed < 0:
+        p.error(f"--seed must be a whole number >= 0 (got {args.seed}): numpy's generator takes no negative seed")
     from ringpipe.engine import checkpoint
     from ringpipe.engine.gpt import generate
+    notes = []
     try:
-        model, tokenizer, path = load_run(args.checkpoint)
+        model, tokenizer, path = load_run(args.checkpoint, notes)
+        for note in notes:
+            print(note, file=sys.stderr)
+        ids, shown = prompt_ids(args.prompt, tokenizer)
     except (checkpoint.CheckpointError, ValueError, OSError) as e:
+        for note in notes:
+            print(note, file=sys.stderr)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    ids = list(tokenizer.encode(args.prompt)) if args.prompt else list(tokenizer.separator)
     context = model.params.view("wpe").shape[0]
     new = generate(model, ids, args.tokens, context, temperature=args.temperature, seed=args.seed)
-    print(args.prompt + tokenizer.decode(new))
+    print(shown + tokenizer.decode(new))
     return 0
+
+
+def prompt_ids(prompt: str, tokenizer):
+    """(the prompt's token ids, the prompt as printed). argv bytes that are not UTF-8 reach
+    Python as surrogate escapes (U+DC80..U+DCFF): the byte tokenizer encodes the bytes as
+    they were given, and they print as U+FFFD; a BPE tokenizer encodes only text, so
+    such a prompt is refused (encoding it would raise deep in the tokenizer)."""
+    if not prompt:
+        return list(tokenizer.separator), ""
+    try:
+        raw = prompt.encode("utf-8", errors="surrogateescape")
+    except UnicodeEncodeError as e:        # a lone surrogate that stands for no byte
+        raise ValueError(f"--prompt holds U+{ord(prompt[e.start]):04X} at position {e.start}, which is not a "
+                         "character: pass the prompt as UTF-8 text") from None
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if tokenizer.kind != "bytes":
+            raise ValueError(f"--prompt is not valid UTF-8 text (byte 0x{raw[e.start]:02x} at position {e.start}); "
+                             f"the run's tokenizer ({tokenizer.source}) encodes text only: pass the prompt as "
+                             "UTF-8") from None
+        return list(raw), raw.decode("utf-8", errors="replace")
+    return list(tokenizer.encode(prompt)), prompt
 
 
 if __name__ == "__main__":

@@ -1,0 +1,380 @@
+"""Issue 20, `ringpipe export`, `--init-from hf:DIR` and `ringpipe sample` given hostile or
+mistaken input: each test failed before its fix (a deleted run, a 0600 weights file, minutes
+and gigabytes spent on a declared size, a traceback, a silent fallback, a hang).
+
+No torch or transformers: checkpoints are written with checkpoint.save and Hugging Face
+folders with export_hf and safetensors, so these run in seconds.
+"""
+import contextlib
+import json
+import os
+import signal
+import stat
+
+import numpy as np
+import pytest
+
+safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="engine/hf.py needs safetensors")
+
+from ringpipe.engine import checkpoint, gpt, hf, sample  # noqa: E402
+from ringpipe.engine.gpt import GPTConfig, build_gpt  # noqa: E402
+
+CONFIG = dict(n_layer=2, d_model=32, n_head=2, context=16, vocab=256)
+BIG = 64        # no model in these tests has more layers: building one that does is the bug
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+def params_of(config):
+    model = build_gpt(GPTConfig(**config), seed=1)
+    return {f"param/{name}": array.copy() for name, array in model.params.state_dict(model.params.data).items()}
+
+
+def make_run(folder, config=CONFIG, steps=(3,), tokenizer=None):
+    """A GPT run directory with checkpoints at `steps`, written directly (no training);
+    tokenizer: a engine.tokenizer Tokenizer saved as the run's (default: bytes)."""
+    from ringpipe.engine.tokenizer import load_tokenizer
+    tokenizer = tokenizer or load_tokenizer("bytes")
+    folder.mkdir(parents=True)
+    tokenizer.save(str(folder))
+    meta = {"model": "gpt", "model_config": dict(config), "optimizer": "adamw", "opt_step_count": 3, "loss": 1.0,
+            "dtype": "float32", "precision": "float32", "layout": {"chunks": 1, "dp": 1, "pp": 1, "tp": 1},
+            "args": {"heads": config["n_head"]},
+            "tokenizer": {"file": "tokenizer.json", "kind": tokenizer.kind, "sha256": tokenizer.sha256,
+                          "vocab_size": tokenizer.vocab_size}}
+    for step in steps:
+        checkpoint.save(str(folder / "checkpoints"), step, params_of(config), meta, keep=0)
+    (folder / "metrics.jsonl").write_text("{}\n")
+    (folder / "run.lock").write_text("")
+    return folder
+
+
+def edit_manifest(run, **model_config):
+    """Change the newest manifest's model_config and recompute its checksum, as someone
+    editing it on purpose would (the checksum catches accidents, not intent)."""
+    path = checkpoint.resolve(str(run))
+    manifest = json.load(open(path))
+    manifest["model_config"].update(model_config)
+    manifest["checksum"] = checkpoint._checksum(manifest)
+    with open(path, "w") as fh:
+        json.dump(manifest, fh)
+    return path
+
+
+def make_hf_folder(folder, config=CONFIG):
+    hf.export_hf(params_of(config), dict(config), str(folder))
+    return folder
+
+
+def edit_config_json(folder, **changes):
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+def rewrite_tensors(folder, change):
+    path = str(folder / "model.safetensors")
+    tensors = safetensors_numpy.load_file(path)
+    change(tensors)
+    safetensors_numpy.save_file(tensors, path, metadata={"format": "pt"})
+
+
+@contextlib.contextmanager
+def deadline(seconds):
+    """Fail instead of hanging (a FIFO opened for reading waits for a writer forever)."""
+    def expire(*_):
+        raise TimeoutError(f"still running after {seconds} s: it blocked")
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@contextlib.contextmanager
+def bounded_memory(extra=2 << 30):
+    """Turn reading a device forever (/dev/zero) into a MemoryError, not a machine out of memory."""
+    import resource
+    with open("/proc/self/status") as fh:
+        size = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmSize:"))
+    previous = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (size + extra, previous[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, previous)
+
+
+@pytest.fixture
+def no_big_models(monkeypatch):
+    """Building a GPT of more than BIG layers fails the test: a declared size must be
+    checked against the tensors before anything is built from it."""
+    real_layers, real_build = gpt.gpt_layers, gpt.build_gpt
+
+    def guard(cfg):
+        if cfg.n_layer > BIG or cfg.d_model > 4096 or cfg.context > 4096:
+            raise AssertionError(f"a model of {cfg} was built before its size was checked against the tensors")
+
+    monkeypatch.setattr(hf, "gpt_layers", lambda cfg, *a, **k: (guard(cfg), real_layers(cfg, *a, **k))[1])
+    monkeypatch.setattr(gpt, "build_gpt", lambda cfg, *a, **k: (guard(cfg), real_build(cfg, *a, **k))[1])
+
+
+def tree(folder):
+    return sorted(os.path.relpath(os.path.join(d, n), folder) for d, _, names in os.walk(folder) for n in names)
+
+
+# ---- 1. --overwrite replaces only a model folder ------------------------------------------------
+
+@pytest.mark.parametrize("target", ["parent", "run", "checkpoints", "dataset", "home", "inside-run"])
+def test_overwrite_never_replaces_anything_but_a_model_folder(tmp_path, capsys, target):
+    base = tmp_path / "runs"
+    run = make_run(base / "gpt")
+    out = {"parent": base, "run": run, "checkpoints": run / "checkpoints", "dataset": tmp_path / "data",
+           "home": tmp_path / "home", "inside-run": run / "logs"}[target]
+    if target == "dataset":
+        out.mkdir()
+        (out / "data.json").write_text("{}")
+        (out / "train_000000.bin").write_bytes(b"\0" * 16)
+    if target == "home":
+        (out / ".ssh").mkdir(parents=True)
+        (out / "notes.txt").write_text("mine")
+    if target == "inside-run":
+        out.mkdir()
+        (out / "config.json").write_text("{}")          # looks like a model folder, but lies in the run
+    before = {folder: tree(folder) for folder in (tmp_path,)}
+    for overwrite in ([], ["--overwrite"]):
+        assert hf.main([str(run), "--out", str(out), *overwrite]) == 2
+        err = capsys.readouterr().err
+        assert str(out) in err and "Traceback" not in err
+        assert "--overwrite" not in err.replace(f"--out {out}", "")     # it would not help: never suggested
+    assert {folder: tree(folder) for folder in (tmp_path,)} == before
+
+
+def test_overwrite_replaces_a_model_folder_whole(tmp_path, capsys):
+    run = make_run(tmp_path / "run")
+    out = tmp_path / "hf"
+    assert hf.main([str(run), "--out", str(out)]) == 0
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"an old shard")
+    assert hf.main([str(run), "--out", str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err                  # here it helps, so it is suggested
+    assert hf.main([str(run), "--out", str(out), "--overwrite"]) == 0
+    assert "model-00001-of-00002.safetensors" not in os.listdir(out)    # replaced, not merged
+    assert sorted(os.listdir(tmp_path)) == ["hf", "run"]               # nothing left aside
+
+
+# ---- 2. the exported files get the user's umask ----------------------------------------------------
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_exported_files_have_the_users_umask(tmp_path, umask):
+    previous = os.umask(umask)
+    try:
+        out = make_hf_folder(tmp_path / "hf")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o777 & ~umask
+    for name in os.listdir(out):
+        assert stat.S_IMODE(os.stat(out / name).st_mode) == 0o666 & ~umask, name
+
+
+# ---- 3. declared sizes are checked against the tensors before anything is built --------------------
+
+@pytest.mark.parametrize("change, says", [
+    ({"n_layer": 10**6}, "n_layer 1000000, but the weights hold 2 layers"),
+    ({"n_embd": 2**14, "n_head": 2}, "wte.weight has shape"),
+    ({"n_positions": 10**6}, "wpe.weight has shape"),
+])
+def test_import_checks_config_sizes_against_the_tensors_first(tmp_path, no_big_models, change, says):
+    folder = make_hf_folder(tmp_path / "hf")
+    edit_config_json(folder, **change)
+    with deadline(20), pytest.raises(ValueError, match=says):
+        hf.import_hf(str(folder))
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"n_layer": 10**6}, "n_layer 1000000, but the weights hold 2 layers"),
+    ({"d_model": 2**14, "n_head": 2}, "param/wte has shape"),
+    ({"context": 10**6}, "param/wpe has shape"),
+])
+def test_sample_and_export_check_the_manifest_against_the_npz_first(tmp_path, capsys, no_big_models, change, says):
+    run = make_run(tmp_path / "run")
+    edit_manifest(run, **change)
+    with deadline(20):
+        assert sample.main([str(run), "--tokens", "2"]) == 2
+        assert says in capsys.readouterr().err
+        assert hf.main([str(run), "--out", str(tmp_path / "hf")]) == 2
+        assert says in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "hf")
+
+
+def test_a_model_larger_than_memory_is_refused_before_it_is_built(tmp_path, capsys, monkeypatch):
+    run = make_run(tmp_path / "run")
+    folder = make_hf_folder(tmp_path / "hf")
+    monkeypatch.setattr(hf, "_available_memory", lambda: 1 << 16)
+    monkeypatch.setattr(gpt, "build_gpt", lambda *a, **k: pytest.fail("built before the memory check"))
+    assert sample.main([str(run), "--tokens", "2"]) == 2
+    assert "GiB are available" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="GiB are available"):
+        hf.import_hf(str(folder))
+
+
+# ---- 4. only float tensors are imported ----------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.int64, np.bool_, np.uint8])
+def test_non_float_tensors_are_refused_by_name(tmp_path, dtype):
+    folder = make_hf_folder(tmp_path / "hf")
+
+    def to_ints(tensors):
+        tensors["transformer.h.1.ln_1.bias"] = tensors["transformer.h.1.ln_1.bias"].astype(dtype)
+
+    rewrite_tensors(folder, to_ints)
+    with pytest.raises(ValueError, match=r"transformer\.h\.1\.ln_1\.bias is [A-Z0-9]+, not a float type"):
+        hf.import_hf(str(folder))
+
+
+def test_the_npz_parameters_must_be_floats(tmp_path, capsys):
+    run = make_run(tmp_path / "run")
+    arrays = params_of(CONFIG)
+    arrays["param/ln_f.b"] = arrays["param/ln_f.b"].astype(np.int64)
+    manifest = json.load(open(checkpoint.resolve(str(run))))
+    meta = {k: v for k, v in manifest.items() if k not in ("format", "step", "npz", "npz_bytes", "npz_crc32",
+                                                          "checksum")}
+    checkpoint.save(str(run / "checkpoints"), 4, arrays, meta, keep=0)
+    assert sample.main([str(run), "--tokens", "2"]) == 2
+    assert "param/ln_f.b has dtype int64, not a float type" in capsys.readouterr().err
+
+
+# ---- 5. an edited n_head or vocab is refused, naming what disagrees -------------------------------
+
+@pytest.mark.parametrize("change, says", [
+    ({"n_head": 3}, "n_head 3, which does not divide d_model 32"),
+    ({"n_head": 4}, "n_head 4, but the run was started with --heads 2"),
+    ({"vocab": 300}, "param/wte has shape (256, 32), but"),
+    ({"vocab": 250}, "vocab 250, but the run's tokenizer has 256"),
+])
+def test_export_of_an_edited_manifest_is_refused_clearly(tmp_path, capsys, change, says):
+    run = make_run(tmp_path / "run")
+    edit_manifest(run, **change)
+    assert hf.main([str(run), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and says in err
+    assert not os.path.exists(tmp_path / "hf")
+
+
+# ---- 6. sample's prompt and seed ---------------------------------------------------------------
+
+def test_a_prompt_of_raw_bytes_is_encoded_by_the_byte_tokenizer(tmp_path, capsys):
+    run = make_run(tmp_path / "run")
+    prompt = os.fsdecode(b"ab\xff")                   # what Python makes of argv bytes that are not UTF-8
+    assert sample.main([str(run), "--prompt", prompt, "--tokens", "3", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("ab\ufffd")
+    assert sample.prompt_ids(prompt, sample.run_tokenizer(checkpoint.resolve(str(run)),
+                                                           checkpoint.read_manifest(str(run))))[0] == [97, 98, 255]
+
+
+def test_a_prompt_of_raw_bytes_is_refused_by_a_bpe_tokenizer(tmp_path, capsys):
+    from ringpipe.engine.tokenizer import train_bpe
+    bpe = train_bpe(["the ring all-reduce moves every byte once. " * 30], 280)
+    run = make_run(tmp_path / "run", config=dict(CONFIG, vocab=bpe.vocab_size), tokenizer=bpe)
+    assert sample.main([str(run), "--prompt", os.fsdecode(b"ring \xff"), "--tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "not valid UTF-8" in err and "0xff at position 5" in err and "Traceback" not in err
+    assert sample.main([str(run), "--prompt", "ring", "--tokens", "2"]) == 0
+
+
+def test_a_negative_seed_is_refused(tmp_path, capsys):
+    run = make_run(tmp_path / "run")
+    with pytest.raises(SystemExit) as exit_:
+        sample.main([str(run), "--seed", "-1"])
+    assert exit_.value.code == 2 and "--seed must be a whole number >= 0" in capsys.readouterr().err
+
+
+# ---- 7. falling back to an older checkpoint is said --------------------------------------------
+
+def test_sample_says_when_it_falls_back_to_an_older_checkpoint(tmp_path, capsys):
+    run = make_run(tmp_path / "run", steps=(3, 6))
+    npz = run / "checkpoints" / "ckpt_00000006.npz"
+    npz.write_bytes(npz.read_bytes()[:100])                # the newest is truncated
+    assert sample.main([str(run), "--tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "ckpt_00000003.json" in err and "ckpt_00000006.json" in err and "truncated" in err
+    assert hf.main([str(run), "--out", str(tmp_path / "hf")]) == 0        # export says it too
+    assert "ckpt_00000006.json" in capsys.readouterr().err
+    # No note when the newest is used.
+    good = make_run(tmp_path / "good", steps=(3, 6))
+    assert sample.main([str(good), "--tokens", "2"]) == 0
+    assert "note" not in capsys.readouterr().err
+
+
+# ---- 8. --init-from hf:DIR without a tokenizer.json -----------------------------------------------
+
+def test_init_data_check_refuses_a_larger_vocabulary_and_notes_an_unverified_tokenizer(tmp_path):
+    folder = make_hf_folder(tmp_path / "hf")           # no tokenizer given: the folder has none
+    init = hf.import_hf(str(folder))
+    assert init[2] is None
+    with pytest.raises(ValueError, match="300 tokens, more than the 256"):
+        hf.check_init_data(str(folder), init, 300)
+    notes = hf.check_init_data(str(folder), init, 256)
+    assert len(notes) == 1 and "cannot be verified" in notes[0] and "256 tokens" in notes[0]
+    with_tokenizer = tmp_path / "hf-tok"
+    from ringpipe.engine.tokenizer import load_tokenizer
+    hf.export_hf(params_of(CONFIG), dict(CONFIG), str(with_tokenizer), tokenizer_json=load_tokenizer("bytes").to_json())
+    assert hf.check_init_data(str(with_tokenizer), hf.import_hf(str(with_tokenizer)), 256) == []
+
+
+# ---- 9. FIFOs, devices and deep JSON where a file is read ----------------------------------------
+
+def deep_json(depth=100_000):
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "tokenizer.json"])
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "deep"])
+def test_model_folder_files_that_are_not_files_are_refused(tmp_path, name, kind):
+    from ringpipe.engine.tokenizer import load_tokenizer
+    folder = tmp_path / "hf"
+    hf.export_hf(params_of(CONFIG), dict(CONFIG), str(folder), tokenizer_json=load_tokenizer("bytes").to_json())
+    path = folder / name
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dev-zero":
+        os.symlink("/dev/zero", path)
+    else:
+        path.write_text(deep_json() if name != "model.safetensors" else "")
+        if name == "model.safetensors":     # a header of deep JSON
+            text = deep_json().encode()
+            path.write_bytes(len(text).to_bytes(8, "little") + text)
+    with deadline(20), bounded_memory(), pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        hf.import_hf(str(folder))
+
+
+def test_a_deep_or_fifo_index_file_is_refused(tmp_path):
+    folder = make_hf_folder(tmp_path / "hf")
+    os.remove(folder / "model.safetensors")
+    (folder / "model.safetensors.index.json").write_text(deep_json())
+    with deadline(20), pytest.raises(ValueError, match="index.json is not valid JSON: it is nested too deeply"):
+        hf.import_hf(str(folder))
+    os.remove(folder / "model.safetensors.index.json")
+    os.mkfifo(folder / "model.safetensors.index.json")
+    with deadline(20), pytest.raises(ValueError, match="index.json is a named pipe"):
+        hf.import_hf(str(folder))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "deep"])
+def test_the_runs_tokenizer_that_is_not_a_file_is_refused(tmp_path, capsys, kind):
+    run = make_run(tmp_path / "run")
+    os.remove(run / "tokenizer.json")
+    if kind == "fifo":
+        os.mkfifo(run / "tokenizer.json")
+    else:
+        (run / "tokenizer.json").write_text(deep_json())
+    with deadline(20):
+        assert sample.main([str(run), "--tokens", "2"]) == 2
+        err = capsys.readouterr().err
+        assert "tokenizer.json" in err and ("named pipe" in err or "nested too deeply" in err)
+        assert hf.main([str(run), "--out", str(tmp_path / "hf")]) == 2
+        err = capsys.readouterr().err
+        assert "tokenizer.json" in err and ("named pipe" in err or "nested too deeply" in err)
