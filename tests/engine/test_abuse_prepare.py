@@ -366,3 +366,84 @@ def test_a_really_full_disk_is_refused_naming_the_file_and_the_old_dataset_stays
         assert which(out) == ["old.txt"] and no_parts_left(out) and lock_is_free(out)
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+# ---- 7. Ctrl-C on one rank of two -------------------------------------------------------------------
+
+def _rank_pid(launcher_pid, rank, timeout=30):
+    """The pid of MPI rank `rank` among the launcher's descendants (PMI_RANK in its environment)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        parents = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as fh:
+                        parents[int(entry)] = int(fh.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    pass
+        for pid in parents:
+            up = pid
+            while up in parents and up != launcher_pid:
+                up = parents[up]
+            if up != launcher_pid or pid == launcher_pid:
+                continue
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as fh:
+                    if f"PMI_RANK={rank}".encode() in fh.read().split(b"\0") and \
+                            b"ringpipe.engine.prepare" in open(f"/proc/{pid}/cmdline", "rb").read():
+                        return pid
+            except OSError:
+                pass
+        time.sleep(0.2)
+    pytest.fail(f"no rank {rank} under the launcher {launcher_pid}")
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(os.path.dirname(sys.executable), "mpiexec")),
+                    reason="no mpiexec next to this python")
+def test_ctrl_c_on_one_rank_of_two_ends_the_job_and_the_old_dataset_stays(tmp_path):
+    make(tmp_path, "old.txt", "old text " * 3000)
+    (tmp_path / "in").mkdir()
+    for i in range(30):
+        (tmp_path / "in" / f"{i}.txt").write_text(f"document {i} " * 20000)
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    p = subprocess.Popen([mpiexec, "-n", "2", sys.executable, "-m", "ringpipe.engine.prepare", "in", "--out", "d",
+                          "--overwrite", "--quiet", "--tokenizer", "bpe:300", "--tokens-per-shard", "100000"],
+                         cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while no_parts_left(tmp_path / "d") and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)                                          # rank 0 holds the folder: the work began
+        time.sleep(1.0)
+        assert p.poll() is None, "prepare ended before it could be interrupted: give it more to do"
+        os.kill(_rank_pid(p.pid, 1), signal.SIGINT)
+        code = p.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        pytest.fail("a Ctrl-C on rank 1 left the job running (the other rank waits forever)")
+    assert code != 0, p.stderr.read()
+    assert which(tmp_path / "d") == ["old.txt"] and not os.path.exists(tmp_path / "d" / "previous")
+    # What the killed ranks left (the parts folder, the lock file naming rank 0) the next prepare clears.
+    r = subprocess.run([sys.executable, "-m", "ringpipe.engine.prepare", str(tmp_path / "old.txt"), "--out", "d",
+                        "--overwrite"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert no_parts_left(tmp_path / "d") and lock_is_free(tmp_path / "d")
+
+
+def test_ctrl_c_on_the_command_says_which_dataset_out_holds(tmp_path):
+    make(tmp_path, "old.txt", "old text " * 3000)
+    (tmp_path / "in").mkdir()
+    for i in range(30):
+        (tmp_path / "in" / f"{i}.txt").write_text(f"document {i} " * 20000)
+    p = subprocess.Popen([sys.executable, "-m", "ringpipe.engine.prepare", "in", "--out", "d", "--overwrite",
+                          "--quiet", "--tokenizer", "bpe:300"], cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while no_parts_left(tmp_path / "d") and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    assert p.poll() is None, "prepare ended before it could be interrupted: give it more to do"
+    p.send_signal(signal.SIGINT)
+    code, err = p.wait(timeout=60), p.stderr.read()
+    assert code == 130 and "holds the dataset it held before" in err and "Traceback" not in err, err
+    assert which(tmp_path / "d") == ["old.txt"] and no_parts_left(tmp_path / "d") and lock_is_free(tmp_path / "d")
