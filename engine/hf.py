@@ -248,7 +248,13 @@ def export_hf(arrays: dict, model_config: dict, out_dir: str, tokenizer_json: st
     directory, a dataset, a folder holding other files, nor one that is, holds or lies in
     one of the paths in `protect` (the checkpoint being exported)."""
     cfg = _gpt_config(model_config)
-    params = _check_params(cfg, _param_arrays(arrays))
+    given = _param_arrays(arrays)
+    # The declared depth against the layers given, before _check_params builds the GPT's
+    # specs from it (a model_config of n_layer 10**6 would build a million layers first).
+    if cfg.n_layer > len(_layer_indices(given)):
+        raise HFError(f"model_config declares n_layer {cfg.n_layer}, but the parameters hold "
+                      f"{len(_layer_indices(given))} layers: are they this GPT's ({cfg.to_dict()})?")
+    params = _check_params(cfg, given)
     tokenizer = _Tokenizer.read(tokenizer_json, cfg.vocab) if tokenizer_json is not None else None
     special_id = tokenizer.end_of_text_id() if tokenizer is not None else None
 

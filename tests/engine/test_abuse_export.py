@@ -209,6 +209,12 @@ def test_sample_and_export_check_the_manifest_against_the_npz_first(tmp_path, ca
     assert not os.path.exists(tmp_path / "hf")
 
 
+def test_export_hf_checks_the_declared_depth_before_building(no_big_models, tmp_path):
+    with deadline(20), pytest.raises(ValueError, match="n_layer 1000000, but the parameters hold 2 layers"):
+        hf.export_hf(params_of(CONFIG), dict(CONFIG, n_layer=10**6), str(tmp_path / "hf"))
+    assert not os.path.exists(tmp_path / "hf")
+
+
 def test_a_model_larger_than_memory_is_refused_before_it_is_built(tmp_path, capsys, monkeypatch):
     run = make_run(tmp_path / "run")
     folder = make_hf_folder(tmp_path / "hf")
