@@ -449,9 +449,9 @@ def _check_out_dir(out_dir: str, overwrite: bool, protect=()) -> None:
             how = "is" if real == src else "holds" if _within(src, real) else "lies inside"
             what = ("the run directory" if os.path.isdir(os.path.join(src, "checkpoints")) else
                     "the checkpoints folder" if os.path.isdir(src) else "the checkpoint")
-            raise FileExistsError(f"--out {out_dir} {how} {what} being exported ({source}), and is not empty: an "
-                                  f"export never replaces it (that could delete the checkpoint); export to a new "
-                                  "folder outside the run")
+            raise FileExistsError(f"--out {out_dir} {how} {what} being exported ({source}): an export never "
+                                  "replaces a folder that is, holds or lies inside what it exports (that could "
+                                  "delete the checkpoint); export to a new folder outside the run")
     run_marks = [n for n in names if n in _RUN_DIR_MARKERS or n.startswith("ckpt_")]
     if run_marks:
         raise FileExistsError(f"--out {out_dir} is a ringpipe run directory (it holds {', '.join(run_marks)}): an "
