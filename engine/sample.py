@@ -123,15 +123,17 @@ def main(argv=None, prog="ringpipe sample") -> int:
         p.error(f"--seed must be a whole number >= 0 (got {args.seed}): numpy's generator takes no negative seed")
     from ringpipe.engine import checkpoint
     from ringpipe.engine.gpt import generate
-    notes = []
+    notes = []          # said whether the checkpoint then loads or not: it explains either outcome
     try:
         model, tokenizer, path = load_run(args.checkpoint, notes)
-        for note in notes:
-            print(note, file=sys.stderr)
-        ids, shown = prompt_ids(args.prompt, tokenizer)
     except (checkpoint.CheckpointError, ValueError, OSError) as e:
-        for note in notes:
-            print(note, file=sys.stderr)
+        print("".join(f"{note}\n" for note in notes) + f"error: {e}", file=sys.stderr)
+        return 2
+    for note in notes:
+        print(note, file=sys.stderr)
+    try:
+        ids, shown = prompt_ids(args.prompt, tokenizer)
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     context = model.params.view("wpe").shape[0]

@@ -306,6 +306,7 @@ def test_sample_says_when_it_falls_back_to_an_older_checkpoint(tmp_path, capsys)
     assert sample.main([str(run), "--tokens", "2"]) == 0
     err = capsys.readouterr().err
     assert "ckpt_00000003.json" in err and "ckpt_00000006.json" in err and "truncated" in err
+    assert err.count("note: ") == 1
     assert hf.main([str(run), "--out", str(tmp_path / "hf")]) == 0        # export says it too
     assert "ckpt_00000006.json" in capsys.readouterr().err
     # No note when the newest is used.
