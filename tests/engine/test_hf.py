@@ -304,14 +304,19 @@ def small_export_inputs():
 def test_a_non_empty_folder_is_refused_unless_overwrite(tmp_path):
     arrays, config = small_export_inputs()
     out = tmp_path / "hf"
-    out.mkdir()
-    (out / "notes.txt").write_text("mine")
+    hf.export_hf(arrays, config, str(out))                  # an earlier export: the folder --overwrite is for
     with pytest.raises(FileExistsError, match="not empty.*--overwrite"):
         hf.export_hf(arrays, config, str(out))
-    assert os.listdir(out) == ["notes.txt"]
+    before = sorted(os.listdir(out))
     hf.export_hf(arrays, config, str(out), overwrite=True)
-    assert "notes.txt" not in os.listdir(out) and "model.safetensors" in os.listdir(out)
+    assert sorted(os.listdir(out)) == before
     assert sorted(os.listdir(tmp_path)) == ["hf"]          # no temp folder, no old copy left behind
+    # A folder holding anything a model folder is not made of is never replaced, flag or not.
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError) as refused:
+        hf.export_hf(arrays, config, str(out), overwrite=True)
+    assert "notes.txt" in str(refused.value)
+    assert (out / "notes.txt").read_text() == "mine"
     # An empty folder is fine without overwrite.
     (tmp_path / "empty").mkdir()
     hf.export_hf(arrays, config, str(tmp_path / "empty"))
