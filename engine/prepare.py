@@ -24,12 +24,14 @@ one rank stops all ranks with the same message, never leaves them waiting):
      (at most --bpe-train-mb MB of it, sampled from every file)
   5. every rank tokenizes its share, a part file per input file
   6. rank 0 joins the parts in file order into the new dataset's shards, tokenizer.json and
-     data.json in PARTS/dataset/, then swaps it in (renames only): the old dataset's files
-     hard-linked into OUT/previous/, the new ones renamed in (data.json last), the old shards
-     the new data.json does not name removed, OUT/previous/ removed. At every instant OUT or
-     OUT/previous/ holds a whole dataset; a prepare that finds one only in previous/ says
-     how to restore it. The parts folder is removed and the lock released however the
-     run ends (the lock file stays, emptied: training runs lock it too).
+     data.json in PARTS/dataset/, then swaps it in (renames only): a journal of the names
+     (OUT/previous/swap.json), the old dataset's files hard-linked into OUT/previous/, the new
+     ones renamed in (data.json last), the old shards the new data.json does not name removed,
+     OUT/previous/ removed. At every instant OUT or OUT/previous/ holds a whole dataset (on a
+     filesystem without hard links the old files are moved there instead: whole again once
+     moved). A failure or Ctrl-C during the swap puts the old dataset back; after a kill the
+     next prepare does (from the journal), and says so. The parts folder is removed and the
+     lock released however the run ends (the lock file stays, emptied: training runs lock it too).
 
 What prepare deletes: only its own parts folder, and under --overwrite the files the
 old data.json names. Shards no data.json names (llm.c's, or a dataset whose manifest
@@ -574,7 +576,10 @@ def tokenize_source(source: Source, index: int, tok, field: str, val_every: int,
     doc_tokens = doc_bytes = 0     # of the document whose pieces are being written
     shown = 0                      # bytes of the file the progress bar has been told about
     with open(tokens_path, "wb") as out:
-        for group in _batches(read_pieces(source, field, _cutter(tok))):
+        # A Hugging Face tokenizer holds ~100 bytes per character while it encodes (offsets,
+        # token strings): 1 MB groups keep that near 150 MB (4 MB groups peaked over 600 MB).
+        group_bytes_max = 4 << 20 if tok.kind == "bytes" else 1 << 20
+        for group in _batches(read_pieces(source, field, _cutter(tok)), max_bytes=group_bytes_max):
             try:
                 encoded = tok.encode_batch([text for text, _ in group])
             except ValueError as e:                      # the tokenizer's refusal, worded in engine/tokenizer.py
@@ -771,6 +776,7 @@ def _write_tail(tables, parts_dir, dtype, writers, cut):
 LOCK_NAME = "prepare.lock"          # OUT/prepare.lock: flock'd by the prepare writing OUT (and shared by training runs)
 PREVIOUS_NAME = "previous"         # OUT/previous/: the old dataset while --overwrite swaps the new one in
 STAGING_NAME = "dataset"           # PARTS/dataset/: the new dataset, complete, before it is swapped in
+SWAP_JOURNAL = "swap.json"         # OUT/previous/swap.json: the files a swap renames, to undo a killed one
 # flock() is not offered by every cluster filesystem (Lustre without -o flock, some FUSE mounts).
 _NO_LOCKING = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
@@ -917,15 +923,14 @@ class _OutFolder:
         manifest = os.path.join(out, shards.MANIFEST_NAME)
         previous = os.path.join(out, PREVIOUS_NAME)
         has_manifest = os.path.lexists(manifest)
+        restored = ""
         if os.path.lexists(os.path.join(previous, shards.MANIFEST_NAME)) and not has_manifest:
-            q = shlex.quote
-            raise PrepareError(
-                f"--out {out} holds no dataset, but {previous} holds one: a prepare --overwrite was stopped while it "
-                f"swapped the new dataset in. Restore the old one with `mv -f {q(previous)}/* {q(out)}/ && rmdir "
-                f"{q(previous)}` (then prepare again), or remove {previous} to give it up")
+            restored = self._restore_previous(previous)
+            notes.append(restored)
+            has_manifest = True
         if has_manifest and not self.overwrite:
-            raise PrepareError(f"--out {out} already holds a dataset ({manifest}); pass --overwrite to replace it, "
-                               "or choose another --out")
+            raise PrepareError(f"{restored + '; ' if restored else ''}--out {out} already holds a dataset ({manifest}); "
+                               "pass --overwrite to replace it, or choose another --out")
         for name in shards.NANOGPT_NAMES:
             if os.path.exists(os.path.join(out, name)) and not self.overwrite:
                 raise PrepareError(f"--out {out} already holds nanoGPT data ({name}); pass --overwrite to write "
@@ -949,6 +954,28 @@ class _OutFolder:
                 notes.append(f"removed {os.path.join(out, name)}, left by a prepare that did not finish")
         return notes
 
+    def _restore_previous(self, previous: str) -> str:
+        """OUT holds no data.json and OUT/previous/ a dataset: a prepare --overwrite was
+        killed while it swapped. Its journal (previous/swap.json, written before it touched
+        anything) names the files it was renaming in: those go, the old dataset's files come
+        back (data.json last). Without a journal nothing is guessed: refuse, saying how."""
+        out, q = self.out, shlex.quote
+        try:
+            journal = files.read_json(os.path.join(previous, SWAP_JOURNAL), "the swap's journal")
+            new, old = journal["new"], journal["old"]
+            if not all(isinstance(n, str) and n not in ("", ".", "..") and "/" not in n for n in new + old):
+                raise ValueError("it names files outside the folder")
+        except (ValueError, KeyError, TypeError) as e:
+            raise PrepareError(
+                f"--out {out} holds no dataset, but {previous} holds one: a prepare --overwrite was stopped while "
+                f"it swapped the new dataset in, and what it left cannot be undone safely ({e}). Train on the old one "
+                f"where it is (--data {q(previous)}), or move its files back by hand: `cd {q(out)} && for f in "
+                "previous/*; do rm -f \"${f#previous/}\"; mv \"$f\" .; done && rmdir previous`") from None
+
+        _move_back(out, previous, new, old)
+        return (f"restored the dataset in {out} from {previous}, where a prepare --overwrite that was stopped while "
+                "it swapped datasets had set it aside")
+
     def _clear_previous(self, previous: str) -> list[str]:
         """OUT/previous/ beside a complete dataset in OUT (under --overwrite) is in the way of
         the swap. Cleared if it is what a stopped prepare left: the dataset it had replaced
@@ -964,7 +991,7 @@ class _OutFolder:
             return os.path.lexists(there) and os.path.lexists(here) and os.path.samefile(there, here)
         held = os.listdir(previous)
         ours = set(_dataset_files(previous)) if shards.MANIFEST_NAME in held else set()
-        ours |= {n for n in held if same(n)}
+        ours |= {n for n in held if same(n) or n == SWAP_JOURNAL or n.startswith(SWAP_JOURNAL + ".tmp-")}
         others = sorted(set(held) - ours)
         if others:
             raise PrepareError(f"{previous} holds {', '.join(others[:10])}: not a dataset prepare set aside; "
@@ -1005,6 +1032,9 @@ class _OutFolder:
             if self.old:
                 os.mkdir(previous)
                 aside = True
+                # The journal first: a prepare killed from here on is undone by the next one
+                # (_restore_previous), which then knows which files in OUT were this run's.
+                shards.write_json_atomic(os.path.join(previous, SWAP_JOURNAL), {"new": new, "old": self.old})
                 try:
                     for name in self.old:                # data.json last
                         os.link(os.path.join(out, name), os.path.join(previous, name))
@@ -1045,18 +1075,10 @@ class _OutFolder:
 
     def _put_back(self, previous: str, new: list[str]) -> None:
         """After a failed swap: the old dataset back into OUT (data.json last), the new
-        files that were renamed in removed. If this fails too, OUT/previous/ stays and
-        the next prepare says how to restore it."""
-        out = self.out
+        files that were renamed in removed. If this fails too, OUT/previous/ stays with
+        its journal, and the next prepare finishes the job (_restore_previous)."""
         try:
-            for name in new:
-                if name not in self.old and os.path.lexists(os.path.join(out, name)):
-                    os.remove(os.path.join(out, name))
-            for name in self.old:                        # data.json last
-                if os.path.lexists(os.path.join(previous, name)):
-                    os.replace(os.path.join(previous, name), os.path.join(out, name))
-            os.rmdir(previous)
-            _fsync_dir(out)
+            _move_back(self.out, previous, new, self.old)
         except OSError:
             pass
 
@@ -1092,6 +1114,29 @@ class _OutFolder:
             pass
         finally:
             os.close(fd)                                 # closing drops the flock
+
+
+def _move_back(out: str, previous: str, new: list[str], old: list[str]) -> None:
+    """Undo a swap: the files it renamed into OUT that the old dataset does not have go,
+    the old dataset's files come back from previous/ (data.json last), previous/ goes.
+    A file of previous/ that is a hard link of OUT's (the old file never left) is just
+    dropped: rename(2) between two links of one file does nothing."""
+    for name in new:
+        if name not in old and os.path.lexists(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
+    for name in old:                                      # data.json last
+        there, here = os.path.join(previous, name), os.path.join(out, name)
+        if not os.path.lexists(there):
+            continue
+        if os.path.lexists(here) and os.path.samefile(there, here):
+            os.remove(there)
+        else:
+            os.replace(there, here)
+    for name in os.listdir(previous):
+        if name == SWAP_JOURNAL or name.startswith(SWAP_JOURNAL + ".tmp-"):
+            os.remove(os.path.join(previous, name))
+    os.rmdir(previous)
+    _fsync_dir(out)
 
 
 def _dataset_files(folder: str) -> list[str]:
@@ -1443,7 +1488,8 @@ def build_parser(prog="ringpipe prepare") -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="replace the dataset in --out: only the files its data.json names; the new dataset is "
                         "built aside and swapped in at the end (the old one kept in DATA_DIR/previous/ during the "
-                        "swap, removed after it), so a stopped or failed prepare leaves the old dataset whole")
+                        "swap, removed after it), so a stopped or failed prepare leaves the old dataset whole (a "
+                        "killed one: the next prepare puts it back)")
     p.add_argument("--follow-symlinks", action="store_true",
                    help="read symbolic links inside input folders that lead out of them (skipped by default, and "
                         "listed; a link given as an INPUT is always read)")
