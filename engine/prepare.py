@@ -1249,7 +1249,11 @@ def prepare(inputs, out, tokenizer="bytes", field="text", overwrite=False, world
     manifest (also written to out/data.json). `tokenizer`: "bytes", "bpe:VOCAB"
     (trained on the inputs) or a tokenizer.json (or a folder holding one). `world`:
     an MPI communicator whose ranks share the work (None: this process alone).
-    Raises ValueError (on every rank alike) for bad input, before any shard is written."""
+    Raises ValueError (on every rank alike) for bad input, before any shard is written,
+    for an `out` another prepare or a training run holds (OUT/prepare.lock), and for a
+    failed write (the dataset in `out` unchanged). `overwrite`: replace the dataset in
+    `out` (only the files its data.json names). `follow_symlinks`: read links inside input
+    folders that lead out of them (skipped by default)."""
     world = OneProcess() if world is None else world
     rank, size = world.Get_rank(), world.Get_size()
     inputs = [os.fspath(p) for p in ([inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)]
@@ -1497,7 +1501,7 @@ def build_parser(prog="ringpipe prepare") -> argparse.ArgumentParser:
     return p
 
 
-def summary(manifest: dict, out: str, seconds: float) -> str:
+def summary(manifest: dict, out: str, seconds: float, replaced: bool = False) -> str:
     train, val = manifest["splits"]["train"], manifest["splits"]["val"]
     t = manifest["tokenizer"]
     total = train["tokens"] + val["tokens"]
@@ -1516,6 +1520,9 @@ def summary(manifest: dict, out: str, seconds: float) -> str:
              f"  tokenizer {t['kind']} (vocab {t['vocab_size']:,}), "
              f"{(train['bytes'] + val['bytes']) / max(total, 1):.2f} bytes/token; "
              f"{total / max(seconds, 1e-9) / 1e6:.2f}M tokens/s over {seconds:.1f} s"]
+    if replaced:
+        lines.append(f"  replaced the dataset that was in {out} (only the files its data.json named; set aside in "
+                     f"{os.path.join(out, PREVIOUS_NAME)}/ during the swap, removed once the new one was in place)")
     lines.append(f"next: ringpipe train --data {shlex.quote(out)}")
     return "\n".join(lines)
 
@@ -1574,7 +1581,7 @@ def main(argv=None, prog="ringpipe prepare") -> int:
                   "prepare again", file=sys.stderr)
         return 130
     if world.Get_rank() == 0 and not args.quiet:
-        print(summary(manifest, args.out, time.perf_counter() - t0), flush=True)
+        print(summary(manifest, args.out, time.perf_counter() - t0, replaced=before is not None), flush=True)
     return 0
 
 

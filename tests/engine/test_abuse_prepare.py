@@ -458,3 +458,18 @@ def test_ctrl_c_on_the_command_says_which_dataset_out_holds(tmp_path):
     code, err = p.wait(timeout=60), p.stderr.read()
     assert code == 130 and "holds the dataset it held before" in err and "Traceback" not in err, err
     assert which(tmp_path / "d") == ["old.txt"] and no_parts_left(tmp_path / "d") and lock_is_free(tmp_path / "d")
+
+
+def test_the_summary_says_a_dataset_was_replaced_and_help_says_how(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("text " * 300)
+    args = [str(tmp_path / "a.txt"), "--out", str(tmp_path / "d")]
+    r = subprocess.run([sys.executable, "-m", "ringpipe.engine.prepare", *args], env=ENV, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "replaced the dataset" not in r.stdout, r.stderr
+    r = subprocess.run([sys.executable, "-m", "ringpipe.engine.prepare", *args, "--overwrite"], env=ENV,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "replaced the dataset that was in" in r.stdout and "previous" in r.stdout, r.stdout
+    assert prep.main(["--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for words in ("--follow-symlinks", "DATA_DIR/previous/", "prepare.lock", "only the files its data.json names"):
+        assert words in text, words
