@@ -337,8 +337,13 @@ def build_model(r: Run, cleanup) -> None:
     r.opt.step_count = r.manifest["opt_step_count"]
     r.start_step = r.manifest["step"]
     r.report.say(f"resumed from {r.resume_path} at step {r.start_step}")
-    saved = r.manifest.get("args", {})
+    saved = dict(r.manifest.get("args", {}))
     resolved = {"seq_len": r.seq_len, "data": cfg.dataset}      # as checkpoint_meta records them
+    if cfg.dataset == "prepared" and saved.get("data") is not None:
+        # checkpoint_meta records a prepared folder by its real path; older checkpoints
+        # recorded "prepared" alone, which says nothing of which folder: no note either way.
+        if saved["data"] == "prepared" or saved["data"] == os.path.realpath(cfg.data):
+            saved["data"] = cfg.data
     for note in resume_differences(saved, cfg, resolved) + schedule_change(saved, cfg, r.start_step):
         r.report.say(note)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -251,7 +252,10 @@ def save(r: Run, step: int, loss: float) -> dict:
 def checkpoint_meta(r: Run, loss: float) -> dict:
     settings = r.cfg.to_dict()
     # The settings as they were resolved, as older checkpoints recorded them.
-    settings.update(data=r.cfg.dataset, seq_len=r.seq_len, schedule=r.cfg.schedule_name,
+    # A prepared folder is recorded by its real path (a resume from another directory, or
+    # through a link, still names it so); older checkpoints say only "prepared".
+    data = os.path.realpath(r.cfg.data) if r.cfg.dataset == "prepared" else r.cfg.dataset
+    settings.update(data=data, seq_len=r.seq_len, schedule=r.cfg.schedule_name,
                     partition=r.cfg.partition_name)
     meta = {"model": r.cfg.model, "model_config": r.shape.to_dict(), "optimizer": r.cfg.optimizer,
             "opt_step_count": r.opt.step_count, "loss": loss, "dtype": r.cfg.dtype, "precision": r.cfg.precision,

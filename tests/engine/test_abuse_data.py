@@ -191,3 +191,163 @@ def test_a_bad_id_in_a_validation_batch_stops_before_it_is_used(tmp_path, monkey
     with pytest.raises(ConfigError, match=r"the val split holds token id 999 .*stopped after step 2"):
         run(Config(**dict(TINY, data=data, out=out, eval_every=2)), world=MPI.COMM_SELF)
     assert os.path.exists(os.path.join(out, "checkpoints", "ckpt_00000002.json"))
+
+
+# ---- a dataset does not change under a run ------------------------------------------------------
+
+def test_a_dataset_replaced_while_open_keeps_reading_the_files_it_opened(tmp_path):
+    data = make_data(str(tmp_path / "d"))
+    before = shards.open_dataset(data, SEQ, 1337)
+    expected = [shards.open_dataset(data, SEQ, 1337).batch(s, BATCH) for s in range(3)]
+    # prepare --overwrite swaps a new dataset in by rename: the old inodes stay open.
+    make_data(data, train=np.full(TRAIN_TOKENS, 65), val=np.full(VAL_TOKENS, 66))
+    for s in range(3):
+        x, y = before.batch(s, BATCH)
+        assert np.array_equal(x, expected[s][0]) and np.array_equal(y, expected[s][1])
+    assert (shards.open_dataset(data, SEQ, 1337).batch(0, BATCH)[0] == 65).all()
+
+
+def test_a_dataset_holds_prepare_lock_shared_while_it_is_open(tmp_path):
+    import fcntl
+    data = make_data(str(tmp_path / "d"))
+    lock = os.path.join(data, shards.LOCK_NAME)
+    open(lock, "w").close()
+    ds = shards.open_dataset(data, SEQ, 1337)
+    other = os.open(lock, os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)       # what a prepare would take
+        fcntl.flock(other, fcntl.LOCK_SH | fcntl.LOCK_NB)           # another run may read too
+        fcntl.flock(other, fcntl.LOCK_UN)
+        ds.close()
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)           # let go with the dataset
+        # Held exclusively (a prepare writing): the dataset still opens, saying nothing.
+        again = shards.open_dataset(data, SEQ, 1337)
+        assert again._lock_fd is None
+    finally:
+        os.close(other)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "folder"])
+def test_a_lock_that_is_not_a_regular_file_is_ignored_without_blocking(tmp_path, kind):
+    data = make_data(str(tmp_path / "d"))
+    lock = os.path.join(data, shards.LOCK_NAME)
+    if kind == "fifo":
+        os.mkfifo(lock)
+    elif kind == "symlink":
+        open(os.path.join(data, "elsewhere"), "w").close()
+        os.symlink("elsewhere", lock)
+    else:
+        os.mkdir(lock)
+    with alarm(10):
+        assert shards.hold_dataset(data) is None
+        shards.open_dataset(data, SEQ, 1337).batch(0, BATCH)
+
+
+# ---- data.json read safely ----------------------------------------------------------------------
+
+class alarm:
+    """Fail instead of hanging: SIGALRM after `seconds`."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def __enter__(self):
+        import signal
+
+        def fire(signum, frame):
+            raise TimeoutError(f"still blocked after {self.seconds} s")
+        self.previous = signal.signal(signal.SIGALRM, fire)
+        signal.alarm(self.seconds)
+
+    def __exit__(self, *exc):
+        import signal
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, self.previous)
+
+
+@pytest.mark.parametrize("kind,words", [
+    ("fifo", "named pipe"), ("dev-zero", "character device"), ("deep", "nested too deeply"),
+    ("huge", "bytes, more than"), ("not-utf8", "not UTF-8")])
+def test_a_manifest_that_is_not_one_is_refused_naming_it(tmp_path, kind, words):
+    data = make_data(str(tmp_path / "d"))
+    path = os.path.join(data, shards.MANIFEST_NAME)
+    os.remove(path)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dev-zero":
+        os.symlink("/dev/zero", path)
+    elif kind == "deep":
+        with open(path, "w") as fh:
+            fh.write("[" * 200000 + "]" * 200000)
+    elif kind == "huge":
+        with open(path, "wb") as fh:
+            fh.truncate(shards.MANIFEST_LIMIT_BYTES + 1)
+    else:
+        with open(path, "wb") as fh:
+            fh.write(b'{"format": "\xff"}')
+    with alarm(20), pytest.raises(ValueError) as e:
+        shards.open_dataset(data, SEQ, 1337)
+    assert path in str(e.value) and words in str(e.value) and "prepare the data again" in str(e.value)
+
+
+# ---- a shard listed twice ----------------------------------------------------------------------
+
+def _edit_manifest(data, edit):
+    path = os.path.join(data, shards.MANIFEST_NAME)
+    with open(path) as fh:
+        m = json.load(fh)
+    edit(m)
+    shards.write_manifest(data, m)
+
+
+def _both_splits(m):
+    m["splits"]["val"]["shards"][0] = m["splits"]["train"]["shards"][1]
+    m["splits"]["val"]["tokens"] = 1500 + 300
+
+
+def _twice_in_train(m):
+    m["splits"]["train"]["shards"] = [m["splits"]["train"]["shards"][0]] * 2
+    m["splits"]["train"]["tokens"] = 3000
+
+
+@pytest.mark.parametrize("edit,words", [(_both_splits, "listed in splits.val and already in splits.train"),
+                                        (_twice_in_train, "listed in splits.train and already in splits.train")])
+def test_a_shard_listed_twice_is_refused(tmp_path, edit, words):
+    data = make_data(str(tmp_path / "d"))
+    _edit_manifest(data, edit)
+    with pytest.raises(ValueError, match=words):
+        shards.read_manifest(data)
+
+
+def test_one_file_under_two_names_is_refused(tmp_path):
+    data = make_data(str(tmp_path / "d"), shards_per_split=2)
+    os.remove(os.path.join(data, "val_000001.bin"))
+    os.link(os.path.join(data, "train_000000.bin"), os.path.join(data, "val_000001.bin"))
+    _edit_manifest(data, lambda m: m["splits"]["val"].update(tokens=300 + 1500))
+    with pytest.raises(ValueError, match="val_000001.bin is listed in splits.val and already in splits.train "
+                                         r"\(as train_000000.bin\)"):
+        shards.read_manifest(data)
+
+
+# ---- a resume on prepared data ------------------------------------------------------------------
+
+def test_a_resume_on_the_same_prepared_folder_notes_no_change_of_data(tmp_path, capsys):
+    from mpi4py import MPI
+
+    from ringpipe.engine.run import run
+    data = make_data(str(tmp_path / "d"))
+    out = str(tmp_path / "out")
+    settings = dict(TINY, quiet=False, out=out, checkpoint_every=2)
+    run(Config(**dict(settings, data=data, steps=2)), world=MPI.COMM_SELF)
+    capsys.readouterr()
+    link = str(tmp_path / "link")
+    os.symlink(data, link)                      # the same folder by another name: still the same data
+    run(Config(**dict(settings, data=link, steps=4, resume="auto", overwrite=False)), world=MPI.COMM_SELF)
+    said = capsys.readouterr().out
+    assert "resumed from" in said and "no longer as that run would have" not in said
+    # Another folder is noted, naming both.
+    other = make_data(str(tmp_path / "other"))
+    run(Config(**dict(settings, data=other, steps=6, resume="auto", overwrite=False)), world=MPI.COMM_SELF)
+    said = capsys.readouterr().out
+    assert f"resuming with data {other} where the checkpoint's run had {os.path.realpath(data)}" in said
