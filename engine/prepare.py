@@ -773,7 +773,7 @@ def _write_tail(tables, parts_dir, dtype, writers, cut):
 
 # ---- the out folder -------------------------------------------------------------------------
 
-LOCK_NAME = "prepare.lock"          # OUT/prepare.lock: flock'd by the prepare writing OUT (and shared by training runs)
+LOCK_NAME = shards.LOCK_NAME        # OUT/prepare.lock: flock'd by the prepare writing OUT, shared by training runs
 PREVIOUS_NAME = "previous"         # OUT/previous/: the old dataset while --overwrite swaps the new one in
 STAGING_NAME = "dataset"           # PARTS/dataset/: the new dataset, complete, before it is swapped in
 SWAP_JOURNAL = "swap.json"         # OUT/previous/swap.json: the files a swap renames, to undo a killed one

@@ -473,3 +473,15 @@ def test_the_summary_says_a_dataset_was_replaced_and_help_says_how(tmp_path, cap
     text = " ".join(capsys.readouterr().out.split())
     for words in ("--follow-symlinks", "DATA_DIR/previous/", "prepare.lock", "only the files its data.json names"):
         assert words in text, words
+
+
+def test_overwrite_is_refused_while_a_training_run_has_the_dataset_open(tmp_path):
+    make(tmp_path, "old.txt", "old text " * 3000)
+    dataset = shards.open_dataset(str(tmp_path / "d"), seq_len=16, seed=0)     # holds prepare.lock shared
+    try:
+        with pytest.raises(ValueError, match="is in use .*a training run reads the dataset"):
+            make(tmp_path, "new.txt", "new text " * 300, overwrite=True)
+    finally:
+        dataset.close()
+    make(tmp_path, "new.txt", "new text " * 300, overwrite=True)
+    assert which(tmp_path / "d") == ["new.txt"]
