@@ -291,6 +291,8 @@ def test_symlinks_out_of_an_input_folder_are_skipped_and_said(tmp_path, monkeypa
                                                        os.path.join("in", "ok.txt"), os.path.join("in", "secret.txt")]
     m = prep.prepare([os.path.join("in", "secret.txt")], "d3", progress=False)     # named: the user's choice
     assert [s["path"] for s in m["sources"]] == [os.path.join("in", "secret.txt")]
+    m = prep.prepare([os.path.join("in", "linked")], "d4", progress=False)        # a linked folder, named: read
+    assert [s["path"] for s in m["sources"]] == [os.path.join("in", "linked", "x.txt")]
     assert "--follow-symlinks" in subprocess.run([sys.executable, "-m", "ringpipe.engine.prepare", "--help"],
                                                  env=ENV, capture_output=True, text=True).stdout
 
