@@ -13,10 +13,8 @@ it cannot be installed or started, as tests/slurm/test_slurm.py).
 """
 import os
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 
