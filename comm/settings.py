@@ -3,8 +3,8 @@
     RINGPIPE_COMM_CHECK           first (default) | always | off: when the ranks compare a
                                   layout before a collective (comm/context.py)
     RINGPIPE_ALLREDUCE_CROSSOVER  bytes at or below which algorithm="auto" takes the
-                                  small-message path (default 32K); 0 or more
-    RINGPIPE_RING_SUBCHUNK        bytes per ring message (default 1M); 1 or more
+                                  small-message path (default 32K); 0 to 1G
+    RINGPIPE_RING_SUBCHUNK        bytes per ring message (default 1M); 4K to 1G
     RINGPIPE_CUDA_AWARE_MPI       1 | 0 | auto (default): how device buffers reach MPI
                                   (comm/device.py)
 
@@ -51,6 +51,18 @@ DEFAULT_CROSSOVER = 32 * 1024
 # rendezvous round trip; on the dev box 1 and 2 MiB tie, 512 KiB loses a few
 # %, 256 KiB up to 2x (2 ranks, 1-64 MiB buffers).
 DEFAULT_SUBCHUNK = 1024 * 1024
+# The ranges a value must fall in. A sub-chunk is one message per ring step, and
+# each costs a message latency (alpha: microseconds in shared memory, more over a
+# network) while 4 KiB cross in well under one at any bandwidth: below a page,
+# smaller sub-chunks only multiply latency (RINGPIPE_RING_SUBCHUNK=1 made steps
+# 200x slower, one message per byte). Above 1 GiB nothing changes any more (a
+# sub-chunk as large as a whole bucket already sends one message per ring
+# chunk) except byte counts nearing MPI's int limit of 2^31 - 1. The crossover
+# has the same ceiling: a crossover of more than 1 GiB would send whole gradient
+# buckets through the small-message path, whose log2(p) full-buffer exchanges
+# cost many times the ring's at those sizes (pass algorithm= to force a path).
+SUBCHUNK_RANGE = (4 << 10, 1 << 30)
+CROSSOVER_RANGE = (0, 1 << 30)
 
 # Bump when the messages of a collective or their tags change: ranks running
 # different ringpipe code then refuse each other when a context is created,
@@ -69,17 +81,26 @@ _SIZE = re.compile(r"(\d+)\s*([KMG]?)", re.IGNORECASE)
 _SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
-def _size(environ, name: str, default: int, minimum: int, meaning: str) -> int:
+def _spelled(nbytes: int) -> str:
+    """1073741824 -> '1073741824 (1G)': the bytes and the suffix form a user would write."""
+    for suffix in ("G", "M", "K"):
+        if nbytes and nbytes % _SUFFIX[suffix] == 0:
+            return f"{nbytes} ({nbytes // _SUFFIX[suffix]}{suffix})"
+    return str(nbytes)
+
+
+def _size(environ, name: str, default: int, allowed: tuple, meaning: str) -> int:
     raw = environ.get(name, "")
     if not raw.strip():
         return default
     m = _SIZE.fullmatch(raw.strip())
     value = int(m.group(1)) * _SUFFIX[m.group(2).upper()] if m else None
-    if value is None or value < minimum:
+    low, high = allowed
+    if value is None or not low <= value <= high:
         raise ValueError(
-            f"{name}={raw!r} is not a size in bytes of at least {minimum} ({meaning}): set it to a whole "
-            f"number of bytes, optionally with a binary suffix K, M or G (32K = 32768), or unset it "
-            f"for the default {default}")
+            f"{name}={raw!r} is not a size in bytes of at least {_spelled(low)} and at most {_spelled(high)} "
+            f"({meaning}): set it to a whole number of bytes in that range, optionally with a binary suffix "
+            f"K, M or G (32K = 32768), or unset it for the default {_spelled(default)}")
     return value
 
 
@@ -115,10 +136,10 @@ def parse(environ=None) -> Settings:
     found, errors = {}, []
     for key, read in (
             ("check", lambda: _check_mode(environ)),
-            ("crossover", lambda: _size(environ, ENV_CROSSOVER, DEFAULT_CROSSOVER, 0,
+            ("crossover", lambda: _size(environ, ENV_CROSSOVER, DEFAULT_CROSSOVER, CROSSOVER_RANGE,
                                         'algorithm="auto" takes the small-message path at or below it')),
-            ("subchunk", lambda: _size(environ, ENV_SUBCHUNK, DEFAULT_SUBCHUNK, 1,
-                                       "the size of one ring message")),
+            ("subchunk", lambda: _size(environ, ENV_SUBCHUNK, DEFAULT_SUBCHUNK, SUBCHUNK_RANGE,
+                                       "the size of one ring message: smaller ones only add message latency")),
             ("cuda_aware", lambda: cuda_aware_choice(environ.get(ENV_CUDA_AWARE, "auto")))):
         try:
             found[key] = read()
