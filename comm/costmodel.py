@@ -16,12 +16,24 @@ so every rank holds the same numbers and algorithm="auto" picks the same
 algorithm everywhere. A fit is kept per node layout for the life of the
 process, and in RINGPIPE_CALIBRATION (a JSON file) when that is set: later jobs
 on the same hosts read it instead of measuring.
+
+The file is a cache, so nothing in it can stop a job: it is opened without
+blocking and read only if it is a regular file of at most 4 MiB (a FIFO there
+would wait forever for a writer, /dev/zero be read forever), malformed or
+deeply nested JSON counts as no cache, and an entry is used only if its alpha
+and beta are finite (alpha >= 0, beta > 0: a beta of 0 divided by zero) and it
+is for this node layout. Anything else is warned about and measured again; a
+path that is not a regular file is never written over. (comm may not import
+engine/files.py, which does the same for the engine's files.)
 """
 from __future__ import annotations
 
 import json
+import math
 import os
+import stat
 import time
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -30,6 +42,7 @@ from mpi4py import MPI
 ENV_CALIBRATION = "RINGPIPE_CALIBRATION"
 SIZES = (8, 1 << 20, 4 << 20)
 REPEATS = 3
+CACHE_LIMIT_BYTES = 4 << 20           # an entry is ~200 bytes: room for thousands of host layouts
 _fits: dict = {}
 
 __all__ = ["Level", "CostModel", "calibrate", "ENV_CALIBRATION"]
@@ -112,7 +125,7 @@ def calibrate(comm, nodes) -> CostModel:
     key = _key(nodes, hosts)
     model = None
     if comm.Get_rank() == 0:
-        model = _fits.get(key) or _read_cache(key)
+        model = _fits.get(key) or _read_cache(key, nodes.n_nodes, nodes.sizes[0])
     model = comm.bcast(model, root=0)
     if model is None:
         first = [r for r, n in enumerate(nodes.node) if n == 0]
@@ -137,34 +150,110 @@ def calibrate(comm, nodes) -> CostModel:
     return model
 
 
-def _read_cache(key: str) -> CostModel | None:
-    path = os.environ.get(ENV_CALIBRATION, "")
-    if not path or not os.path.exists(path):
+def _warn(message: str) -> None:
+    warnings.warn(f"{ENV_CALIBRATION}: {message}", RuntimeWarning, stacklevel=3)
+
+
+def _load_table(path: str):
+    """The cache file's JSON object: {} when there is none yet, None (warned) when
+    `path` is not a regular file and must be left alone. A regular file that is
+    too large or not a JSON object is warned about and counts as empty (it is
+    measured again, and rewritten)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        _warn(f"{path} cannot be opened ({e.strerror or e}); the cost model is measured and not cached")
         return None
     try:
-        with open(path) as fh:
-            entry = json.load(fh).get(key)
-        if entry is None:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            _warn(f"{path} is not a regular file (a FIFO, device or folder?); it is left alone, and the cost "
+                  "model is measured and not cached: point the variable at a file")
             return None
-        return CostModel(Level(**entry["intra"]), Level(**entry["inter"]), entry["nodes"], entry["per_node"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None                                   # a damaged cache is measured again
+        if st.st_size > CACHE_LIMIT_BYTES:
+            _warn(f"{path} is {st.st_size:,} bytes, more than a calibration cache holds "
+                  f"({CACHE_LIMIT_BYTES:,}); it is measured again and the file rewritten")
+            return {}
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read(CACHE_LIMIT_BYTES + 1)
+    except OSError as e:
+        _warn(f"{path} cannot be read ({e.strerror or e}); the cost model is measured again")
+        return {}
+    finally:
+        os.close(fd)
+    try:
+        table = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        what = "nested too deeply" if isinstance(e, RecursionError) else f"not valid JSON ({e})"
+        _warn(f"{path} is {what}; it is measured again and the file rewritten")
+        return {}
+    if not isinstance(table, dict):
+        _warn(f"{path} holds {type(table).__name__}, not a JSON object; it is measured again and the file "
+              "rewritten")
+        return {}
+    return table
+
+
+def _level(entry, name: str) -> Level:
+    """A Level from the cache, or ValueError saying what is wrong with it."""
+    level = entry.get(name) if isinstance(entry, dict) else None
+    if not isinstance(level, dict):
+        raise ValueError(f"{name} is not an object")
+    values = {}
+    for field in ("alpha", "beta"):
+        v = level.get(field)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{name}.{field} is {v!r}, not a finite number")
+        values[field] = float(v)
+    if values["alpha"] < 0 or values["beta"] <= 0:
+        raise ValueError(f"{name} has alpha {values['alpha']!r} and beta {values['beta']!r}: a latency must be "
+                         ">= 0 and a time per byte > 0")
+    return Level(values["alpha"], values["beta"])
+
+
+def _read_cache(key: str, n_nodes: int | None = None, per_node: int | None = None) -> CostModel | None:
+    """The cached model for `key`, or None: none there, or an entry that cannot be
+    right (warned about; the caller measures again)."""
+    path = os.environ.get(ENV_CALIBRATION, "")
+    if not path:
+        return None
+    table = _load_table(path)
+    entry = (table or {}).get(key)
+    if entry is None:
+        return None
+    try:
+        model = CostModel(_level(entry, "intra"), _level(entry, "inter"), entry.get("nodes"), entry.get("per_node"))
+        for field, expected in (("nodes", n_nodes), ("per_node", per_node)):
+            value = getattr(model, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1 \
+                    or (expected is not None and value != expected):
+                raise ValueError(f"{field} is {value!r}, not {expected if expected is not None else 'a count'}")
+    except ValueError as e:
+        _warn(f"the entry for these hosts in {path} is not usable ({e}); it is measured again")
+        return None
+    return model
 
 
 def _write_cache(key: str, model: CostModel) -> None:
     path = os.environ.get(ENV_CALIBRATION, "")
     if not path:
         return
-    try:
-        with open(path) as fh:
-            table = json.load(fh)
-    except (OSError, ValueError):
-        table = {}
+    table = _load_table(path)
+    if table is None:
+        return                                        # not a regular file: never replaced by ours
     table[key] = model.to_dict()
     tmp = f"{path}.tmp{os.getpid()}"
     try:
         with open(tmp, "w") as fh:
             json.dump(table, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
         os.replace(tmp, path)
     except OSError:
-        pass
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
