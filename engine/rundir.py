@@ -179,7 +179,7 @@ def _open_own_file(path: str, flags: int, what: str) -> int:
 # What the lock file may say about its owner, as it is shown: a lock file is any
 # bytes (damaged, or written by hand), so each field is checked before it is used.
 _OWNER_TEXT_LIMIT = 300
-_PID_MAX = 1 << 22                  # Linux's pid_max ceiling; larger is not a process id
+_PID_MAX = 1 << 22                  # Linux's pid_max ceiling (PID_MAX_LIMIT): larger is no process
 
 
 def _read_owner(fd: int) -> dict | None:
@@ -205,8 +205,9 @@ def _describe_owner(owner: dict | None) -> str:
         return "owner unknown"
     pid = owner.get("pid")
     alive = ""
-    if owner["host"] == socket.gethostname() and type(pid) is int and 0 < pid < _PID_MAX:
-        alive = ", running" if _pid_alive(pid) else ", no longer running"
+    if owner["host"] == socket.gethostname() and type(pid) is int and pid > 0:
+        # Past the kernel's largest pid no process can be running (and os.kill would overflow).
+        alive = ", running" if pid <= _PID_MAX and _pid_alive(pid) else ", no longer running"
     return (f"host {_shown(owner['host'])} pid {_shown(pid)}{alive}, started {_shown(owner.get('started', '?'))}: "
             f"{_shown(owner.get('command', '?'))}")
 
