@@ -1570,7 +1570,7 @@ def main(argv=None, prog="ringpipe prepare") -> int:
         if world.Get_rank() == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if world.Get_rank() == 0:
             # prepare() released the lock and removed the parts folder on its way out, and put
             # the old dataset back if the interrupt came during the swap: OUT holds one whole
@@ -1579,7 +1579,7 @@ def main(argv=None, prog="ringpipe prepare") -> int:
             print(f"interrupted: {args.out} holds the new dataset (it was in place already)" if after != before
                   and after is not None else f"interrupted: {args.out} holds the dataset it held before (if any); "
                   "prepare again", file=sys.stderr)
-        return 130
+        return getattr(e, "exit_code", 130)        # lifecycle.ToolInterrupted: 128 + the signal (SIGTERM: 143)
     if world.Get_rank() == 0 and not args.quiet:
         print(summary(manifest, args.out, time.perf_counter() - t0, replaced=before is not None), flush=True)
     return 0

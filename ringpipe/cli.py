@@ -5,7 +5,7 @@
     ringpipe sample ...      generate text from a trained GPT
     ringpipe export ...      write a trained GPT as a Hugging Face model folder
     ringpipe pipeline ...    print, validate and simulate a pipeline schedule (= python -m ringpipe.pipeline)
-    ringpipe finished RUN    did every rank finish? exit 0 or 1 (batch scripts: not the launcher's code)
+    ringpipe finished RUN    did every rank finish? exit 0 yes, 1 no, 2 cannot tell (batch scripts: not the launcher's code)
 """
 from __future__ import annotations
 
