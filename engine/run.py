@@ -8,7 +8,8 @@ The loop reads top to bottom (llm.c's shape): zero the gradients, forward and
 backward (gradients reduced along every parallel axis while backward runs),
 the global gradient norm and clip, the optimizer update, then log, evaluate,
 checkpoint, and the one small all-reduce per step that lets every rank agree
-on a stop signal. Everything before the first step is engine/assemble.py;
+on a stop signal (and on the next batch: a rank whose rows of it cannot be used,
+a token id outside the vocabulary, stops every rank there, before any uses it). Everything before the first step is engine/assemble.py;
 everything parallel is the rank model's (engine/parallel/).
 """
 from __future__ import annotations
@@ -66,14 +67,14 @@ def run(cfg: Config, world=None, stop=None, render=None) -> RunResult:
 
 def train(r: Run) -> tuple[float, int | None]:
     """The step loop. Returns (last loss, the step it stopped at on a signal, or None)."""
-    r.t_start = time.perf_counter()
-    r.report.first_step_starts()
     # The next step's rows are read in a background thread while this step computes.
     with Prefetcher(r.dataset, r.cfg.batch_size, *r.rows) as batches:
         if r.start_step < r.cfg.steps:
             # The first batch is agreed on before the loop (one tiny all-reduce, once);
             # each later one inside the step before it (next_batch_problem).
             agree_batch(r.world, read_error(batches.error_of(r.start_step)))
+        r.t_start = time.perf_counter()
+        r.report.first_step_starts()
         return steps(r, batches)
 
 

@@ -351,3 +351,17 @@ def test_a_resume_on_the_same_prepared_folder_notes_no_change_of_data(tmp_path, 
     run(Config(**dict(settings, data=other, steps=6, resume="auto", overwrite=False)), world=MPI.COMM_SELF)
     said = capsys.readouterr().out
     assert f"resuming with data {other} where the checkpoint's run had {os.path.realpath(data)}" in said
+
+
+def test_a_bad_id_in_the_batch_balanced_partitioning_measures_on_rank_0_stops_every_rank(tmp_path):
+    """--partition balanced times the layers on pipeline rank 0 alone, on rows of batch 0.
+    A bad id there crashed rank 0 with an IndexError traceback (exit 1); refused by the
+    batch check on rank 0 alone, rank 1 would wait in the broadcast of the costs forever."""
+    pos = max(int(starts_of(0)[0]) + 3, 70)
+    if not int(starts_of(0)[0]) <= pos <= int(starts_of(0)[0]) + SEQ:
+        pytest.skip("batch 0's first row starts before the start-up check's end")
+    data = make_data(str(tmp_path / "d"), train=bad_train(pos))
+    r = cli_run(data, str(tmp_path / "out"), ranks=2,
+                extra=["--pp", "2", "--microbatches", "2", "--partition", "balanced"], timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert f"token id 300 at token position {pos:,}" in error_line(r)
