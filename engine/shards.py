@@ -609,8 +609,9 @@ class ShardDataset:
         rng = np.random.default_rng([self.seed, step, _SPLIT_IDS[split]])
         starts = rng.integers(0, len(tokens) - T - 1, size=batch_size)[lo:hi]
         window = tokens.windows(starts, T + 1)               # (b, T+1), read from the shards that hold it
-        # Every id that reaches the model is checked here, as it is read: one max() of a
-        # few KB per row, next to the pread that fetched it. Past the start-up histogram
+        # Every id that reaches the model is checked here, as it is read: one max() of the
+        # window, 2 us for 64 rows of 1025 uint16 tokens against 190 us for their preads
+        # (measured, page cache warm), in the prefetch thread. Past the start-up histogram
         # (a split's first 256 MiB) an id outside the vocabulary would otherwise index
         # past the embedding (an IndexError at --tp 1), be masked to a zero vector by the
         # vocabulary-parallel layers (--tp 2: trains on nothing, says nothing) or hit a

@@ -365,3 +365,33 @@ def test_a_bad_id_in_the_batch_balanced_partitioning_measures_on_rank_0_stops_ev
                 extra=["--pp", "2", "--microbatches", "2", "--partition", "balanced"], timeout=120)
     assert r.returncode == 2, r.stderr[-3000:]
     assert f"token id 300 at token position {pos:,}" in error_line(r)
+
+
+@pytest.fixture(scope="module")
+def val_bad(tmp_path_factory):
+    """A bad id in validation batch 0's last row (the second replica's under --dp 2), past
+    the start-up check; evaluation after step 2 reads it."""
+    folder = tmp_path_factory.mktemp("val-bad")
+    val = np.random.default_rng(1).integers(97, 123, size=VAL_TOKENS)
+    pos = int(starts_of(0, "val", n=VAL_TOKENS)[BATCH - 1]) + SEQ
+    if pos < 64:
+        pytest.skip("validation batch 0's last row is inside the start-up check")
+    val[pos] = 4000
+    return str(folder), make_data(str(folder / "data"), val=val), pos
+
+
+@pytest.mark.parametrize("layout", [[], ["--dp", "2"], ["--pp", "2", "--microbatches", "2"]], ids=["one", "dp2", "pp2"])
+def test_a_bad_id_in_a_validation_batch_stops_every_layout_alike(val_bad, layout):
+    folder, data, pos = val_bad
+    r = cli_run(data, os.path.join(folder, "-".join(layout) or "one"), ranks=2 if layout else 1,
+                extra=["--eval-every", "2", *layout])
+    assert r.returncode == 2, f"stdout:\n{r.stdout[-2000:]}\nstderr:\n{r.stderr[-4000:]}"
+    line = error_line(r)
+    assert f"the val split holds token id 4000 at token position {pos:,}" in line and "after step 2" in line
+    expected = os.path.join(folder, "expected-line")
+    if not layout:
+        with open(expected, "w") as fh:
+            fh.write(line)
+    elif os.path.exists(expected):
+        with open(expected) as fh:
+            assert line == fh.read()
