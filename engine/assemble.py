@@ -80,6 +80,9 @@ def assemble(cfg: Config, world, stop, cleanup, render=None) -> Run:
     own_run_directory(r, cleanup)
     find_checkpoint(r)
     shape_data_device(r)
+    # The shards' descriptors and the data folder's shared lock are let go when the run
+    # ends, not whenever the dataset is collected (a prepare may wait for them).
+    cleanup.callback(lambda: getattr(r.dataset, "close", lambda: None)())
     build_model(r, cleanup)
     start_reporting(r, cleanup)
     return r

@@ -395,3 +395,25 @@ def test_a_bad_id_in_a_validation_batch_stops_every_layout_alike(val_bad, layout
     elif os.path.exists(expected):
         with open(expected) as fh:
             assert line == fh.read()
+
+
+def test_a_run_lets_go_of_the_data_folder_when_it_ends(tmp_path, monkeypatch):
+    """Also when it ends in an error whose traceback (held by the caller) keeps the
+    run's objects alive: the lock is let go by the run, not by the garbage collector."""
+    import fcntl
+
+    from mpi4py import MPI
+
+    from ringpipe.engine.run import run
+    monkeypatch.setattr(shards.ShardDataset, "UNIGRAM_LIMIT_BYTES", 64)
+    data = make_data(str(tmp_path / "d"), train=bad_train(late_bad_position()))
+    lock = os.path.join(data, shards.LOCK_NAME)
+    open(lock, "w").close()
+    with pytest.raises(ConfigError, match="token id 300") as failed:
+        run(Config(**dict(TINY, data=data, out=str(tmp_path / "out"))), world=MPI.COMM_SELF)
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)        # a prepare may replace it now
+    finally:
+        os.close(fd)
+    assert failed.value is not None
