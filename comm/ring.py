@@ -35,7 +35,9 @@ __all__ = ["allreduce_ring", "reduce_scatter_ring", "allgather_ring", "chunk_bou
 
 def set_subchunk_bytes(nbytes: int) -> None:
     """Ring sub-chunk size in bytes (tuning knob; default RINGPIPE_RING_SUBCHUNK,
-    else 1 MiB). Must be the same on every rank, like set_crossover."""
+    else 1 MiB). Must be the same on every rank, like set_crossover. Unlike the
+    environment variable (4K..1G, comm/settings.py), any size from 1 byte is taken
+    here: the tests use tiny sub-chunks to put many messages through small arrays."""
     settings.current().subchunk = max(1, int(nbytes))
 
 
