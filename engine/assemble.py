@@ -237,6 +237,12 @@ def check_tokenizer(r: Run) -> None:
                           f"checkpoint's run ({saved['sha256'][:12]}..., {saved['file']} in its run directory): "
                           "train on data prepared with that tokenizer (`ringpipe prepare ... --tokenizer "
                           "RUN_DIR/tokenizer.json`)")
+    if r.init:
+        # Without the model's tokenizer.json only the vocabulary's size can be checked (and a
+        # larger one refused): say so rather than train silently on ids of another tokenizer.
+        from ringpipe.engine import hf
+        for note in hf.check_init_data(r.cfg.hf_dir, r.init, getattr(r.dataset, "vocab_size", None)):
+            r.report.say(note)
     if r.init and r.init[2] and mine:
         from ringpipe.engine.tokenizer import load_tokenizer
         theirs = load_tokenizer(r.init[2]).sha256

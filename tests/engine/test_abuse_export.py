@@ -385,3 +385,20 @@ def test_the_runs_tokenizer_that_is_not_a_file_is_refused(tmp_path, capsys, kind
         assert hf.main([str(run), "--out", str(tmp_path / "hf")]) == 2
         err = capsys.readouterr().err
         assert "tokenizer.json" in err and ("named pipe" in err or "nested too deeply" in err)
+
+
+def test_init_from_a_folder_without_a_tokenizer_says_the_tokenizer_is_unverified(tmp_path, capsys):
+    """Through the trainer: the note reaches the user, and data of a larger vocabulary is refused."""
+    from ringpipe.engine.cli import run_flags
+    from ringpipe.engine.prepare import prepare
+    folder = make_hf_folder(tmp_path / "hf")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 400)
+    prepare([str(corpus)], str(tmp_path / "bytes"), progress=False)
+    flags = ["--init-from", f"hf:{folder}", "--steps", "1", "--sample-bytes", "0", "--batch-size", "2"]
+    run_flags(flags + ["--data", str(tmp_path / "bytes"), "--out", str(tmp_path / "run")])
+    assert "has no tokenizer.json, so the data's tokenizer cannot be verified" in capsys.readouterr().out
+    prepare([str(corpus)], str(tmp_path / "bpe"), tokenizer="bpe:300", progress=False)
+    with pytest.raises(SystemExit, match="the data's tokenizer has 289 tokens, but the model .* has a vocabulary "
+                                         "of 256"):
+        run_flags(flags + ["--data", str(tmp_path / "bpe"), "--out", str(tmp_path / "run2")])
