@@ -440,8 +440,13 @@ def _signal_prepare(rng, folder, deadline, sig):
     rc, output, _, _ = run_tool(*prepare_args(refs["small"], out))
     assert rc == 0, output
     victim = rng.randint(0, 1)
-    at = rng.uniform(0.05, 0.95) * refs["B_seconds"]
+    at = rng.uniform(0.05, 0.9) * refs["B_seconds"]
     proc = start_tool(*prepare_args(refs["large"], out, "--overwrite"), ranks=2)
+    # From the moment the ranks exist plus 50 ms: within a rank's first ~20 ms Python is still
+    # starting (no ringpipe code has run), and a SIGINT there makes Python itself abort in
+    # site's import, which MPICH's proxy was seen not to report (the README says so).
+    while len(rank_pids(proc.pid, b"prepare")) < 2 and proc.poll() is None:
+        time.sleep(0.002)
     time.sleep(at)
     pids = rank_pids(proc.pid, b"prepare")
     if proc.poll() is not None or len(pids) < 2:

@@ -277,6 +277,30 @@ class ToolInterrupted(KeyboardInterrupt):
         super().__init__(f"{tool}: interrupted by {signal.Signals(signum).name}")
 
 
+class HeldSignals:
+    """A signal handler that only notes the signals it gets, for a tool's start-up: until
+    MPI is up and end_job_on_signal is installed, Python's default would raise a
+    KeyboardInterrupt wherever the rank happens to be (an import, MPI_Init), and a rank that
+    leaves then waits in MPI_Finalize for ranks that wait for it in their first collective
+    (seen: `mpiexec -n 2 ringpipe prepare` hung when SIGINT reached rank 0 220 ms in).
+    end_job_on_signal acts on what was held, as if it had just arrived."""
+
+    def __init__(self):
+        self.pending: list[int] = []
+
+    def __call__(self, signum, frame):
+        self.pending.append(int(signum))
+
+
+def hold_signals(signals=TOOL_SIGNALS) -> None:
+    """From now until end_job_on_signal, note SIGINT/SIGTERM/SIGHUP instead of acting on them.
+    Call it first thing in a collective tool's entry point (main thread only)."""
+    if not any(isinstance(signal.getsignal(s), HeldSignals) for s in signals):
+        held = HeldSignals()
+        for s in signals:
+            signal.signal(s, held)
+
+
 def end_job_on_signal(world, tool: str, signals=TOOL_SIGNALS):
     """Make SIGINT/SIGTERM/SIGHUP on this rank end the whole job, for a tool whose ranks
     meet in collectives (`ringpipe prepare`). Call it on every rank, at start, from the
@@ -377,11 +401,18 @@ def end_job_on_signal(world, tool: str, signals=TOOL_SIGNALS):
 
     def restore() -> None:
         for s, old in previous.items():
-            signal.signal(s, old if old is not None else signal.SIG_DFL)
+            held_only = old is None or isinstance(old, HeldSignals)
+            signal.signal(s, signal.default_int_handler if held_only and s == signal.SIGINT
+                          else signal.SIG_DFL if held_only else old)
         if wakeup is not None:
             signal.set_wakeup_fd(-1)
             os.close(wakeup[1])          # the watcher's read sees the end and it returns
 
+    # A signal that came during start-up (hold_signals) is acted on now, as if it had just
+    # arrived: the job ends (several ranks), or ToolInterrupted is raised here (one rank).
+    held = [n for old in previous.values() if isinstance(old, HeldSignals) for n in old.pending]
+    if held:
+        handler(held[0], None)
     return restore
 
 

@@ -1539,6 +1539,8 @@ def _manifest_identity(out: str):
 def main(argv=None, prog="ringpipe prepare") -> int:
     """The command line; returns the exit code: 0 done, 2 refused (bad input or settings)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    from ringpipe.engine import lifecycle
+    lifecycle.hold_signals()               # until MPI is up: then end_job_on_signal acts on them
     parser = build_parser(prog)
     try:
         args = parser.parse_args(argv)
@@ -1548,13 +1550,13 @@ def main(argv=None, prog="ringpipe prepare") -> int:
     # Hugging Face tokenizers start a thread per core in each rank: share the cores among the node's ranks.
     os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // runtime.local_rank_count())))
     from ringpipe import comm
-    from ringpipe.engine import lifecycle
     from mpi4py import MPI
     comm.install_abort_handler()           # a bug on one rank ends the job instead of leaving the others waiting
     world = MPI.COMM_WORLD
-    lifecycle.end_job_on_signal(world, prog)   # and so does Ctrl-C/SIGTERM on one rank (the others would wait)
-    before = _manifest_identity(args.out) if world.Get_rank() == 0 else None
+    before = None
     try:
+        lifecycle.end_job_on_signal(world, prog)   # and so does Ctrl-C/SIGTERM on one rank (the others would wait)
+        before = _manifest_identity(args.out) if world.Get_rank() == 0 else None
         lifecycle.check_launcher()
         t0 = time.perf_counter()
         manifest = prepare(args.inputs, args.out, tokenizer=args.tokenizer, field=args.field,

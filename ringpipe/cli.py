@@ -20,6 +20,8 @@ COMMANDS = {
     "finished": ("ringpipe.engine.rundir", "did every rank of a run finish? (check it, not the launcher's exit code)"),
 }
 
+COLLECTIVE_TOOLS = {"prepare"}       # train handles its own signals (a stop is a checkpoint)
+
 
 def usage() -> str:
     lines = ["usage: ringpipe COMMAND [ARGS...]", "", "commands:"]
@@ -37,6 +39,11 @@ def main(argv=None) -> None:
     if name not in COMMANDS:
         print(f"ringpipe: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         sys.exit(2)
+    if name in COLLECTIVE_TOOLS:
+        # Its ranks meet in collectives: a signal during start-up is held until the tool can
+        # end the whole job on it (engine/lifecycle.py, hold_signals).
+        from ringpipe.engine.lifecycle import hold_signals
+        hold_signals()
     from importlib import import_module
     sys.exit(import_module(COMMANDS[name][0]).main(rest, prog=f"ringpipe {name}") or 0)
 
