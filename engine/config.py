@@ -312,7 +312,7 @@ def model_config(cfg: Config, saved: dict | None = None, vocab: int | None = Non
             setattr(shape, key, value)
     if vocab is not None and cfg.model == "gpt":
         if "vocab" in fixed and fixed["vocab"] != vocab:
-            raise ConfigError(f"the data's tokenizer has {vocab} tokens, but {source}'s model has a vocabulary of "
+            raise ConfigError(f"the data's tokenizer has {vocab} tokens, but {source} has a vocabulary of "
                               f"{fixed['vocab']}: train on data prepared with the model's tokenizer")
         shape.vocab = vocab
     return shape.validate()

@@ -668,11 +668,7 @@ class ShardDataset:
             if len(hist) > self.vocab_size:
                 # The largest id, and where it first is (the step loop's check names the first bad id).
                 where = int(np.argmax(block == len(hist) - 1))
-                k = int(np.searchsorted(tokens.starts, at + where, side="right")) - 1
-                raise BadTokens(f"{self.name}: the {split} split holds token id {len(hist) - 1}, outside the "
-                                f"vocabulary 0..{self.vocab_size - 1} (at token position {at + where:,}, shard "
-                                f"{os.path.basename(tokens.shards[k].path)}); the data and its tokenizer do not "
-                                "belong together: prepare the data again", at + where)
+                raise self.bad_tokens(split, at + where, len(hist) - 1)     # the words of the step loop's check
             counts += hist
             at += len(block)
         return counts

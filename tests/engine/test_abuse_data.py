@@ -102,8 +102,10 @@ def test_a_batch_holding_an_id_outside_the_vocabulary_is_refused_with_where_it_i
 def test_the_start_up_check_says_where_the_id_is(tmp_path):
     data = make_data(str(tmp_path / "d"), train=bad_train(100, 256))
     ds = shards.open_dataset(data, SEQ, 1337)
-    with pytest.raises(shards.BadTokens, match=r"token id 256, outside the vocabulary 0..255 \(at token position "
-                                               r"100, shard train_000000.bin\)"):
+    # In the words of the step loop's check (the same error, found earlier).
+    with pytest.raises(shards.BadTokens, match=r"the train split holds token id 256 at token position 100 \(token "
+                                               r"100 of shard train_000000.bin\), outside the tokenizer's "
+                                               r"vocabulary 0..255"):
         ds.unigram_entropy()
 
 

@@ -388,7 +388,7 @@ def test_unigram_entropy_and_bytes_per_token_are_sane(tmp_path, many_shards):
     assert uniform.bytes_per_token("val") == 3.0
     narrow = shards.ShardDataset(split_shards, 16, 0, vocab_size=500, tokenizer=None, name="too narrow",
                                  description="")
-    with pytest.raises(ValueError, match="holds token id 999, outside the vocabulary 0..499"):
+    with pytest.raises(ValueError, match="holds token id 999 at token position .*, outside the tokenizer's vocabulary 0..499"):
         narrow.unigram_entropy()
 
 
