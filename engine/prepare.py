@@ -186,8 +186,11 @@ def list_sources(inputs: list[str], follow_symlinks: bool = False) -> tuple[list
     for path, key, given in found:
         real = os.path.realpath(path)
         if real in seen:
-            raise PrepareError(f"input {_shown(path)} is given twice (also as {seen[real]}, from the inputs "
-                               "you passed); pass each file once, or its text would be in the data twice")
+            # Often a symbolic link inside a folder to another file of it, not a repeated argument.
+            how = "is the same file as" if os.path.islink(path) or os.path.islink(seen[real]) else "is given twice: also as"
+            raise PrepareError(f"input {_shown(path)} {how} {seen[real]} (from the inputs you passed); read each "
+                               "file once (remove the link, or the repeated input), or its text would be in the "
+                               "data twice")
         seen[real] = _shown(path)
         sources.append(Source(_shown(path), key, os.path.getsize(path)))
     if not sources:

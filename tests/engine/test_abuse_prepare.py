@@ -487,3 +487,13 @@ def test_overwrite_is_refused_while_a_training_run_has_the_dataset_open(tmp_path
         dataset.close()
     make(tmp_path, "new.txt", "new text " * 300, overwrite=True)
     assert which(tmp_path / "d") == ["new.txt"]
+
+
+def test_a_link_to_another_file_of_the_folder_is_named_as_such(tmp_path):
+    # Not "given twice ... from the inputs you passed": only the folder was passed.
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.txt").write_text("the same text\n" * 50)
+    os.symlink("a.txt", folder / "b.txt")
+    with pytest.raises(prep.PrepareError, match=r"b.txt is the same file as .*a.txt.*remove the link"):
+        prep.prepare([str(folder)], tmp_path / "out", progress=False)
