@@ -13,11 +13,17 @@ a tokenizer.json, an index file, a completion marker) goes through here, so that
 
 The errors are `UnreadableFile` (a ValueError): the command line turns them into
 exit code 2 with the message, which names the file and says what it found.
+
+A lock file (OUT/run.lock, DATA_DIR/prepare.lock) says who holds it; it is read the same
+untrusting way (read_lock_owner, describe_lock_owner): it may be damaged, written by hand,
+or name a pid no process can have.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
+import socket
 import stat
 
 MiB = 1 << 20
@@ -101,3 +107,56 @@ def parse_json(text, where: str):
 def read_json(path: str, what: str, limit: int = 16 * MiB):
     """The parsed JSON of the regular file `path` (at most `limit` bytes); UnreadableFile otherwise."""
     return parse_json(read_regular(path, what, limit), f"{what} {path}")
+
+
+# ---- lock files: who holds one, told without trusting what the file says ------------------
+
+# flock() is not offered by every cluster filesystem (Lustre mounted without
+# -o flock, some FUSE mounts): these errors mean "no locking here".
+NO_LOCKING = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
+
+_OWNER_TEXT_LIMIT = 300
+_PID_MAX = 1 << 22                  # Linux's pid_max ceiling (PID_MAX_LIMIT): larger is no process
+
+
+def read_lock_owner(fd: int, what: str) -> dict | None:
+    """What the lock file open at `fd` says of its owner: a dict, None when it is empty,
+    or {"unreadable": True} for anything else (it is any bytes: damaged, or written by hand)."""
+    try:
+        raw = os.pread(fd, 4096, 0)      # bounded: a real one is ~200 bytes
+        if not raw.strip():
+            return None
+        owner = parse_json(raw, what)
+    except (OSError, ValueError):
+        return {"unreadable": True}
+    return owner if isinstance(owner, dict) else {"unreadable": True}
+
+
+def _shown(value) -> str:
+    """A field of the lock file as text for a message: printable, bounded."""
+    text = value if isinstance(value, str) else json.dumps(value) if isinstance(value, (int, float)) else "?"
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return text[:_OWNER_TEXT_LIMIT] + ("..." if len(text) > _OWNER_TEXT_LIMIT else "")
+
+
+def describe_lock_owner(owner: dict | None) -> str:
+    """'host H pid P, running, started T: COMMAND', each field checked before it is used."""
+    if not isinstance(owner, dict) or not isinstance(owner.get("host"), str):
+        return "owner unknown"
+    pid = owner.get("pid")
+    alive = ""
+    if owner["host"] == socket.gethostname() and type(pid) is int and pid > 0:
+        # Past the kernel's largest pid no process can be running (and os.kill would overflow).
+        alive = ", running" if pid <= _PID_MAX and _pid_alive(pid) else ", no longer running"
+    return (f"host {_shown(owner['host'])} pid {_shown(pid)}{alive}, started {_shown(owner.get('started', '?'))}: "
+            f"{_shown(owner.get('command', '?'))}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

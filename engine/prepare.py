@@ -781,7 +781,6 @@ PREVIOUS_NAME = "previous"         # OUT/previous/: the old dataset while --over
 STAGING_NAME = "dataset"           # PARTS/dataset/: the new dataset, complete, before it is swapped in
 SWAP_JOURNAL = "swap.json"         # OUT/previous/swap.json: the files a swap renames, to undo a killed one
 # flock() is not offered by every cluster filesystem (Lustre without -o flock, some FUSE mounts).
-_NO_LOCKING = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
 
 def _fsync_dir(path: str) -> None:
@@ -885,13 +884,13 @@ class _OutFolder:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            owner = _read_lock_owner(fd)
+            owner = files.read_lock_owner(fd, LOCK_NAME)
             os.close(fd)
             raise PrepareError(f"--out {self.out} is in use ({_describe_lock_owner(owner)}); a prepare writing "
                                "it now would mix two datasets or pull the shards from under a training run. Wait "
                                "for it to end or stop it, or choose another --out") from None
         except OSError as e:
-            if e.errno not in _NO_LOCKING:
+            if e.errno not in files.NO_LOCKING:
                 os.close(fd)
                 raise
             notes.append(f"the filesystem of {self.out} does not support file locks ({e.strerror}): a second "
@@ -909,7 +908,7 @@ class _OutFolder:
                                    "program clearing the folder? choose another --out")
             self._lock_tries += 1
             return self._lock()
-        owner = _read_lock_owner(fd)
+        owner = files.read_lock_owner(fd, LOCK_NAME)
         if owner:
             notes.append(f"took over the lock of a prepare that did not end cleanly ({_describe_lock_owner(owner)})")
         me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -1159,32 +1158,14 @@ def _dataset_files(folder: str) -> list[str]:
     return [n for n in dict.fromkeys(names) if n != shards.MANIFEST_NAME] + [shards.MANIFEST_NAME]
 
 
-def _read_lock_owner(fd: int) -> dict | None:
-    try:
-        raw = os.pread(fd, 4096, 0)
-        owner = json.loads(raw.decode()) if raw.strip() else None
-        return owner if owner is None or isinstance(owner, dict) else {"unreadable": True}
-    except (OSError, ValueError, UnicodeDecodeError):
-        return {"unreadable": True}
-
-
 def _describe_lock_owner(owner: dict | None) -> str:
     if not owner:
         # prepare empties the file when it ends; a training run (hold_dataset) writes nothing in it
         return "a training run reads the dataset (ringpipe train --data), or a prepare is starting"
-    if "host" not in owner:
-        return "held by a process that left no name"
-    alive = ""
-    if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
-        try:
-            os.kill(owner["pid"], 0)
-            alive = ", running"
-        except ProcessLookupError:
-            alive = ", no longer running: a training run reads the dataset now"
-        except PermissionError:
-            alive = ", running"
-    return (f"by prepare on host {owner['host']} pid {owner.get('pid')}{alive}, started {owner.get('started', '?')}: "
-            f"{owner.get('command', '?')}")
+    # A prepare that is gone left its name in the file, while the lock is held: by a training run.
+    described = files.describe_lock_owner(owner).replace(
+        ", no longer running,", ", no longer running: a training run reads the dataset now,")
+    return f"by prepare on {described}"
 
 
 # ---- progress -------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import stat
 import sys
 import time
 
-from ringpipe.engine.files import UnreadableFile, file_kind, parse_json, read_json
+from ringpipe.engine.files import (NO_LOCKING, UnreadableFile, describe_lock_owner, file_kind, read_json, read_lock_owner)
 
 LOCK_NAME = "run.lock"
 METRICS_NAME = "metrics.jsonl"
@@ -38,10 +38,6 @@ PREVIOUS_NAME = "previous"
 # unrelated files a user keeps in the folder are never touched.
 DONE_NAME = "finished"             # OUT/finished/rank{R}.json: that rank ran to the end
 RUN_ENTRIES = ("checkpoints", METRICS_NAME, "logs", "heartbeat", "tokenizer.json", DONE_NAME)
-
-# flock() is not offered by every cluster filesystem (Lustre mounted without
-# -o flock, some FUSE mounts): these errors mean "no locking here".
-_NO_LOCKING = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
 
 
 def metrics_path(out_dir: str) -> str:
@@ -94,22 +90,22 @@ class RunDir:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            owner = _read_owner(fd)
+            owner = read_lock_owner(fd, LOCK_NAME)
             os.close(fd)
             raise RunDirError(
-                f"--out {self.path} is in use by another run ({_describe_owner(owner)}); two runs in one "
+                f"--out {self.path} is in use by another run ({describe_lock_owner(owner)}); two runs in one "
                 "directory would mix their checkpoints and metrics. Wait for it to end or stop it, "
                 "or pass another --out") from None
         except OSError as e:
-            if e.errno not in _NO_LOCKING:
+            if e.errno not in NO_LOCKING:
                 os.close(fd)
                 raise
             notes.append(f"note: the filesystem of {self.path} does not support file locks ({e.strerror}): "
                          "a second run started on the same --out would not be detected")
-        previous = _read_owner(fd)
+        previous = read_lock_owner(fd, LOCK_NAME)
         if previous:
             notes.append(f"note: took over a stale lock of a run that did not end cleanly "
-                         f"({_describe_owner(previous)})")
+                         f"({describe_lock_owner(previous)})")
         owner = {"host": socket.gethostname(), "pid": os.getpid(),
                  "started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)[:500]}
         os.ftruncate(fd, 0)
@@ -174,52 +170,6 @@ def _open_own_file(path: str, flags: int, what: str) -> int:
                           "itself. Remove it, or pass another --out")
     os.set_blocking(fd, True)
     return fd
-
-
-# What the lock file may say about its owner, as it is shown: a lock file is any
-# bytes (damaged, or written by hand), so each field is checked before it is used.
-_OWNER_TEXT_LIMIT = 300
-_PID_MAX = 1 << 22                  # Linux's pid_max ceiling (PID_MAX_LIMIT): larger is no process
-
-
-def _read_owner(fd: int) -> dict | None:
-    try:
-        raw = os.pread(fd, 4096, 0)      # bounded: a real one is ~200 bytes
-        if not raw.strip():
-            return None
-        owner = parse_json(raw, "run.lock")
-    except (OSError, ValueError):
-        return {"unreadable": True}
-    return owner if isinstance(owner, dict) else {"unreadable": True}
-
-
-def _shown(value) -> str:
-    """A field of the lock file as text for a message: printable, bounded."""
-    text = value if isinstance(value, str) else json.dumps(value) if isinstance(value, (int, float)) else "?"
-    text = "".join(c if c.isprintable() else "?" for c in text)
-    return text[:_OWNER_TEXT_LIMIT] + ("..." if len(text) > _OWNER_TEXT_LIMIT else "")
-
-
-def _describe_owner(owner: dict | None) -> str:
-    if not isinstance(owner, dict) or not isinstance(owner.get("host"), str):
-        return "owner unknown"
-    pid = owner.get("pid")
-    alive = ""
-    if owner["host"] == socket.gethostname() and type(pid) is int and pid > 0:
-        # Past the kernel's largest pid no process can be running (and os.kill would overflow).
-        alive = ", running" if pid <= _PID_MAX and _pid_alive(pid) else ", no longer running"
-    return (f"host {_shown(owner['host'])} pid {_shown(pid)}{alive}, started {_shown(owner.get('started', '?'))}: "
-            f"{_shown(owner.get('command', '?'))}")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class MetricsLog:

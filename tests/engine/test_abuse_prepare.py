@@ -495,5 +495,5 @@ def test_a_link_to_another_file_of_the_folder_is_named_as_such(tmp_path):
     folder.mkdir()
     (folder / "a.txt").write_text("the same text\n" * 50)
     os.symlink("a.txt", folder / "b.txt")
-    with pytest.raises(prep.PrepareError, match=r"b.txt is the same file as .*a.txt.*remove the link"):
+    with pytest.raises(ValueError, match=r"b.txt is the same file as .*a.txt.*remove the link"):
         prep.prepare([str(folder)], tmp_path / "out", progress=False)
