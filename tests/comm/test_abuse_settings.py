@@ -10,13 +10,13 @@ stop or slow a job.
 """
 import json
 import os
-import signal
 import types
 
 import pytest
 from mpi4py import MPI
 
 from ringpipe.comm import costmodel, settings
+from tests.support.hostile import deadline
 
 
 @pytest.mark.parametrize("variable,value", [
@@ -48,19 +48,7 @@ GOOD = {"intra": {"alpha": 1e-6, "beta": 1e-10}, "inter": {"alpha": 2e-6, "beta"
         "per_node": 1}
 
 
-class alarm:
-    def __init__(self, seconds):
-        self.seconds = seconds
 
-    def __enter__(self):
-        def fire(signum, frame):
-            raise TimeoutError(f"still blocked after {self.seconds} s")
-        self.previous = signal.signal(signal.SIGALRM, fire)
-        signal.alarm(self.seconds)
-
-    def __exit__(self, *exc):
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, self.previous)
 
 
 @pytest.fixture
@@ -125,7 +113,7 @@ def test_a_cache_that_is_not_a_regular_file_neither_blocks_nor_is_written(tmp_pa
         os.symlink("/dev/zero", path)
     monkeypatch.setenv(costmodel.ENV_CALIBRATION, path)
     monkeypatch.setattr(costmodel, "_fits", {})
-    with alarm(10), pytest.warns(RuntimeWarning, match="not a regular file"):
+    with deadline(10), pytest.warns(RuntimeWarning, match="not a regular file"):
         model = costmodel.calibrate(MPI.COMM_SELF, NODES)
     assert model.intra.beta > 0
     assert os.path.islink(path) if kind == "dev-zero" else not os.path.isfile(path)

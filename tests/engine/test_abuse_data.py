@@ -21,6 +21,7 @@ from ringpipe.engine import shards
 from ringpipe.engine.config import Config
 from ringpipe.engine.errors import ConfigError
 from ringpipe.engine.tokenizer import load_tokenizer
+from tests.support.hostile import deadline
 
 SEQ, BATCH = 8, 4
 TINY = dict(layers=2, d_model=8, heads=2, context=SEQ, seq_len=SEQ, batch_size=BATCH, steps=4, sample_bytes=0,
@@ -241,31 +242,14 @@ def test_a_lock_that_is_not_a_regular_file_is_ignored_without_blocking(tmp_path,
         os.symlink("elsewhere", lock)
     else:
         os.mkdir(lock)
-    with alarm(10):
+    with deadline(10):
         assert shards.hold_dataset(data) is None
         shards.open_dataset(data, SEQ, 1337).batch(0, BATCH)
 
 
 # ---- data.json read safely ----------------------------------------------------------------------
 
-class alarm:
-    """Fail instead of hanging: SIGALRM after `seconds`."""
 
-    def __init__(self, seconds):
-        self.seconds = seconds
-
-    def __enter__(self):
-        import signal
-
-        def fire(signum, frame):
-            raise TimeoutError(f"still blocked after {self.seconds} s")
-        self.previous = signal.signal(signal.SIGALRM, fire)
-        signal.alarm(self.seconds)
-
-    def __exit__(self, *exc):
-        import signal
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, self.previous)
 
 
 @pytest.mark.parametrize("kind,words", [
@@ -288,7 +272,7 @@ def test_a_manifest_that_is_not_one_is_refused_naming_it(tmp_path, kind, words):
     else:
         with open(path, "wb") as fh:
             fh.write(b'{"format": "\xff"}')
-    with alarm(20), pytest.raises(ValueError) as e:
+    with deadline(20), pytest.raises(ValueError) as e:
         shards.open_dataset(data, SEQ, 1337)
     assert path in str(e.value) and words in str(e.value) and "prepare the data again" in str(e.value)
 

@@ -8,7 +8,6 @@ folders with export_hf and safetensors, so these run in seconds.
 import contextlib
 import json
 import os
-import signal
 import stat
 
 import numpy as np
@@ -18,6 +17,7 @@ safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="engine/hf.p
 
 from ringpipe.engine import checkpoint, gpt, hf, sample  # noqa: E402
 from ringpipe.engine.gpt import GPTConfig, build_gpt  # noqa: E402
+from tests.support.hostile import deadline  # noqa: E402
 
 CONFIG = dict(n_layer=2, d_model=32, n_head=2, context=16, vocab=256)
 BIG = 64        # no model in these tests has more layers: building one that does is the bug
@@ -78,20 +78,6 @@ def rewrite_tensors(folder, change):
     tensors = safetensors_numpy.load_file(path)
     change(tensors)
     safetensors_numpy.save_file(tensors, path, metadata={"format": "pt"})
-
-
-@contextlib.contextmanager
-def deadline(seconds):
-    """Fail instead of hanging (a FIFO opened for reading waits for a writer forever)."""
-    def expire(*_):
-        raise TimeoutError(f"still running after {seconds} s: it blocked")
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ import pytest
 from ringpipe.engine import prepare as prep
 from ringpipe.engine import shards
 from tests.support import ROOT
+from tests.support.hostile import tmpfs
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", RAYON_NUM_THREADS="1",
            PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -357,19 +358,9 @@ def test_ctrl_c_releases_the_lock_removes_the_parts_and_keeps_the_old_dataset(tm
     assert which(tmp_path / "d") == ["old.txt"] and no_parts_left(tmp_path / "d") and lock_is_free(tmp_path / "d")
 
 
-def _tmpfs(path, size):
-    path.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    return path
-
-
 @pytest.mark.parametrize("new_bytes", [150_000, 400_000])      # fills the disk writing the shards / the parts
 def test_a_really_full_disk_is_refused_naming_the_file_and_the_old_dataset_stays(tmp_path, new_bytes):
-    disk = _tmpfs(tmp_path / "disk", "600k")
+    disk = tmpfs(tmp_path / "disk", "600k")
     try:
         (tmp_path / "old.txt").write_text("old text " * 5000)          # 45 KB: 90 KB of uint16 shards
         (tmp_path / "new.txt").write_text("n" * new_bytes)

@@ -6,7 +6,6 @@ import importlib.util
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ import pytest
 from ringpipe.engine import prepare as prep
 from ringpipe.engine import tokenizer as tk
 from tests.support import ROOT
+from tests.support.hostile import deadline
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1", RAYON_NUM_THREADS="1",
            RUST_BACKTRACE="0", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -311,7 +311,7 @@ def test_a_deeply_nested_tokenizer_json_is_refused_naming_it(tmp_path):
 
 def test_a_fifo_as_the_tokenizer_is_refused_without_blocking(tmp_path):
     os.mkfifo(tmp_path / "tokenizer.json")
-    with _no_hang():
+    with deadline(10):
         with pytest.raises(ValueError, match="named pipe"):
             tk.load_tokenizer(str(tmp_path))
 
@@ -367,20 +367,6 @@ def test_a_truncated_parquet_is_refused_naming_it(tmp_path):
 
 # ---- 6. FIFOs and devices where a file is expected ---------------------------------------------
 
-class _no_hang:
-    """Fail (instead of hanging the suite) if the block takes more than 10 s."""
-
-    def __enter__(self):
-        def hung(signum, frame):
-            raise TimeoutError("blocked on a FIFO or device")
-        self.old = signal.signal(signal.SIGALRM, hung)
-        signal.alarm(10)
-
-    def __exit__(self, *exc):
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, self.old)
-
-
 @pytest.mark.parametrize("kind", [".txt", ".jsonl", ".parquet"])
 def test_readers_refuse_a_fifo_or_a_device_without_blocking(tmp_path, kind):
     if kind == ".parquet" and importlib.util.find_spec("pyarrow") is None:
@@ -391,7 +377,7 @@ def test_readers_refuse_a_fifo_or_a_device_without_blocking(tmp_path, kind):
     zero.symlink_to("/dev/zero")
     for path, what in ((fifo, "named pipe"), (zero, "character device")):
         source = prep.Source(str(path), path.name, 0)
-        with _no_hang():
+        with deadline(10):
             with pytest.raises(prep.PrepareError, match=f"{path.name} is a {what}.*not a regular file"):
                 prep.check_source(source, "text")
             with pytest.raises(prep.PrepareError, match=f"{path.name} is a {what}.*not a regular file"):

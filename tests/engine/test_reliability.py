@@ -21,6 +21,7 @@ import pytest
 from ringpipe.engine import checkpoint, rundir
 from ringpipe.engine.cli import run_flags
 from tests.engine.test_faults import MPIEXEC, ROOT, TINY as TINY_MPI, ends_within, rank_pids, wait_for_steps
+from tests.support.hostile import tmpfs
 
 TINY = ["--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16",
         "--batch-size", "4", "--sample-bytes", "0", "--quiet"]
@@ -322,18 +323,8 @@ def test_signal_during_the_final_checkpoint_does_not_kill_the_rank(tmp_path):
 
 # ---- a full disk --------------------------------------------------------------------------
 
-def _tmpfs(path, size):
-    path.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
-    if r.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
-    return path
-
-
 def test_disk_full_during_a_checkpoint_is_reported_and_nothing_valid_is_lost(tmp_path):
-    disk = _tmpfs(tmp_path / "disk", "600k")
+    disk = tmpfs(tmp_path / "disk", "600k")
     try:
         out = str(disk / "run")
         # Each checkpoint of this model is ~170 KB: the third or fourth fills the disk.

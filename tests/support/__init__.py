@@ -7,6 +7,7 @@
     cuda_sim_check.py  the Numba CUDA kernels under NUMBA_ENABLE_CUDASIM
     emulated.py        the emulated-node tests' run losses and act-once-training thread
     bench_cli.py       a benchmark's clean environment, and "refused before any work"
+    hostile.py         the hostile-input tests' deadline (a hang becomes a failure) and a small disk to fill
 """
 import os
 import sys
