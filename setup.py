@@ -1,17 +1,31 @@
+import os
+
 from setuptools import setup
 
 # The repository keeps one folder per package at its top (engine/, kernels/,
 # comm/); they are installed as ringpipe.engine, ringpipe.kernels and
 # ringpipe.comm, so the only top-level import name ringpipe adds is `ringpipe`
 # (a bare `comm` would overwrite Jupyter's, a bare `kernels` Hugging Face's).
-PACKAGES = {
-    "ringpipe": "ringpipe",
-    "ringpipe.engine": "engine",
-    "ringpipe.engine.pipeline": "engine/pipeline",
-    "ringpipe.kernels": "kernels",
-    "ringpipe.kernels.cuda": "kernels/cuda",
-    "ringpipe.comm": "comm",
-}
+# Their subpackages are found, not listed: a hand-kept list once left out
+# engine/parallel/, and `pip install .` gave a ringpipe that could not train.
+TOP = {"ringpipe": "ringpipe", "ringpipe.engine": "engine", "ringpipe.kernels": "kernels", "ringpipe.comm": "comm"}
+
+
+def find_packages_under(top: dict) -> dict:
+    """{import name: folder} for each top folder and every folder below it holding an __init__.py."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = {}
+    for name, folder in top.items():
+        for dirpath, dirs, files in os.walk(os.path.join(here, folder)):
+            dirs[:] = sorted(d for d in dirs if not d.startswith((".", "__")))
+            if "__init__.py" in files:
+                rel = os.path.relpath(dirpath, here).replace(os.sep, "/")
+                sub = os.path.relpath(dirpath, os.path.join(here, folder))
+                found[name if sub == "." else f"{name}.{sub.replace(os.sep, '.')}"] = rel
+    return found
+
+
+PACKAGES = find_packages_under(TOP)
 
 setup(
     name="ringpipe",
