@@ -40,6 +40,7 @@ One module per concern:
 from . import launcher as _launcher
 
 _launcher.prepare_mpi_init()
+_launcher.load_mpi()                   # MPIUnavailable (an ImportError) naming what to install
 
 from .abort import abort_on_error, install_abort_handler
 from .buckets import GradBuckets

@@ -32,7 +32,27 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["NETMOD_VARIABLES", "netmod_choice", "prepare_mpi_init", "prepared"]
+__all__ = ["NETMOD_VARIABLES", "MPIUnavailable", "load_mpi", "netmod_choice", "prepare_mpi_init", "prepared"]
+
+
+class MPIUnavailable(ImportError):
+    """mpi4py is installed but loads no MPI library: a plain `pip install ringpipe`
+    without the `mpi` extra on a machine with no MPI. Its `name` is "mpi4py.MPI", so
+    a command line can tell it from other import errors without importing comm."""
+
+
+def load_mpi():
+    """`from mpi4py import MPI` (which initializes MPI), or MPIUnavailable saying what to
+    install instead of mpi4py's dozen lines of library paths it tried."""
+    try:
+        from mpi4py import MPI
+    except RuntimeError as e:            # mpi4py's "cannot load MPI library" and the paths it tried
+        first = (str(e).splitlines() or ["no MPI library found"])[0]
+        raise MPIUnavailable(
+            f"ringpipe needs an MPI library and mpi4py could not load one ({first}). Install MPICH from "
+            "PyPI with `pip install 'ringpipe[mpi]'` (or `pip install mpich`); on a cluster, build mpi4py "
+            "against the site's MPI instead (README: \"Using your cluster's MPI\")", name="mpi4py.MPI") from None
+    return MPI
 
 # MPICH reads a control variable under either name; a user who set one has chosen.
 NETMOD_VARIABLES = ("MPIR_CVAR_CH4_NETMOD", "MPICH_CH4_NETMOD")

@@ -244,7 +244,13 @@ def main(argv=None, prog="ringpipe train"):
         args, usage_error = parse_args(argv, prog), None
     except UsageError as e:
         args, usage_error = None, e
-    from ringpipe import comm        # MPI_Init happens here
+    try:
+        from ringpipe import comm    # MPI_Init happens here
+    except ImportError as e:
+        if lifecycle.missing_mpi(e) is None:
+            raise
+        print(f"{prog}: error: {lifecycle.missing_mpi(e)}", file=sys.stderr)
+        sys.exit(2)
     from ringpipe.engine.run import run
     stop.install()                   # take SIGUSR1 back from MPICH
     comm.install_abort_handler()

@@ -416,6 +416,19 @@ def end_job_on_signal(world, tool: str, signals=TOOL_SIGNALS):
     return restore
 
 
+def missing_mpi(error: ImportError) -> str | None:
+    """What to tell the user when importing ringpipe.comm failed for want of MPI: no
+    mpi4py at all, or mpi4py without an MPI library (comm.launcher.MPIUnavailable, whose
+    message says what to install); None for any other import error (a bug: raise it)."""
+    if error.name == "mpi4py.MPI":
+        return str(error)
+    if error.name == "mpi4py":
+        return ("ringpipe needs mpi4py and an MPI library: `pip install 'ringpipe[mpi]'` installs both (MPICH "
+                "from PyPI); on a cluster, build mpi4py against the site's MPI (README: \"Using your cluster's "
+                "MPI\")")
+    return None
+
+
 # ---------------------------------------------------------------------------
 # Launcher check: `srun --mpi=<wrong plugin>` silently gives N singletons.
 

@@ -1533,7 +1533,13 @@ def main(argv=None, prog="ringpipe prepare") -> int:
     from ringpipe.engine import runtime
     # Hugging Face tokenizers start a thread per core in each rank: share the cores among the node's ranks.
     os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // runtime.local_rank_count())))
-    from ringpipe import comm
+    try:
+        from ringpipe import comm          # MPI_Init happens here
+    except ImportError as e:
+        if lifecycle.missing_mpi(e) is None:
+            raise
+        print(f"{prog}: error: {lifecycle.missing_mpi(e)}", file=sys.stderr)
+        return 2
     from mpi4py import MPI
     comm.install_abort_handler()           # a bug on one rank ends the job instead of leaving the others waiting
     world = MPI.COMM_WORLD

@@ -1,7 +1,9 @@
 """comm/launcher.py: the netmod chosen before MPI_Init for the mpich wheel under
 `srun --mpi=pmi2` (whose UCX start-up requests overflow the plugin's 1024-byte
-read), and nothing chosen for any other launch. The launch itself is in
-tests/slurm/test_cluster.py."""
+read), and nothing chosen for any other launch; no MPI library at all is a one-line
+refusal naming the extra to install. The launch itself is in tests/slurm/test_cluster.py."""
+import os
+import subprocess
 import sys
 
 import pytest
@@ -44,3 +46,17 @@ def test_the_mpich_wheel_is_found_in_the_project_environment():
     if "MPICH" not in MPI.Get_library_version():
         pytest.skip("this environment's MPI is not MPICH (the Open MPI venv)")
     assert launcher._mpich_wheel_installed()
+
+
+@pytest.mark.parametrize("command", [["ringpipe", "train", "--steps", "1"], ["ringpipe", "prepare", "x.txt"],
+                                     ["ringpipe.train", "--steps", "1"]])
+def test_no_mpi_library_is_a_refusal_naming_the_extra(tmp_path, command):
+    # A plain `pip install ringpipe` on a machine with no MPI: mpi4py finds no library. It was a
+    # 37-line traceback of every path mpi4py tried; now one line saying what to install.
+    (tmp_path / "x.txt").write_text("text\n")
+    env = dict(os.environ, MPI4PY_LIBMPI=str(tmp_path / "no" / "libmpi.so"))
+    env.pop("PMI_FD", None)
+    r = subprocess.run([sys.executable, "-m", *command, "--out", str(tmp_path / "out")], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "pip install 'ringpipe[mpi]'" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
