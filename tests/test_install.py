@@ -74,3 +74,40 @@ def test_installs_next_to_jupyters_comm_without_breaking_it(wheel, tmp_path):
     r = _run([str(venv / "bin" / "python"), "-c", code], cwd=str(tmp_path))      # not the checkout
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
     assert "site-packages/comm/__init__.py" in r.stdout
+
+
+def test_the_installed_wheel_does_the_whole_job(wheel, tmp_path):
+    """Installed from the wheel (not editable) into a fresh venv, run outside the checkout:
+    prepare, a 2-rank train, sample and export, as the README's path does. An import that
+    only loads the package lazily proved nothing: a hand-kept package list once left out
+    engine/parallel/, and every run of such an install failed."""
+    venv = tmp_path / "venv"
+    assert _run([sys.executable, "-m", "venv", str(venv)]).returncode == 0
+    r = _run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+              f"{wheel}[mpi,data,hf]"])
+    if r.returncode and "No matching distribution" in r.stderr:
+        pytest.skip(f"cannot install the dependencies from the package index: {r.stderr.strip()[-300:]}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    work = tmp_path / "work"                          # not the checkout: only the installed package is found
+    work.mkdir()
+    (work / "notes.txt").write_text("the ring passes each chunk to its neighbour\n" * 300)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", OMP_NUM_THREADS="1",
+               NUMBA_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", RINGPIPE_CACHE=str(tmp_path / "cache"))
+    bin_ = venv / "bin"
+    steps = [
+        [bin_ / "ringpipe", "prepare", "notes.txt", "--out", "data", "--quiet"],
+        [bin_ / "mpiexec", "-n", "2", bin_ / "ringpipe", "train", "--data", "data", "--steps", "2", "--layers", "1",
+         "--d-model", "16", "--heads", "2", "--context", "16", "--batch-size", "4", "--sample-bytes", "0",
+         "--out", "run", "--quiet"],
+        [bin_ / "ringpipe", "finished", "run", "--ranks", "2"],
+        [bin_ / "ringpipe", "sample", "run", "--tokens", "5", "--prompt", "the ring"],
+        [bin_ / "ringpipe", "export", "run", "--out", "hf"],
+    ]
+    for command in steps:
+        r = subprocess.run([str(c) for c in command], cwd=work, env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, f"{' '.join(map(str, command[:3]))}: {r.stdout[-1500:]}{r.stderr[-3000:]}"
+    assert (work / "hf" / "model.safetensors").is_file() and (work / "hf" / "config.json").is_file()
+    where = subprocess.run([str(bin_ / "python"), "-c", "import ringpipe.engine.parallel as p; print(p.__file__)"],
+                           cwd=work, env=env, capture_output=True, text=True)
+    assert str(venv) in where.stdout, where.stdout + where.stderr        # the installed copy ran
