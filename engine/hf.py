@@ -341,6 +341,9 @@ def _hf_config(cfg: GPTConfig, special_id) -> dict:
         "model_type": "gpt2",
         "vocab_size": cfg.vocab,            # the tokenizer's size: the padding is not exported
         "n_positions": cfg.context,
+        # The same value under GPT-2's older name: transformers ignores it, but llama.cpp's
+        # convert_hf_to_gguf.py reads config["n_ctx"] for GPT-2 and fails without it (KeyError).
+        "n_ctx": cfg.context,
         "n_embd": cfg.d_model,
         "n_layer": cfg.n_layer,
         "n_head": cfg.n_head,
@@ -570,7 +573,16 @@ _GPT2_DEFAULTS = {
     "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, "add_cross_attention": False,
     "tie_word_embeddings": True,
 }
-_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")      # two names of the same function
+# Names transformers gives the same function, GELU in its tanh approximation (our kernels'):
+# gelu_fast writes sqrt(2/pi) as 0.7978845608 and x * (1 + 0.044715 x^2) for x + 0.044715 x^3,
+# which differ from gelu_new only in float rounding. Exact GELU ("gelu", erf) is not among them.
+_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+# The dropout rates a GPT-2 config.json may set (GPT-2's own: 0.1). ringpipe trains without
+# dropout; a model trained with it is still represented exactly (dropout is off at inference),
+# so import_notes says so instead of refusing.
+# summary_first_dropout is left out: only GPT2DoubleHeadsModel's summary head uses it.
+_DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
+_GPT2_DROPOUT_DEFAULT = 0.1     # GPT2Config's, for a key config.json leaves out
 # Buffers older transformers saved with the weights (the causal mask): not parameters.
 _BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
@@ -667,11 +679,26 @@ def check_init_data(hf_dir: str, init: tuple, data_vocab) -> list:
         raise HFError(f"the data's tokenizer has {data_vocab} tokens, more than the {cfg.vocab} of the model in "
                       f"{hf_dir} (its embedding's rows): token ids from {cfg.vocab} on have no embedding; prepare "
                       "the data with the model's tokenizer")
+    notes = import_notes(hf_dir)
     if tokenizer_json is None:
         size = f"its size ({data_vocab} tokens, the model's {cfg.vocab})" if data_vocab is not None else "nothing"
-        return [f"note: {hf_dir} has no tokenizer.json, so the data's tokenizer cannot be verified to be the "
-                f"model's; only {size} was checked. Prepare the data with the tokenizer the model was trained with"]
-    return []
+        notes.append(f"note: {hf_dir} has no tokenizer.json, so the data's tokenizer cannot be verified to be the "
+                     f"model's; only {size} was checked. Prepare the data with the tokenizer the model was trained with")
+    return notes
+
+
+def import_notes(hf_dir: str) -> list:
+    """Notes on what --init-from hf:DIR imports but ringpipe does not do, for the caller to
+    print once: the dropout config.json sets (ringpipe trains without it, so fine-tuning
+    here differs from fine-tuning the model in transformers). check_init_data includes them."""
+    config = _read_config(hf_dir)
+    rates = [(key, config.get(key, _GPT2_DROPOUT_DEFAULT)) for key in _DROPOUT_KEYS]
+    rates = [(key, value) for key, value in rates if type(value) in (int, float) and value != 0]
+    if not rates:
+        return []
+    listed = ", ".join(f"{key} {value}" + ("" if key in config else " by default") for key, value in rates)
+    return [f"note: {hf_dir}/config.json sets dropout ({listed}); ringpipe trains without dropout, so "
+            "fine-tuning here runs with none"]
 
 
 def _read_config(hf_dir: str) -> dict:
@@ -717,10 +744,11 @@ def _config_from_hf(config: dict, hf_dir: str) -> GPTConfig:
     if get("scale_attn_weights") is not True:
         refuse("scale_attn_weights", "ringpipe always scales attention scores by 1/sqrt(head size)")
     for key, why in (("scale_attn_by_inverse_layer_idx", "ringpipe does not scale attention by 1/(layer+1)"),
-                     ("reorder_and_upcast_attn", "ringpipe does not support it"),
                      ("add_cross_attention", "ringpipe's GPT has no cross-attention")):
         if get(key) is not False:
             refuse(key, why)
+    # reorder_and_upcast_attn is not checked: it only makes transformers compute q.k in float32
+    # with the scale applied before the matmul, the same attention in another order and precision.
     # tie_word_embeddings false is fine if lm_head.weight equals wte: checked with the tensors.
     return GPTConfig(n_layer=sizes["n_layer"], d_model=sizes["n_embd"], n_head=sizes["n_head"],
                      context=sizes["n_positions"], vocab=sizes["vocab_size"])
@@ -970,8 +998,10 @@ def _export_command(args) -> int:
     out = export_hf(params, manifest["model_config"], args.out, tokenizer_json=tokenizer, overwrite=args.overwrite,
                     protect=protect)
 
-    n_params = sum(int(np.prod(params[f"param/{ours}"].shape)) for ours, _, _ in name_map(
-        manifest["model_config"]["n_layer"]))
+    # Counted from what was written, not from the checkpoint: its wte holds padding rows the
+    # export trims (vocab 300 is stored as 384 rows), which the exported model does not have.
+    n_params = sum(math.prod(shape) for _, shape, _ in
+                   _safetensors_header(os.path.join(out, "model.safetensors")).values())
     print(f"exported {manifest_path} (step {manifest['step']}, {n_params:,} parameters) to {out}:")
     print(f"  {', '.join(sorted(os.listdir(out)))}")
     print(f"  tokenizer: {about_tokenizer}")

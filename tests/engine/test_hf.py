@@ -382,7 +382,7 @@ def test_pickled_weights_are_refused_unopened(hf_folder, tmp_path):
     ("layer_norm_epsilon", 1e-6, "layer_norm_epsilon"),
     ("scale_attn_weights", False, "scale_attn_weights"),
     ("scale_attn_by_inverse_layer_idx", True, "scale_attn_by_inverse_layer_idx"),
-    ("reorder_and_upcast_attn", True, "reorder_and_upcast_attn"),
+    ("activation_function", "gelu", "activation_function is 'gelu'"),     # exact (erf) GELU: not ours
     ("add_cross_attention", True, "add_cross_attention"),
     ("n_head", 5, "n_head is 5; it must divide n_embd 48"),
 ])
@@ -568,3 +568,87 @@ def test_main_refuses_an_mlp_checkpoint(tmp_path, capsys):
                "--out", str(run)])
     assert hf.main([str(run), "--out", str(tmp_path / "hf")]) == 2
     assert "only the GPT exports" in capsys.readouterr().err
+
+
+# ---- issue 21: the export in llama.cpp, configs that compute the same, notes, the count ----------
+
+# The config.json keys llama.cpp's convert_hf_to_gguf.py reads for GPT-2 (class GPT2Model, with
+# the base class's vocab_size and n_inner, n_inner null meaning 4 * n_embd): without n_ctx it
+# failed on our export with KeyError: 'n_ctx'.
+LLAMA_CPP_GPT2_KEYS = ("n_layer", "n_ctx", "n_embd", "n_inner", "n_head", "layer_norm_epsilon", "vocab_size")
+
+
+def test_the_exported_config_has_every_key_llama_cpps_gguf_converter_reads(tmp_path):
+    cfg = GPTConfig(n_layer=2, d_model=64, n_head=4, context=32, vocab=300)
+    out = hf.export_hf(checkpoint_arrays(random_ringpipe_model(cfg)), cfg.to_dict(), str(tmp_path / "hf"))
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert [key for key in LLAMA_CPP_GPT2_KEYS if key not in config] == []
+    assert config["n_ctx"] == config["n_positions"] == 32
+    assert config["n_inner"] in (None, 4 * config["n_embd"])
+    assert (config["n_layer"], config["n_embd"], config["n_head"], config["vocab_size"]) == (2, 64, 4, 300)
+    # n_ctx is harmless to transformers, and to our own import.
+    assert transformers.AutoModelForCausalLM.from_pretrained(out).config.n_positions == 32
+    assert hf.import_hf(out)[0] == cfg
+
+
+def test_gelu_fast_is_gelu_new_within_float_rounding():
+    from transformers.activations import ACT2FN
+    x = torch.linspace(-10, 10, 20001, dtype=torch.float64)
+    for name in ("gelu_fast", "gelu_pytorch_tanh"):
+        assert (ACT2FN[name](x) - ACT2FN["gelu_new"](x)).abs().max() < 1e-9, name
+    assert (ACT2FN["gelu"](x) - ACT2FN["gelu_new"](x)).abs().max() > 1e-4     # why exact GELU stays refused
+
+
+@pytest.mark.parametrize("settings", [dict(activation_function="gelu_fast"),
+                                      dict(activation_function="gelu_pytorch_tanh"),
+                                      dict(reorder_and_upcast_attn=True),
+                                      dict(activation_function="gelu_fast", reorder_and_upcast_attn=True)])
+def test_configs_that_compute_the_same_model_are_imported_with_its_logits(tmp_path, settings):
+    folder = tmp_path / "gpt2"
+    random_hf_model(seed=5, **settings).save_pretrained(folder)
+    cfg, arrays, _ = hf.import_hf(str(folder))
+    # eager attention: the path where transformers honours reorder_and_upcast_attn.
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(folder, attn_implementation="eager")
+    for key, value in settings.items():
+        assert getattr(loaded.config, key) == value
+    tokens = random_tokens(cfg.vocab, 2, cfg.context)
+    diff = np.abs(hf_logits(loaded, tokens) - ringpipe_logits(model_from_import(cfg, arrays), tokens, cfg.vocab))
+    assert diff.max() < TOLERANCE, diff.max()
+
+
+def test_import_notes_say_once_that_the_configs_dropout_is_not_trained_with(hf_folder, tmp_path):
+    assert hf.import_notes(str(hf_folder)) == []                        # dropout 0: nothing to say
+    folder = copy_folder(hf_folder, tmp_path / "dropout")
+    edit_config(folder, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.0)  # attn 0: not named
+    notes = hf.import_notes(str(folder))
+    assert notes == [f"note: {folder}/config.json sets dropout (resid_pdrop 0.1, embd_pdrop 0.1); ringpipe "
+                     "trains without dropout, so fine-tuning here runs with none"]
+    # check_init_data returns them with its own notes, which the caller prints.
+    init = hf.import_hf(str(folder))
+    assert hf.check_init_data(str(folder), init, 300)[:1] == notes
+
+    # A key left out is GPT2Config's default, 0.1, as transformers would train with.
+    config = json.load(open(folder / "config.json"))
+    del config["attn_pdrop"]
+    json.dump(config, open(folder / "config.json", "w"))
+    assert "attn_pdrop 0.1 by default" in hf.import_notes(str(folder))[0]
+
+
+def test_main_counts_the_parameters_it_exports_not_the_padding(trained_run, tmp_path, capsys):
+    from ringpipe.engine import checkpoint
+    # A checkpoint of vocab 300, whose wte is padded to 384 rows.
+    _, manifest = checkpoint.load(str(trained_run))
+    cfg = GPTConfig(**dict(manifest["model_config"], vocab=300))
+    assert cfg.padded_vocab == 384
+    written = ("format", "step", "npz", "npz_bytes", "npz_crc32", "checksum", "tokenizer")
+    meta = {key: value for key, value in manifest.items() if key not in written}
+    meta["model_config"] = cfg.to_dict()
+    run = tmp_path / "run"
+    checkpoint.save(str(run / "checkpoints"), manifest["step"], checkpoint_arrays(random_ringpipe_model(cfg)), meta)
+
+    assert hf.main([str(run), "--out", str(tmp_path / "hf")]) == 0
+    tensors = read_safetensors(str(tmp_path / "hf" / "model.safetensors"))
+    exported = sum(t.size for t in tensors.values())
+    padding = (cfg.padded_vocab - cfg.vocab) * cfg.d_model
+    printed = capsys.readouterr().out
+    assert f"{exported:,} parameters" in printed and f"{exported + padding:,}" not in printed
