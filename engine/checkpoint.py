@@ -337,6 +337,22 @@ def load(path, expected=None):
 
     expected: optional {array name: shape} of the arrays the caller needs; then only
     those are read, and a missing name or another shape is refused before any data is read."""
+    def read(json_path, zf, members):
+        if expected is None:
+            wanted = list(members)
+        else:
+            _check_expected(json_path, members, expected)
+            wanted = list(expected)
+        return {name: _read_array(zf, members[name]) for name in wanted}
+
+    manifest, arrays = _with_checked_members(path, read)
+    return arrays, manifest
+
+
+def _with_checked_members(path, use):
+    """(manifest, use(json_path, zf, members)) for checkpoint `path`: the manifest read and
+    checked, the npz opened as a regular file, its size, CRC and members checked first.
+    Any problem is a CheckpointError naming the file."""
     path = _existing(resolve(path))
     manifest = _read_manifest_or_raise(path)
     npz_path = _npz_path(path, manifest)
@@ -344,18 +360,11 @@ def load(path, expected=None):
         with _open_regular(npz_path, "npz") as fh:
             _check_size_and_crc(fh, manifest)
             with _open_zip(fh) as zf:
-                members = _check_members(zf, fh)
-                if expected is None:
-                    wanted = list(members)
-                else:
-                    _check_expected(path, members, expected)
-                    wanted = list(expected)
-                arrays = {name: _read_array(zf, members[name]) for name in wanted}
+                return manifest, use(path, zf, _check_members(zf, fh))
     except _Problem as e:
         raise CheckpointError(f"checkpoint {npz_path!r} cannot be used: {e}; {_DAMAGED_HINT}") from None
     except OSError as e:
         raise CheckpointError(f"checkpoint {npz_path!r} cannot be read ({e.strerror or e})") from e
-    return arrays, manifest
 
 
 def _read_manifest_or_raise(path):
@@ -732,16 +741,5 @@ def declared_arrays(path) -> tuple[dict, dict]:
     recomputed, can declare any n_layer), while every declared shape here is checked
     against the bytes the npz holds, so building a model that matches them costs at most
     what the file already is. Raises CheckpointError like `load`."""
-    path = _existing(resolve(path))
-    manifest = _read_manifest_or_raise(path)
-    npz_path = _npz_path(path, manifest)
-    try:
-        with _open_regular(npz_path, "npz") as fh:
-            _check_size_and_crc(fh, manifest)
-            with _open_zip(fh) as zf:
-                members = _check_members(zf, fh)
-    except _Problem as e:
-        raise CheckpointError(f"checkpoint {npz_path!r} cannot be used: {e}; {_DAMAGED_HINT}") from None
-    except OSError as e:
-        raise CheckpointError(f"checkpoint {npz_path!r} cannot be read ({e.strerror or e})") from e
-    return manifest, {name: (member.shape, member.dtype) for name, member in members.items()}
+    return _with_checked_members(path, lambda json_path, zf, members: {
+        name: (member.shape, member.dtype) for name, member in members.items()})
