@@ -118,8 +118,9 @@ def test_two_prepares_at_once_into_one_folder_one_is_refused(tmp_path):
 _FS_CALLS = ("replace", "rename", "link", "remove", "mkdir", "rmdir", "fsync", "write")
 
 
-def _fail_at(monkeypatch, k, fail):
-    """Make the k-th filesystem call (of _FS_CALLS, counted together) call fail()."""
+def _fail_at(set_attr, k, fail):
+    """Make the k-th filesystem call (of _FS_CALLS, counted together) call fail(). set_attr:
+    monkeypatch.setattr, or plain setattr in a forked child that never returns."""
     count = [0]
     for name in _FS_CALLS:
         real = getattr(os, name)
@@ -129,7 +130,7 @@ def _fail_at(monkeypatch, k, fail):
             if count[0] == k:
                 fail()
             return _real(*a, **kw)
-        monkeypatch.setattr(os, name, wrapper)
+        set_attr(os, name, wrapper)
     return count
 
 
@@ -148,7 +149,7 @@ def test_a_failure_at_any_step_of_an_overwrite_leaves_the_old_dataset(tmp_path, 
     for k in range(1, 400):
         make(tmp_path, "old.txt", "old text " * 3000, tokens_per_shard=5000, overwrite=True)
         with monkeypatch.context() as m:
-            count = _fail_at(m, k, fail)
+            count = _fail_at(m.setattr, k, fail)
             try:
                 prep.prepare([str(tmp_path / "new.txt")], d, overwrite=True, progress=False, tokens_per_shard=5000)
                 failed = False
@@ -194,16 +195,7 @@ def test_a_kill_at_any_step_of_the_swap_leaves_a_whole_dataset_findable(tmp_path
                         def no_link(*a, **kw):
                             raise OSError(errno.EPERM, "Operation not permitted")
                         os.link = no_link
-                    count = [0]
-                    for name in _FS_CALLS:
-                        real = getattr(os, name)
-
-                        def wrapper(*a, _real=real, **kw):
-                            count[0] += 1
-                            if count[0] == k:
-                                os.kill(os.getpid(), signal.SIGKILL)
-                            return _real(*a, **kw)
-                        setattr(os, name, wrapper)
+                    _fail_at(setattr, k, lambda: os.kill(os.getpid(), signal.SIGKILL))
                     return real_install(self, manifest, tok)
                 prep._OutFolder.install = install
                 prep.prepare([str(tmp_path / "new.txt")], d, overwrite=True, progress=False, tokens_per_shard=5000)

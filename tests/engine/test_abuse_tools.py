@@ -18,6 +18,7 @@ import time
 import pytest
 
 from ringpipe.engine import rundir
+from ringpipe.engine.prepare import OneProcess        # a one-rank world without MPI
 from tests.support import MPIEXEC, ROOT
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
@@ -312,14 +313,7 @@ def test_a_signal_to_a_one_rank_prepare_runs_its_cleanup(tmp_path):
 def test_end_job_on_signal_one_rank_raises_keyboard_interrupt_with_the_exit_code():
     from ringpipe.engine import lifecycle
 
-    class One:
-        def Get_rank(self):
-            return 0
-
-        def Get_size(self):
-            return 1
-
-    restore = lifecycle.end_job_on_signal(One(), "ringpipe test")
+    restore = lifecycle.end_job_on_signal(OneProcess(), "ringpipe test")
     try:
         with pytest.raises(KeyboardInterrupt) as caught:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -335,20 +329,13 @@ def test_a_signal_during_start_up_is_held_then_acted_on():
     # MPI_Init), and the job hung in MPI_Finalize; held, it is acted on once the tool can end the job.
     from ringpipe.engine import lifecycle
 
-    class One:
-        def Get_rank(self):
-            return 0
-
-        def Get_size(self):
-            return 1
-
     saved = {s: signal.getsignal(s) for s in lifecycle.TOOL_SIGNALS}
     try:
         lifecycle.hold_signals()
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.05)                               # nothing is raised: the signal is only noted
         with pytest.raises(lifecycle.ToolInterrupted) as caught:
-            lifecycle.end_job_on_signal(One(), "ringpipe test")
+            lifecycle.end_job_on_signal(OneProcess(), "ringpipe test")
         assert caught.value.exit_code == 130
     finally:
         for s, old in saved.items():

@@ -13,14 +13,13 @@ it cannot be installed or started, as tests/slurm/test_slurm.py).
 """
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 
 import pytest
 
-from tests.support import ROOT
+from tests.support import free_port_pair, ROOT
 
 LOCAL = os.path.join(ROOT, "slurm", "local")
 ENV = dict(os.environ, RINGPIPE_SLURM_NO_INSTALL="1")
@@ -198,20 +197,7 @@ def test_stop_signals_no_process_a_pid_file_names_unless_it_is_our_daemon(decoys
 # ---- the munge key -------------------------------------------------------------------------------------------
 
 def _free_port_pair():
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p > 60000:
-            continue
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("", p))
-                b.bind(("", p + 1))
-            return p
-        except OSError:
-            continue
-    return 16917
+    return free_port_pair(16917)
 
 
 @pytest.mark.slurm

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ import pytest
 
 pytestmark = pytest.mark.slurm
 
-from tests.support import ROOT
+from tests.support import free_port_pair, ROOT
 VENV_PY = os.path.join(ROOT, ".venv", "bin", "python")
 PY = VENV_PY if os.path.exists(VENV_PY) else sys.executable
 MPIEXEC = os.path.join(os.path.dirname(PY), "mpiexec")
@@ -37,21 +36,7 @@ THREADS = {v: "1" for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_
 
 
 def _free_port_pair():
-    """A port p with p and p+1 free (slurmctld, slurmd), so parallel runs do not collide."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p > 60000:
-            continue
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("", p))
-                b.bind(("", p + 1))
-            return p
-        except OSError:
-            continue
-    return 16817
+    return free_port_pair(16817)
 
 
 
