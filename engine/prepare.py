@@ -1227,8 +1227,7 @@ def _texts_for_bpe(sources, field, bar, budget_bytes: int, used: list):
 
 def prepare(inputs, out, tokenizer="bytes", field="text", overwrite=False, world=None, progress=True,
             val_every=DEFAULT_VAL_EVERY, tokens_per_shard=DEFAULT_TOKENS_PER_SHARD, command=None,
-            bpe_train_mb=DEFAULT_BPE_TRAIN_MB,
-            follow_symlinks=False) -> dict:
+            bpe_train_mb=None, follow_symlinks=False) -> dict:
     """Tokenize `inputs` (files or folders) into token shards in `out`; returns the
     manifest (also written to out/data.json). `tokenizer`: "bytes", "bpe:VOCAB"
     (trained on the inputs) or a tokenizer.json (or a folder holding one). `world`:
@@ -1237,12 +1236,15 @@ def prepare(inputs, out, tokenizer="bytes", field="text", overwrite=False, world
     for an `out` another prepare or a training run holds (OUT/prepare.lock), and for a
     failed write (the dataset in `out` unchanged). `overwrite`: replace the dataset in
     `out` (only the files its data.json names). `follow_symlinks`: read links inside input
-    folders that lead out of them (skipped by default)."""
+    folders that lead out of them (skipped by default). `bpe_train_mb`: how much text
+    bpe:VOCAB trains on at most (None: DEFAULT_BPE_TRAIN_MB); refused with another tokenizer."""
     world = OneProcess() if world is None else world
     rank, size = world.Get_rank(), world.Get_size()
     inputs = [os.fspath(p) for p in ([inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)]
     out, tokenizer = os.fspath(out), os.fspath(tokenizer)
     command = command if command is not None else shlex.join(sys.argv)
+    bpe_budget_given = bpe_train_mb is not None
+    bpe_train_mb = DEFAULT_BPE_TRAIN_MB if bpe_train_mb is None else bpe_train_mb
 
     def check_settings():
         if not isinstance(val_every, int) or val_every < 2:
@@ -1250,6 +1252,10 @@ def prepare(inputs, out, tokenizer="bytes", field="text", overwrite=False, world
                                "validation)")
         if not isinstance(tokens_per_shard, int) or not 1 <= tokens_per_shard <= shards.MAX_SHARD_TOKENS:
             raise PrepareError(f"--tokens-per-shard {tokens_per_shard}: must be a whole number in 1..2^31-1")
+        if bpe_budget_given and not tokenizer.startswith("bpe:"):
+            # A setting without effect is refused, never silently ignored.
+            raise PrepareError(f"--bpe-train-mb applies only to --tokenizer bpe:VOCAB (which trains a tokenizer); "
+                               f"with --tokenizer {tokenizer} nothing is trained: drop --bpe-train-mb")
         if tokenizer.startswith("bpe:"):
             tokenizers_.parse_vocab_spec(tokenizer)
             if not isinstance(bpe_train_mb, (int, float)) or not 0 < bpe_train_mb < float("inf"):
@@ -1259,6 +1265,9 @@ def prepare(inputs, out, tokenizer="bytes", field="text", overwrite=False, world
             tokenizers_.load_tokenizer(tokenizer)       # parse it now: a bad file is refused before any work
 
     _on_every_rank(world, check_settings, "settings")
+    if rank == 0 and progress and follow_symlinks and not any(os.path.isdir(i) for i in inputs):
+        print("note: --follow-symlinks has no effect here: it reads links inside input folders, and no INPUT "
+              "is a folder (a link given as an INPUT is always read)", file=sys.stderr, flush=True)
     sources, skipped, links = _on_rank0(world, lambda: list_sources(inputs, follow_symlinks), "input listing")
     if rank == 0 and progress and links:
         print(f"note: {len(links)} symbolic link(s) leading out of the input folders skipped (e.g. {links[0]}); pass "
@@ -1440,6 +1449,15 @@ def prepare_stdlib(max_bytes: int, cache: str | None = None) -> str:
 
 # ---- the command ----------------------------------------------------------------------------
 
+class _Given(argparse.Action):
+    """Store the value and note that the flag was given (DEST_given), so a setting without
+    effect in this combination can be refused rather than silently ignored."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
+
+
 def build_parser(prog="ringpipe prepare") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
@@ -1470,7 +1488,7 @@ def build_parser(prog="ringpipe prepare") -> argparse.ArgumentParser:
                         "of the tokens are validation instead")
     p.add_argument("--tokens-per-shard", type=int, default=DEFAULT_TOKENS_PER_SHARD, metavar="N",
                    help="tokens per shard file (default 100000000, llm.c's)")
-    p.add_argument("--bpe-train-mb", type=float, default=DEFAULT_BPE_TRAIN_MB, metavar="MB",
+    p.add_argument("--bpe-train-mb", type=float, default=DEFAULT_BPE_TRAIN_MB, metavar="MB", action=_Given,
                    help=f"bpe:VOCAB trains on at most this many MB of the text (default {DEFAULT_BPE_TRAIN_MB}): "
                         "the head of each file, its share in proportion to its size; data.json records how much")
     p.add_argument("--overwrite", action="store_true",
@@ -1553,7 +1571,7 @@ def main(argv=None, prog="ringpipe prepare") -> int:
                            overwrite=args.overwrite, world=world, progress=not args.quiet,
                            follow_symlinks=args.follow_symlinks,
                            val_every=args.val_every, tokens_per_shard=args.tokens_per_shard,
-                           bpe_train_mb=args.bpe_train_mb,
+                           bpe_train_mb=args.bpe_train_mb if getattr(args, "bpe_train_mb_given", False) else None,
                            command=shlex.join([prog] + argv))
     except lifecycle.LauncherError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)      # every task is alone: each says so

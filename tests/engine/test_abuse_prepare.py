@@ -484,3 +484,14 @@ def test_a_link_to_another_file_of_the_folder_is_named_as_such(tmp_path):
     os.symlink("a.txt", folder / "b.txt")
     with pytest.raises(ValueError, match=r"b.txt is the same file as .*a.txt.*remove the link"):
         prep.prepare([str(folder)], tmp_path / "out", progress=False)
+
+
+def test_settings_without_effect_are_refused_or_said(tmp_path, capsys):
+    # --bpe-train-mb with a tokenizer that trains nothing was silently ignored: refused.
+    (tmp_path / "a.txt").write_text("some text\n" * 300)
+    with pytest.raises(ValueError, match="--bpe-train-mb applies only to --tokenizer bpe:VOCAB"):
+        prep.prepare([str(tmp_path / "a.txt")], tmp_path / "d1", bpe_train_mb=5, progress=False)
+    assert not (tmp_path / "d1").exists()
+    # --follow-symlinks with no folder among the inputs has nothing to follow: said, not silent.
+    prep.prepare([str(tmp_path / "a.txt")], tmp_path / "d2", follow_symlinks=True)
+    assert "--follow-symlinks has no effect here" in capsys.readouterr().err
