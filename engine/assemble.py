@@ -398,6 +398,8 @@ def start_reporting(r: Run, cleanup) -> None:
                f"ranks: {layout}{f' | {described}' if described else ''}")
     if comm.launcher.prepared:
         report.say(f"MPI: {comm.launcher.prepared}")
+    for line in runtime.thread_report():     # threads per rank and why; a warning if they oversubscribe
+        report.say(line)
     if r.xp is not np:
         from ringpipe.engine.array_module import describe as describe_device
         report.say(f"device: {describe_device(r.xp)} on rank 0")

@@ -13,9 +13,11 @@ from __future__ import annotations
 import os
 import sys
 
+from ringpipe import threads
 from ringpipe.engine import runtime  # stdlib only: safe before numpy
 
-runtime.set_thread_defaults()        # before numpy loads BLAS
+runtime.set_thread_defaults()        # (ringpipe's import set them, before numpy loads BLAS)
+threads.leave_warning_to_report()    # rank 0's start-up report says the threads, and any oversubscription
 runtime.reuse_freed_memory()
 
 import argparse  # noqa: E402

@@ -1548,9 +1548,8 @@ def main(argv=None, prog="ringpipe prepare") -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:                # --help (0) or a usage error (2, argparse printed it)
         return int(e.code or 0)
-    from ringpipe.engine import runtime
-    # Hugging Face tokenizers start a thread per core in each rank: share the cores among the node's ranks.
-    os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // runtime.local_rank_count())))
+    # Hugging Face tokenizers start a thread per core in each rank: importing ringpipe set
+    # RAYON_NUM_THREADS to this rank's share of the cores (ringpipe/threads.py).
     try:
         from ringpipe import comm          # MPI_Init happens here
     except ImportError as e:

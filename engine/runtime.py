@@ -7,6 +7,8 @@ import difflib
 import os
 import signal
 
+from ringpipe import threads
+
 # Stop signals that arrived before the trainer's StopFlag existed (see
 # catch_stop_signals_early); the StopFlag takes them over.
 pending_stop_signals: list[int] = []
@@ -30,30 +32,23 @@ def catch_stop_signals_early() -> None:
         signal.signal(s, _note_early_signal)
 
 
-_LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
-
-
 def local_rank_count() -> int:
-    """How many ranks share this node, as the launcher says (MPICH/Hydra, Open MPI,
-    Slurm's "2(x3)" form); 1 when not launched by one."""
-    local = next((os.environ[k] for k in _LOCAL_SIZE_VARS if os.environ.get(k)), None)
-    try:
-        return max(1, int(local.split("(")[0])) if local else 1
-    except ValueError:
-        return 1
+    """How many ranks share this node, as the launcher says; 1 when not launched by one."""
+    return threads.local_rank_count()
 
 
-def set_thread_defaults():
-    """Several ranks on one node must not each start one BLAS/Numba thread per
-    core: split the cores among local ranks unless the user already chose. Call
-    before numpy is imported, since BLAS reads these once at load time."""
-    per_rank = str(max(1, (os.cpu_count() or 1) // local_rank_count()))
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
-        os.environ.setdefault(var, per_rank)
-    # Numba's OpenMP threads spin after each parallel kernel and starve BLAS's
-    # threads on the same cores: measured 10x slower GPT steps on 2 cores. Passive
-    # waiting costs a few microseconds per kernel launch instead.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+def set_thread_defaults() -> None:
+    """The BLAS/Numba thread defaults (ringpipe/threads.py: the cores this process may use,
+    split among the node's ranks; passive OpenMP waiting; the user's settings win). Importing
+    ringpipe set them already, before numpy could load; calling this says so where it matters
+    and costs nothing."""
+    threads.apply_defaults()
+
+
+def thread_report() -> list[str]:
+    """The start-up report's lines on threads: how many per rank and why, and the
+    oversubscription warning unless this process already printed it."""
+    return threads.report_lines()
 
 
 def reuse_freed_memory():
@@ -83,9 +78,9 @@ KNOWN_VARIABLES = (
     "RINGPIPE_COMM_CHECK", "RINGPIPE_NODES", "RINGPIPE_NODES_DIR", "RINGPIPE_CUDA_AWARE_MPI", "RINGPIPE_RING_SUBCHUNK",
     "RINGPIPE_SKIP_LAUNCHER_CHECK",
     "RINGPIPE_MAX_RESTARTS", "RINGPIPE_PYTHON", "RINGPIPE_ROOT", "RINGPIPE_RUN_DIR", "RINGPIPE_SRUN_ARGS",
-    "RINGPIPE_SRUN_MPI",
+    "RINGPIPE_SRUN_MPI", "RINGPIPE_THREAD_DEFAULTS",
     "RINGPIPE_SLURM_CPUS", "RINGPIPE_SLURM_DIR", "RINGPIPE_SLURM_FIRST_JOB_ID", "RINGPIPE_SLURM_NO_INSTALL",
-    "RINGPIPE_SLURM_PORT", "RINGPIPE_SLURM_PURGE", "RINGPIPE_SLURM_TIMEOUT",
+    "RINGPIPE_SLURM_PORT", "RINGPIPE_SLURM_PURGE", "RINGPIPE_SLURM_TIMEOUT", "RINGPIPE_NETNS_PREFIX",
     "RINGPIPE_CUDA_EMU", "RINGPIPE_KEEP_SLURM", "RINGPIPE_REQUIRE_SLURM", "RINGPIPE_TEST_SLURM_DIR",
 )
 

@@ -50,9 +50,16 @@ How to add a kernel op:
 
 Importing this package does not import numba or cupy; numba loads on the first
 "numba" call and compiles (or loads from its on-disk cache) per dtype.
+
+Threads: importing ringpipe splits the cores this process may use (affinity, cgroup
+quota) among the node's ranks for BLAS and Numba, with passive OpenMP waiting, unless
+the user set OMP_NUM_THREADS, NUMBA_NUM_THREADS, ... or numba.set_num_threads first
+(ringpipe/threads.py). set_num_threads below changes the Numba count afterwards.
 """
 
 import numpy as np
+
+from ringpipe import threads
 
 from .backend import (  # noqa: F401
     DTYPES,
@@ -70,6 +77,11 @@ from .backend import (  # noqa: F401
     set_num_threads,
 )
 from .reference import round_to_bf16  # noqa: F401
+
+# Importing ringpipe set the thread defaults before numpy loaded (ringpipe/threads.py). A
+# user's own code hears once, on rank 0, when its ranks and threads outnumber the cores;
+# the trainer says it in its start-up report instead.
+threads.warn_once()
 
 __all__ = [
     "DTYPES", "KernelDtypeError", "get_array_module", "get_backend", "is_gpu_array", "resolve_dtype", "set_backend",

@@ -19,3 +19,10 @@ __version__ = "0.1.0"
 _checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
 if _os.path.isfile(_os.path.join(_checkout, "setup.py")) and _os.path.isdir(_os.path.join(_checkout, "engine")):
     __path__.append(_checkout)
+
+# Before anything of ringpipe loads numpy, BLAS or Numba (they read their thread counts
+# once, at load): every entry point gets the same thread defaults, a user's settings win
+# (ringpipe/threads.py says which and why).
+from ringpipe import threads as _threads  # noqa: E402
+
+_threads.apply_defaults()
