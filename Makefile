@@ -17,13 +17,14 @@ OMPI_PY   := $(OMPI_VENV)/bin/python
 
 # What training needs, and only that: numpy, numba, mpi4py and MPICH's wheel. The
 # test tools (pytest, ruff; torch and transformers, the export tests' oracle, over
-# 1 GB) come with `make test` only. No -q on the installs: pip's lines show what
+# 1 GB) come with `make test` only; `ringpipe prepare` with a BPE or Hugging Face
+# tokenizer and `ringpipe export` need the data and hf extras, which make test adds. No -q on the installs: pip's lines show what
 # is being downloaded, so a first run is never silent for minutes.
 TRAIN_EXTRAS := mpi
 TEST_EXTRAS  := mpi,data,hf,test,plot
 
 $(VENV)/.installed: setup.py
-	@echo "setting up $(VENV) for training: numpy, numba, mpi4py + MPICH from PyPI (about 300 MB; ~1 min on a fast link) ..."
+	@echo "setting up $(VENV) for training: numpy, numba, mpi4py + MPICH from PyPI (about 95 MB to download, 350 MB installed) ..."
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -e '.[$(TRAIN_EXTRAS)]'
@@ -34,7 +35,7 @@ venv: $(VENV)/.installed
 # The test tools on top of the training environment.
 $(VENV)/.installed-test: $(VENV)/.installed setup.py
 	@echo "adding the test tools to $(VENV): pytest, ruff, torch (CPU) + transformers, tokenizers, pyarrow," \
-	      "safetensors, matplotlib (about 1.4 GB; a few minutes) ..."
+	      "safetensors, matplotlib (about 1.4 GB more installed) ..."
 	$(PY) -m pip install -e '.[$(TEST_EXTRAS)]'
 	touch $@
 

@@ -1,28 +1,56 @@
 #!/usr/bin/env bash
-# The whole test suite: serial tests, then the MPI tests under 2 and 4 ranks
-# (tests/run_mpi.sh).
+# The whole test suite: lint, serial tests, then the MPI tests under 2, 4 and 8 ranks
+# (tests/run_mpi.sh), ending with one summary of the phases: result, measured time,
+# and for a failed one the command that reruns just it (tests/support/phases.sh).
 # Called by `make test` (which puts the project's .venv first on PATH) and so by .ci/run.
+#
+#   bash tests/run_all.sh --plan   # only say what a run will do and install, before anything does
 set -u
 cd "$(dirname "$0")/.."
+
+# The real-Slurm tests (tests/slurm/) apt-get install slurm-wlm and munge as root
+# (slurm/local/start.sh): a user is told before anything installs, and how to say no.
+plan() {
+    echo "make test: lint, the serial tests, then the MPI tests on 2, 4 and 8 ranks;" \
+         "a summary with each part's time closes the run"
+    if command -v slurmctld >/dev/null 2>&1 || [ -x /usr/sbin/slurmctld ]; then
+        return
+    fi
+    if [ "${RINGPIPE_SLURM_NO_INSTALL:-0}" = 1 ]; then
+        echo "note: Slurm is not installed and RINGPIPE_SLURM_NO_INSTALL=1: the real-Slurm tests" \
+             "(tests/slurm/) will be skipped, each with its reason in pytest's closing lines"
+    elif [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "note: the real-Slurm tests (tests/slurm/) will install slurm-wlm and munge with apt-get," \
+             "as root (once, about 15-30 s). To skip those tests instead: RINGPIPE_SLURM_NO_INSTALL=1 make test"
+    else
+        echo "note: Slurm is not installed and cannot be here (needs root and apt-get): the real-Slurm" \
+             "tests (tests/slurm/) will be skipped, each with its reason in pytest's closing lines"
+    fi
+}
+
+if [ "${1:-}" = --plan ]; then
+    plan
+    exit 0
+fi
+
+. tests/support/phases.sh
 PY=${PYTHON:-python}
 # 4 ranks share 2 cores here: one BLAS/Numba thread per rank keeps them from thrashing.
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 NUMBA_NUM_THREADS=1
-status=0
-
-run() {  # pytest exit 5 = "no tests collected": not a failure for a selection that may be empty
-    "$@"; rc=$?
-    if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then status=$rc; fi
-}
+PYPATH=$(command -v "$PY" || echo "$PY")
+EXTRA=$(printf ' %q' "$@")
+[ $# -gt 0 ] || EXTRA=
+phases_begin
 
 echo "== lint (ruff: undefined names, unused imports, syntax errors; config in ruff.toml) =="
-run "$PY" -m ruff check --quiet .
+phase "lint (ruff)" "$PYPATH -m ruff check ." "$PY" -m ruff check --quiet .
 
-echo "== serial tests (about 5 minutes on 2 cores; a line per test file) =="
-if [ "${RINGPIPE_SLURM_NO_INSTALL:-0}" = 0 ] && ! command -v slurmctld >/dev/null 2>&1; then
-    echo "note: tests/slurm/test_slurm.py installs slurm-wlm and munge with apt-get for its real-Slurm jobs" \
-         "(root only; RINGPIPE_SLURM_NO_INSTALL=1 skips those tests instead)"
-fi
-run "$PY" -m pytest -m "not mpi" tests "$@"
-# 2 and 4 ranks with the mpiexec on PATH (`make test-openmpi` runs the same under Open MPI).
-run bash tests/run_mpi.sh "$@"
-exit $status
+echo "== serial tests (a line per test file) =="
+plan | grep '^note:'
+phase "serial tests" "OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 $PYPATH -m pytest -m 'not mpi' tests$EXTRA  # --lf: only the tests that failed" \
+    "$PY" -m pytest -m "not mpi" tests "$@"
+
+# 2, 4 and 8 ranks with the mpiexec on PATH (`make test-openmpi` runs the same under Open MPI);
+# run_mpi.sh adds its passes to this run's summary.
+bash tests/run_mpi.sh "$@"
+phases_end

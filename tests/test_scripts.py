@@ -3,9 +3,11 @@ passes only flags its Python targets accept.
 
 benchmarks/gpu_check.sh runs for real only on a lent GPU machine, with minutes
 of budget: a typo found there costs the whole run, so it is caught here."""
+import ast
 import glob
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -179,3 +181,158 @@ def test_train_sbatch_fails_a_job_whose_ranks_did_not_all_finish(tmp_path):
     assert srun is not None
     assert r.returncode == 1, r.stdout + r.stderr
     assert "never finished" in r.stderr and "not every rank finished: failing the job" in r.stdout + r.stderr
+
+
+# ---- make train / make test: what each installs, and what they say first (issue 21) ------
+
+def _extras():
+    """setup.py's extras_require, read without running setup()."""
+    tree = ast.parse(open(os.path.join(ROOT, "setup.py")).read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg == "extras_require":
+            return ast.literal_eval(node.value)
+    raise AssertionError("setup.py has no extras_require: update this test")
+
+
+def _make_dry_run(target, tmp_path):
+    """The commands `make TARGET` runs where its venv does not exist yet (a fresh clone)."""
+    if shutil.which("make") is None:
+        pytest.skip("no make on PATH")
+    r = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.splitlines()
+
+
+def _installed_extras(lines):
+    return [set(m.group(1).split(",")) for ln in lines if "pip install" in ln
+            for m in [re.search(r"-e '\.\[([a-z0-9,]+)\]'", ln)] if m]
+
+
+def test_make_train_installs_only_the_training_extras_and_says_so_first(tmp_path):
+    """A 0.8M-parameter model once took a silent 3 minutes and a 1.7 GB .venv (torch, from the
+    test extras) before its first step."""
+    lines = _make_dry_run("train", tmp_path)
+    assert lines[0].startswith("echo ") and "setting up" in lines[0], lines[:3]    # before the venv is made
+    assert "-m venv" in lines[1], lines[:3]
+    (extras,) = _installed_extras(lines)
+    assert extras == {"mpi"}, extras
+    test_only = {req.split("=")[0].split(">")[0] for req in _extras()["test"]}
+    assert {"torch", "pytest", "transformers"} <= test_only
+    for extra in extras:
+        assert not test_only & set(_extras()[extra]), extra
+    assert not any("-q" in ln.split() and "-e" in ln.split() for ln in lines), "pip's progress must show"
+    assert any("mpiexec -n 4" in ln and "ringpipe.train" in ln for ln in lines)
+
+
+def test_make_test_says_what_it_installs_before_installing_then_adds_the_test_extras(tmp_path):
+    lines = _make_dry_run("test", tmp_path)
+    assert "tests/run_all.sh --plan" in lines[0], lines[:3]
+    first_install = next(i for i, ln in enumerate(lines) if "-m venv" in ln or "pip install" in ln)
+    assert first_install > 0
+    training, testing = _installed_extras(lines)
+    assert training == {"mpi"} and {"test", "mpi"} <= testing, (training, testing)
+    assert lines[-1].endswith("bash tests/run_all.sh")
+
+
+def test_the_plan_names_the_slurm_install_or_why_those_tests_skip():
+    def plan(**env):
+        e = dict(os.environ, **env)
+        r = subprocess.run(["bash", "tests/run_all.sh", "--plan"], cwd=ROOT, env=e, capture_output=True, text=True,
+                           timeout=30)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    assert "a summary with each part's time closes the run" in plan()
+    if shutil.which("slurmctld") or os.path.exists("/usr/sbin/slurmctld"):
+        assert "note:" not in plan(), "Slurm is installed: nothing to install, nothing to skip"
+    else:
+        assert "RINGPIPE_SLURM_NO_INSTALL=1: the real-Slurm tests (tests/slurm/) will be skipped" in plan(
+            RINGPIPE_SLURM_NO_INSTALL="1")
+        installs = os.geteuid() == 0 and shutil.which("apt-get")
+        assert ("will install slurm-wlm and munge with apt-get" in plan()) == bool(installs)
+
+
+# ---- tests/run_all.sh and tests/run_mpi.sh: the closing summary, against stand-ins -------
+
+FAKE_TEST_PY = """#!/bin/bash
+# Stand-in python: each phase of the test scripts exits with the code its FAKE_* variable says.
+echo "python $*" >> "$FAKE_DIR/calls.log"
+case "$1 ${2:-}" in
+    "-m ruff") exit "${FAKE_LINT_RC:-0}" ;;
+    "-m pytest") exit "${FAKE_SERIAL_RC:-0}" ;;
+    "-m mpi4py") echo /fake/lib/libmpi.so.12; exit 0 ;;
+esac
+case "$1" in
+    -c) [ -n "${FAKE_NO_MPI4PY:-}" ] && exit 1; echo "MPICH Version:      5.0.2"; exit 0 ;;
+    tests/support/mpi_pytest.py) rc=FAKE_MPI${FAKE_RANKS}_RC; exit "${!rc:-0}" ;;
+esac
+exit 99
+"""
+FAKE_MPIEXEC = """#!/bin/bash
+[ "$1" = --version ] && { echo "HYDRA build details:"; exit 0; }
+[ "$1" = -n ] || exit 98
+export FAKE_RANKS=$2
+shift 2
+"$@"
+"""
+
+
+def _run_tests_script(tmp_path, script, *args, **env):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("python", FAKE_TEST_PY), ("mpiexec", FAKE_MPIEXEC)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    e = {k: v for k, v in os.environ.items() if k != "TEST_PHASES_FILE"}
+    e.update(PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_DIR=str(tmp_path), PYTHON=str(bin_dir / "python"),
+             TMPDIR=str(tmp_path), **env)
+    r = subprocess.run(["bash", script, *args], cwd=ROOT, env=e, capture_output=True, text=True, timeout=60)
+    summary = r.stdout[r.stdout.rindex("== summary"):].splitlines()
+    return r, summary, (tmp_path / "calls.log").read_text()
+
+
+def _phase_line(summary, name):
+    (line,) = [ln for ln in summary if ln.strip().startswith(name)]
+    assert re.search(r"\s\d+(m\d\d)?s\s", line), line          # its measured time (the value is not judged)
+    return line
+
+
+def test_run_all_ends_with_every_phase_and_passes_when_all_pass(tmp_path):
+    r, summary, _ = _run_tests_script(tmp_path, "tests/run_all.sh", FAKE_MPI8_RC="5")
+    assert r.returncode == 0, r.stdout + r.stderr
+    for name in ("lint (ruff)", "serial tests", "MPI tests, 2 ranks (mpich)", "MPI tests, 4 ranks (mpich)"):
+        assert _phase_line(summary, name).endswith("passed"), summary
+    assert _phase_line(summary, "MPI tests, 8 ranks").endswith("passed (no tests collected)"), summary
+    assert "rerun" not in r.stdout and summary[-1] == "== all 5 phases passed ==", summary
+    assert not list(tmp_path.glob("ringpipe-phases.*")), "the phases file is removed at the end"
+
+
+def test_run_all_names_the_failed_phase_last_with_the_command_that_reruns_it(tmp_path):
+    r, summary, _ = _run_tests_script(tmp_path, "tests/run_all.sh", "-k", "ring and not slow", FAKE_MPI4_RC="1",
+                                      FAKE_LINT_RC="1")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert _phase_line(summary, "MPI tests, 4 ranks (mpich)").endswith("FAILED (exit 1)"), summary
+    assert _phase_line(summary, "MPI tests, 2 ranks (mpich)").endswith("passed"), summary
+    reruns = [ln.split("rerun only this: ", 1)[1] for ln in summary if "rerun only this:" in ln]
+    assert reruns[0] == f"{tmp_path / 'bin' / 'python'} -m ruff check .", reruns
+    assert reruns[1] == (f"PATH={tmp_path / 'bin'}:$PATH bash tests/run_mpi.sh --ranks 4 -k "
+                         "ring\\ and\\ not\\ slow"), reruns
+    assert summary[-1].startswith("== 2 of 5 phases FAILED"), summary
+
+
+def test_run_mpi_alone_reruns_one_rank_count_and_sums_up_itself(tmp_path):
+    r, summary, calls = _run_tests_script(tmp_path, "tests/run_mpi.sh", "--ranks", "4", FAKE_MPI4_RC="3")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert [ln for ln in calls.splitlines() if "mpi_pytest" in ln] == [
+        "python tests/support/mpi_pytest.py -q -m mpi --with-mpi tests"]
+    assert _phase_line(summary, "MPI tests, 4 ranks (mpich)").endswith("FAILED (exit 3)"), summary
+    assert summary[-1].startswith("== 1 of 1 phases FAILED"), summary
+
+
+def test_run_mpi_that_cannot_start_is_a_failed_phase_not_a_missing_one(tmp_path):
+    r, summary, _ = _run_tests_script(tmp_path, "tests/run_all.sh", FAKE_NO_MPI4PY="1")
+    assert r.returncode == 1, r.stdout + r.stderr
+    line = _phase_line(summary, "MPI tests:")
+    assert "cannot load mpi4py" in line and line.endswith("FAILED (exit 2)"), summary
+    assert f"PATH={tmp_path / 'bin'}:$PATH bash tests/run_mpi.sh" in summary[-2], summary
