@@ -2,7 +2,11 @@
 # Submit a strong/weak scaling sweep (and/or an all-reduce sweep): one job per
 # rank count, run one at a time so they do not disturb each other
 # (--dependency=singleton on one job name), then a small job that merges the
-# results (slurm/collect.py merge: markdown table, JSON, PNG).
+# results (slurm/collect.py merge: markdown table, JSON, PNG). Never half a sweep:
+# every job is first checked with `sbatch --test-only`, and if the cluster cannot run
+# one (more ranks or CPUs than it has) nothing is submitted (exit 2); if a submission
+# fails midway (or the script is interrupted), the jobs it had submitted are cancelled
+# (exit 1).
 #
 #   slurm/submit_scaling.sh --ranks "1 2 4 8" --mode both --steps 40 --batch 32 \
 #       --results runs/scaling -- --layers 4 --d-model 128
@@ -48,7 +52,7 @@ while [ $# -gt 0 ]; do
         --sbatch) EXTRA_SBATCH=$2; shift 2 ;;
         --allreduce-args) AR_ARGS=$2; shift 2 ;;
         --wait) WAIT=1; shift ;;
-        -h|--help) sed -n '2,32p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
         --) shift; break ;;
         *) echo "submit_scaling.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
@@ -62,49 +66,109 @@ if [ "$KIND" = allreduce ] && [ $# -gt 0 ]; then
         "pass all-reduce options as --allreduce-args \"$*\"" >&2
     exit 2
 fi
-mkdir -p "$RESULTS/logs"
-RESULTS=$(cd "$RESULTS" && pwd -P)
-
-ids=()
-submit() {  # submit RANKS KIND MODE
-    local p=$1 kind=$2 mode=$3 nodes tpn id
-    shift 3
-    nodes=$(( (p + TPN - 1) / TPN ))
-    tpn=$(( p < TPN ? p : TPN ))
-    # shellcheck disable=SC2086
-    id=$(sbatch --parsable --job-name="$NAME" --dependency=singleton -N "$nodes" -n "$p" \
-        --ntasks-per-node="$tpn" -c "$CPT" --time="$TIME" -o "$RESULTS/logs/$kind-$mode-n$p-%j.out" \
-        $EXTRA_SBATCH slurm/scaling.sbatch --kind "$kind" --mode "$mode" --batch "$BATCH" \
-        --steps "$STEPS" --warmup "$WARMUP" --results "$RESULTS" -- "$@")
-    id=${id%%;*}
-    ids+=("$id")
-    echo "submitted $kind $mode, $p ranks on $nodes node(s): job $id" >&2
-}
-
-for kind in $KINDS; do
-    for p in $RANKS; do
-        if [ "$kind" = allreduce ]; then
-            [ "$p" -lt 2 ] && { echo "skipping all-reduce at 1 rank" >&2; continue; }
-            # shellcheck disable=SC2086
-            submit "$p" allreduce strong $AR_ARGS
-        else
-            for mode in $MODES; do submit "$p" train "$mode" "$@"; done
-        fi
-    done
-done
-
+# Absolute (job logs are written from elsewhere), made only once the cluster said yes.
+RESULTS=$(realpath -m -- "$RESULTS")
+TRAIN_ARGS=("$@")
 PY=python3
 [ -x .venv/bin/python ] && PY=$(pwd -P)/.venv/bin/python
 PY=${RINGPIPE_PYTHON:-$PY}
 MERGE="$PY slurm/collect.py merge $RESULTS"
-# The merge job leaves merge-JOBID.ok behind when it succeeded: its state may be
-# gone from Slurm (MinJobAge) by the time anyone looks.
-# shellcheck disable=SC2086
-mid=$(sbatch --parsable --job-name="$NAME" --dependency=singleton -N 1 -n 1 -c 1 --time=00:10:00 \
-    -o "$RESULTS/logs/merge-%j.out" $EXTRA_SBATCH \
-    --wrap "$MERGE && touch $RESULTS/logs/merge-\$SLURM_JOB_ID.ok")
-mid=${mid%%;*}
-echo "submitted merge: job $mid (after ${ids[*]:-nothing})" >&2
+command -v sbatch >/dev/null || { echo "submit_scaling.sh: no sbatch on PATH: run it where Slurm's commands are" >&2; exit 2; }
+
+# ---- the sweep, planned: one "RANKS KIND MODE" per job ------------------------------
+PLAN=()
+for kind in $KINDS; do
+    for p in $RANKS; do
+        [[ "$p" =~ ^[1-9][0-9]*$ ]] || { echo "submit_scaling.sh: --ranks: '$p' is not a rank count >= 1" >&2; exit 2; }
+        if [ "$kind" = allreduce ]; then
+            [ "$p" -lt 2 ] && { echo "skipping all-reduce at 1 rank" >&2; continue; }
+            PLAN+=("$p allreduce strong")
+        else
+            for mode in $MODES; do PLAN+=("$p train $mode"); done
+        fi
+    done
+done
+[ ${#PLAN[@]} -gt 0 ] || { echo "submit_scaling.sh: nothing to run (--ranks \"$RANKS\", --kind $KIND)" >&2; exit 2; }
+
+job_command() {  # job_command RANKS KIND MODE: JOB=(its sbatch arguments), WHAT=(its description)
+    local p=$1 kind=$2 mode=$3 nodes tpn extra
+    nodes=$(( (p + TPN - 1) / TPN ))
+    tpn=$(( p < TPN ? p : TPN ))
+    extra=("${TRAIN_ARGS[@]}")
+    [ "$kind" = allreduce ] && read -ra extra <<<"$AR_ARGS"
+    WHAT="$kind $mode, $p ranks on $nodes node(s) x $tpn x $CPT CPU(s)"
+    # shellcheck disable=SC2206
+    JOB=(--job-name="$NAME" --dependency=singleton -N "$nodes" -n "$p" --ntasks-per-node="$tpn" -c "$CPT"
+        --time="$TIME" -o "$RESULTS/logs/$kind-$mode-n$p-%j.out" $EXTRA_SBATCH slurm/scaling.sbatch
+        --kind "$kind" --mode "$mode" --batch "$BATCH" --steps "$STEPS" --warmup "$WARMUP"
+        --results "$RESULTS" -- "${extra[@]}")
+}
+
+merge_command() {  # JOB=(the merge job's sbatch arguments)
+    # It leaves merge-JOBID.ok behind when it succeeded: its state may be gone from
+    # Slurm (MinJobAge) by the time anyone looks.
+    WHAT="merge"
+    # shellcheck disable=SC2206
+    JOB=(--job-name="$NAME" --dependency=singleton -N 1 -n 1 -c 1 --time=00:10:00
+        -o "$RESULTS/logs/merge-%j.out" $EXTRA_SBATCH
+        --wrap "$MERGE && touch $RESULTS/logs/merge-\$SLURM_JOB_ID.ok")
+}
+
+# ---- 1. can the cluster run every job? (sbatch --test-only submits nothing) ---------
+# Checked for all before submitting any: a sweep refused at 8 ranks used to leave the
+# smaller jobs queued, with no merge job, for the user to find and cancel.
+refused=0
+for point in "${PLAN[@]}" merge; do
+    # shellcheck disable=SC2086
+    if [ "$point" = merge ]; then merge_command; else job_command $point; fi
+    if ! out=$(sbatch --test-only "${JOB[@]}" 2>&1); then
+        echo "submit_scaling.sh: the cluster refuses $WHAT: $(echo "$out" | grep -v '^$' | tail -n 3 | tr '\n' ' ')" >&2
+        refused=1
+    fi
+done
+if [ $refused = 1 ]; then
+    echo "submit_scaling.sh: nothing was submitted. Leave those rank counts out of --ranks, or ask for" \
+        "what the cluster has (--tasks-per-node, --cpus-per-task, --sbatch \"-p PARTITION\"; sinfo shows nodes and CPUs)" >&2
+    exit 2
+fi
+
+# ---- 2. submit; on any failure cancel what was submitted: never half a sweep --------
+mkdir -p "$RESULTS/logs"
+ids=()
+errf=$(mktemp)
+cancel_submitted() {  # cancel_submitted WHY
+    rm -f "$errf"
+    [ ${#ids[@]} -gt 0 ] || { echo "submit_scaling.sh: $1; nothing had been submitted" >&2; return 0; }
+    if scancel "${ids[@]}"; then
+        echo "submit_scaling.sh: $1; cancelled the ${#ids[@]} job(s) this sweep had submitted: ${ids[*]}" >&2
+    else
+        echo "submit_scaling.sh: $1; could not cancel this sweep's jobs (scancel failed): scancel ${ids[*]}" >&2
+    fi
+}
+trap 'cancel_submitted "interrupted"; exit 130' INT TERM HUP
+submit() {  # submit: JOB and WHAT from job_command or merge_command
+    local id
+    id=$(sbatch --parsable "${JOB[@]}" 2>"$errf") || id=
+    id=${id%%;*}
+    if ! [[ "$id" =~ ^[0-9]+$ ]]; then
+        cancel_submitted "submitting $WHAT failed ($(tr '\n' ' ' <"$errf"))"
+        exit 1
+    fi
+    ids+=("$id")
+    echo "submitted $WHAT: job $id" >&2
+}
+for point in "${PLAN[@]}"; do
+    # shellcheck disable=SC2086
+    job_command $point
+    submit
+done
+merge_command
+submit
+mid=${ids[-1]}
+trap - INT TERM HUP
+rm -f "$errf"
+unset 'ids[-1]'
+echo "merge job $mid runs after ${ids[*]}" >&2
 
 job_state() {  # JOBID -> its state, or nothing once Slurm has forgotten it (and has no accounting)
     local s

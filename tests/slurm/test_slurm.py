@@ -340,3 +340,17 @@ def test_scaling_sweep_table_and_plot(slurm, tmp_path):
     ar = (res / "allreduce.md").read_text()
     assert "busbw GB/s, 2 ranks" in ar and "| 1M | ring |" in ar, ar
     assert "| strong | 1 |" in r.stdout            # --wait printed the table
+
+
+def test_a_sweep_beyond_the_cluster_submits_nothing(slurm, tmp_path):
+    # One node of 4 CPUs: 8 ranks are 2 nodes. The smaller points used to be queued anyway.
+    name = f"sweep-test-{os.getpid()}"
+    r = subprocess.run(["timeout", "120", "slurm/submit_scaling.sh", "--ranks", "1 2 8", "--mode", "both",
+                        "--job-name", name, "--results", str(tmp_path / "res"), "--"] + TINY,
+                       cwd=ROOT, env=slurm, capture_output=True, text=True)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "refuses train strong, 8 ranks on 2 node(s)" in r.stderr and "nothing was submitted" in r.stderr
+    queued = subprocess.run(["timeout", "10", "squeue", "-h", "-t", "all", "-n", name, "-o", "%i"], env=slurm,
+                            capture_output=True, text=True)
+    assert queued.returncode == 0 and queued.stdout.strip() == "", queued
+    assert not (tmp_path / "res").exists()
