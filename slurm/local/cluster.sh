@@ -11,16 +11,24 @@
 #   slurm/local/cluster.sh down
 #
 # `up` prints only shell lines (export SLURM_CONF, UCX_TLS=tcp,self, PATH with the
-# wrappers first), for eval; progress goes to stderr. mpiexec across the same nodes:
+# wrappers first, RINGPIPE_NODES_DIR and RINGPIPE_NETNS_PREFIX of its nodes), for
+# eval; progress goes to stderr. mpiexec across the same nodes:
 # slurm/local/nodes.sh mpiexec -ppn 2 -n 4 CMD. Everything lives in
-# ${RINGPIPE_CLUSTER_DIR:-/tmp/ringpipe-cluster}, and `down` removes it all. Needs
+# ${RINGPIPE_CLUSTER_DIR:-/tmp/ringpipe-cluster-USER}, and `down` removes it all. The
+# nodes are the network namespaces ${RINGPIPE_NETNS_PREFIX:-rpUID}-head, -n1, ... (rp0 for
+# root); a second cluster of one user needs both variables set (names.sh). Needs
 # root (namespaces; Debian's slurm-wlm and munge, installed with apt when missing);
 # where namespaces are not permitted it says so and exits 3. The single-node Slurm
 # of slurm/local/start.sh is independent of this one and keeps working.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd -P)
-DIR=${RINGPIPE_CLUSTER_DIR:-/tmp/ringpipe-cluster}
+# Per-user default folder and namespace prefix: names.sh.
+# shellcheck source=names.sh
+. "$HERE/names.sh"
+rp_check_prefix
+DIR=$RP_CLUSTER_DIR
+NS=/run/netns/$RP_NETNS_PREFIX          # + -head, -n1, ...: nodes.sh's namespaces
 # The folder (munge key, config, PID files, the wrappers on PATH) is ours alone: made
 # with mode 0700, or refused with exit 2 if it exists and is not (private.sh).
 PRIVATE_DIR_VAR=RINGPIPE_CLUSTER_DIR
@@ -48,12 +56,16 @@ our_daemon() {  # our_daemon PIDFILE
     esac
 }
 
-sinfo_head() { SLURM_CONF=$DIR/slurm.conf nsenter --net=/run/netns/rp-head sinfo -h -N -o "%N %T" 2>/dev/null || true; }
+sinfo_head() { SLURM_CONF=$DIR/slurm.conf nsenter --net="$NS-head" sinfo -h -N -o "%N %T" 2>/dev/null || true; }
 
 eval_lines() {
     echo "export SLURM_CONF=$DIR/slurm.conf"
     echo "export UCX_TLS=tcp,self   # UCX would otherwise use shared memory between the emulated nodes"
     echo "export PATH=$DIR/bin:\$PATH"
+    # So that nodes.sh (mpiexec, shape, bytes) in the same shell finds these nodes, and
+    # `ip -n $RINGPIPE_NETNS_PREFIX-n2 ...` names one.
+    echo "export RINGPIPE_NODES_DIR=$RINGPIPE_NODES_DIR"
+    echo "export RINGPIPE_NETNS_PREFIX=$RP_NETNS_PREFIX"
 }
 
 cmd_up() {
@@ -61,7 +73,7 @@ cmd_up() {
     while [ $# -gt 0 ]; do case "$1" in
         --nodes) n=${2:?--nodes N}; shift 2;;
         --link) link=${2:?--link RATE}; shift 2;;
-        -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
+        -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0;;
         *) die "unknown option '$1' (see --help)" 2;;
     esac; done
     [[ "$n" =~ ^[0-9]+$ ]] && [ "$n" -ge 1 ] && [ "$n" -le 16 ] || die "--nodes must be 1..16, got '$n'" 2
@@ -148,10 +160,10 @@ EOF
         || die "munged failed to start (log: $DIR/log/munged.log)"
     # nsenter --net keeps the machine's mounts (ip netns exec would remount /sys, and
     # slurmd then finds no cgroup filesystem); unshare --uts gives the node its hostname.
-    nsenter --net=/run/netns/rp-head unshare --uts sh -c "hostname head; exec slurmctld -c -f $SLURM_CONF" \
+    nsenter --net="$NS-head" unshare --uts sh -c "hostname head; exec slurmctld -c -f $SLURM_CONF" \
         </dev/null >>"$DIR/log/slurmctld.log" 2>&1 || die "slurmctld failed to start (log: $DIR/log/slurmctld.log)"
     for i in $(seq 1 "$n"); do
-        nsenter --net="/run/netns/rp-n$i" unshare --uts sh -c "hostname n$i; exec slurmd -c -N n$i -f $SLURM_CONF" \
+        nsenter --net="$NS-n$i" unshare --uts sh -c "hostname n$i; exec slurmd -c -N n$i -f $SLURM_CONF" \
             </dev/null >>"$DIR/log/slurmd-n$i.log" 2>&1 || die "slurmd n$i failed to start (log: $DIR/log/slurmd-n$i.log)"
     done
     for cmd in srun sbatch squeue scancel sinfo scontrol sacct salloc; do
@@ -159,7 +171,7 @@ EOF
 #!/bin/sh
 # $cmd on the emulated cluster of slurm/local/cluster.sh: run from its head node.
 export SLURM_CONF=$DIR/slurm.conf
-exec nsenter --net=/run/netns/rp-head $(command -v "$cmd") "\$@"
+exec nsenter --net=$NS-head $(command -v "$cmd") "\$@"
 EOF
         chmod +x "$DIR/bin/$cmd"
     done
@@ -203,6 +215,6 @@ case "${1:-}" in
     up) shift; cmd_up "$@";;
     down) cmd_down;;
     status) sinfo_head;;
-    -h|--help|"") sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//';;
+    -h|--help|"") sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//';;
     *) die "unknown command '$1': up, down or status" 2;;
 esac

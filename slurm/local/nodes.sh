@@ -14,9 +14,13 @@
 #   slurm/local/nodes.sh status | down
 #
 # Nodes n1..nN are 10.78.0.1..N, the head (where mpiexec runs) 10.78.0.100, all in
-# namespaces named rp-*; nothing is added to the machine's own namespace, and no
-# namespace has a route out of 10.78.0.0/24. Files (the shim, the host list)
-# live in ${RINGPIPE_NODES_DIR:-/tmp/ringpipe-nodes}. Needs root (or
+# network namespaces PREFIX-n1.., PREFIX-head, PREFIX-sw (the bridge), PREFIX from
+# ${RINGPIPE_NETNS_PREFIX:-rpUID} (rp0 for root; `status` names them); nothing is added
+# to the machine's own namespace, and no namespace has a route out of 10.78.0.0/24, so
+# each user's (or prefix's) nodes are a network of their own. Files (the shim, the host
+# list) live in ${RINGPIPE_NODES_DIR:-/tmp/ringpipe-nodes-USER}. A second set of nodes
+# of one user needs both its own RINGPIPE_NETNS_PREFIX and RINGPIPE_NODES_DIR (defaults:
+# slurm/local/names.sh). Needs root (or
 # CAP_SYS_ADMIN + CAP_NET_ADMIN): where namespaces or tc are not permitted, `up`
 # says so and exits 3, and the tests skip with that reason.
 #
@@ -24,12 +28,16 @@
 # the "nodes" of one machine and the link is never crossed) and -iface eth0.
 set -euo pipefail
 
-DIR=${RINGPIPE_NODES_DIR:-/tmp/ringpipe-nodes}
+# Per-user default folder and namespace prefix: names.sh.
+# shellcheck source=names.sh
+. "$(dirname "$0")/names.sh"
+rp_check_prefix
+DIR=$RP_NODES_DIR
 # It holds the shim mpiexec runs as root: ours alone (mode 0700), or refused (private.sh).
 PRIVATE_DIR_VAR=RINGPIPE_NODES_DIR
 # shellcheck source=private.sh
 . "$(dirname "$0")/private.sh"
-PREFIX=rp
+PREFIX=$RP_NETNS_PREFIX
 NET=10.78.0
 ROOT=$(cd "$(dirname "$0")/../.." && pwd -P)
 
@@ -110,6 +118,14 @@ cmd_up() {
     [[ "$n" =~ ^[0-9]+$ ]] && [ "$n" -ge 1 ] && [ "$n" -le 16 ] || die "--nodes must be 1..16, got '$n'" 2
     check_permitted
     private_dir "emulated nodes' folder" "$DIR"      # before any namespace is made
+    # Namespaces of this prefix that this folder did not make belong to another
+    # instance (cluster.sh keeps its nodes' files elsewhere): not taken over.
+    if ns_exists "$PREFIX-sw" && [ ! -f "$DIR/link" ]; then
+        die "network namespaces $PREFIX-* are up, but not from $DIR (another instance with this prefix, e.g.\
+ slurm/local/cluster.sh's nodes): give this one its own RINGPIPE_NETNS_PREFIX, or take those down\
+ (RINGPIPE_NODES_DIR=THEIR_FOLDER slurm/local/nodes.sh down)" 2
+    fi
+    [ -f "$DIR/link" ] || echo "starting" >"$DIR/link"     # ours from here on, even if up stops midway
     if ! ns_exists "$PREFIX-sw"; then
         ip netns add "$PREFIX-sw"
         ip -n "$PREFIX-sw" link set lo up
@@ -171,7 +187,8 @@ cmd_status() {
     local up
     up=$(nodes_up | paste -sd' ' -)
     if [ -z "$up" ]; then echo "no emulated nodes are up"; return 0; fi
-    echo "nodes: $up; link $(cat "$DIR/link" 2>/dev/null || echo '?'); head $NET.100; shim $DIR/bin/nssh"
+    echo "nodes: $up; link $(cat "$DIR/link" 2>/dev/null || echo '?'); head $NET.100; shim $DIR/bin/nssh;" \
+         "namespaces $PREFIX-*"
 }
 
 cmd_down() {

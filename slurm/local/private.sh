@@ -2,7 +2,8 @@
 # private, and a PID they read from it must be the daemon they started before they
 # signal it.
 #
-# Why: the folders have fixed default names under /tmp (/tmp/ringpipe-slurm, ...), and
+# Why: the folders have predictable default names under /tmp (/tmp/ringpipe-slurm-USER,
+# ...: names.sh), and
 # these scripts run as root. Another user could create the folder first, with a munge
 # key of their own (then their credentials are valid on our cluster), a config, a shim
 # that mpiexec runs, symbolic links where we write, or PID files naming any process,

@@ -8,7 +8,7 @@
 #   slurm/local/stop.sh
 #
 # Everything (config, munge key and socket, spool, state, logs, PID files) lives
-# in ${RINGPIPE_SLURM_DIR:-/tmp/ringpipe-slurm}; nothing under /etc is changed. The
+# in ${RINGPIPE_SLURM_DIR:-/tmp/ringpipe-slurm-$USER}; nothing under /etc is changed. The
 # folder is made with mode 0700; one that exists already is used only if it is ours
 # alone (owned by us, mode 0700, not a link), else exit 2 (slurm/local/private.sh).
 # If slurmctld/slurmd/munged are missing and we are root, installs Debian's
@@ -19,11 +19,15 @@
 # progress and errors go to stderr.
 #
 # Knobs (environment):
-#   RINGPIPE_SLURM_DIR      state folder (default /tmp/ringpipe-slurm)
+#   RINGPIPE_SLURM_DIR      state folder (default /tmp/ringpipe-slurm-USER; a second
+#                           instance of one user needs its own)
 #   RINGPIPE_SLURM_CPUS     CPUs the node advertises (default max(4, nproc)); more
 #                           than the real cores is accepted (config_overrides), so
 #                           4 one-CPU tasks fit on a 2-core machine
-#   RINGPIPE_SLURM_PORT     slurmctld port (default 16817); slurmd uses PORT+1
+#   RINGPIPE_SLURM_PORT     slurmctld port; slurmd uses PORT+1. Default: derived from the
+#                           uid (17000 + 2 x (uid mod 4000); root 17000), or the next
+#                           free pair when another program listens there
+#   (slurm/local/names.sh: these defaults, in one place; `bash names.sh` prints them)
 #   RINGPIPE_SLURM_TIMEOUT  seconds to wait for the node to become idle (default 60)
 #   RINGPIPE_SLURM_NO_INSTALL=1  never run apt-get (fail instead)
 #
@@ -43,7 +47,10 @@ case "${1:-}" in
     *) echo "start.sh: unknown option '$1' (none: one node; --nodes N [--link RATE]: emulated nodes)" >&2; exit 2;;
 esac
 
-DIR=${RINGPIPE_SLURM_DIR:-/tmp/ringpipe-slurm}
+# Per-user default names (folder, port): names.sh.
+# shellcheck source=names.sh
+. "$(dirname "$0")/names.sh"
+DIR=$RP_SLURM_DIR
 # The folder holds the munge key and the PID files: made private (0700) here, or
 # refused if it exists and is not ours alone (private.sh says why).
 PRIVATE_DIR_VAR=RINGPIPE_SLURM_DIR
@@ -52,7 +59,6 @@ PRIVATE_DIR_VAR=RINGPIPE_SLURM_DIR
 private_dir "Slurm state folder" "$DIR"
 DIR=$(cd "$DIR" && pwd -P)
 CONF=$DIR/slurm.conf
-PORT=${RINGPIPE_SLURM_PORT:-16817}
 TIMEOUT=${RINGPIPE_SLURM_TIMEOUT:-60}
 NCPU=$(nproc 2>/dev/null || echo 1)
 CPUS=${RINGPIPE_SLURM_CPUS:-$(( NCPU > 4 ? NCPU : 4 ))}
@@ -112,7 +118,21 @@ if ls "$DIR"/run/*.pid >/dev/null 2>&1; then
     RINGPIPE_SLURM_DIR=$DIR "$(dirname "$0")/stop.sh" >&2 || true
 fi
 
-# ---- 3. folders, munge key, config -------------------------------------------------
+# ---- 3. port, folders, munge key, config -------------------------------------------
+# Checked free here rather than left to slurmctld, whose failure to bind says less.
+if [ -n "${RINGPIPE_SLURM_PORT:-}" ]; then
+    PORT=$RINGPIPE_SLURM_PORT
+    if ! [[ "$PORT" =~ ^[0-9]+$ ]] || [ "$PORT" -lt 1024 ] || [ "$PORT" -gt 65534 ]; then
+        echo "start.sh: error: RINGPIPE_SLURM_PORT='$PORT' is not a port number 1024..65534" >&2; exit 2
+    fi
+    if rp_port_listening "$PORT" || rp_port_listening $((PORT + 1)); then
+        echo "start.sh: error: port $PORT or $((PORT + 1)) (RINGPIPE_SLURM_PORT) is in use by another" \
+             "program: choose another, or leave RINGPIPE_SLURM_PORT unset for a free one" >&2; exit 2
+    fi
+else
+    PORT=$(rp_free_port_pair "$RP_SLURM_PORT") \
+        || die "no free port pair near $RP_SLURM_PORT (the default for uid $RP_UID): set RINGPIPE_SLURM_PORT"
+fi
 mkdir -p "$DIR"/{run,log,state,spool,munge}
 chmod 700 "$DIR/munge"
 # A fresh key for every start (nothing runs that knows the old one): a key found in
@@ -216,5 +236,5 @@ if [ "$state" != idle ]; then
     tail -15 "$DIR/log/slurmctld.log" "$DIR/log/slurmd.log" >&2 2>/dev/null || true
     die "node $HOST not idle after ${TIMEOUT}s (state: '${state:-no answer}'); logs in $DIR/log"
 fi
-log "node $HOST idle ($CPUS CPUs, partition debug); logs in $DIR/log"
+log "node $HOST idle ($CPUS CPUs, partition debug, slurmctld port $PORT); logs in $DIR/log"
 export_line

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Stop the private Slurm started by slurm/local/start.sh (same RINGPIPE_SLURM_DIR).
+# Stop the private Slurm started by slurm/local/start.sh (same RINGPIPE_SLURM_DIR,
+# default /tmp/ringpipe-slurm-USER: slurm/local/names.sh), and the emulated cluster of
+# `start.sh --nodes N` (RINGPIPE_CLUSTER_DIR) when RINGPIPE_SLURM_DIR is not set.
 #
 #   slurm/local/stop.sh            # cancel its jobs, stop slurmd, slurmctld, munged
 #   RINGPIPE_SLURM_PURGE=1 slurm/local/stop.sh   # ... and delete the folder
@@ -12,13 +14,24 @@
 # is a no-op.
 set -uo pipefail
 
+# Per-user default folders (RINGPIPE_SLURM_DIR, RINGPIPE_CLUSTER_DIR): names.sh.
+# shellcheck source=names.sh
+. "$(dirname "$0")/names.sh"
 # The emulated multi-node cluster of `start.sh --nodes N`, if up, goes too (unless
 # RINGPIPE_SLURM_DIR names one single-node cluster to stop: the tests' own).
-if [ -z "${RINGPIPE_SLURM_DIR:-}" ] && [ -d "${RINGPIPE_CLUSTER_DIR:-/tmp/ringpipe-cluster}" ]; then
+if [ -z "${RINGPIPE_SLURM_DIR:-}" ] && [ -d "$RP_CLUSTER_DIR" ]; then
     bash "$(dirname "$0")/cluster.sh" down
 fi
-DIR=${RINGPIPE_SLURM_DIR:-/tmp/ringpipe-slurm}
-[ -e "$DIR" ] || [ -L "$DIR" ] || { echo "stop.sh: nothing to stop ($DIR does not exist)" >&2; exit 0; }
+DIR=$RP_SLURM_DIR
+if [ ! -e "$DIR" ] && [ ! -L "$DIR" ]; then
+    echo "stop.sh: nothing to stop ($DIR does not exist)" >&2
+    # Before names were per user, the folder was /tmp/ringpipe-slurm for everyone.
+    if [ -z "${RINGPIPE_SLURM_DIR:-}" ] && [ -d /tmp/ringpipe-slurm ] && [ "$(stat -c %u /tmp/ringpipe-slurm)" = "$RP_UID" ]; then
+        echo "stop.sh: /tmp/ringpipe-slurm (the folder of older versions) is yours: to stop a Slurm" \
+             "still running there, RINGPIPE_SLURM_DIR=/tmp/ringpipe-slurm slurm/local/stop.sh" >&2
+    fi
+    exit 0
+fi
 # A folder that is not ours alone is not read (its PID files could name any process)
 # nor removed: exit 2 naming it (private.sh).
 PRIVATE_DIR_VAR=RINGPIPE_SLURM_DIR

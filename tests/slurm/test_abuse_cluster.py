@@ -20,9 +20,13 @@ import time
 import pytest
 
 from tests.support import free_port_pair, ROOT
+from tests.slurm.local_names import own_prefix
 
 LOCAL = os.path.join(ROOT, "slurm", "local")
-ENV = dict(os.environ, RINGPIPE_SLURM_NO_INSTALL="1")
+# cluster.sh down takes down every namespace of its prefix: one of this test run's own.
+PREFIX = own_prefix("a")
+NS = f"/run/netns/{PREFIX}"
+ENV = dict(os.environ, RINGPIPE_SLURM_NO_INSTALL="1", RINGPIPE_NETNS_PREFIX=PREFIX)
 ENV.pop("SLURM_CONF", None)
 IS_ROOT = os.geteuid() == 0
 
@@ -132,8 +136,8 @@ def test_start_refuses_a_state_folder_not_ours_and_leaves_its_key(tmp_path, kind
 
 @pytest.fixture
 def no_emulated_nodes():
-    # cluster.sh down also takes the emulated nodes (rp-* namespaces) down: not while others use them.
-    if os.path.exists("/run/netns/rp-sw"):
+    # cluster.sh down also takes the emulated nodes (PREFIX-* namespaces) down: not while others use them.
+    if os.path.exists(f"{NS}-sw"):
         pytest.skip("emulated nodes are up (slurm/local/nodes.sh status): not touching them")
 
 
@@ -174,9 +178,9 @@ def test_cluster_up_refuses_a_folder_not_ours_before_any_work(no_emulated_nodes,
     try:
         r = script("cluster.sh", env, "up", "--nodes", "1", timeout=300)
         assert r.returncode == 2, r
-        assert str(folder) in r.stderr and not os.path.exists("/run/netns/rp-sw")
+        assert str(folder) in r.stderr and not os.path.exists(f"{NS}-sw")
     finally:
-        if os.path.exists("/run/netns/rp-sw"):                     # the bug: it came up; take it down
+        if os.path.exists(f"{NS}-sw"):                     # the bug: it came up; take it down
             folder.chmod(0o700)
             script("cluster.sh", env, "down", timeout=120)
 

@@ -16,11 +16,15 @@ import pytest
 
 from tests.support import ROOT
 from tests.support.emulated import losses, when_training
+from tests.slurm.local_names import own_prefix
 
 NODES = os.path.join(ROOT, "slurm", "local", "nodes.sh")
 VENV_BIN = os.path.dirname(sys.executable)
+# Namespaces and folder of this test run's own (never a user's nodes, nor another run's).
+PREFIX = own_prefix("n")
+NS = f"/run/netns/{PREFIX}"
 ENV = dict(os.environ, PATH=f"{VENV_BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
-           RINGPIPE_NODES_DIR="/tmp/ringpipe-nodes-test")
+           RINGPIPE_NODES_DIR=f"/tmp/ringpipe-nodes-test-{os.getpid()}", RINGPIPE_NETNS_PREFIX=PREFIX)
 
 
 def nodes(*args, timeout=120, check=True):
@@ -34,7 +38,7 @@ def nodes(*args, timeout=120, check=True):
 def two_nodes():
     if shutil.which("ip") is None or not sys.platform.startswith("linux"):
         pytest.skip("needs Linux network namespaces (iproute2)")
-    if os.path.exists("/run/netns/rp-sw"):
+    if os.path.exists(f"{NS}-sw"):
         pytest.skip("emulated nodes are already up (slurm/local/nodes.sh status): not touching them")
     r = nodes("up", "--nodes", "2", "--link", "1gbit", check=False)
     if r.returncode == 3:
@@ -42,7 +46,7 @@ def two_nodes():
     assert r.returncode == 0, r.stderr
     yield
     nodes("down")
-    assert not os.path.exists("/run/netns/rp-sw") and not os.path.exists("/run/netns/rp-n1")
+    assert not os.path.exists(f"{NS}-sw") and not os.path.exists(f"{NS}-n1")
 
 
 def across(*cmd, timeout=240):
@@ -107,10 +111,22 @@ def test_hierarchical_allreduce_across_nodes_crosses_the_link(two_nodes, tmp_pat
     assert crossed > 8 << 20, crossed
 
 
+def test_nodes_of_this_prefix_from_another_folder_are_not_taken_over(two_nodes, tmp_path):
+    # Two instances with one namespace prefix would share (and tear down) one set of nodes.
+    assert f"namespaces {PREFIX}-*" in nodes("status").stdout
+    other = tmp_path / "other"
+    r = subprocess.run(["bash", NODES, "up", "--nodes", "2"], env=dict(ENV, RINGPIPE_NODES_DIR=str(other)),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"{PREFIX}-* are up, but not from {other}" in r.stderr, r
+    assert "RINGPIPE_NETNS_PREFIX" in r.stderr and os.path.exists(f"{NS}-n2")
+    assert not (other / "bin").exists()
+    assert "nodes: n1 n2" in nodes("status").stdout                 # ours are untouched
+
+
 def test_the_link_rate_can_change_while_up(two_nodes):
     nodes("shape", "500mbit")
     assert "link 500mbit" in nodes("status").stdout
-    qdisc = subprocess.run(["tc", "-n", "rp-n1", "qdisc", "show", "dev", "eth0"], capture_output=True,
+    qdisc = subprocess.run(["tc", "-n", f"{PREFIX}-n1", "qdisc", "show", "dev", "eth0"], capture_output=True,
                            text=True).stdout
     assert "tbf" in qdisc and "500Mbit" in qdisc, qdisc
     nodes("shape", "1gbit")
@@ -123,13 +139,13 @@ def test_a_cut_link_ends_the_job_naming_the_node(two_nodes, tmp_path):
              "--batch-size", "8", "--steps", "1000000", "--log-every", "1000", "--sample-bytes", "0",
              "--watchdog", "6", "--watchdog-abort", "--out", str(tmp_path / "run")]
     cutter, cut = when_training(str(tmp_path / "run"), lambda: subprocess.run(
-        ["ip", "-n", "rp-n2", "link", "set", "eth0", "down"], check=True), min_bytes=2000, wait_s=90)
+        ["ip", "-n", f"{PREFIX}-n2", "link", "set", "eth0", "down"], check=True), min_bytes=2000, wait_s=90)
     try:
         r = nodes("mpiexec", "-ppn", "2", "-n", "4", sys.executable, "-m", "ringpipe", "train", *flags,
                   timeout=150, check=False)
     finally:
         cutter.join(timeout=100)
-        subprocess.run(["ip", "-n", "rp-n2", "link", "set", "eth0", "up"], check=False)
+        subprocess.run(["ip", "-n", f"{PREFIX}-n2", "link", "set", "eth0", "up"], check=False)
         time.sleep(2)                                      # the route comes back before the next test
     ended = time.time()
     assert "at" in cut, f"training never got going: {r.stderr[-2000:]}"
@@ -145,7 +161,7 @@ def test_a_killed_node_ends_the_job_fast(two_nodes, tmp_path):
              "--out", str(tmp_path / "run")]
 
     def kill_n2():
-        pids = subprocess.run(["ip", "netns", "pids", "rp-n2"], capture_output=True, text=True).stdout.split()
+        pids = subprocess.run(["ip", "netns", "pids", f"{PREFIX}-n2"], capture_output=True, text=True).stdout.split()
         subprocess.run(["kill", "-9", *pids], check=False)
         return pids
 
