@@ -13,11 +13,15 @@ import pytest
 
 from tests.support import ROOT
 from tests.support.emulated import losses, when_training
+from tests.slurm.local_names import own_prefix
 
 START = os.path.join(ROOT, "slurm", "local", "start.sh")
 CLUSTER = os.path.join(ROOT, "slurm", "local", "cluster.sh")
-DIR = "/tmp/ringpipe-cluster-test"
-ENV = dict(os.environ, RINGPIPE_CLUSTER_DIR=DIR, OMP_NUM_THREADS="1",
+# Namespaces and folder of this test run's own (never a user's cluster, nor another run's).
+PREFIX = own_prefix("c")
+NS = f"/run/netns/{PREFIX}"
+DIR = f"/tmp/ringpipe-cluster-test-{os.getpid()}"
+ENV = dict(os.environ, RINGPIPE_CLUSTER_DIR=DIR, RINGPIPE_NETNS_PREFIX=PREFIX, OMP_NUM_THREADS="1",
            PATH=f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}")
 
 
@@ -25,7 +29,7 @@ ENV = dict(os.environ, RINGPIPE_CLUSTER_DIR=DIR, OMP_NUM_THREADS="1",
 def cluster():
     if shutil.which("ip") is None:
         pytest.skip("needs Linux network namespaces (iproute2)")
-    if os.path.exists("/run/netns/rp-sw"):
+    if os.path.exists(f"{NS}-sw"):
         pytest.skip("emulated nodes are already up (slurm/local/nodes.sh status): not touching them")
     if os.environ.get("RINGPIPE_SLURM_NO_INSTALL") == "1" and shutil.which("slurmctld") is None:
         pytest.skip("Slurm is not installed and RINGPIPE_SLURM_NO_INSTALL=1")
@@ -40,7 +44,7 @@ def cluster():
         env[key] = value.replace("$PATH", ENV["PATH"]).strip()
     yield env
     subprocess.run(["bash", CLUSTER, "down"], env=ENV, capture_output=True, timeout=120)
-    assert not os.path.exists(DIR) and not os.path.exists("/run/netns/rp-head")
+    assert not os.path.exists(DIR) and not os.path.exists(f"{NS}-head")
 
 
 # What the README tells users: under Slurm, a task that fails ends the step (the others
@@ -79,6 +83,21 @@ def test_srun_across_two_nodes_trains_like_one_process(cluster, tmp_path):
     assert len(a) == 3 and all(abs(x - y) <= 1e-10 * max(1.0, abs(x)) for x, y in zip(a, b)), (a, b)
 
 
+def test_the_readme_sbatch_example_runs_as_written(cluster, tmp_path):
+    # README: `sbatch -N 2 --ntasks-per-node 2 slurm/train.sbatch --steps 20`. The script's
+    # own 8 CPUs per task were "More processors requested than permitted" on 4-CPU nodes.
+    tiny = ["--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16",
+            "--batch-size", "8", "--dtype", "float64", "--sample-bytes", "0"]
+    env = dict(cluster, RINGPIPE_RUN_DIR=str(tmp_path / "run"), RINGPIPE_PYTHON=sys.executable)
+    log = tmp_path / "job.out"
+    r = run(env, "sbatch", "--wait", "-o", str(log), "-N", "2", "--ntasks-per-node", "2", "slurm/train.sbatch",
+            "--steps", "3", *tiny, timeout=300)
+    out = log.read_text() if log.exists() else ""
+    assert r.returncode == 0, r.stdout + r.stderr + out[-3000:]
+    assert "4 tasks x 1 CPUs" in out, out[-3000:]                   # threads per rank = SLURM_CPUS_PER_TASK or 1
+    assert len(losses(str(tmp_path / "run"))) == 3
+
+
 def test_sbatch_squeue_scancel(cluster):
     r = run(cluster, "sbatch", "-N", "1", "--wrap", "sleep 300")
     assert r.returncode == 0 and "Submitted batch job" in r.stdout, r.stderr
@@ -104,13 +123,13 @@ def test_a_cut_link_under_srun_ends_the_job_naming_the_node(cluster, tmp_path):
     r = run(ENV, sys.executable, *warm)
     assert r.returncode == 0, r.stderr[-2000:]
     cutter, cut = when_training(str(out), lambda: subprocess.run(
-        ["ip", "-n", "rp-n2", "link", "set", "eth0", "down"], check=True), min_bytes=3000, wait_s=120)
+        ["ip", "-n", f"{PREFIX}-n2", "link", "set", "eth0", "down"], check=True), min_bytes=3000, wait_s=120)
     try:
         r = run(cluster, *SRUN, "-N", "2", "--ntasks-per-node", "2", "--mpi=pmi2", sys.executable, *flags,
                 timeout=200)
     finally:
         cutter.join(timeout=130)
-        subprocess.run(["ip", "-n", "rp-n2", "link", "set", "eth0", "up"], check=False)
+        subprocess.run(["ip", "-n", f"{PREFIX}-n2", "link", "set", "eth0", "up"], check=False)
     ended = time.time()
     assert "at" in cut, r.stderr[-2000:]
     assert r.returncode != 0
