@@ -8,9 +8,11 @@ its checkpoints folder:
                       uncompressed, plain numeric dtypes only
   ckpt_SSSSSSSS.json  the manifest: format, step, npz (the npz's file name),
                       npz_bytes, npz_crc32, model, model_config, optimizer,
-                      opt_step_count, loss, dtype, precision, layout, args, and
-                      checksum = sha256 of json.dumps(every other key,
-                      sort_keys=True, separators=(",", ":")), which binds the
+                      opt_step_count, loss, dtype, precision, layout, args,
+                      best (optional: {step, val_loss}, the best validation so
+                      far of a run with --keep-best), and checksum = sha256 of
+                      json.dumps(every other key, sort_keys=True,
+                      separators=(",", ":")), which binds the
                       step, the model config and the npz's CRC together.
 
 Arrays are stored by parameter name, never by offset in a flat buffer, so a
@@ -75,13 +77,14 @@ _MODEL_CONFIG_KEYS = {"gpt": ("context", "d_model", "n_head", "n_layer", "vocab"
                       "mlp": ("hidden", "n_classes", "n_in", "n_layer")}
 _LAYOUT_KEYS = ("chunks", "dp", "pp", "tp")
 _OPTIONAL_LAYOUT_KEYS = ("tp",)          # checkpoints written before tensor parallelism have none
-_KEYS = ("args", "checksum", "dtype", "format", "layout", "loss", "model", "model_config", "npz", "npz_bytes",
+_KEYS = ("args", "best", "checksum", "dtype", "format", "layout", "loss", "model", "model_config", "npz", "npz_bytes",
          "npz_crc32", "opt_step_count", "optimizer", "precision", "step", "tokenizer")
-_NOT_IN_FORMAT_1 = ("checksum",)
+_NOT_IN_FORMAT_1 = ("best", "checksum")
 _OPTIONAL_IN_FORMAT_1 = ("precision", "layout", "tokenizer")    # format 1 files written before these keys existed
 # The tokenizer the run trained with: {"kind", "sha256", "vocab_size", "file" (relative to the run directory)};
 # optional, since checkpoints of byte-level runs written before it existed have none.
-_OPTIONAL_IN_FORMAT_2 = ("tokenizer",)
+# best: only runs that keep their best checkpoint (--keep-best) record it.
+_OPTIONAL_IN_FORMAT_2 = ("best", "tokenizer")
 _TOKENIZER_KEYS = ("file", "kind", "sha256", "vocab_size")
 
 _DAMAGED_HINT = ("it was not written completely, was damaged or was edited; resume from an earlier "
@@ -154,8 +157,10 @@ def manifest_path(directory, step) -> str:
     return os.path.join(directory, f"ckpt_{step:08d}.json")
 
 
-def save(directory, step, arrays: dict, meta: dict, keep=3):
-    """Write checkpoint `step` atomically; keep the newest `keep` valid ones (0 = keep all). Returns the JSON path."""
+def save(directory, step, arrays: dict, meta: dict, keep=3, alone=False):
+    """Write checkpoint `step` atomically; keep the newest `keep` valid ones (0 = keep all). Returns the JSON path.
+    alone: keep no other valid checkpoint in `directory`, newer ones included (OUT/best/ holds one: a
+    newer one there is from a run resumed from before it, and is not the best of this run)."""
     # Everything that can be refused is refused before a byte is written. The JSON
     # round trip makes meta what a reader will see (a NumPy float becomes a float).
     try:
@@ -205,8 +210,8 @@ def save(directory, step, arrays: dict, meta: dict, keep=3):
     except OSError as e:
         raise CheckpointError(_write_error_message(e, directory, step)) from e
     _remember(json_path, None)          # written and fsynced by us: known valid
-    if keep > 0:
-        _prune(directory, keep, json_path)
+    if keep > 0 or alone:
+        _prune(directory, 0 if alone else keep, json_path)
     return json_path
 
 
@@ -216,10 +221,11 @@ def _write_error_message(e, directory, step):
 
 
 def _prune(directory, keep, just_written):
-    """Delete valid checkpoints older than the newest `keep` valid ones. Invalid ones
-    are not counted and not deleted; the one just written is always kept."""
+    """Delete valid checkpoints older than the newest `keep` valid ones (keep 0: every
+    other valid one). Invalid ones are not counted and not deleted; the one just written
+    is always kept."""
     valid = [p for p in list_checkpoints(directory) if p == just_written or _known_problem(p) is None]
-    kept = set(valid[-keep:]) | {just_written}
+    kept = (set(valid[-keep:]) if keep > 0 else set()) | {just_written}
     for old in valid:
         if old in kept:
             continue
@@ -599,8 +605,18 @@ def _check_schema(m):
         _check_int("tokenizer.vocab_size", t["vocab_size"], 1, 2**32)
         if not isinstance(t["sha256"], str) or not _SHA256_HEX.fullmatch(t["sha256"]):
             raise _wrong("tokenizer.sha256", t["sha256"], "64 lowercase hex digits (a sha256)")
+    if "best" in m:
+        _check_best(m["best"])
     if "checksum" in m and (not isinstance(m["checksum"], str) or not _SHA256_HEX.fullmatch(m["checksum"])):
         raise _wrong("checksum", m["checksum"], "64 lowercase hex digits (a sha256)")
+
+
+def _check_best(best):
+    if type(best) is not dict or sorted(best) != ["step", "val_loss"]:
+        raise _wrong("best", best, "an object with exactly the keys step, val_loss")
+    _check_int("best.step", best["step"], 0, MAX_STEP)
+    if type(best["val_loss"]) not in (int, float) or not math.isfinite(best["val_loss"]):
+        raise _wrong("best.val_loss", best["val_loss"], "a finite number")
 
 
 # ---- the npz -----------------------------------------------------------------------

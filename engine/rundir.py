@@ -5,6 +5,7 @@ What a run keeps there:
     OUT/run.lock            who owns the directory now (host, pid, start time)
     OUT/metrics.jsonl       one JSON object per step, whole lines only
     OUT/checkpoints/        ckpt_XXXXXXXX.{npz,json} (engine/checkpoint.py)
+    OUT/best/               with --keep-best: the one checkpoint of the best validation loss so far
     OUT/logs/rank<R>.log    per-rank logs
     OUT/heartbeat/          watchdog heartbeats
     OUT/tokenizer.json      the tokenizer the run's data was prepared with (travels to exports)
@@ -37,11 +38,17 @@ PREVIOUS_NAME = "previous"
 # What a run writes into OUT: a fresh start moves exactly these aside, so
 # unrelated files a user keeps in the folder are never touched.
 DONE_NAME = "finished"             # OUT/finished/rank{R}.json: that rank ran to the end
-RUN_ENTRIES = ("checkpoints", METRICS_NAME, "logs", "heartbeat", "tokenizer.json", DONE_NAME)
+BEST_NAME = "best"                 # OUT/best/: --keep-best's checkpoint (`ringpipe export OUT/best`)
+RUN_ENTRIES = ("checkpoints", BEST_NAME, METRICS_NAME, "logs", "heartbeat", "tokenizer.json", DONE_NAME)
 
 
 def metrics_path(out_dir: str) -> str:
     return os.path.join(out_dir, METRICS_NAME)
+
+
+def best_path(out_dir: str) -> str:
+    """The folder of the best checkpoint (a checkpoints folder holding one)."""
+    return os.path.join(out_dir, BEST_NAME)
 
 
 class RunDirError(RuntimeError):
