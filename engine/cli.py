@@ -122,8 +122,10 @@ def _optimization_flags(p):
     g = p.add_argument_group("optimization")
     g.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
     g.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    g.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3 adamw, 0.05 sgd)")
-    g.add_argument("--warmup", type=int, default=None, help="warmup steps (default 5%% of --decay-steps)")
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3 adamw, 0.05 sgd; "
+                   "a tenth of that with --init-from)")
+    g.add_argument("--warmup", type=int, default=None, help="warmup steps (default 5%% of --decay-steps; 1%% with "
+                   "--init-from)")
     g.add_argument("--decay-steps", type=int, default=None,
                    help="steps the warmup + cosine LR schedule spans (default --steps); after them the LR stays "
                         "at --min-lr-ratio x --lr. To continue a finished run to a larger --steps on its "
@@ -181,7 +183,13 @@ def _output_flags(p):
     g.add_argument("--keep", type=int, default=3, help="checkpoints to keep (0: all)")
     g.add_argument("--resume", default=None, help="checkpoint (.json), run directory, or 'auto' (latest valid "
                                                   "checkpoint in --out, or a fresh start if none)")
-    g.add_argument("--eval-every", type=int, default=None, help="steps between validation passes (default steps/5)")
+    g.add_argument("--eval-every", type=int, default=None,
+                   help="steps between validation passes (default steps/5; steps/10 with --init-from, which also "
+                        "validates once before the first step)")
+    g.add_argument("--keep-best", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep the checkpoint of the best validation loss in OUT/best/ (for `ringpipe export "
+                        "OUT/best` and `ringpipe sample OUT/best`) and say at the end which step it was "
+                        "(default: on with --init-from, off otherwise)")
     g.add_argument("--eval-batches", type=int, default=4, help="global batches per validation pass")
     g.add_argument("--log-every", type=int, default=None, help="steps between progress lines (default ~20 lines)")
     g.add_argument("--sample-bytes", type=int, default=200, help="GPT: bytes of text to sample at the end (0: none)")

@@ -24,6 +24,11 @@ import numpy as np
 from ringpipe.engine.errors import ConfigError
 
 MAX_BUCKET_MB = 1 << 20        # 1 TiB: past the gradients' size a bucket is just one bucket
+# Fine-tuning (init_from) defaults, each used only where the setting was not given
+# (fine_tuning_notes prints which, and docs/fine-tuning.md says why):
+FINE_TUNING_LR_FACTOR = 0.1       # of the scratch LR: steps that large undo what the model learned
+FINE_TUNING_WARMUP_DIVISOR = 100  # warmup = 1% of the schedule (5% from scratch): Adam's moments settle fast
+FINE_TUNING_EVALS = 10            # validation every 10% of the steps (every 20% from scratch)
 DATASET_NAMES = ("stdlib", "synthetic", "fashion-mnist", "text")
 
 
@@ -76,7 +81,8 @@ class Config:
     checkpoint_every: int = 0          # 0: only at the end
     keep: int = 3                      # valid checkpoints kept (0: all)
     resume: str | None = None          # checkpoint (.json), run directory, or "auto"
-    eval_every: int | None = None      # steps between validation passes (steps/5)
+    eval_every: int | None = None      # steps between validation passes (steps/5; steps/10 fine-tuning)
+    keep_best: bool | None = None      # keep the checkpoint of the best validation loss in OUT/best/ (on fine-tuning)
     eval_batches: int = 4
     log_every: int | None = None       # steps between progress lines (steps/20)
     sample_bytes: int = 200            # GPT: bytes sampled at the end
@@ -108,6 +114,12 @@ class Config:
         return "fashion-mnist"
 
     @property
+    def fine_tuning(self) -> bool:
+        """Starting from a trained model's weights (init_from): the defaults below change
+        (fine_tuning_notes says how and why)."""
+        return self.init_from is not None
+
+    @property
     def hf_dir(self) -> str | None:
         """The folder of init_from ("hf:PATH")."""
         return self.init_from[3:] if self.init_from else None
@@ -122,7 +134,14 @@ class Config:
 
     @property
     def peak_lr(self) -> float:
-        return self.lr if self.lr is not None else (2e-3 if self.optimizer == "adamw" else 0.05)
+        if self.lr is not None:
+            return self.lr
+        return self.scratch_lr * (FINE_TUNING_LR_FACTOR if self.fine_tuning else 1.0)
+
+    @property
+    def scratch_lr(self) -> float:
+        """The default peak LR for training from random weights."""
+        return 2e-3 if self.optimizer == "adamw" else 0.05
 
     @property
     def schedule_steps(self) -> int:
@@ -130,7 +149,21 @@ class Config:
 
     @property
     def warmup_steps(self) -> int:
-        return self.warmup if self.warmup is not None else max(1, self.schedule_steps // 20)
+        if self.warmup is not None:
+            return self.warmup
+        return max(1, self.schedule_steps // (FINE_TUNING_WARMUP_DIVISOR if self.fine_tuning else 20))
+
+    @property
+    def eval_period(self) -> int:
+        """Steps between validation passes."""
+        if self.eval_every:
+            return self.eval_every
+        return max(1, self.steps // (FINE_TUNING_EVALS if self.fine_tuning else 5))
+
+    @property
+    def best_kept(self) -> bool:
+        """Whether OUT/best/ keeps the checkpoint of the best validation loss."""
+        return self.keep_best if self.keep_best is not None else self.fine_tuning
 
     @property
     def out_dir(self) -> str:
@@ -147,7 +180,31 @@ def check(cfg: Config, world_size: int) -> list[str]:
     _check_values(cfg)
     notes = _check_combinations(cfg, cfg.data_parallel(world_size))
     _check_layout(cfg, world_size)
-    return notes
+    return notes + fine_tuning_notes(cfg)
+
+
+def fine_tuning_notes(cfg: Config) -> list[str]:
+    """What a run from init_from's weights does differently, said once at start-up: the
+    defaults for training from scratch made held-out validation worse in a fine-tune
+    (issue 21: 1.599 -> 1.673 bits per byte), and nothing showed it."""
+    if not cfg.fine_tuning:
+        return []
+    applied = []
+    if cfg.lr is None:
+        applied.append(f"<lr> {cfg.peak_lr:.1e} ({FINE_TUNING_LR_FACTOR:g} x the {cfg.scratch_lr:.0e} for training "
+                       "from scratch: larger steps undo what the model learned)")
+    if cfg.warmup is None:
+        applied.append(f"<warmup> {cfg.warmup_steps} (1% of the schedule, not 5%)")
+    if not cfg.eval_every:
+        applied.append(f"<eval_every> {cfg.eval_period} (validation every 10% of the steps, not 20%)")
+    if cfg.keep_best is None:
+        applied.append("<keep_best> on (the checkpoint of the best validation loss is kept in OUT/best/)")
+    said = [f"fine-tuning from <init_from> {cfg.init_from}: a run that starts from it validates once before the "
+            "first step too, so step 0 shows the model as given"]
+    if applied:
+        said.append("fine-tuning defaults, for the settings not given: " + "; ".join(applied)
+                    + " (docs/fine-tuning.md; give a setting to override its default)")
+    return said
 
 
 def _check_values(cfg: Config) -> None:
@@ -263,8 +320,6 @@ def _check_combinations(cfg: Config, dp: int) -> list[str]:
             raise ConfigError(f"<init_from> {cfg.init_from!r}: give hf:HF_DIR, a Hugging Face GPT-2 folder")
         if not os.path.isdir(cfg.hf_dir):
             raise ConfigError(f"<init_from>: the folder {cfg.hf_dir} does not exist")
-        if cfg.resume:
-            raise ConfigError("<init_from> starts a run from other weights; <resume> continues one: pass one of them")
         if cfg.preset:
             raise ConfigError("<init_from>'s model has its own shape; <preset> would be ignored: pass one of them")
     if cfg.model != "gpt" and (cfg.preset or cfg.init_from):
@@ -343,6 +398,10 @@ def _fixed_shape(cfg: Config, saved, init) -> tuple[dict, str]:
                 raise ConfigError(f"the checkpoint was written with a shape other than <preset> {cfg.preset}'s ("
                                   + ", ".join(f"{k} {saved.get(k)}, not {v}" for k, v in differ.items())
                                   + "): drop <preset> to continue it, or use a new <out>")
+        if init and any(saved.get(k) != v for k, v in init.items()):
+            raise ConfigError(f"the checkpoint to resume holds another model ({_shape_words(saved)}) than "
+                              f"<init_from> {cfg.init_from} ({_shape_words(init)}): drop <init_from> to continue "
+                              "the checkpoint's run, or pass a new <out> to start from the model")
         return saved, "the checkpoint"
     if init:
         return init, f"the model of <init_from> {cfg.init_from}"
@@ -351,6 +410,10 @@ def _fixed_shape(cfg: Config, saved, init) -> tuple[dict, str]:
             raise ConfigError(f"unknown <preset> {cfg.preset!r}: use one of {', '.join(sorted(PRESETS))}")
         return dict(zip(("n_layer", "d_model", "n_head", "context"), PRESETS[cfg.preset])), f"<preset> {cfg.preset}"
     return {}, ""
+
+
+def _shape_words(shape: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(shape.items()))
 
 
 # ---- memory: refuse what cannot fit, in milliseconds -----------------------------------
@@ -423,7 +486,22 @@ def resume_differences(saved: dict, cfg: Config, resolved: dict | None = None) -
         if field in saved and not same_value(saved[field], value):
             notes.append(f"note: resuming with <{field}> {value} where the checkpoint's run had "
                          f"{saved[field]}: it continues, but no longer as that run would have")
+    if "init_from" in saved and bool(saved["init_from"]) != cfg.fine_tuning:
+        notes.append(_fine_tuning_changed(saved["init_from"], cfg))
     return notes
+
+
+def _fine_tuning_changed(saved_init_from: str | None, cfg: Config) -> str:
+    """The settings left out default otherwise for a fine-tune (Config.fine_tuning): say so
+    when a resume changes whether the run is one."""
+    now = "a fine-tune" if cfg.fine_tuning else "training from scratch"
+    said = (f"note: the checkpoint's run had {f'<init_from> {saved_init_from}' if saved_init_from else 'no <init_from>'}"
+            f", this one {f'<init_from> {cfg.init_from}' if cfg.init_from else 'none'}: the settings not given "
+            f"(<lr>, <warmup>, <eval_every>, <keep_best>) now default as for {now}")
+    if saved_init_from:
+        said += (f"; pass <init_from> {saved_init_from} again (its weights are not used when resuming) to continue "
+                 "as that run would have")
+    return said
 
 
 def same_value(a, b) -> bool:

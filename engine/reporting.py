@@ -1,6 +1,6 @@
 """What a run tells its user: start-up lines, a progress line per log period
-with an ETA, OUT/metrics.jsonl (a record per step), the final summary and a
-text sample. Rank 0 prints and writes; every other rank's Reporter is silent.
+with an ETA and the epoch, OUT/metrics.jsonl (a record per step; a fine-tune's
+first record is step 0's validation alone), the final summary and a text sample. Rank 0 prints and writes; every other rank's Reporter is silent.
 
 Messages may name settings as <field> (engine/errors.py); `render` spells them
 (the command line passes one that writes flags).
@@ -65,12 +65,21 @@ class Reporter:
         eta = hms(per_step * (self.steps - done)) if timed > 0 or done == self.steps else "--"
         rate = record.get("tokens_per_s", record.get("examples_per_s"))
         line = (f"step {done:>{len(str(self.steps))}}/{self.steps} | loss {record['loss']:.4f} | "
-                f"lr {record['lr']:.2e} | {_rate(rate)} {items_name}/s | {dt * 1e3:.0f} ms | ETA {eta}")
-        if "val_loss" in record:
-            line += f" | val {record['val_loss']:.4f}"
-        if "val_bpb" in record:
-            line += f" ({record['val_bpb']:.3f} bits/byte)"
+                f"lr {record['lr']:.2e} | {_rate(rate)} {items_name}/s | {dt * 1e3:.0f} ms | ETA {eta}"
+                f"{_epoch(record)}{_validation(record)}")
         self.say(line)
+        if self.log:
+            self.log.info(line)
+
+    def validation_before_training(self, record: dict) -> None:
+        """Step 0's record (validation only, before any update: the model as given) to
+        metrics.jsonl and a line. Raises rundir.RunDirError like step_done."""
+        if not self.is_main:
+            return
+        self.metrics.write(record)
+        line = f"step {0:>{len(str(self.steps))}}/{self.steps} | before the first update{_validation(record)}"
+        if not self.quiet:
+            self.say(line)
         if self.log:
             self.log.info(line)
 
@@ -85,14 +94,28 @@ class Reporter:
             self.metrics.close()
 
 
-def step_record(step, loss, lr, norm_sq, dt, items_per_step, flops_per_item, model_kind, hidden=None) -> dict:
-    """One line of metrics.jsonl."""
+def step_record(step, loss, lr, norm_sq, dt, items_per_step, flops_per_item, model_kind, hidden=None,
+                epoch=None) -> dict:
+    """One line of metrics.jsonl. epoch: passes over the training split so far (a float), when known."""
     record = {"step": step, "loss": loss, "lr": lr, "grad_norm": math.sqrt(norm_sq), "step_ms": dt * 1e3,
               "tokens_per_s" if model_kind == "gpt" else "examples_per_s": items_per_step / dt,
               "model_flops_per_s": flops_per_item * items_per_step / dt}
+    if epoch is not None:
+        record["epoch"] = epoch
     if hidden is not None:
         record["comm_hidden_frac"] = hidden
     return record
+
+
+def _epoch(record: dict) -> str:
+    return f" | epoch {record['epoch']:.2f}" if "epoch" in record else ""
+
+
+def _validation(record: dict) -> str:
+    line = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
+    if "val_bpb" in record:
+        line += f" ({record['val_bpb']:.3f} bits/byte)"
+    return line
 
 
 def _rate(per_s):

@@ -61,11 +61,28 @@ def run(cfg: Config, world=None, stop=None, render=None) -> RunResult:
         cleanup.callback(K.set_matmul_precision, K.get_matmul_precision())
         K.set_matmul_precision(cfg.precision)
         r = assemble(cfg, world, stop, cleanup, render)
-        loss, stopped_at = train(r)
-        return finish(r, loss, stopped_at)
+        best = Best.from_manifest(r.manifest) if cfg.best_kept else None
+        loss, stopped_at = train(r, best)
+        return finish(r, loss, stopped_at, best)
 
 
-def train(r: Run) -> tuple[float, int | None]:
+@dataclass
+class Best:
+    """The best validation loss so far and its step (<keep_best>). Every checkpoint's
+    manifest records it, so a resumed run keeps the best an uninterrupted one would."""
+    step: int | None = None
+    val_loss: float | None = None
+
+    @classmethod
+    def from_manifest(cls, manifest: dict) -> Best:
+        saved = manifest.get("best")
+        return cls(saved["step"], saved["val_loss"]) if saved else cls()
+
+    def improved_by(self, val_loss: float) -> bool:
+        return self.val_loss is None or val_loss < self.val_loss
+
+
+def train(r: Run, best: Best | None = None) -> tuple[float, int | None]:
     """The step loop. Returns (last loss, the step it stopped at on a signal, or None)."""
     # The next step's rows are read in a background thread while this step computes.
     with Prefetcher(r.dataset, r.cfg.batch_size, *r.rows) as batches:
@@ -73,12 +90,15 @@ def train(r: Run) -> tuple[float, int | None]:
             # The first batch is agreed on before the loop (one tiny all-reduce, once);
             # each later one inside the step before it (next_batch_problem).
             agree_batch(r.world, read_error(batches.error_of(r.start_step)))
+        say_epochs(r)
+        if r.cfg.fine_tuning and r.start_step == 0:
+            validate_before_training(r, best)
         r.t_start = time.perf_counter()
         r.report.first_step_starts()
-        return steps(r, batches)
+        return steps(r, batches, best)
 
 
-def steps(r: Run, batches: Prefetcher) -> tuple[float, int | None]:
+def steps(r: Run, batches: Prefetcher, best: Best | None = None) -> tuple[float, int | None]:
     cfg, model = r.cfg, r.model
     loss = float("nan")
     for step in range(r.start_step, cfg.steps):
@@ -94,17 +114,20 @@ def steps(r: Run, batches: Prefetcher) -> tuple[float, int | None]:
 
         done = step + 1
         record = step_record(done, loss, lr, norm_sq, time.perf_counter() - t0, r.items_per_step,
-                             r.flops_per_item, cfg.model, getattr(model, "comm_hidden_fraction", lambda: None)())
+                             r.flops_per_item, cfg.model, getattr(model, "comm_hidden_fraction", lambda: None)(),
+                             epochs_at(r, done))
         reported = saved_now = False
         try:
-            if done % (cfg.eval_every or max(1, cfg.steps // 5)) == 0 or done == cfg.steps:
+            if done % cfg.eval_period == 0 or done == cfg.steps:
                 record.update(evaluate(r))
                 refuse_non_finite(r, done, validation_loss=record["val_loss"])
             report_step(r, record)
             reported = True
+            if "val_loss" in record:
+                keep_if_best(r, best, done, record["val_loss"], loss)
             saved_now = bool(cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done != cfg.steps)
             if saved_now:
-                save(r, done, loss)
+                save(r, done, loss, best)
             r.dog.beat(done)
             stopping = agree_to_stop(r, next_batch_problem(r, batches, done))
         except BadBatch as e:
@@ -112,12 +135,12 @@ def steps(r: Run, batches: Prefetcher) -> tuple[float, int | None]:
             if not reported:
                 report_step(r, record)
             if not saved_now:
-                save(r, done, loss)
+                save(r, done, loss, best)
             raise BadBatch(f"{e.message} (stopped after step {done}, before any rank used the batch; the "
                            f"checkpoint of step {done} holds the training so far)") from None
         if stopping and done != cfg.steps:
             if not saved_now:
-                save(r, done, loss)
+                save(r, done, loss, best)
             return loss, done
     return loss, None
 
@@ -183,6 +206,82 @@ def report_step(r: Run, record: dict) -> None:
         r.stop.fail(str(e))                  # every rank stops at the next boundary
 
 
+# ---- what a fine-tune shows: the model as given, the epochs, the best step -------------------
+
+def validate_before_training(r: Run, best: Best | None) -> None:
+    """Step 0: validation of the weights as given (init_from), recorded like any step's,
+    so a fine-tune that makes validation worse shows it against where it began."""
+    record = {"step": 0, **({"epoch": 0.0} if epochs_at(r, 0) is not None else {}), **evaluate(r)}
+    refuse_non_finite(r, 0, validation_loss=record["val_loss"])
+    try:
+        r.report.validation_before_training(record)
+    except rundir.RunDirError as e:
+        r.stop.fail(str(e))                  # every rank stops at the first step's boundary
+    keep_if_best(r, best, 0, record["val_loss"], None)
+
+
+def train_items(dataset) -> int | None:
+    """Tokens (GPT) or examples (MLP) in the training split; None for a dataset that does not say."""
+    train = getattr(dataset, "splits", {}).get("train")
+    if train is None:
+        return None
+    return len(train[0]) if isinstance(train, tuple) else len(train)     # (x, y) of a classification set
+
+
+def epochs_at(r: Run, step: int) -> float | None:
+    """Passes over the training split after `step` steps (a batch draws its windows at random,
+    so an epoch is as many items as the split holds, not each item once)."""
+    items = train_items(r.dataset)
+    return step * r.items_per_step / items if items else None
+
+
+# More passes than these over the training data: validation often gets worse (the model
+# learns the text by heart). A fine-tune's data is usually small and the model already
+# good, so it gets the note sooner than a run from scratch.
+EPOCHS_NOTED = {"fine-tune": 3, "scratch": 10}
+
+
+def say_epochs(r: Run) -> None:
+    total, items = epochs_at(r, r.cfg.steps), train_items(r.dataset)
+    if total is None:
+        return
+    unit = "tokens" if r.cfg.model == "gpt" else "examples"
+    per_epoch = items / r.items_per_step
+    resumed = f"; resuming at epoch {epochs_at(r, r.start_step):.2f}" if r.start_step else ""
+    r.report.say(f"epochs: <steps> {r.cfg.steps} x {r.items_per_step:,} {unit} = {total:.2f} epoch(s) of the "
+                 f"training split ({items:,} {unit}; one epoch is {per_epoch:,.1f} steps){resumed}")
+    kind = "fine-tune" if r.cfg.fine_tuning else "scratch"
+    if total > EPOCHS_NOTED[kind]:
+        fewer = max(1, int(EPOCHS_NOTED[kind] * per_epoch))
+        r.report.say(f"note: {total:.1f} epochs: the run sees its training data {total:.0f} times over; past about "
+                     f"{EPOCHS_NOTED[kind]} a {'fine-tune' if kind == 'fine-tune' else 'model'} often learns the "
+                     "text by heart and validation gets worse" + (" than at step 0" if kind == "fine-tune" else "")
+                     + f". Watch the val column; <keep_best> keeps the best checkpoint; for at most "
+                     f"{EPOCHS_NOTED[kind]} epochs pass <steps> {fewer}, or train on more data")
+
+
+def keep_if_best(r: Run, best: Best | None, step: int, val_loss: float, loss: float | None) -> None:
+    """With <keep_best>: a validation loss lower than any before makes this step's
+    checkpoint OUT/best/'s one (written as every checkpoint is, any layout)."""
+    if best is None or not best.improved_by(val_loss):
+        return
+    best.step, best.val_loss = step, val_loss
+    save(r, step, loss, best, directory=rundir.best_path(r.cfg.out_dir), alone=True)
+
+
+def say_best(r: Run, best: Best) -> None:
+    if best.step is None:
+        return
+    folder = rundir.best_path(r.cfg.out_dir)
+    path = checkpoint.manifest_path(folder, best.step)
+    per_token = getattr(r.dataset, "bytes_per_token", lambda split: None)("val")
+    bpb = f" ({best.val_loss / math.log(2) / per_token:.3f} bits/byte)" if per_token else ""
+    worse = (": no step improved on the model as given (lower <lr> or fewer <steps>)"
+             if best.step == 0 and r.cfg.fine_tuning else "")
+    r.report.say(f"best validation: step {best.step}, val {best.val_loss:.4f}{bpb}{worse}; its checkpoint is {path} "
+                 f"(ringpipe export {folder} ..., ringpipe sample {folder} ...)")
+
+
 # What stop.fail() is given when this rank's rows of the next batch cannot be used:
 # the flag rides in the step's stop all-reduce, the message is gathered only then.
 _BAD_BATCH = "ringpipe: a rank could not use its rows of the next batch"
@@ -229,9 +328,11 @@ def agree_to_stop(r: Run, problem=None) -> bool:
 
 # ---- checkpoints ---------------------------------------------------------------------------
 
-def save(r: Run, step: int, loss: float) -> dict:
-    """Write checkpoint `step` (gathered on rank 0); every rank learns whether it
-    was written, so a full disk ends the job cleanly instead of with an abort."""
+def save(r: Run, step: int, loss: float | None, best: Best | None = None, directory: str | None = None,
+         alone: bool = False) -> dict:
+    """Write checkpoint `step` (gathered on rank 0) into `directory` (the run's checkpoints;
+    `alone`: as the only one there, OUT/best/'s); every rank learns whether it was
+    written, so a full disk ends the job cleanly instead of with an abort."""
     arrays = r.model.gather_state(r.opt)
     failure = None
     if r.world.Get_rank() == 0:
@@ -240,7 +341,10 @@ def save(r: Run, step: int, loss: float) -> dict:
             failure = ("diverged", f"{bad} holds NaN or inf after step {step}")
         else:
             try:
-                checkpoint.save(r.ckpt_dir, step, arrays, checkpoint_meta(r, loss), keep=r.cfg.keep)
+                if alone:        # rank 0 holds the run's lock: temp files there are a killed run's
+                    checkpoint.remove_stale_temp_files(directory)
+                checkpoint.save(directory or r.ckpt_dir, step, arrays, checkpoint_meta(r, loss, best),
+                                keep=r.cfg.keep, alone=alone)
             except checkpoint.CheckpointError as e:
                 failure = ("write", str(e))
     failure = r.world.bcast(failure, root=0) if r.world.Get_size() > 1 else failure
@@ -251,7 +355,7 @@ def save(r: Run, step: int, loss: float) -> dict:
     return arrays
 
 
-def checkpoint_meta(r: Run, loss: float) -> dict:
+def checkpoint_meta(r: Run, loss: float | None, best: Best | None = None) -> dict:
     settings = r.cfg.to_dict()
     # The settings as they were resolved, as older checkpoints recorded them.
     # A prepared folder is recorded by its real path (a resume from another directory, or
@@ -267,12 +371,14 @@ def checkpoint_meta(r: Run, loss: float) -> dict:
     if r.tokenizer is not None:
         meta["tokenizer"] = {"kind": r.tokenizer.kind, "sha256": r.tokenizer.sha256,
                              "vocab_size": r.tokenizer.vocab_size, "file": "tokenizer.json"}
+    if best is not None and best.step is not None:
+        meta["best"] = {"step": best.step, "val_loss": best.val_loss}
     return meta
 
 
 # ---- the end ---------------------------------------------------------------------------------
 
-def finish(r: Run, loss: float, stopped_at: int | None) -> RunResult:
+def finish(r: Run, loss: float, stopped_at: int | None, best: Best | None = None) -> RunResult:
     cfg, report = r.cfg, r.report
     if stopped_at is not None:
         code = lifecycle.INTERRUPT_EXIT_CODE if r.stop.signum == signal.SIGINT else lifecycle.REQUEUE_EXIT_CODE
@@ -297,7 +403,7 @@ def finish(r: Run, loss: float, stopped_at: int | None) -> RunResult:
     summary = r.model.summary()
     if summary:
         report.say(summary)
-    arrays = save(r, cfg.steps, loss) if r.start_step < cfg.steps else None
+    arrays = save(r, cfg.steps, loss, best) if r.start_step < cfg.steps else None
     r.stop.forced_exit_code, r.stop.forced_note = 0, "the run is complete and its final checkpoint written"
     if r.start_step >= cfg.steps:
         report.say(f"nothing to do: the checkpoint is already at step {r.start_step} of <steps> {cfg.steps}")
@@ -306,6 +412,8 @@ def finish(r: Run, loss: float, stopped_at: int | None) -> RunResult:
     final = checkpoint.manifest_path(r.ckpt_dir, max(cfg.steps, r.start_step))
     report.say(f"done: {max(0, cfg.steps - r.start_step)} steps in {hms(time.perf_counter() - r.t_start)}; "
                f"checkpoint {final}, metrics {rundir.metrics_path(cfg.out_dir)}")
+    if best is not None:
+        say_best(r, best)
     if r.xp is not np and r.world.Get_size() > 1:
         from ringpipe.comm.device import stats
         report.say(f"GPU buffers and MPI on rank 0: {stats['staged_bytes'] / 2**20:.1f} MiB copied through host "
@@ -321,7 +429,11 @@ def sample(r: Run, arrays: dict) -> None:
     """Rank 0 may hold only the first pipeline stage: sample from a full copy."""
     from ringpipe.engine.gpt import build_gpt, fit_vocab_rows, generate
     if r.tokenizer is None:
-        return                                  # token ids without a tokenizer say nothing to a reader
+        # Token ids without a tokenizer say nothing to a reader; a silent skip looked like a bug.
+        r.report.say("no sample at the end: the data has no tokenizer (a nanoGPT train.bin/val.bin folder without "
+                     "tokenizer.json), so nothing can turn token ids into text; put the tokenizer.json of the "
+                     "data beside them, or prepare it with `ringpipe prepare`; <sample_bytes> 0 skips the sample")
+        return
     full = build_gpt(r.shape, dtype=r.dtype)
     arrays = fit_vocab_rows(arrays, r.shape, r.shape.padded_vocab)     # a tp not dividing 128 pads further
     full.params.load_flat(full.params.data, {k[6:]: v for k, v in arrays.items() if k.startswith("param/")})

@@ -47,7 +47,7 @@ def metrics(out):
 
 
 def losses(out):
-    return [m["loss"] for m in metrics(out)]
+    return [m["loss"] for m in metrics(out) if "loss" in m]        # a fine-tune's step 0 has validation only
 
 
 def weights(out):
