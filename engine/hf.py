@@ -1029,11 +1029,12 @@ def _tokenizer_sha256(path: str) -> str:
 
 
 def _run_dir(source: str, manifest_path: str) -> str:
-    """The run directory: RUN/checkpoints/ckpt_*.json -> RUN (or the source itself if it is one)."""
+    """The run directory: RUN/checkpoints/ckpt_*.json or RUN/best/ckpt_*.json (--keep-best's) -> RUN
+    (or the source itself if it is one)."""
     if os.path.isdir(os.path.join(source, "checkpoints")):
         return os.path.abspath(source)
     folder = os.path.dirname(os.path.abspath(manifest_path))
-    return os.path.dirname(folder) if os.path.basename(folder) == "checkpoints" else folder
+    return os.path.dirname(folder) if os.path.basename(folder) in ("checkpoints", "best") else folder
 
 
 def _find_tokenizer(manifest: dict, run_dir: str, vocab: int):
