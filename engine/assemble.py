@@ -205,6 +205,7 @@ def shape_data_device(r: Run) -> None:
                       hint="is RINGPIPE_CACHE (where the stdlib corpus is prepared) on a filesystem every node sees?"
                       if stdlib_dir else "is the path on a filesystem every node sees?")
     r.tokenizer = getattr(r.dataset, "tokenizer", None)
+    check_assumed_vocab(r)
     r.shape = model_config(cfg, saved, vocab=getattr(r.dataset, "vocab_size", None), init=init_shape)
     if cfg.model == "gpt" and r.seq_len > r.shape.context:
         raise ConfigError(f"<seq_len> {r.seq_len} exceeds the model's context {r.shape.context}; lower "
@@ -228,27 +229,59 @@ def shape_data_device(r: Run) -> None:
     describe_data(r)
 
 
+def check_assumed_vocab(r: Run) -> None:
+    """A peer's data without a tokenizer.json (nanoGPT's, llm.c's) has an assumed vocabulary
+    (engine/shards.py: the largest id + 1, or the one llm.c's shard format implies). Starting
+    from a model of another size, say that and what to do, rather than blame a tokenizer
+    the data does not have."""
+    assumed = getattr(r.dataset, "assumed_vocab", None)
+    if not (r.init and assumed) or r.dataset.vocab_size == r.init[0].vocab:
+        return
+    model_tokenizer = r.init[2] or os.path.join(r.cfg.hf_dir, "tokenizer.json")
+    fix = (f"copy the model's tokenizer into it (cp {model_tokenizer} {r.cfg.data}/)" if r.init[2] else
+           f"put the tokenizer.json the data was made with in it (the model's folder has none at {model_tokenizer})")
+    raise ConfigError(f"<data> {r.cfg.data} has no tokenizer.json, so its vocabulary was assumed to be "
+                      f"{r.dataset.vocab_size} ({assumed}), but the model of <init_from> has {r.init[0].vocab} "
+                      f"tokens. If the data was made with the model's tokenizer (GPT-2's for nanoGPT's and llm.c's "
+                      f"GPT-2 data), {fix}: its vocabulary is then the data's, and it is checked to be the model's")
+
+
 def check_tokenizer(r: Run) -> None:
-    """A run continues (or starts from a model) with the tokenizer its data was prepared with."""
-    mine = r.tokenizer.sha256 if r.tokenizer is not None else None
+    """A run continues (or starts from a model) with the tokenizer its data was prepared with.
+    Tokenizers are compared by identity (engine/tokenizer.py: what decides the ids), so a
+    tokenizer.json that `transformers` re-saved is the same tokenizer."""
+    mine = r.tokenizer.identity if r.tokenizer is not None else None
     saved = r.manifest.get("tokenizer")
-    if saved and mine and saved["sha256"] != mine:
-        raise ConfigError(f"the data was prepared with another tokenizer (sha256 {mine[:12]}...) than the "
-                          f"checkpoint's run ({saved['sha256'][:12]}..., {saved['file']} in its run directory): "
-                          "train on data prepared with that tokenizer (`ringpipe prepare ... --tokenizer "
+    if saved and mine and saved["sha256"] != r.tokenizer.sha256 and _saved_identity(r, saved) != mine:
+        raise ConfigError(f"the data was prepared with another tokenizer (identity {mine[:12]}...) than the "
+                          f"checkpoint's run ({saved['file']} in its run directory, sha256 {saved['sha256'][:12]}"
+                          "...): train on data prepared with that tokenizer (`ringpipe prepare ... --tokenizer "
                           "RUN_DIR/tokenizer.json`)")
     if r.init:
         # Without the model's tokenizer.json only the vocabulary's size can be checked (and a
         # larger one refused): say so rather than train silently on ids of another tokenizer.
         from ringpipe.engine import hf
-        for note in hf.check_init_data(r.cfg.hf_dir, r.init, getattr(r.dataset, "vocab_size", None)):
+        for note in hf.check_init_data(r.cfg.hf_dir, r.init, getattr(r.dataset, "vocab_size", None),
+                                       data_has_tokenizer=mine is not None):
             r.report.say(note)
     if r.init and r.init[2] and mine:
         from ringpipe.engine.tokenizer import load_tokenizer
-        theirs = load_tokenizer(r.init[2]).sha256
+        theirs = load_tokenizer(r.init[2]).identity
         if theirs != mine:
             raise ConfigError(f"the data was prepared with another tokenizer than the model of <init_from> "
-                              f"({r.init[2]}): prepare it with `--tokenizer {r.init[2]}`")
+                              f"({r.init[2]}; they give different ids: their vocabularies, merges, normalizers, "
+                              "pre-tokenizers or special tokens differ): prepare it with "
+                              f"`ringpipe prepare ... --tokenizer {r.init[2]}`")
+
+
+def _saved_identity(r: Run, saved: dict):
+    """The identity of the tokenizer a checkpoint's run saved (RUN_DIR/FILE), or None when
+    it cannot be read (then only the sha256 the checkpoint records was compared)."""
+    from ringpipe.engine.tokenizer import load_tokenizer
+    try:
+        return load_tokenizer(os.path.join(r.cfg.out_dir, saved["file"])).identity
+    except (ValueError, OSError):
+        return None
 
 
 def open_dataset(cfg: Config, seq_len, stdlib_dir=None):

@@ -667,19 +667,26 @@ def _read_json(path: str, what: str, limit: int):
     return _files_call(files.read_json, path, what, limit)
 
 
-def check_init_data(hf_dir: str, init: tuple, data_vocab) -> list:
+def check_init_data(hf_dir: str, init: tuple, data_vocab, data_has_tokenizer: bool = True) -> list:
     """For --init-from hf:DIR, once the data is open: refuse data whose vocabulary is larger
     than the model's (token ids past the embedding's rows), and return the notes to print.
     init: import_hf's (GPTConfig, arrays, tokenizer.json or None); data_vocab: the data's
-    tokenizer's size, or None where the data has none. Where the folder has a tokenizer.json
-    the caller compares it with the data's by hash; without one nothing can, so a note says
-    that only the vocabulary's size was checked."""
+    vocabulary's size, or None where the data has none; data_has_tokenizer: whether it came
+    from a tokenizer (not: a peer's folder without tokenizer.json, its size assumed). Where
+    both have a tokenizer.json the caller compares them by identity; otherwise nothing can,
+    so a note says that only the vocabulary's size was checked."""
     cfg, _, tokenizer_json = init
     if data_vocab is not None and data_vocab > cfg.vocab:
-        raise HFError(f"the data's tokenizer has {data_vocab} tokens, more than the {cfg.vocab} of the model in "
+        whose = ("the data's tokenizer has" if data_has_tokenizer else
+                 "the data's vocabulary (it has no tokenizer.json) is")
+        raise HFError(f"{whose} {data_vocab} tokens, more than the {cfg.vocab} of the model in "
                       f"{hf_dir} (its embedding's rows): token ids from {cfg.vocab} on have no embedding; prepare "
                       "the data with the model's tokenizer")
     notes = import_notes(hf_dir)
+    if tokenizer_json is not None and not data_has_tokenizer and data_vocab is not None:
+        notes.append(f"note: the data has no tokenizer.json, so it cannot be verified to be tokenized with the model's "
+                     f"({tokenizer_json}); only its vocabulary's size ({data_vocab}) was checked. Copy that "
+                     "tokenizer.json beside the data's shards to have it checked")
     if tokenizer_json is None:
         size = f"its size ({data_vocab} tokens, the model's {cfg.vocab})" if data_vocab is not None else "nothing"
         notes.append(f"note: {hf_dir} has no tokenizer.json, so the data's tokenizer cannot be verified to be the "

@@ -1324,7 +1324,10 @@ def build_manifest(tok, split, splits, records, skipped, tokens_per_shard, comma
     """DATA_DIR/data.json: what engine/shards.py's read_manifest checks and open_dataset reads."""
     return {
         "format": shards.MANIFEST_FORMAT, "version": shards.MANIFEST_VERSION,
-        "tokenizer": {"kind": tok.kind, "file": "tokenizer.json", "sha256": tok.sha256, "vocab_size": tok.vocab_size,
+        # identity: what decides the ids (read first); sha256: the file's JSON, what ringpipe before
+        # identities checks (a dataset prepared now stays readable by it).
+        "tokenizer": {"kind": tok.kind, "file": "tokenizer.json", "identity": tok.identity, "sha256": tok.sha256,
+                      "vocab_size": tok.vocab_size,
                       **({"training": tok.training} if getattr(tok, "training", None) else {})},  # bpe:VOCAB's sample
         "separator": list(tok.separator),           # the ids after every document
         "dtype": tok.dtype.name,                    # of the shards' tokens: uint16, or uint32 over 65536 ids

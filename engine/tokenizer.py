@@ -4,12 +4,21 @@
     tok = load_tokenizer("path/to/tokenizer.json")     # any Hugging Face tokenizer (or a folder holding one)
     tok = train_bpe(texts, vocab_size=8192)            # byte-level BPE trained on your own text
     ids = tok.encode("hello")                          # numpy array (uint16, or uint32 over 65536 ids)
-    tok.decode(ids); tok.save(folder); tok.sha256
+    tok.decode(ids); tok.save(folder); tok.identity
 
 Every tokenizer, the bytes one included, is written as a tokenizer.json that
 the `tokenizers` and `transformers` libraries load and that encodes text to
 the same ids: a prepared dataset, a run directory and an exported model all
-carry the tokenizer they were made with, and its sha256 tells two apart.
+carry the tokenizer they were made with. Two are told apart by `identity`, a
+hash of what decides the ids (tokenizer_identity), not of the file: a file that
+`transformers` re-saved (a no-op post-processor added, merges re-written)
+is the same tokenizer. `sha256` is the older hash of the whole file's JSON,
+still read where data.json or a checkpoint recorded it.
+
+A document's text is text: a special token's string inside it ("<|endoftext|>"
+in a web page) is encoded as the characters it is, as tiktoken's
+encode_ordinary does for llm.c and nanoGPT, never as the special token, so a
+document cannot forge a separator and the ids match those peers'.
 
 The bytes tokenizer encodes with numpy (it is the UTF-8 bytes, nothing more);
 only "hf" tokenizers need the `tokenizers` library, which is imported lazily.
@@ -83,6 +92,7 @@ class Tokenizer:
         self._json = json_text
         self._hf = hf
         self.sha256 = json_sha256(json_text)
+        self.identity = tokenizer_identity(json.loads(json_text))
 
     def __repr__(self):
         return f"Tokenizer({self.kind}, vocab {self.vocab_size}, from {self.source})"
@@ -150,6 +160,42 @@ def _utf8(text: str) -> bytes:
     except UnicodeEncodeError as e:
         raise ValueError(f"the text holds a lone surrogate U+{ord(text[e.start]):04X} at character {e.start} "
                          "(half of a UTF-16 pair, not a character): fix the text that produced it") from None
+
+
+def file_sha256(json_text: str) -> str:
+    """sha256 of the file's bytes (what `sha256sum tokenizer.json` prints for a UTF-8 file)."""
+    return hashlib.sha256(json_text.encode("utf-8")).hexdigest()
+
+
+# The model's settings whose default a file may write out or leave out (tokenizers 0.20
+# added "ignore_merges"; an older file has none): left out of the identity when default.
+_MODEL_DEFAULTS = {"dropout": None, "unk_token": None, "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                   "fuse_unk": False, "byte_fallback": False, "ignore_merges": False}
+
+
+def tokenizer_identity(doc: dict) -> str:
+    """sha256 of what decides the ids a tokenizer.json gives a text, as ringpipe encodes
+    (no special tokens added): its model (vocabulary, merges, settings), normalizer,
+    pre-tokenizer and added tokens, in canonical JSON. Not the post-processor (it only
+    adds special tokens, which encode(add_special_tokens=False) never asks for), the
+    decoder (text back, not ids), padding, truncation or the format's version: what
+    `transformers`' save_pretrained changes. Merges are compared as pairs, whether the
+    file writes "a b" (tokenizers < 0.20) or ["a", "b"]."""
+    model = doc.get("model")
+    model = dict(model) if isinstance(model, dict) else model
+    if isinstance(model, dict):
+        for key, default in _MODEL_DEFAULTS.items():
+            if key in model and model[key] == default:
+                del model[key]
+        if isinstance(model.get("merges"), list):
+            model["merges"] = [m.split(" ", 1) if isinstance(m, str) else m for m in model["merges"]]
+    added = doc.get("added_tokens") or []
+    if isinstance(added, list):
+        added = sorted(added, key=lambda t: json.dumps(t, sort_keys=True))
+    what = {"model": model, "normalizer": doc.get("normalizer"), "pre_tokenizer": doc.get("pre_tokenizer"),
+            "added_tokens": added}
+    canonical = json.dumps(what, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
 def json_sha256(json_text: str) -> str:
@@ -241,6 +287,7 @@ def from_json(json_text: str, source: str = "tokenizer.json", folder: str | None
             raise
         raise ValueError(f"{source} does not load as a Hugging Face tokenizer ({e}); pass a tokenizer.json "
                          "that `tokenizers.Tokenizer.from_file` reads, 'bytes', or bpe:VOCAB") from None
+    _text_is_text(hf, source)
     try:
         vocab_size = hf.get_vocab_size(with_added_tokens=True)
         # The ids must run 0 .. vocab_size - 1: take the largest id, since added tokens may sit past the model's.
@@ -259,6 +306,17 @@ def from_json(json_text: str, source: str = "tokenizer.json", folder: str | None
             raise
         raise _failed(source, "loading (its first encode)", e) from None
     return Tokenizer("hf", vocab_size, separator, separator_bytes, json_text, hf=hf, source=source)
+
+
+def _text_is_text(hf, source: str) -> None:
+    """Encode special tokens' strings in a text as text (see the module's docstring).
+    The switch is tokenizers' `encode_special_tokens` (0.14 on); a library without it
+    would make "<|endoftext|>" in a document a separator: refused, not done silently."""
+    if not hasattr(hf, "encode_special_tokens"):
+        import tokenizers
+        raise ValueError(f"the tokenizer {source} needs tokenizers >= 0.14 to encode special tokens' strings in "
+                         f"a text as text (this is {tokenizers.__version__}): pip install 'tokenizers>=0.19'")
+    hf.encode_special_tokens = True
 
 
 def _end_of_text(hf, folder):
