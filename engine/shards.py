@@ -14,8 +14,12 @@ then the tokens, little-endian:
     magic 20240520, version 1: uint16 tokens (llm.c's "gpt-2"; a vocabulary of at most 65536)
     magic 20240801, version 7: uint32 tokens (llm.c's "llama-3"; anything larger)
 
-so llm.c reads our shards and we read its. nanoGPT's headerless uint16
-`train.bin` / `val.bin` are read too (open_dataset on such a folder).
+so llm.c reads our shards and we read its. A folder without data.json is read
+as a peer's, as it is (open_dataset): nanoGPT's headerless uint16 `train.bin` /
+`val.bin` (or those names holding llm.c shards), or llm.c's shard folders,
+PREFIX_train_NNNNNN.bin / PREFIX_val_NNNNNN.bin or PREFIX_train.bin /
+PREFIX_val.bin, every shard of a split in sorted order. docs/data-format.md
+is the manual of data.json and of these folders.
 
 Training never reads a whole shard: np.memmap maps the files, and a batch reads
 only the windows it samples. A split's shards are one virtual concatenation
@@ -58,6 +62,12 @@ MAGIC_UINT32, VERSION_UINT32 = 20240801, 7     # llm.c "llama-3"
 _VERSION_OF_MAGIC = {MAGIC_UINT16: VERSION_UINT16, MAGIC_UINT32: VERSION_UINT32}
 _DTYPE_OF_MAGIC = {MAGIC_UINT16: np.dtype("<u2"), MAGIC_UINT32: np.dtype("<u4")}
 NANOGPT_NAMES = ("train.bin", "val.bin")
+# llm.c's dev/data scripts name a split's shards PREFIX_train_000001.bin ... (fineweb)
+# or PREFIX_train.bin (tinyshakespeare): one prefix per dataset.
+LLMC_NAME = re.compile(r"^(.+)_(train|val)(_[0-9]+)?\.bin$")
+# The vocabulary an llm.c shard's magic implies when no tokenizer.json says: its dev/data
+# scripts write GPT-2 tokens as uint16 (version 1) and Llama 3's as uint32 (version 7).
+LLMC_VOCAB = {np.dtype("<u2"): (50257, "GPT-2's"), np.dtype("<u4"): (128256, "Llama 3's")}
 MAX_SHARD_TOKENS = 2**31 - 1                   # header[2] is an int32
 
 MANIFEST_NAME = "data.json"
@@ -488,7 +498,9 @@ def _plain_name(name) -> bool:
 def read_manifest(data_dir: str) -> dict:
     """DATA_DIR/data.json, checked: its types, that every shard exists with a valid
     header, and that the shards' token counts sum to the manifest's. ValueError
-    saying what is wrong otherwise. Reads shard headers only, never tokens."""
+    saying what is wrong otherwise. Reads shard headers only, never tokens.
+    Required: format, version, tokenizer.file, tokenizer.vocab_size, splits.*.shards;
+    the rest is checked when present (docs/data-format.md: a hand-written manifest)."""
     path = os.path.join(data_dir, MANIFEST_NAME)
     if not os.path.lexists(path):
         raise ValueError(f"{path} does not exist: {data_dir} is not a prepared data folder; write one with "
@@ -507,22 +519,31 @@ def read_manifest(data_dir: str) -> dict:
         raise ValueError(f"{path}: manifest version {m['version']} was written by a newer ringpipe (this one reads "
                          f"version {MANIFEST_VERSION}); upgrade ringpipe or prepare the data again")
     _expect(m.get("version") == MANIFEST_VERSION, path, f"its version is {m.get('version')!r}")
+    t = _check_manifest_tokenizer(m, path)
+    _check_manifest_shards(m, path, data_dir, shard_dtype(t["vocab_size"]))
+    _check_manifest_records(m, path)
+    return m
 
+
+def _check_manifest_tokenizer(m: dict, path: str) -> dict:
     t = m.get("tokenizer")
     _expect(isinstance(t, dict), path, "\"tokenizer\" is not an object")
-    _expect(t.get("kind") in ("bytes", "hf"), path, f"tokenizer.kind is {t.get('kind')!r}, not 'bytes' or 'hf'")
+    _expect(t.get("kind", "hf") in ("bytes", "hf"), path, f"tokenizer.kind is {t.get('kind')!r}, not 'bytes' or 'hf'")
     _expect(_plain_name(t.get("file")), path, f"tokenizer.file {t.get('file')!r} is not a file name")
-    _expect(isinstance(t.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", t["sha256"]) is not None, path,
-            "tokenizer.sha256 is not 64 hex digits")
+    for key in ("sha256", "identity"):          # optional: without them the file is taken as it is
+        _expect(key not in t or (isinstance(t[key], str) and re.fullmatch(r"[0-9a-f]{64}", t[key]) is not None),
+                path, f"tokenizer.{key} is not 64 hex digits (leave it out to take {t.get('file')} as it is)")
     _expect(_is_int(t.get("vocab_size"), 1, 2**32), path, "tokenizer.vocab_size is not a whole number in 1..2^32")
-    separator = m.get("separator")
+    separator = m.get("separator", [0])
     _expect(isinstance(separator, list) and separator and all(_is_int(i, 0, t["vocab_size"] - 1) for i in separator),
             path, "\"separator\" is not a list of token ids")
-    _expect(_is_int(m.get("tokens_per_shard"), 1, MAX_SHARD_TOKENS), path, "tokens_per_shard is not a positive int")
+    _expect(_is_int(m.get("tokens_per_shard", 1), 1, MAX_SHARD_TOKENS), path, "tokens_per_shard is not a positive int")
+    return t
 
+
+def _check_manifest_shards(m: dict, path: str, data_dir: str, dtype: np.dtype) -> None:
     splits = m.get("splits")
     _expect(isinstance(splits, dict) and set(splits) == set(SPLITS), path, "\"splits\" must hold train and val")
-    dtype = shard_dtype(t["vocab_size"])
     # A shard in both splits would train on the validation tokens (and validate on
     # training ones); twice in one split, it would count double. Either is refused,
     # by name and by file (a hard or symbolic link is the same file).
@@ -533,7 +554,7 @@ def read_manifest(data_dir: str) -> dict:
         _expect(isinstance(s.get("shards"), list) and all(_plain_name(f) for f in s["shards"]), path,
                 f"splits.{name}.shards is not a list of file names")
         for key in ("tokens", "bytes", "documents"):
-            _expect(_is_int(s.get(key)), path, f"splits.{name}.{key} is not a whole number >= 0")
+            _expect(key not in s or _is_int(s[key]), path, f"splits.{name}.{key} is not a whole number >= 0")
         held = 0
         for file in s["shards"]:
             shard = inspect_shard(os.path.join(data_dir, file))
@@ -546,21 +567,26 @@ def read_manifest(data_dir: str) -> dict:
                                      "data again")
                 listed[key] = (name, file)
             if shard.headerless or shard.dtype != dtype:
-                raise ValueError(f"{shard.path} holds {shard.dtype.name} tokens, but a vocabulary of "
-                                 f"{t['vocab_size']} is stored as {dtype.name}: it does not belong to "
-                                 f"{path}; prepare the data again")
+                raise ValueError(f"{shard.path} holds {'headerless ' if shard.headerless else ''}"
+                                 f"{shard.dtype.name} tokens, but the shards of a vocabulary of "
+                                 f"{m['tokenizer']['vocab_size']} are llm.c shards of {dtype.name} tokens: it does "
+                                 f"not belong to {path}; prepare the data again")
             held += shard.count
-        if held != s["tokens"]:
+        if "tokens" in s and held != s["tokens"]:
             raise ValueError(f"{path}: the {name} shards hold {held} tokens, the manifest says {s['tokens']}: a "
-                             "shard was replaced or the manifest edited; prepare the data again")
-    sources = m.get("sources")
+                             "shard was replaced or the manifest edited; prepare the data again (or, for a "
+                             f"manifest written by hand, correct splits.{name}.tokens or leave it out)")
+
+
+def _check_manifest_records(m: dict, path: str) -> None:
+    """What `ringpipe prepare` records of how the data was made: optional, typed when present."""
+    sources = m.get("sources", [])
     _expect(isinstance(sources, list) and all(isinstance(x, dict) for x in sources), path,
             "\"sources\" is not a list of objects")
     for key in ("split", "skipped"):
-        _expect(isinstance(m.get(key), dict), path, f"\"{key}\" is not an object")
+        _expect(isinstance(m.get(key, {}), dict), path, f"\"{key}\" is not an object")
     for key in ("created", "command"):
-        _expect(isinstance(m.get(key), str), path, f"\"{key}\" is not a string")
-    return m
+        _expect(isinstance(m.get(key, ""), str), path, f"\"{key}\" is not a string")
 
 
 # ---- the dataset ------------------------------------------------------------------------
@@ -594,6 +620,8 @@ class ShardDataset:
         self.description = description
         self._text_bytes = text_bytes or {}
         self._lock_fd = None                      # hold_dataset's shared flock, held while the dataset is open
+        # How the vocabulary was had without a tokenizer (a peer's folder), or None: from the tokenizer.
+        self.assumed_vocab: str | None = None
 
     def describe(self) -> str:
         """What was read, for the run's start-up lines."""
@@ -631,11 +659,15 @@ class ShardDataset:
         tokens = self.splits[split]
         k = int(np.searchsorted(tokens.starts, position, side="right")) - 1
         shard = os.path.basename(tokens.shards[k].path)
-        return BadTokens(f"{self.name}: the {split} split holds token id {token} at token position {position:,} "
-                         f"(token {position - int(tokens.starts[k]):,} of shard {shard}), outside the tokenizer's "
-                         f"vocabulary 0..{self.vocab_size - 1}; the data and its tokenizer do not belong together "
-                         "(a shard was damaged, replaced or written with another tokenizer): prepare the data "
-                         "again", position)
+        where = (f"{self.name}: the {split} split holds token id {token} at token position {position:,} "
+                 f"(token {position - int(tokens.starts[k]):,} of shard {shard}), outside ")
+        if self.assumed_vocab is not None:
+            return BadTokens(f"{where}the vocabulary 0..{self.vocab_size - 1}, which was assumed ({self.assumed_vocab})"
+                             ": the data has no tokenizer.json to say its own; put the tokenizer.json the data was "
+                             f"made with in {self.name}", position)
+        return BadTokens(f"{where}the tokenizer's vocabulary 0..{self.vocab_size - 1}; the data and its tokenizer "
+                         "do not belong together (a shard was damaged, replaced or written with another tokenizer): "
+                         "prepare the data again", position)
 
     def close(self) -> None:
         """Close the shards' files and let go of the dataset's lock."""
@@ -728,11 +760,13 @@ def open_dataset(data_dir: str, seq_len: int, seed: int) -> ShardDataset:
 def _open_folder(data_dir, seq_len, seed):
     if os.path.lexists(os.path.join(data_dir, MANIFEST_NAME)):
         return _open_prepared(data_dir, seq_len, seed)
-    if all(os.path.exists(os.path.join(data_dir, n)) for n in NANOGPT_NAMES):
-        return _open_nanogpt(data_dir, seq_len, seed)
-    raise ValueError(f"--data {data_dir} holds neither {MANIFEST_NAME} (a folder written by `ringpipe prepare`) "
-                     "nor train.bin + val.bin (nanoGPT's); write one with `ringpipe prepare INPUT... "
-                     f"--out {data_dir}`")
+    found = peer_shards(data_dir)
+    if found is None:
+        raise ValueError(f"--data {data_dir} holds neither {MANIFEST_NAME} (a folder written by `ringpipe prepare`) "
+                         "nor train.bin + val.bin (nanoGPT's) nor PREFIX_train*.bin + PREFIX_val*.bin (llm.c's "
+                         f"shards); write one with `ringpipe prepare INPUT... --out {data_dir}`, or see "
+                         "docs/data-format.md")
+    return _open_peer(data_dir, found, seq_len, seed)
 
 
 def _open_prepared(data_dir, seq_len, seed):
@@ -741,41 +775,114 @@ def _open_prepared(data_dir, seq_len, seed):
     t = m["tokenizer"]
     tokenizer_path = os.path.join(data_dir, t["file"])
     tokenizer = load_tokenizer(tokenizer_path)
-    if tokenizer.sha256 != t["sha256"]:
-        raise ValueError(f"{tokenizer_path} is not the tokenizer the data was prepared with (sha256 "
-                         f"{tokenizer.sha256[:12]}..., the manifest says {t['sha256'][:12]}...): it was replaced "
-                         "after `ringpipe prepare`; prepare the data again")
-    if tokenizer.vocab_size != t["vocab_size"] or list(tokenizer.separator) != m["separator"]:
+    check_manifest_tokenizer(tokenizer, t, tokenizer_path)
+    separator = m.get("separator", list(tokenizer.separator))
+    if tokenizer.vocab_size != t["vocab_size"] or list(tokenizer.separator) != separator:
         raise ValueError(f"{tokenizer_path} has {tokenizer.vocab_size} tokens and separator "
-                         f"{list(tokenizer.separator)}, the manifest says {t['vocab_size']} and {m['separator']}; "
-                         "prepare the data again")
+                         f"{list(tokenizer.separator)}, the manifest says {t['vocab_size']} and {separator}; "
+                         "prepare the data again (or, for a manifest written by hand, write the tokenizer's in "
+                         "tokenizer.vocab_size and separator)")
     splits = {s: [inspect_shard(os.path.join(data_dir, f)) for f in m["splits"][s]["shards"]] for s in SPLITS}
     description = f"{data_dir}: tokenizer {tokenizer.kind} (vocab {tokenizer.vocab_size:,})"
+    text_bytes = {s: m["splits"][s].get("bytes") for s in SPLITS}
     return ShardDataset(splits, seq_len, seed, tokenizer.vocab_size, tokenizer, name=data_dir,
-                        description=description, text_bytes={s: m["splits"][s]["bytes"] for s in SPLITS})
+                        description=description, text_bytes=text_bytes)
 
 
-def _open_nanogpt(data_dir, seq_len, seed):
-    from ringpipe.engine.tokenizer import load_tokenizer
-    splits = {s: [inspect_shard(os.path.join(data_dir, f"{s}.bin"))] for s in SPLITS}
-    tokenizer_path = os.path.join(data_dir, "tokenizer.json")
-    if os.path.exists(tokenizer_path):
-        tokenizer = load_tokenizer(tokenizer_path)
-        vocab_size = tokenizer.vocab_size
-        source = f"tokenizer {tokenizer.kind} from tokenizer.json (vocab {vocab_size:,})"
+def check_manifest_tokenizer(tokenizer, entry: dict, path: str) -> None:
+    """The tokenizer file is the one data.json names: by `identity` when it records one
+    (what decides the ids: a file `transformers` re-saved still matches), else by
+    `sha256` (a dataset prepared before identities: the canonical JSON's hash; or a
+    hand-written manifest's `sha256sum` of the file). Neither recorded: taken as it is."""
+    from ringpipe.engine.tokenizer import file_sha256
+    if "identity" in entry:
+        if entry["identity"] == tokenizer.identity:
+            return
+        recorded, found, what = entry["identity"], tokenizer.identity, "identity"
+    elif "sha256" in entry:
+        if entry["sha256"] in (tokenizer.sha256, file_sha256(tokenizer.to_json())):
+            return
+        recorded, found, what = entry["sha256"], tokenizer.sha256, "sha256"
     else:
-        # No tokenizer to say how many ids there are: the largest id in the data sets the
-        # vocabulary (GPT-2's 50257 for nanoGPT's OpenWebText, whose <|endoftext|> is 50256).
-        tokenizer = None
-        largest = -1
-        for split in SPLITS:
-            for block in ConcatenatedShards(splits[split]).blocks(block=16 << 20):
-                largest = max(largest, int(block.max()))
-        vocab_size = largest + 1
-        source = (f"no tokenizer.json: vocab {vocab_size:,} = the largest token id in the data + 1 (put the "
-                  "tokenizer.json the data was made with beside train.bin to use its vocabulary)")
-    description = f"{data_dir}: nanoGPT train.bin/val.bin (headerless uint16), {source}"
-    return ShardDataset(splits, seq_len, seed, vocab_size, tokenizer, name=data_dir, description=description)
+        return
+    raise ValueError(f"{path} is not the tokenizer the data was prepared with: data.json records tokenizer.{what} "
+                     f"{recorded[:12]}..., this file's is {found[:12]}... (ringpipe's {what}: "
+                     "docs/data-format.md). If it was replaced after `ringpipe prepare`, prepare the data again; if "
+                     f"data.json was written by hand, leave tokenizer.{what} out (the file is then taken as it is) "
+                     f"or write {found}")
+
+
+def peer_shards(data_dir: str) -> dict | None:
+    """{split: [file names, in order]} of a folder without data.json holding a peer's
+    shards, or None: nanoGPT's train.bin + val.bin, else llm.c's PREFIX_train*.bin +
+    PREFIX_val*.bin (LLMC_NAME), all of one prefix. Names of one split alone (llm.c's
+    hellaswag_val.bin, an evaluation file) are left out; two datasets are refused."""
+    if all(os.path.exists(os.path.join(data_dir, n)) for n in NANOGPT_NAMES):
+        return {s: [f"{s}.bin"] for s in SPLITS}
+    groups: dict = {}
+    for name in sorted(os.listdir(data_dir)):
+        match = LLMC_NAME.match(name)
+        if match:
+            groups.setdefault(match.group(1), {s: [] for s in SPLITS})[match.group(2)].append(name)
+    complete = sorted(prefix for prefix, g in groups.items() if all(g.values()))
+    if len(complete) > 1:
+        raise ValueError(f"--data {data_dir} holds the llm.c shards of {len(complete)} datasets "
+                         f"({', '.join(complete)}): put each in a folder of its own")
+    if not complete:
+        if groups:
+            lone = ", ".join(f"{p}_{s}*.bin" for p, g in sorted(groups.items()) for s in SPLITS if g[s])
+            raise ValueError(f"--data {data_dir} holds llm.c shards of one split only ({lone}): a dataset needs "
+                             "a train and a val split (PREFIX_train*.bin and PREFIX_val*.bin)")
+        return None
+    return groups[complete[0]]
+
+
+def _open_peer(data_dir, names, seq_len, seed):
+    """A peer's shards (peer_shards): the vocabulary from DATA_DIR/tokenizer.json when
+    there is one; else llm.c's magic says whose tokens they are (LLMC_VOCAB); else
+    (headerless) the largest id + 1, a guess, said so."""
+    splits = {s: [inspect_shard(os.path.join(data_dir, f)) for f in names[s]] for s in SPLITS}
+    every = [shard for s in SPLITS for shard in splits[s]]
+    kinds = {(shard.headerless, shard.dtype) for shard in every}
+    if len(kinds) > 1:
+        raise ValueError(f"--data {data_dir} mixes token files of different formats ({_format_of(every[0])} in "
+                         f"{os.path.basename(every[0].path)}, {_format_of(every[-1])} in "
+                         f"{os.path.basename(every[-1].path)}): a dataset's shards share one format; convert them "
+                         "or put them in separate folders")
+    what = f"{names['train'][0]}... ({_format_of(every[0])})" if len(names["train"]) > 1 else \
+        f"{'/'.join(names['train'] + names['val'])} ({_format_of(every[0])})"
+    tokenizer, vocab_size, source, assumed = _peer_vocabulary(data_dir, splits, every[0])
+    dataset = ShardDataset(splits, seq_len, seed, vocab_size, tokenizer, name=data_dir,
+                           description=f"{data_dir}: {what}, {source}")
+    dataset.assumed_vocab = assumed
+    return dataset
+
+
+def _format_of(shard: Shard) -> str:
+    return "nanoGPT's headerless uint16" if shard.headerless else f"llm.c shards, {shard.dtype.name} tokens"
+
+
+def _peer_vocabulary(data_dir, splits, shard):
+    """(tokenizer or None, vocab_size, what to say of it, None or how it was assumed)."""
+    from ringpipe.engine.tokenizer import load_tokenizer
+    tokenizer_path = os.path.join(data_dir, "tokenizer.json")
+    if os.path.lexists(tokenizer_path):
+        tokenizer = load_tokenizer(tokenizer_path)
+        return (tokenizer, tokenizer.vocab_size,
+                f"tokenizer {tokenizer.kind} from tokenizer.json (vocab {tokenizer.vocab_size:,})", None)
+    hint = "put the tokenizer.json the data was made with beside the shards to use its vocabulary"
+    if not shard.headerless:
+        vocab_size, whose = LLMC_VOCAB[shard.dtype]
+        assumed = f"{whose} vocabulary, {vocab_size:,} tokens, what llm.c's {shard.dtype.name} shards hold"
+        return None, vocab_size, f"no tokenizer.json: vocab {vocab_size:,} ({assumed}; {hint})", assumed
+    # No tokenizer to say how many ids there are: the largest id in the data sets the
+    # vocabulary (GPT-2's 50257 for nanoGPT's OpenWebText, whose <|endoftext|> is 50256).
+    largest = -1
+    for split in SPLITS:
+        for block in ConcatenatedShards(splits[split]).blocks(block=16 << 20):
+            largest = max(largest, int(block.max()))
+    assumed = "the largest token id in the data + 1"
+    return None, largest + 1, f"no tokenizer.json: vocab {largest + 1:,} = {assumed} ({hint})", assumed
 
 
 # ---- prefetching --------------------------------------------------------------------------
