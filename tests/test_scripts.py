@@ -198,7 +198,9 @@ def _make_dry_run(target, tmp_path):
     """The commands `make TARGET` runs where its venv does not exist yet (a fresh clone)."""
     if shutil.which("make") is None:
         pytest.skip("no make on PATH")
-    r = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}"], cwd=ROOT, capture_output=True,
+    # Not the flags of a make this test runs under (make -j2 test would reorder the printed recipes).
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    r = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return r.stdout.splitlines()
