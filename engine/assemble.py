@@ -232,18 +232,24 @@ def shape_data_device(r: Run) -> None:
 def check_assumed_vocab(r: Run) -> None:
     """A peer's data without a tokenizer.json (nanoGPT's, llm.c's) has an assumed vocabulary
     (engine/shards.py: the largest id + 1, or the one llm.c's shard format implies). Starting
-    from a model of another size, say that and what to do, rather than blame a tokenizer
-    the data does not have."""
+    from a model, or resuming one, of another size: say that and what to do, rather than
+    blame a tokenizer the data does not have."""
     assumed = getattr(r.dataset, "assumed_vocab", None)
-    if not (r.init and assumed) or r.dataset.vocab_size == r.init[0].vocab:
+    saved = (r.manifest.get("model_config") or {}).get("vocab")
+    if r.init:
+        model, whose, tokenizer = r.init[0].vocab, "the model of <init_from>", r.init[2]
+        missing = f"the model's folder has none at {os.path.join(r.cfg.hf_dir, 'tokenizer.json')}"
+    else:
+        model, whose, tokenizer = saved, "the checkpoint's model", None
+        missing = "the run directory's tokenizer.json, where it has one"
+    if not assumed or model is None or r.dataset.vocab_size == model:
         return
-    model_tokenizer = r.init[2] or os.path.join(r.cfg.hf_dir, "tokenizer.json")
-    fix = (f"copy the model's tokenizer into it (cp {model_tokenizer} {r.cfg.data}/)" if r.init[2] else
-           f"put the tokenizer.json the data was made with in it (the model's folder has none at {model_tokenizer})")
+    fix = (f"copy the model's tokenizer into it (cp {tokenizer} {r.cfg.data}/)" if tokenizer else
+           f"put the tokenizer.json the data was made with in it ({missing})")
     raise ConfigError(f"<data> {r.cfg.data} has no tokenizer.json, so its vocabulary was assumed to be "
-                      f"{r.dataset.vocab_size} ({assumed}), but the model of <init_from> has {r.init[0].vocab} "
-                      f"tokens. If the data was made with the model's tokenizer (GPT-2's for nanoGPT's and llm.c's "
-                      f"GPT-2 data), {fix}: its vocabulary is then the data's, and it is checked to be the model's")
+                      f"{r.dataset.vocab_size} ({assumed}), but {whose} has {model} tokens. If the data was made "
+                      f"with the model's tokenizer (GPT-2's for nanoGPT's and llm.c's GPT-2 data), {fix}: its "
+                      "vocabulary is then the data's, and it is checked to be the model's")
 
 
 def check_tokenizer(r: Run) -> None:

@@ -298,3 +298,16 @@ def test_a_dataset_prepared_before_identities_is_still_read(tmp_path):
     del m["tokenizer"]["identity"]                                     # as ringpipe wrote it before
     path.write_text(json.dumps(m))
     shards.open_dataset(str(tmp_path / "d"), 16, 0).close()
+
+
+def test_resuming_on_nanogpt_data_of_another_assumed_vocabulary_says_what_to_do(tmp_path):
+    data = tmp_path / "nano"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    rng.integers(97, 123, 3000).astype("<u2").tofile(data / "train.bin")
+    rng.integers(97, 123, 500).astype("<u2").tofile(data / "val.bin")
+    train(str(tmp_path), str(data), steps=2)
+    np.full(500, 200, dtype="<u2").tofile(data / "val.bin")              # now the largest id says 201
+    with pytest.raises(ConfigError, match=r"assumed to be 201 .*but the checkpoint's model has 123 tokens.*put "
+                                          "the tokenizer.json the data was made with in it"):
+        train(str(tmp_path), str(data), steps=4, resume="auto", overwrite=False)
