@@ -258,7 +258,12 @@ def check_tokenizer(r: Run) -> None:
     tokenizer.json that `transformers` re-saved is the same tokenizer."""
     mine = r.tokenizer.identity if r.tokenizer is not None else None
     saved = r.manifest.get("tokenizer")
-    if saved and mine and saved["sha256"] != r.tokenizer.sha256 and _saved_identity(r, saved) != mine:
+    kept = _saved_tokenizer(r, saved) if saved and mine and saved["sha256"] != r.tokenizer.sha256 else None
+    if kept is not None and kept.identity == mine:
+        # The same tokenizer in another file (re-saved): the run keeps its own, which its
+        # checkpoints' sha256 names (`ringpipe export` and `sample` check it by that).
+        r.tokenizer = kept
+    elif saved and mine and saved["sha256"] != r.tokenizer.sha256:
         raise ConfigError(f"the data was prepared with another tokenizer (identity {mine[:12]}...) than the "
                           f"checkpoint's run ({saved['file']} in its run directory, sha256 {saved['sha256'][:12]}"
                           "...): train on data prepared with that tokenizer (`ringpipe prepare ... --tokenizer "
@@ -280,14 +285,15 @@ def check_tokenizer(r: Run) -> None:
                               f"`ringpipe prepare ... --tokenizer {r.init[2]}`")
 
 
-def _saved_identity(r: Run, saved: dict):
-    """The identity of the tokenizer a checkpoint's run saved (RUN_DIR/FILE), or None when
-    it cannot be read (then only the sha256 the checkpoint records was compared)."""
+def _saved_tokenizer(r: Run, saved: dict):
+    """The tokenizer a checkpoint's run saved (RUN_DIR/FILE) when it is the file the checkpoint
+    records, or None (missing, unreadable, or another file: then the sha256 decides alone)."""
     from ringpipe.engine.tokenizer import load_tokenizer
     try:
-        return load_tokenizer(os.path.join(r.cfg.out_dir, saved["file"])).identity
+        tokenizer = load_tokenizer(os.path.join(r.cfg.out_dir, saved["file"]))
     except (ValueError, OSError):
         return None
+    return tokenizer if tokenizer.sha256 == saved["sha256"] else None
 
 
 def open_dataset(cfg: Config, seq_len, stdlib_dir=None):

@@ -482,7 +482,8 @@ def write_manifest(data_dir: str, manifest: dict) -> str:
 
 def _expect(ok: bool, path: str, what: str):
     if not ok:
-        raise ValueError(f"{path}: {what}; the manifest is damaged or from another program: prepare the data again")
+        raise ValueError(f"{path}: {what}; the manifest is damaged or from another program: prepare the data again "
+                         "(or, written by hand, correct it: docs/data-format.md gives every field)")
 
 
 def _is_int(value, low=0, high=None) -> bool:

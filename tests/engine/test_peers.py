@@ -311,3 +311,15 @@ def test_resuming_on_nanogpt_data_of_another_assumed_vocabulary_says_what_to_do(
     with pytest.raises(ConfigError, match=r"assumed to be 201 .*but the checkpoint's model has 123 tokens.*put "
                                           "the tokenizer.json the data was made with in it"):
         train(str(tmp_path), str(data), steps=4, resume="auto", overwrite=False)
+
+
+def test_a_resume_on_data_whose_tokenizer_was_resaved_keeps_the_runs_tokenizer_file(tmp_path):
+    from ringpipe.engine import prepare as prep
+    prep.prepare([_corpus(tmp_path)], tmp_path / "d", tokenizer="bpe:300", progress=False)
+    out, _ = train(str(tmp_path), str(tmp_path / "d"), steps=2)
+    before = (tmp_path / "run" / "tokenizer.json").read_text()
+    shutil.copytree(tmp_path / "d", tmp_path / "again", ignore=shutil.ignore_patterns("prepare.lock"))
+    (tmp_path / "again" / "tokenizer.json").write_text(resaved(before))   # data.json's identity still matches
+    _, rows = train(str(tmp_path), str(tmp_path / "again"), steps=4, resume="auto", overwrite=False)
+    assert [r["step"] for r in rows if "loss" in r][-1] == 4
+    assert (tmp_path / "run" / "tokenizer.json").read_text() == before   # what the checkpoints' sha256 names
