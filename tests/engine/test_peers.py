@@ -323,3 +323,14 @@ def test_a_resume_on_data_whose_tokenizer_was_resaved_keeps_the_runs_tokenizer_f
     _, rows = train(str(tmp_path), str(tmp_path / "again"), steps=4, resume="auto", overwrite=False)
     assert [r["step"] for r in rows if "loss" in r][-1] == 4
     assert (tmp_path / "run" / "tokenizer.json").read_text() == before   # what the checkpoints' sha256 names
+
+
+def test_init_from_notes_that_data_without_a_tokenizer_was_checked_by_size_only(tmp_path):
+    from ringpipe.engine import hf
+    from ringpipe.engine.gpt import GPTConfig
+    (tmp_path / "config.json").write_text("{}")
+    init = (GPTConfig(vocab=50257), {}, str(tmp_path / "tokenizer.json"))
+    notes = hf.check_init_data(str(tmp_path), init, 50257, data_has_tokenizer=False)
+    assert any("the data has no tokenizer.json" in n and "Copy that tokenizer.json beside" in n for n in notes)
+    with pytest.raises(hf.HFError, match=r"the data's vocabulary \(it has no tokenizer.json\) is 128256 tokens"):
+        hf.check_init_data(str(tmp_path), init, 128256, data_has_tokenizer=False)
