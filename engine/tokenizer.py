@@ -173,6 +173,30 @@ _MODEL_DEFAULTS = {"dropout": None, "unk_token": None, "continuing_subword_prefi
                    "fuse_unk": False, "byte_fallback": False, "ignore_merges": False}
 
 
+# Settings of a normalizer or pre-tokenizer that newer `tokenizers` write out and older files
+# leave out (GPT-2's Hub tokenizer.json has no "use_regex"): filled in with the default the
+# library reads a missing one as, so a file re-saved by a newer library keeps its identity.
+_COMPONENT_DEFAULTS = {"ByteLevel": {"add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+                       "Metaspace": {"replacement": "\u2581", "split": True}}
+
+
+def _with_defaults(component):
+    """A normalizer or pre-tokenizer (nested in a Sequence too) with _COMPONENT_DEFAULTS filled in.
+    Metaspace's older add_prefix_space is its prepend_scheme "always" / "never"."""
+    if isinstance(component, list):
+        return [_with_defaults(c) for c in component]
+    if not isinstance(component, dict):
+        return component
+    out = {key: _with_defaults(value) for key, value in component.items()}
+    for key, default in _COMPONENT_DEFAULTS.get(out.get("type"), {}).items():
+        out.setdefault(key, default)
+    if out.get("type") == "Metaspace" and "prepend_scheme" not in out:
+        out["prepend_scheme"] = "always" if out.pop("add_prefix_space", True) else "never"
+    elif out.get("type") == "Metaspace":
+        out.pop("add_prefix_space", None)
+    return out
+
+
 def tokenizer_identity(doc: dict) -> str:
     """sha256 of what decides the ids a tokenizer.json gives a text, as ringpipe encodes
     (no special tokens added): its model (vocabulary, merges, settings), normalizer,
@@ -180,7 +204,8 @@ def tokenizer_identity(doc: dict) -> str:
     adds special tokens, which encode(add_special_tokens=False) never asks for), the
     decoder (text back, not ids), padding, truncation or the format's version: what
     `transformers`' save_pretrained changes. Merges are compared as pairs, whether the
-    file writes "a b" (tokenizers < 0.20) or ["a", "b"]."""
+    file writes "a b" (tokenizers < 0.20) or ["a", "b"]; a setting left out is its default
+    (_MODEL_DEFAULTS, _COMPONENT_DEFAULTS)."""
     model = doc.get("model")
     model = dict(model) if isinstance(model, dict) else model
     if isinstance(model, dict):
@@ -192,8 +217,8 @@ def tokenizer_identity(doc: dict) -> str:
     added = doc.get("added_tokens") or []
     if isinstance(added, list):
         added = sorted(added, key=lambda t: json.dumps(t, sort_keys=True))
-    what = {"model": model, "normalizer": doc.get("normalizer"), "pre_tokenizer": doc.get("pre_tokenizer"),
-            "added_tokens": added}
+    what = {"model": model, "normalizer": _with_defaults(doc.get("normalizer")),
+            "pre_tokenizer": _with_defaults(doc.get("pre_tokenizer")), "added_tokens": added}
     canonical = json.dumps(what, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 

@@ -184,6 +184,30 @@ def test_a_resaved_tokenizer_has_the_same_identity_and_a_changed_one_does_not():
     assert tk.from_json(json.dumps(doc)).identity != tok.identity
 
 
+def test_a_file_in_an_older_form_keeps_its_identity_when_a_newer_library_writes_it():
+    """GPT-2's Hub tokenizer.json predates "use_regex", "byte_fallback", "ignore_merges" and
+    merges as pairs: what save_pretrained (the library's serialisation) writes out for it."""
+    tokenizers = pytest.importorskip("tokenizers")
+    doc = json.loads(_small_bpe().to_json())
+    doc["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True}
+    doc["model"] = {k: v for k, v in doc["model"].items() if k not in ("ignore_merges", "byte_fallback")}
+    doc["model"]["merges"] = [" ".join(m) for m in doc["model"]["merges"]]
+    older = json.dumps(doc)
+    newer = tokenizers.Tokenizer.from_str(older).to_str()
+    assert json.loads(newer)["pre_tokenizer"] != doc["pre_tokenizer"]     # the library did write it differently
+    assert tk.from_json(newer).identity == tk.from_json(older).identity
+
+
+def test_metaspaces_older_add_prefix_space_is_its_prepend_scheme():
+    old = {"model": {"type": "BPE", "vocab": {}, "merges": []},
+           "pre_tokenizer": {"type": "Metaspace", "replacement": "\u2581", "add_prefix_space": True}}
+    new = {"model": {"type": "BPE", "vocab": {}, "merges": []},
+           "pre_tokenizer": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": True}}
+    assert tk.tokenizer_identity(old) == tk.tokenizer_identity(new)
+    new["pre_tokenizer"]["prepend_scheme"] = "never"
+    assert tk.tokenizer_identity(old) != tk.tokenizer_identity(new)
+
+
 def _random_gpt2(folder, vocab):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
