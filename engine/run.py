@@ -278,8 +278,15 @@ def say_best(r: Run, best: Best) -> None:
     bpb = f" ({best.val_loss / math.log(2) / per_token:.3f} bits/byte)" if per_token else ""
     worse = (": no step improved on the model as given (lower <lr> or fewer <steps>)"
              if best.step == 0 and r.cfg.fine_tuning else "")
-    r.report.say(f"best validation: step {best.step}, val {best.val_loss:.4f}{bpb}{worse}; its checkpoint is {path} "
-                 f"(ringpipe export {folder} ..., ringpipe sample {folder} ...)")
+    if not r.report.is_main or os.path.exists(path):
+        kept = f"its checkpoint is {path} (ringpipe export {folder} ..., ringpipe sample {folder} ...)"
+    else:
+        # Resumed from before a better step that this run, with other settings, did not reach
+        # again: the folder holds that step's checkpoint, which is not this run's best.
+        held = ", ".join(os.path.basename(p) for p in checkpoint.list_checkpoints(folder)) or "nothing"
+        kept = (f"its checkpoint is not kept: {folder} holds {held}, written before this run resumed from step "
+                f"{r.start_step}, by a trajectory this one left")
+    r.report.say(f"best validation: step {best.step}, val {best.val_loss:.4f}{bpb}{worse}; {kept}")
 
 
 # What stop.fail() is given when this rank's rows of the next batch cannot be used:
@@ -430,9 +437,10 @@ def sample(r: Run, arrays: dict) -> None:
     from ringpipe.engine.gpt import build_gpt, fit_vocab_rows, generate
     if r.tokenizer is None:
         # Token ids without a tokenizer say nothing to a reader; a silent skip looked like a bug.
-        r.report.say("no sample at the end: the data has no tokenizer (a nanoGPT train.bin/val.bin folder without "
-                     "tokenizer.json), so nothing can turn token ids into text; put the tokenizer.json of the "
-                     "data beside them, or prepare it with `ringpipe prepare`; <sample_bytes> 0 skips the sample")
+        r.report.say("no sample at the end: the data has no tokenizer (token shards, nanoGPT's or llm.c's, without "
+                     "a tokenizer.json beside them), so nothing can turn token ids into text; put the tokenizer.json "
+                     "the data was made with beside the shards, or prepare the text with `ringpipe prepare`; "
+                     "<sample_bytes> 0 skips the sample")
         return
     full = build_gpt(r.shape, dtype=r.dtype)
     arrays = fit_vocab_rows(arrays, r.shape, r.shape.padded_vocab)     # a tp not dividing 128 pads further

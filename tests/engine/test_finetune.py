@@ -170,6 +170,23 @@ def test_keep_best_resumes_bit_identical_with_the_same_best(tmp_path, model):
     assert all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def test_a_resume_that_leaves_the_best_trajectory_does_not_claim_its_checkpoint(tmp_path, model, capsys):
+    out = fine_tune(tmp_path, model, "ft", steps=4, eval_every=1, checkpoint_every=2, lr=0.05)
+    assert min(validation(out), key=validation(out).get) == 0         # every step worse: the best is step 0
+    drop_last_checkpoint(out, 4)
+    # As a run stopped after a better step 3 than this run will reach would have left OUT/best.
+    arrays, manifest = checkpoint.load(os.path.join(out, "checkpoints", "ckpt_00000002.json"))
+    meta = {k: v for k, v in manifest.items() if k not in ("format", "step", "npz", "npz_bytes", "npz_crc32",
+                                                            "checksum")}
+    checkpoint.save(rundir.best_path(out), 3, arrays, meta, alone=True)
+    capsys.readouterr()
+    fine_tune(tmp_path, model, "ft", steps=4, eval_every=1, checkpoint_every=2, lr=0.05, resume="auto",
+              overwrite=False)
+    said = capsys.readouterr().out
+    assert "best validation: step 0, val" in said
+    assert "its checkpoint is not kept" in said and "ckpt_00000003.json, written before this run resumed" in said
+
+
 def test_best_holds_one_checkpoint_and_a_fresh_start_moves_it_aside(tmp_path, model):
     out = fine_tune(tmp_path, model, "ft", steps=6, eval_every=1)
     assert len(best_checkpoints(out)) == 1
