@@ -4,7 +4,7 @@ sampled like a run, kept across a resume), the fine-tuning defaults, and why a r
 without a tokenizer samples nothing at the end.
 
 The Hugging Face folder is a `ringpipe export` of a small run (no torch needed). Under
-MPI (`-m mpi --with-mpi`, 2 ranks): --keep-best at dp 2 and pp 2 keeps the step and the
+MPI (`-m mpi --with-mpi`, 2 ranks): --keep-best at dp 2, pp 2 and tp 2 keeps the step and the
 weights one process keeps.
 """
 import json
@@ -271,9 +271,9 @@ def test_the_keep_best_flag():
     assert [parse_args(flags).keep_best for flags in ([], ["--keep-best"], ["--no-keep-best"])] == [None, True, False]
 
 
-# ---- MPI: --keep-best at every layout keeps what one process keeps ------------------------------
+# ---- MPI: --keep-best at every layout keeps what one process keeps ----------------------------
 
-LAYOUTS = {"dp2": dict(), "pp2": dict(pp=2, microbatches=2)}
+LAYOUTS = {"dp2": dict(), "pp2": dict(pp=2, microbatches=2), "tp2": dict(tp=2)}
 
 
 @pytest.mark.mpi(min_size=2)
