@@ -1,7 +1,7 @@
 """Every example in README.md and docs/*.md runs as written, in order (issue 21).
 
-What runs: each fenced ```bash block, and the `$ ` lines of each ```console block, of
-README.md and then of docs/*.md (sorted by name; a new file there is picked up by itself),
+What runs: each fenced ```bash block, the `$ ` lines of each ```console block, and each
+```python block (fed to `python -`), of README.md and then of docs/*.md (sorted by name; a new file there is picked up by itself),
 one block after another, in one fresh copy of the checkout (the files git knows, with the
 working tree's contents), with the project's .venv first on PATH: the state a reader is in
 who has run `make train` and follows the text from the top.
@@ -14,7 +14,7 @@ who has run `make train` and follows the text from the top.
 - Skips, each with its reason in the markdown, on the last line before the block:
   `<!-- example: skip (REASON) -->` never runs here (GPUs, real clusters, the test suite
   itself); `<!-- example: needs NAME -->` runs where NAME (a key of NEEDS) is present.
-  Every other fence names a language that is not a command (```text, ```python).
+  Every other fence names a language that is not run (```text, ```json).
 - The state `make train` leaves: the setup runs the Makefile's own `train` recipe with 3 steps
   (runs/gpt, the stdlib shards in ~/.cache/ringpipe). `my_texts/`, the reader's own text in
   the README's walk-through, is a few of the Python standard library's modules copied as .txt.
@@ -22,6 +22,7 @@ who has run `make train` and follows the text from the top.
   variables are dropped, PYTHONPATH makes `ringpipe` the copy's code (so its Numba cache is
   the copy's), and both are removed afterwards.
 """
+import importlib.util
 import math
 import os
 import re
@@ -39,11 +40,13 @@ STEP_DIVISOR = 100
 STEP_FLAGS = ("--steps", "--checkpoint-every", "--eval-every", "--log-every", "--warmup", "--decay-steps")
 DEFAULT_STEPS = 300                 # ringpipe train's --steps default (Config.steps; checked below)
 BLOCK_TIMEOUT_S = 600               # a block that takes longer has hung: its process group is killed
-RUNNABLE = ("bash", "sh", "shell", "console")
+RUNNABLE = ("bash", "sh", "shell", "console", "python")
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
 # `<!-- example: needs NAME -->`: NAME -> (is it here?, what to install when not)
 NEEDS = {
     "fashion-mnist": (lambda: os.path.isdir(FASHION_MNIST_DIR), "apt-get install dataset-fashion-mnist"),
+    "gpu": (lambda: importlib.util.find_spec("cupy") is not None and shutil.which("nvidia-smi") is not None,
+            "an NVIDIA GPU and CuPy: pip install cupy-cuda12x"),
 }
 MARKER = re.compile(r"<!--\s*example:\s*(.*?)\s*-->")
 FENCE = re.compile(r"^(`{3,})\s*([\w+-]*)")
@@ -62,7 +65,10 @@ class Block:
     marker: str | None   # the text of its `<!-- example: ... -->`, if any
 
     def commands(self) -> list:
-        """The commands a reader types, one logical line each (a trailing backslash continues)."""
+        """The commands a reader types, one logical line each (a trailing backslash continues);
+        a python block is one command: python reading it."""
+        if self.language == "python":
+            return ["python - <<'END_OF_EXAMPLE'\n" + "\n".join(self.lines) + "\nEND_OF_EXAMPLE"]
         if self.language == "console":
             typed, continuing = [], False
             for ln in self.lines:
