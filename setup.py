@@ -58,5 +58,5 @@ setup(
         "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["ringpipe=ringpipe.cli:main",
-                                      "ringpipe-train=ringpipe.engine.cli:main"]},
+                                      "ringpipe-train=ringpipe.engine.train.cli:main"]},
 )

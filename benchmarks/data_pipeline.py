@@ -44,7 +44,7 @@ import time
 # The environment as given, before set_thread_defaults adds to it: what the subprocesses get.
 _GIVEN_ENV = dict(os.environ)
 
-from ringpipe.engine import runtime  # noqa: E402
+from ringpipe.engine.job import runtime  # noqa: E402
 
 runtime.set_thread_defaults()       # as ringpipe train does, before numpy loads BLAS
 runtime.reuse_freed_memory()
@@ -53,9 +53,9 @@ import numpy as np  # noqa: E402
 
 from _common import (choice_list, int_list, median, nonneg_int, output_path, positive_float,  # noqa: E402
                      positive_int, size_arg, table, write_json)
-from ringpipe.engine import shards  # noqa: E402
-from ringpipe.engine import tokenizer as tokenizers_  # noqa: E402
-from ringpipe.engine.data import _looks_like_text, stdlib_files  # noqa: E402
+from ringpipe.engine.data import shards  # noqa: E402
+from ringpipe.engine.data import tokenizer as tokenizers_  # noqa: E402
+from ringpipe.engine.data.datasets import looks_like_text, stdlib_files  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEMORY_GOAL = 0.10       # RSS growth / corpus bytes on disk
@@ -244,7 +244,7 @@ def make_text_corpus(folder: str, total_bytes: int) -> tuple[list[str], int]:
                     raw = fh.read()
             except OSError:
                 continue
-            if not raw or not _looks_like_text(raw[:8192]):
+            if not raw or not looks_like_text(raw[:8192]):
                 continue
             try:
                 raw.decode("utf-8")
@@ -347,7 +347,7 @@ def bench_prepare(args, tmp):
 def write_corpus(folder, n_tokens, tokens_per_shard, seed, seq_len):
     """Random byte-vocabulary tokens as uint16 shards (generated GEN_CHUNK at a time) and
     the data.json prepare would write for them (open_dataset reads it)."""
-    from ringpipe.engine import prepare
+    from ringpipe.engine.data import prepare
     tok = tokenizers_.bytes_tokenizer()
     n_val = max(seq_len + 2, int(n_tokens * VAL_FRACTION))
     sizes = {"train": n_tokens - n_val, "val": n_val}
@@ -382,7 +382,7 @@ def write_corpus(folder, n_tokens, tokens_per_shard, seed, seq_len):
 _LOADER_PROBE = r"""
 import json, sys, time
 import numpy as np
-from ringpipe.engine import shards, tokenizer
+from ringpipe.engine.data import shards, tokenizer
 
 def status():
     out = {}
@@ -440,8 +440,8 @@ def memory_row(cache, probe, corpus_bytes):
 # ---- 3. a training step and the prefetcher's wait -------------------------------------------
 
 def bench_training(args, data_dir, shard_paths):
-    from ringpipe.engine.gpt import GPTConfig, build_gpt
-    from ringpipe.engine.optim import AdamW
+    from ringpipe.engine.model.gpt import GPTConfig, build_gpt
+    from ringpipe.engine.model.optim import AdamW
     cfg = GPTConfig(n_layer=args.layers, d_model=args.d_model, n_head=args.heads, context=args.seq_len, vocab=256)
     model = build_gpt(cfg, dtype=np.float32)
     opt = AdamW(model.params.size, np.float32, np, wd_mask=model.params.wd_mask)

@@ -40,7 +40,7 @@ import zipfile
 
 import numpy as np
 
-from ringpipe.engine import checkpoint
+from ringpipe.engine.job import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -384,7 +384,7 @@ def prepare_args(corpus, out, *extra):
 
 def dataset_id(folder):
     """A valid prepared dataset's fingerprint (its tokenizer and every shard's bytes, in order), or None."""
-    from ringpipe.engine import shards
+    from ringpipe.engine.data import shards
     import hashlib
     try:
         m = shards.read_manifest(folder)

@@ -47,7 +47,7 @@ from _common import choice_list, median, nonneg_int, output_path, positive_int, 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FRAMEWORKS = ("ringpipe", "torch")
 GPT2_VOCAB = 50257
-PRESET = "gpt2-124m"                 # engine/gpt.py PRESETS: (n_layer, d_model, n_head, context)
+PRESET = "gpt2-124m"                 # engine/model/gpt.py PRESETS: (n_layer, d_model, n_head, context)
 QUICK_SHAPE = (2, 64, 2, 64)
 QUICK = {"batch": 2, "seq": 64, "steps": 3, "warmup": 1, "rounds": 1}
 DEFAULTS = {"batch": 1, "seq": 1024, "steps": 5, "warmup": 2, "rounds": 2}
@@ -128,14 +128,14 @@ def _blas_threads():
 
 
 def child_ringpipe(spec):
-    from ringpipe.engine import runtime
+    from ringpipe.engine.job import runtime
     runtime.set_thread_defaults()          # as `ringpipe train` does, before numpy loads BLAS
     runtime.reuse_freed_memory()
     import numpy as np
     from ringpipe import kernels as K
-    from ringpipe.engine.config import Config, memory_floor
-    from ringpipe.engine.gpt import GPTConfig, flops_per_token, gpt_layers
-    from ringpipe.engine.optim import clip_scale, make_optimizer
+    from ringpipe.engine.train.config import Config, memory_floor
+    from ringpipe.engine.model.gpt import GPTConfig, flops_per_token, gpt_layers
+    from ringpipe.engine.model.optim import clip_scale, make_optimizer
     from ringpipe.engine.parallel.local import LocalModel
     import_rss = _rss_bytes()
 
@@ -322,7 +322,7 @@ def parse_args(argv=None):
     for key, value in base.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    from ringpipe.engine.gpt import PRESETS       # not in the children: they import what they measure
+    from ringpipe.engine.model.gpt import PRESETS       # not in the children: they import what they measure
     args.shape = QUICK_SHAPE if args.quick else PRESETS[PRESET]
     if args.seq > args.shape[3]:
         p.error(f"argument --seq: {args.seq} exceeds the model's context {args.shape[3]}")
@@ -335,7 +335,7 @@ def main(argv=None):
         return child_main(*args.child)
     spec = {"shape": list(args.shape), "batch": args.batch, "seq": args.seq, "steps": args.steps,
             "warmup": args.warmup, "threads": args.threads, "torch_attn": args.torch_attn}
-    from ringpipe.engine.gpt import GPTConfig, flops_per_token
+    from ringpipe.engine.model.gpt import GPTConfig, flops_per_token
     n_layer, d_model, n_head, context = args.shape
     cfg = GPTConfig(n_layer=n_layer, d_model=d_model, n_head=n_head, context=context, vocab=GPT2_VOCAB)
     fpt = flops_per_token(cfg, args.seq)

@@ -36,9 +36,9 @@ from mpi4py import MPI  # noqa: E402
 
 
 from _common import choice_list, int_list, output_path, positive_int  # noqa: E402
-from ringpipe.engine.gpt import GPTConfig, gpt_layers  # noqa: E402
-from ringpipe.engine.pipeline import SCHEDULE_NAMES, simulate, theoretical_bubble  # noqa: E402
-from ringpipe.engine.parallel.pipeline import PipelineModel  # noqa: E402
+from ringpipe.engine.model.gpt import GPTConfig, gpt_layers  # noqa: E402
+from ringpipe.engine.schedules import SCHEDULE_NAMES, simulate, theoretical_bubble  # noqa: E402
+from ringpipe.engine.parallel.pipeline.stage import PipelineModel  # noqa: E402
 
 
 def run_config(grid, cfg, schedule, m, v, mb_size, seq, steps):

@@ -41,12 +41,12 @@ from ringpipe import comm  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from _common import median, output_path, positive_int, table, write_json  # noqa: E402
-from ringpipe.engine.config import Config  # noqa: E402
-from ringpipe.engine.gpt import GPTConfig, flops_per_token, gpt_layers  # noqa: E402
-from ringpipe.engine.model import LayerChain  # noqa: E402
-from ringpipe.engine.parallel import build_rank_model  # noqa: E402
+from ringpipe.engine.train.config import Config  # noqa: E402
+from ringpipe.engine.model.gpt import GPTConfig, flops_per_token, gpt_layers  # noqa: E402
+from ringpipe.engine.model.chain import LayerChain  # noqa: E402
+from ringpipe.engine.parallel.compose import build_rank_model  # noqa: E402
 from ringpipe.engine.parallel.tensor import TensorGroup  # noqa: E402
-from ringpipe.engine.pipeline.executor import nbytes  # noqa: E402
+from ringpipe.engine.parallel.pipeline.executor import nbytes  # noqa: E402
 
 DTYPE = np.float32
 

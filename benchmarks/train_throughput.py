@@ -21,7 +21,7 @@ import time
 from collections import defaultdict
 
 
-from ringpipe.engine import runtime  # noqa: E402
+from ringpipe.engine.job import runtime  # noqa: E402
 
 runtime.set_thread_defaults()       # as ringpipe train does, before numpy loads BLAS
 runtime.reuse_freed_memory()
@@ -29,10 +29,10 @@ runtime.reuse_freed_memory()
 import numpy as np  # noqa: E402
 
 from ringpipe import kernels as K  # noqa: E402
-from ringpipe.engine.gpt import GPTConfig, build_gpt, flops_per_token  # noqa: E402
+from ringpipe.engine.model.gpt import GPTConfig, build_gpt, flops_per_token  # noqa: E402
 from ringpipe.kernels.ops import OP_NAMES  # noqa: E402
-from ringpipe.engine.optim import AdamW  # noqa: E402
-from ringpipe.engine.pipeline.partition import time_layers  # noqa: E402
+from ringpipe.engine.model.optim import AdamW  # noqa: E402
+from ringpipe.engine.parallel.pipeline.partition import time_layers  # noqa: E402
 
 
 def gemm_peak(n, dtype, repeats):

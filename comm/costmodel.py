@@ -24,7 +24,7 @@ deeply nested JSON counts as no cache, and an entry is used only if its alpha
 and beta are finite (alpha >= 0, beta > 0: a beta of 0 divided by zero) and it
 is for this node layout. Anything else is warned about and measured again; a
 path that is not a regular file is never written over. (comm may not import
-engine/files.py, which does the same for the engine's files.)
+engine/job/files.py, which does the same for the engine's files.)
 """
 from __future__ import annotations
 

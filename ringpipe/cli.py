@@ -12,12 +12,12 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
-    "prepare": ("ringpipe.engine.prepare", "tokenize text files (txt, jsonl, parquet) into token shards"),
-    "train": ("ringpipe.engine.cli", "train a GPT or MLP on one or many MPI ranks"),
-    "sample": ("ringpipe.engine.sample", "generate text from a trained GPT (a run directory or checkpoint)"),
-    "export": ("ringpipe.engine.hf", "write a trained GPT as a Hugging Face folder (transformers loads it)"),
-    "pipeline": ("ringpipe.engine.pipeline.__main__", "print, validate and simulate a pipeline schedule"),
-    "finished": ("ringpipe.engine.rundir", "did every rank of a run finish? (check it, not the launcher's exit code)"),
+    "prepare": ("ringpipe.engine.data.prepare", "tokenize text files (txt, jsonl, parquet) into token shards"),
+    "train": ("ringpipe.engine.train.cli", "train a GPT or MLP on one or many MPI ranks"),
+    "sample": ("ringpipe.engine.interop.sample", "generate text from a trained GPT (a run directory or checkpoint)"),
+    "export": ("ringpipe.engine.interop.hf", "write a trained GPT as a Hugging Face folder (transformers loads it)"),
+    "pipeline": ("ringpipe.engine.schedules.__main__", "print, validate and simulate a pipeline schedule"),
+    "finished": ("ringpipe.engine.job.rundir", "did every rank of a run finish? (check it, not the launcher's exit code)"),
 }
 
 COLLECTIVE_TOOLS = {"prepare"}       # train handles its own signals (a stop is a checkpoint)
@@ -41,8 +41,8 @@ def main(argv=None) -> None:
         sys.exit(2)
     if name in COLLECTIVE_TOOLS:
         # Its ranks meet in collectives: a signal during start-up is held until the tool can
-        # end the whole job on it (engine/lifecycle.py, hold_signals).
-        from ringpipe.engine.lifecycle import hold_signals
+        # end the whole job on it (engine/job/lifecycle.py, hold_signals).
+        from ringpipe.engine.job.lifecycle import hold_signals
         hold_signals()
     from importlib import import_module
     sys.exit(import_module(COMMANDS[name][0]).main(rest, prog=f"ringpipe {name}") or 0)

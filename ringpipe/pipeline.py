@@ -2,6 +2,6 @@
 if __name__ == "__main__":
     import sys
 
-    from ringpipe.engine.pipeline.__main__ import main
+    from ringpipe.engine.schedules.__main__ import main
 
     sys.exit(main(prog="python -m ringpipe.pipeline"))

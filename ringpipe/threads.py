@@ -6,7 +6,7 @@ several ranks on one node each start one thread per core, and OpenMP's threads
 spin after each kernel, starving every other thread on the same cores (measured:
 a GPT step 10x slower on 2 cores; a one-process run 5.4 s/step instead of 0.47
 on a busy machine). So ringpipe's import (ringpipe/__init__.py) sets, for every
-entry point alike (the commands, `ringpipe.engine.run`, `ringpipe.kernels` in a
+entry point alike (the commands, `ringpipe.engine.train.run`, `ringpipe.kernels` in a
 user's own code):
 
     OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS, NUMBA_NUM_THREADS,

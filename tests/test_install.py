@@ -68,8 +68,8 @@ def test_installs_next_to_jupyters_comm_without_breaking_it(wheel, tmp_path):
     r = _run(pip + [wheel, "mpich"])                 # ringpipe and its dependencies (MPI from PyPI)
     assert r.returncode == 0, r.stderr[-3000:]
     code = ("import comm; assert callable(comm.create_comm), 'Jupyter comm is broken'; "
-            "from ringpipe.comm import allreduce; from ringpipe import kernels; import ringpipe.engine.run; "
-            "import ringpipe.engine.parallel, ringpipe.engine.pipeline.executor; "
+            "from ringpipe.comm import allreduce; from ringpipe import kernels; import ringpipe.engine.train.run; "
+            "import ringpipe.engine.parallel, ringpipe.engine.parallel.pipeline.executor; "
             "print('ok', comm.__file__)")
     r = _run([str(venv / "bin" / "python"), "-c", code], cwd=str(tmp_path))      # not the checkout
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

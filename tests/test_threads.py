@@ -21,9 +21,9 @@ LAUNCHER_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NT
 ALL_VARIABLES = threads.COMPUTE_VARIABLES + (threads.TOKENIZER_VARIABLE, "OMP_WAIT_POLICY")
 
 # What the commands, the library and the kernels import first (ringpipe/cli.py's COMMANDS).
-ENTRY_POINTS = ["ringpipe.cli", "ringpipe.engine.prepare", "ringpipe.engine.cli", "ringpipe.engine.sample",
-                "ringpipe.engine.hf", "ringpipe.engine.pipeline.__main__", "ringpipe.engine.rundir",
-                "ringpipe.engine.run", "ringpipe.kernels"]
+ENTRY_POINTS = ["ringpipe.cli", "ringpipe.engine.data.prepare", "ringpipe.engine.train.cli", "ringpipe.engine.interop.sample",
+                "ringpipe.engine.interop.hf", "ringpipe.engine.schedules.__main__", "ringpipe.engine.job.rundir",
+                "ringpipe.engine.train.run", "ringpipe.kernels"]
 
 SHOW_SETTINGS = ("import importlib, json, os, sys; importlib.import_module(sys.argv[1]); "
                  f"print(json.dumps({{v: os.environ.get(v) for v in {ALL_VARIABLES!r}}}))")
@@ -127,7 +127,7 @@ def test_the_train_start_up_report_says_the_threads_and_the_warning_once(tmp_pat
     one_cpu = {min(os.sched_getaffinity(0))}
     flags = ["--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16",
              "--batch-size", "4", "--sample-bytes", "0", "--steps", "1", "--out", str(tmp_path / "run")]
-    r = child("import sys; from ringpipe.engine.cli import main; main(sys.argv[1:])", *flags, cpus=one_cpu,
+    r = child("import sys; from ringpipe.engine.train.cli import main; main(sys.argv[1:])", *flags, cpus=one_cpu,
               OMP_NUM_THREADS="2")
     assert "threads: 2 per rank; the user's settings kept: OMP_NUM_THREADS=2; 1 core available to 1 rank" \
         in r.stdout, r.stdout

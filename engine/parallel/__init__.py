@@ -6,11 +6,13 @@
                  column- and row-parallel linears, vocabulary-parallel embedding and
                  cross-entropy, sequence parallelism); wraps the local or pipeline
                  model of those sharded layers
-    pipeline.py  PipelineModel: this rank's model chunks of a pipeline, stepped by a
-                 schedule through the executor; the tied embedding between the first
-                 and the last stage; evaluation through a forward-only schedule
+    pipeline/    PipelineModel (stage.py): this rank's model chunks of a pipeline, stepped
+                 by a schedule through the executor (executor.py); the tied embedding
+                 between the first and the last stage; evaluation through a forward-only
+                 schedule; the partitioner that splits the layers (partition.py)
     data.py      DataParallel: wraps either one; gradient buckets all-reduced while
                  backward runs; ZeRO-1 (the update of one shard, then an all-gather)
+    compose.py   build_rank_model: DataParallel(TensorParallel(PipelineModel | LocalModel))
 
 Every rank model offers the same surface (RankModel below), so the trainer
 knows nothing of buckets, tied communicators, duplicate ranges or shards.
@@ -21,13 +23,17 @@ restores checkpoint state by name.
 Adding an axis: give the grid the axis (comm.ProcessGrid), write a module
 here whose class implements RankModel (wrapping the rank model inside it, or
 building the split layers, as tensor.py does both), and compose it in
-build_rank_model(): DataParallel(TensorParallel(PipelineModel | LocalModel)).
+compose.build_rank_model(): DataParallel(TensorParallel(PipelineModel | LocalModel)).
+This file holds the protocol only, so the axes import it and it imports none of them.
+
+Import rule (tests/test_architecture.py): model/, comm, kernels, schedules/, job/; never
+train/, interop/, data/.
 """
 from __future__ import annotations
 
 from typing import Protocol
 
-from ringpipe.engine.params import ParamBuffer
+from ringpipe.engine.model.params import ParamBuffer
 
 
 class GradSync:
@@ -121,32 +127,3 @@ def load_named_state(params: ParamBuffer, arrays: dict, state_names) -> dict:
                          what=f"optimizer state {state_name}")
         full[state_name] = flat
     return full
-
-
-def build_rank_model(grid, layers_fn, cfg, dtype, xp, micro_shape, cost_batch, trace=None):
-    """This rank's model for the grid's layout: the pipeline (or local) model of
-    this rank's (tensor-parallel: split) layers, wrapped by the tensor axis,
-    then by the data axis. layers_fn(tensor) builds the layers for a tensor
-    group (None: whole layers)."""
-    from ringpipe.engine.parallel.data import DataParallel
-    from ringpipe.engine.parallel.local import LocalModel
-    from ringpipe.engine.parallel.pipeline import PipelineModel
-    from ringpipe.engine.parallel.tensor import TensorGroup, TensorParallel
-    tensor = None
-    if grid.size("tensor") > 1:
-        tensor = TensorGroup(grid.comm("tensor"), sequence_parallel=cfg.sequence_parallel,
-                             overlap=cfg.tensor_overlap)
-        if cfg.sequence_parallel:      # between the stages travel this rank's positions only
-            micro_shape = (micro_shape[0], micro_shape[1] // tensor.size, *micro_shape[2:])
-    if cfg.pipelined:
-        inner = PipelineModel(layers_fn, grid, dtype, cfg.seed, cfg.schedule_name, cfg.microbatches, cfg.chunks,
-                              act_shape=micro_shape, partition=cfg.partition_name, cost_batch=cost_batch, xp=xp,
-                              trace=trace, tensor=tensor)
-        if tensor is not None:
-            # Zero-bubble W actions run the weight gradients later, in the bubbles.
-            tensor.weight_grads_early = not inner.schedule.splits_backward
-    else:
-        inner = LocalModel(layers_fn(tensor), dtype, cfg.seed, cfg.microbatches, xp=xp, trace=trace)
-    if tensor is not None:
-        inner = TensorParallel(inner, tensor, [s for layer in layers_fn(tensor) for s in layer.specs()])
-    return DataParallel(inner, grid, zero=bool(cfg.zero), bucket_mb=cfg.bucket_mb, overlap=not cfg.no_overlap)

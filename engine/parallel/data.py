@@ -18,8 +18,8 @@ import numpy as np
 
 from ringpipe import comm
 from ringpipe.comm.device import Transport
-from ringpipe.engine.array_module import to_host
-from ringpipe.engine.optim import make_optimizer
+from ringpipe.engine.job.array_module import to_host
+from ringpipe.engine.model.optim import make_optimizer
 from ringpipe.engine.parallel import NO_SYNC, GradSync
 
 

@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from ringpipe import kernels as K
-from ringpipe.engine.model import LayerChain
+from ringpipe.engine.model.chain import LayerChain
 from ringpipe.engine.parallel import NO_SYNC, load_named_state, named_state, state_shapes
 
 

@@ -44,9 +44,9 @@ import numpy as np
 
 from ringpipe import comm, kernels as K
 from ringpipe.comm.hierarchical import node_key, node_map
-from ringpipe.engine.layers import Linear
+from ringpipe.engine.model.layers import Linear
 from ringpipe.engine.parallel import NO_SYNC, GradSync
-from ringpipe.engine.params import Split
+from ringpipe.engine.model.params import Split
 
 
 class _Done:

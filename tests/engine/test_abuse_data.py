@@ -17,10 +17,10 @@ import sys
 import numpy as np
 import pytest
 
-from ringpipe.engine import shards
-from ringpipe.engine.config import Config
-from ringpipe.engine.errors import ConfigError
-from ringpipe.engine.tokenizer import load_tokenizer
+from ringpipe.engine.data import shards
+from ringpipe.engine.train.config import Config
+from ringpipe.engine.job.errors import ConfigError
+from ringpipe.engine.data.tokenizer import load_tokenizer
 from tests.support.hostile import deadline
 
 SEQ, BATCH = 8, 4
@@ -30,7 +30,7 @@ TRAIN_TOKENS, VAL_TOKENS = 3000, 600
 
 
 def make_data(folder, train=None, val=None, shards_per_split=2, vocab=256):
-    """A prepared data folder written by hand (engine/prepare.py's layout): the bytes
+    """A prepared data folder written by hand (engine/data/prepare.py's layout): the bytes
     tokenizer, `shards_per_split` shards per split, data.json. Shards are written with a
     vocab_size of 65536 (still uint16, what a vocabulary of 256 is stored as), so a test
     can put ids the tokenizer does not have into them."""
@@ -112,8 +112,8 @@ def test_the_start_up_check_says_where_the_id_is(tmp_path):
 
 # ---- out-of-vocabulary ids: a run, every layout -------------------------------------------------
 
-RUNNER = ("import sys; from ringpipe.engine import shards; shards.ShardDataset.UNIGRAM_LIMIT_BYTES = 64; "
-          "from ringpipe.engine.cli import main; sys.argv[0] = 'ringpipe train'; main()")
+RUNNER = ("import sys; from ringpipe.engine.data import shards; shards.ShardDataset.UNIGRAM_LIMIT_BYTES = 64; "
+          "from ringpipe.engine.train.cli import main; sys.argv[0] = 'ringpipe train'; main()")
 
 
 def cli_run(data, out, ranks=1, extra=(), timeout=240):
@@ -186,7 +186,7 @@ def test_a_bad_id_in_a_validation_batch_stops_before_it_is_used(tmp_path, monkey
     from mpi4py import MPI
     monkeypatch.setattr(shards.ShardDataset, "UNIGRAM_LIMIT_BYTES", 64)     # past the start-up check
 
-    from ringpipe.engine.run import run
+    from ringpipe.engine.train.run import run
     val = np.random.default_rng(1).integers(97, 123, size=VAL_TOKENS)
     val[int(starts_of(0, "val", n=VAL_TOKENS)[0]) + 2] = 999
     data = make_data(str(tmp_path / "d"), val=val)
@@ -321,7 +321,7 @@ def test_one_file_under_two_names_is_refused(tmp_path):
 def test_a_resume_on_the_same_prepared_folder_notes_no_change_of_data(tmp_path, capsys):
     from mpi4py import MPI
 
-    from ringpipe.engine.run import run
+    from ringpipe.engine.train.run import run
     data = make_data(str(tmp_path / "d"))
     out = str(tmp_path / "out")
     settings = dict(TINY, quiet=False, out=out, checkpoint_every=2)
@@ -390,7 +390,7 @@ def test_a_run_lets_go_of_the_data_folder_when_it_ends(tmp_path, monkeypatch):
 
     from mpi4py import MPI
 
-    from ringpipe.engine.run import run
+    from ringpipe.engine.train.run import run
     monkeypatch.setattr(shards.ShardDataset, "UNIGRAM_LIMIT_BYTES", 64)
     data = make_data(str(tmp_path / "d"), train=bad_train(late_bad_position()))
     lock = os.path.join(data, shards.LOCK_NAME)

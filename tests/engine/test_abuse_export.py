@@ -13,10 +13,12 @@ import stat
 import numpy as np
 import pytest
 
-safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="engine/hf.py needs safetensors")
+safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="engine/interop/hf.py needs safetensors")
 
-from ringpipe.engine import checkpoint, gpt, hf, sample  # noqa: E402
-from ringpipe.engine.gpt import GPTConfig, build_gpt  # noqa: E402
+from ringpipe.engine.job import checkpoint
+from ringpipe.engine.model import gpt
+from ringpipe.engine.interop import hf, sample  # noqa: E402
+from ringpipe.engine.model.gpt import GPTConfig, build_gpt  # noqa: E402
 from tests.support.hostile import deadline  # noqa: E402
 
 CONFIG = dict(n_layer=2, d_model=32, n_head=2, context=16, vocab=256)
@@ -33,7 +35,7 @@ def params_of(config):
 def make_run(folder, config=CONFIG, steps=(3,), tokenizer=None):
     """A GPT run directory with checkpoints at `steps`, written directly (no training);
     tokenizer: a engine.tokenizer Tokenizer saved as the run's (default: bytes)."""
-    from ringpipe.engine.tokenizer import load_tokenizer
+    from ringpipe.engine.data.tokenizer import load_tokenizer
     tokenizer = tokenizer or load_tokenizer("bytes")
     folder.mkdir(parents=True)
     tokenizer.save(str(folder))
@@ -267,7 +269,7 @@ def test_a_prompt_of_raw_bytes_is_encoded_by_the_byte_tokenizer(tmp_path, capsys
 
 
 def test_a_prompt_of_raw_bytes_is_refused_by_a_bpe_tokenizer(tmp_path, capsys):
-    from ringpipe.engine.tokenizer import train_bpe
+    from ringpipe.engine.data.tokenizer import train_bpe
     bpe = train_bpe(["the ring all-reduce moves every byte once. " * 30], 280)
     run = make_run(tmp_path / "run", config=dict(CONFIG, vocab=bpe.vocab_size), tokenizer=bpe)
     assert sample.main([str(run), "--prompt", os.fsdecode(b"ring \xff"), "--tokens", "2"]) == 2
@@ -312,7 +314,7 @@ def test_init_data_check_refuses_a_larger_vocabulary_and_notes_an_unverified_tok
     notes = hf.check_init_data(str(folder), init, 256)
     assert len(notes) == 1 and "cannot be verified" in notes[0] and "256 tokens" in notes[0]
     with_tokenizer = tmp_path / "hf-tok"
-    from ringpipe.engine.tokenizer import load_tokenizer
+    from ringpipe.engine.data.tokenizer import load_tokenizer
     hf.export_hf(params_of(CONFIG), dict(CONFIG), str(with_tokenizer), tokenizer_json=load_tokenizer("bytes").to_json())
     assert hf.check_init_data(str(with_tokenizer), hf.import_hf(str(with_tokenizer)), 256) == []
 
@@ -326,7 +328,7 @@ def deep_json(depth=100_000):
 @pytest.mark.parametrize("name", ["config.json", "model.safetensors", "tokenizer.json"])
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero", "deep"])
 def test_model_folder_files_that_are_not_files_are_refused(tmp_path, name, kind):
-    from ringpipe.engine.tokenizer import load_tokenizer
+    from ringpipe.engine.data.tokenizer import load_tokenizer
     folder = tmp_path / "hf"
     hf.export_hf(params_of(CONFIG), dict(CONFIG), str(folder), tokenizer_json=load_tokenizer("bytes").to_json())
     path = folder / name
@@ -375,8 +377,8 @@ def test_the_runs_tokenizer_that_is_not_a_file_is_refused(tmp_path, capsys, kind
 
 def test_init_from_a_folder_without_a_tokenizer_says_the_tokenizer_is_unverified(tmp_path, capsys):
     """Through the trainer: the note reaches the user, and data of a larger vocabulary is refused."""
-    from ringpipe.engine.cli import run_flags
-    from ringpipe.engine.prepare import prepare
+    from ringpipe.engine.train.cli import run_flags
+    from ringpipe.engine.data.prepare import prepare
     folder = make_hf_folder(tmp_path / "hf")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 400)

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from ringpipe.engine import prepare as prep
-from ringpipe.engine import shards
+from ringpipe.engine.data import prepare as prep
+from ringpipe.engine.data import shards
 from tests.support import ROOT
 from tests.support.hostile import tmpfs
 
@@ -100,7 +100,7 @@ def test_two_prepares_at_once_into_one_folder_one_is_refused(tmp_path):
     (tmp_path / "in").mkdir()
     for i in range(40):
         (tmp_path / "in" / f"{i}.txt").write_text(f"document {i} " * 3000)
-    cmd = [sys.executable, "-m", "ringpipe.engine.prepare", "in", "--out", "d", "--quiet",
+    cmd = [sys.executable, "-m", "ringpipe.engine.data.prepare", "in", "--out", "d", "--quiet",
            "--tokens-per-shard", "20000"]
     runs = [subprocess.Popen(cmd, cwd=tmp_path, env=ENV, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     results = [(p.wait(timeout=120), p.stderr.read()) for p in runs]
@@ -228,7 +228,7 @@ def test_sigkill_at_random_moments_of_the_command_leaves_a_whole_dataset(tmp_pat
     for attempt in range(4):
         d = tmp_path / f"d{attempt}"
         make(tmp_path, "old.txt", "old text " * 3000, out=d.name, tokens_per_shard=5000)
-        p = subprocess.Popen([sys.executable, "-m", "ringpipe.engine.prepare", "in", "--out", d.name, "--quiet",
+        p = subprocess.Popen([sys.executable, "-m", "ringpipe.engine.data.prepare", "in", "--out", d.name, "--quiet",
                               "--overwrite", "--tokens-per-shard", "5000"], cwd=tmp_path, env=ENV,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(rng.uniform(0.3, 2.5))
@@ -290,7 +290,7 @@ def test_symlinks_out_of_an_input_folder_are_skipped_and_said(tmp_path, monkeypa
     assert [s["path"] for s in m["sources"]] == [os.path.join("in", "secret.txt")]
     m = prep.prepare([os.path.join("in", "linked")], "d4", progress=False)        # a linked folder, named: read
     assert [s["path"] for s in m["sources"]] == [os.path.join("in", "linked", "x.txt")]
-    assert "--follow-symlinks" in subprocess.run([sys.executable, "-m", "ringpipe.engine.prepare", "--help"],
+    assert "--follow-symlinks" in subprocess.run([sys.executable, "-m", "ringpipe.engine.data.prepare", "--help"],
                                                  env=ENV, capture_output=True, text=True).stdout
 
 
@@ -358,7 +358,7 @@ def test_a_really_full_disk_is_refused_naming_the_file_and_the_old_dataset_stays
         (tmp_path / "new.txt").write_text("n" * new_bytes)
         out = str(disk / "d")
         prep.prepare([str(tmp_path / "old.txt")], out, progress=False)
-        r = subprocess.run([sys.executable, "-m", "ringpipe.engine.prepare", str(tmp_path / "new.txt"), "--out", out,
+        r = subprocess.run([sys.executable, "-m", "ringpipe.engine.data.prepare", str(tmp_path / "new.txt"), "--out", out,
                             "--overwrite", "--quiet"], env=ENV, capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert f"error: disk full writing {out}/" in r.stderr and "MB free" in r.stderr, r.stderr
@@ -391,7 +391,7 @@ def _rank_pid(launcher_pid, rank, timeout=30):
             try:
                 with open(f"/proc/{pid}/environ", "rb") as fh:
                     if f"PMI_RANK={rank}".encode() in fh.read().split(b"\0") and \
-                            b"ringpipe.engine.prepare" in open(f"/proc/{pid}/cmdline", "rb").read():
+                            b"ringpipe.engine.data.prepare" in open(f"/proc/{pid}/cmdline", "rb").read():
                         return pid
             except OSError:
                 pass
@@ -407,7 +407,7 @@ def test_ctrl_c_on_one_rank_of_two_ends_the_job_and_the_old_dataset_stays(tmp_pa
     for i in range(30):
         (tmp_path / "in" / f"{i}.txt").write_text(f"document {i} " * 20000)
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    p = subprocess.Popen([mpiexec, "-n", "2", sys.executable, "-m", "ringpipe.engine.prepare", "in", "--out", "d",
+    p = subprocess.Popen([mpiexec, "-n", "2", sys.executable, "-m", "ringpipe.engine.data.prepare", "in", "--out", "d",
                           "--overwrite", "--quiet", "--tokenizer", "bpe:300", "--tokens-per-shard", "100000"],
                          cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
@@ -424,7 +424,7 @@ def test_ctrl_c_on_one_rank_of_two_ends_the_job_and_the_old_dataset_stays(tmp_pa
     assert code != 0, p.stderr.read()
     assert which(tmp_path / "d") == ["old.txt"] and not os.path.exists(tmp_path / "d" / "previous")
     # What the killed ranks left (the parts folder, the lock file naming rank 0) the next prepare clears.
-    r = subprocess.run([sys.executable, "-m", "ringpipe.engine.prepare", str(tmp_path / "old.txt"), "--out", "d",
+    r = subprocess.run([sys.executable, "-m", "ringpipe.engine.data.prepare", str(tmp_path / "old.txt"), "--out", "d",
                         "--overwrite"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert no_parts_left(tmp_path / "d") and lock_is_free(tmp_path / "d")
@@ -435,7 +435,7 @@ def test_ctrl_c_on_the_command_says_which_dataset_out_holds(tmp_path):
     (tmp_path / "in").mkdir()
     for i in range(30):
         (tmp_path / "in" / f"{i}.txt").write_text(f"document {i} " * 20000)
-    p = subprocess.Popen([sys.executable, "-m", "ringpipe.engine.prepare", "in", "--out", "d", "--overwrite",
+    p = subprocess.Popen([sys.executable, "-m", "ringpipe.engine.data.prepare", "in", "--out", "d", "--overwrite",
                           "--quiet", "--tokenizer", "bpe:300"], cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
@@ -452,10 +452,10 @@ def test_ctrl_c_on_the_command_says_which_dataset_out_holds(tmp_path):
 def test_the_summary_says_a_dataset_was_replaced_and_help_says_how(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("text " * 300)
     args = [str(tmp_path / "a.txt"), "--out", str(tmp_path / "d")]
-    r = subprocess.run([sys.executable, "-m", "ringpipe.engine.prepare", *args], env=ENV, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "ringpipe.engine.data.prepare", *args], env=ENV, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and "replaced the dataset" not in r.stdout, r.stderr
-    r = subprocess.run([sys.executable, "-m", "ringpipe.engine.prepare", *args, "--overwrite"], env=ENV,
+    r = subprocess.run([sys.executable, "-m", "ringpipe.engine.data.prepare", *args, "--overwrite"], env=ENV,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "replaced the dataset that was in" in r.stdout and "previous" in r.stdout, r.stdout
     assert prep.main(["--help"]) == 0

@@ -1,5 +1,5 @@
-"""Issue 20, the reading side of `ringpipe prepare` (engine/prepare.py's readers,
-engine/tokenizer.py): inputs that are huge, hostile or damaged end in a refusal that
+"""Issue 20, the reading side of `ringpipe prepare` (engine/data/prepare.py's readers,
+engine/data/tokenizer.py): inputs that are huge, hostile or damaged end in a refusal that
 names the file (a ValueError: exit code 2), never in a traceback, a hang, or memory
 that grows with the size of one document."""
 import importlib.util
@@ -13,8 +13,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from ringpipe.engine import prepare as prep
-from ringpipe.engine import tokenizer as tk
+from ringpipe.engine.data import prepare as prep
+from ringpipe.engine.data import tokenizer as tk
 from tests.support import ROOT
 from tests.support.hostile import deadline
 

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from ringpipe.engine import rundir
-from ringpipe.engine.prepare import OneProcess        # a one-rank world without MPI
+from ringpipe.engine.job import rundir
+from ringpipe.engine.data.prepare import OneProcess        # a one-rank world without MPI
 from tests.support import MPIEXEC, ROOT
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
@@ -311,7 +311,7 @@ def test_a_signal_to_a_one_rank_prepare_runs_its_cleanup(tmp_path):
 
 
 def test_end_job_on_signal_one_rank_raises_keyboard_interrupt_with_the_exit_code():
-    from ringpipe.engine import lifecycle
+    from ringpipe.engine.job import lifecycle
 
     restore = lifecycle.end_job_on_signal(OneProcess(), "ringpipe test")
     try:
@@ -327,7 +327,7 @@ def test_end_job_on_signal_one_rank_raises_keyboard_interrupt_with_the_exit_code
 def test_a_signal_during_start_up_is_held_then_acted_on():
     # Before MPI is up a KeyboardInterrupt would end this rank alone (in an import, or in
     # MPI_Init), and the job hung in MPI_Finalize; held, it is acted on once the tool can end the job.
-    from ringpipe.engine import lifecycle
+    from ringpipe.engine.job import lifecycle
 
     saved = {s: signal.getsignal(s) for s in lifecycle.TOOL_SIGNALS}
     try:
@@ -389,7 +389,7 @@ def trained(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("module", ["ringpipe.engine.sample", "ringpipe.engine.hf"])
+@pytest.mark.parametrize("module", ["ringpipe.engine.interop.sample", "ringpipe.engine.interop.hf"])
 def test_sample_and_export_run_no_collectives(trained, tmp_path, module):
     # `mpiexec -n 2 ringpipe sample|export` is N independent processes: no MPI, so no rank
     # can wait in a collective for another that failed (end_job_on_signal is not needed;

@@ -18,8 +18,8 @@ import zlib
 import numpy as np
 import pytest
 
-from ringpipe.engine import checkpoint
-from ringpipe.engine.checkpoint import CheckpointError
+from ringpipe.engine.job import checkpoint
+from ringpipe.engine.job.checkpoint import CheckpointError
 
 # ---- helpers -------------------------------------------------------------------------
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from benchmarks.fault_matrix import rank_pids
-from ringpipe.engine import checkpoint
-from ringpipe.engine.lifecycle import REQUEUE_EXIT_CODE
+from ringpipe.engine.job import checkpoint
+from ringpipe.engine.job.lifecycle import REQUEUE_EXIT_CODE
 
 from tests.support import ROOT
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")

@@ -1,9 +1,9 @@
-"""engine/files.py: the one way to read a file a user named without trusting it."""
+"""engine/job/files.py: the one way to read a file a user named without trusting it."""
 import os
 
 import pytest
 
-from ringpipe.engine import files
+from ringpipe.engine.job import files
 
 
 def test_regular_json_is_read(tmp_path):

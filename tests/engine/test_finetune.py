@@ -13,10 +13,12 @@ import os
 import numpy as np
 import pytest
 
-from ringpipe.engine import checkpoint, hf, rundir, shards
-from ringpipe.engine.config import Config, check, resume_differences
-from ringpipe.engine.errors import ConfigError
-from ringpipe.engine.sample import load_run
+from ringpipe.engine.job import checkpoint, rundir
+from ringpipe.engine.interop import hf
+from ringpipe.engine.data import shards
+from ringpipe.engine.train.config import Config, check, resume_differences
+from ringpipe.engine.job.errors import ConfigError
+from ringpipe.engine.interop.sample import load_run
 from tests.engine.test_prepared_training import drop_last_checkpoint, metrics, prepared, single, weights
 
 pytest.importorskip("safetensors.numpy", reason="--init-from hf: and export need safetensors")
@@ -267,7 +269,7 @@ def test_a_run_on_data_without_a_tokenizer_says_why_it_samples_nothing(tmp_path,
 
 
 def test_the_keep_best_flag():
-    from ringpipe.engine.cli import parse_args
+    from ringpipe.engine.train.cli import parse_args
     assert [parse_args(flags).keep_best for flags in ([], ["--keep-best"], ["--no-keep-best"])] == [None, True, False]
 
 

@@ -7,11 +7,11 @@ relative error ||analytic - numeric|| / (||analytic|| + ||numeric||) < 1e-6.
 import numpy as np
 import pytest
 
-from ringpipe.engine import layers as L
-from ringpipe.engine.gpt import GPTConfig, gpt_layers
-from ringpipe.engine.mlp import MLPConfig, mlp_layers
-from ringpipe.engine.model import LayerChain
-from ringpipe.engine.params import ParamBuffer
+from ringpipe.engine.model import layers as L
+from ringpipe.engine.model.gpt import GPTConfig, gpt_layers
+from ringpipe.engine.model.mlp import MLPConfig, mlp_layers
+from ringpipe.engine.model.chain import LayerChain
+from ringpipe.engine.model.params import ParamBuffer
 
 EPS = 1e-5
 TOL = 1e-6

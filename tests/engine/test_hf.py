@@ -1,4 +1,4 @@
-"""engine/hf.py: ringpipe's GPT in and out of the Hugging Face GPT-2 format.
+"""engine/interop/hf.py: ringpipe's GPT in and out of the Hugging Face GPT-2 format.
 
 transformers (on torch) is the oracle: an exported model must give ringpipe's logits
 in GPT2LMHeadModel with no conversion code, and a GPT2LMHeadModel's folder must give
@@ -12,11 +12,11 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the Hugging Face tests need torch (pip install torch==2.13.0)")
 transformers = pytest.importorskip("transformers", reason="the Hugging Face tests need transformers")
-safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="engine/hf.py needs safetensors")
+safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="engine/interop/hf.py needs safetensors")
 
-from ringpipe.engine import hf  # noqa: E402
-from ringpipe.engine.gpt import GPTConfig, build_gpt, gpt_layers  # noqa: E402
-from ringpipe.engine.model import LayerChain  # noqa: E402
+from ringpipe.engine.interop import hf  # noqa: E402
+from ringpipe.engine.model.gpt import GPTConfig, build_gpt, gpt_layers  # noqa: E402
+from ringpipe.engine.model.chain import LayerChain  # noqa: E402
 
 TOLERANCE = 1e-4
 torch.set_num_threads(1)
@@ -160,7 +160,7 @@ def test_float64_checkpoints_export_as_float32(tmp_path):
 
 
 def test_generate_runs_on_an_export_and_matches_ringpipes_greedy_tokens(tmp_path):
-    from ringpipe.engine.gpt import generate
+    from ringpipe.engine.model.gpt import generate
     cfg = GPTConfig(n_layer=2, d_model=64, n_head=4, context=32, vocab=256)
     model = random_ringpipe_model(cfg, seed=3)
     out = hf.export_hf(checkpoint_arrays(model), cfg.to_dict(), str(tmp_path / "hf"))
@@ -197,7 +197,7 @@ def test_import_reads_sharded_base_model_and_bf16_folders(tmp_path):
     assert os.path.exists(tmp_path / "sharded" / "model.safetensors.index.json")
     # A GPT2Model (the base model, as the original GPT-2 download): names without "transformer.".
     hf_model.transformer.save_pretrained(tmp_path / "base")
-    # bfloat16 (numpy has no bfloat16: engine/hf.py reads it by hand).
+    # bfloat16 (numpy has no bfloat16: engine/interop/hf.py reads it by hand).
     bf16 = random_hf_model(seed=5).to(torch.bfloat16)
     bf16.save_pretrained(tmp_path / "bf16")
     expected = {"sharded": hf_logits(hf_model, tokens), "base": hf_logits(hf_model, tokens),
@@ -462,7 +462,7 @@ def test_not_a_model_folder(tmp_path):
 
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
-    from ringpipe.engine.cli import run_flags
+    from ringpipe.engine.train.cli import run_flags
     run = tmp_path_factory.mktemp("export") / "run"
     run_flags(["--data", "synthetic", "--layers", "2", "--d-model", "32", "--heads", "2", "--context", "16",
                "--batch-size", "4", "--steps", "3", "--sample-bytes", "0", "--quiet", "--out", str(run)])
@@ -470,7 +470,7 @@ def trained_run(tmp_path_factory):
 
 
 def test_main_exports_a_trained_run(trained_run, tmp_path, capsys):
-    from ringpipe.engine import checkpoint
+    from ringpipe.engine.job import checkpoint
     out = tmp_path / "hf"
     assert hf.main([str(trained_run), "--format", "hf", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -491,7 +491,7 @@ def test_main_exports_a_trained_run(trained_run, tmp_path, capsys):
 
 
 def test_main_takes_a_checkpoint_file_and_refuses_a_full_folder(trained_run, tmp_path, capsys):
-    from ringpipe.engine import checkpoint
+    from ringpipe.engine.job import checkpoint
     manifest = checkpoint.resolve(str(trained_run))
     out = tmp_path / "hf"
     assert hf.main([manifest, "--out", str(out)]) == 0
@@ -517,7 +517,7 @@ def test_main_errors_are_messages_with_exit_code_2(tmp_path, capsys):
 def run_without_tokenizer_entry(trained_run, run):
     """A copy of the trained run whose checkpoint names no tokenizer (as those written before
     checkpoints recorded one), and with no tokenizer.json in its run directory."""
-    from ringpipe.engine import checkpoint
+    from ringpipe.engine.job import checkpoint
     arrays, manifest = checkpoint.load(str(trained_run))
     written = ("format", "step", "npz", "npz_bytes", "npz_crc32", "checksum", "tokenizer")
     meta = {key: value for key, value in manifest.items() if key not in written}
@@ -549,7 +549,7 @@ def test_main_falls_back_to_the_run_directorys_tokenizer_then_the_byte_tokenizer
     run = run_without_tokenizer_entry(trained_run, tmp_path / "run")
     assert hf.main([str(run), "--out", str(tmp_path / "bytes")]) == 0
     assert "the byte tokenizer" in capsys.readouterr().out
-    from ringpipe.engine.tokenizer import load_tokenizer
+    from ringpipe.engine.data.tokenizer import load_tokenizer
     assert open(tmp_path / "bytes" / "tokenizer.json").read() == load_tokenizer("bytes").to_json()
 
     # The run directory's tokenizer.json (here the byte tokenizer written without indentation).
@@ -562,7 +562,7 @@ def test_main_falls_back_to_the_run_directorys_tokenizer_then_the_byte_tokenizer
 
 
 def test_main_refuses_an_mlp_checkpoint(tmp_path, capsys):
-    from ringpipe.engine.cli import run_flags
+    from ringpipe.engine.train.cli import run_flags
     run = tmp_path / "mlp"
     run_flags(["--model", "mlp", "--data", "synthetic", "--steps", "1", "--batch-size", "8", "--quiet",
                "--out", str(run)])
@@ -635,7 +635,7 @@ def test_import_notes_say_once_that_the_configs_dropout_is_not_trained_with(hf_f
 
 
 def test_main_counts_the_parameters_it_exports_not_the_padding(trained_run, tmp_path, capsys):
-    from ringpipe.engine import checkpoint
+    from ringpipe.engine.job import checkpoint
     # A checkpoint of vocab 300, whose wte is padded to 384 rows.
     _, manifest = checkpoint.load(str(trained_run))
     cfg = GPTConfig(**dict(manifest["model_config"], vocab=300))

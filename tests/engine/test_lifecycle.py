@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from ringpipe.engine import lifecycle
-from ringpipe.engine.errors import ConfigError
-from ringpipe.engine.lifecycle import LauncherError, REQUEUE_EXIT_CODE, StopFlag, Watchdog, check_launcher
+from ringpipe.engine.job import lifecycle
+from ringpipe.engine.job.errors import ConfigError
+from ringpipe.engine.job.lifecycle import LauncherError, REQUEUE_EXIT_CODE, StopFlag, Watchdog, check_launcher
 
 
 class FakeComm:

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from ringpipe.engine.gpt import GPTConfig, gpt_layers
-from ringpipe.engine.pipeline.partition import balanced, measure_layer_costs, stage_costs, uniform
+from ringpipe.engine.model.gpt import GPTConfig, gpt_layers
+from ringpipe.engine.parallel.pipeline.partition import balanced, measure_layer_costs, stage_costs, uniform
 
 
 def test_uniform_spreads_blocks_and_pins_embedding_and_head():

@@ -11,10 +11,10 @@ import shutil
 import numpy as np
 import pytest
 
-from ringpipe.engine import shards, tokenizer as tk
-from ringpipe.engine.config import Config
-from ringpipe.engine.errors import ConfigError
-from ringpipe.engine.run import run
+from ringpipe.engine.data import shards, tokenizer as tk
+from ringpipe.engine.train.config import Config
+from ringpipe.engine.job.errors import ConfigError
+from ringpipe.engine.train.run import run
 
 TINY = dict(layers=1, d_model=16, heads=2, context=16, seq_len=16, batch_size=4, steps=3, sample_bytes=0,
             quiet=True, overwrite=True, eval_batches=1)
@@ -146,7 +146,7 @@ def test_a_literal_endoftext_in_a_document_is_encoded_as_text():
 
 
 def test_prepare_keeps_a_literal_endoftext_as_text(tmp_path):
-    from ringpipe.engine import prepare as prep
+    from ringpipe.engine.data import prepare as prep
     tok = _small_bpe()
     tok.save(tmp_path / "tok")
     docs = [{"text": f"document {i} quotes <|endoftext|> inside it"} for i in range(20)]
@@ -226,7 +226,7 @@ def _corpus(tmp_path):
 
 @pytest.mark.parametrize("how", ["simulated", "transformers"])
 def test_init_from_accepts_the_tokenizer_transformers_resaved(tmp_path, how):
-    from ringpipe.engine import prepare as prep
+    from ringpipe.engine.data import prepare as prep
     prep.prepare([_corpus(tmp_path)], tmp_path / "d", tokenizer="bpe:300", progress=False)
     data = str(tmp_path / "d")
     tok = tk.load_tokenizer(data)
@@ -245,7 +245,7 @@ def test_init_from_accepts_the_tokenizer_transformers_resaved(tmp_path, how):
 
 
 def test_init_from_refuses_a_tokenizer_that_gives_other_ids(tmp_path):
-    from ringpipe.engine import prepare as prep
+    from ringpipe.engine.data import prepare as prep
     prep.prepare([_corpus(tmp_path)], tmp_path / "d", tokenizer="bpe:300", progress=False)
     data = str(tmp_path / "d")
     doc = json.loads(tk.load_tokenizer(data).to_json())
@@ -314,7 +314,7 @@ def test_a_wrong_hash_says_what_is_wrong_and_what_to_do(tmp_path):
 
 
 def test_a_dataset_prepared_before_identities_is_still_read(tmp_path):
-    from ringpipe.engine import prepare as prep
+    from ringpipe.engine.data import prepare as prep
     prep.prepare([_corpus(tmp_path)], tmp_path / "d", tokenizer="bpe:300", progress=False)
     path = tmp_path / "d" / "data.json"
     m = json.loads(path.read_text())
@@ -338,7 +338,7 @@ def test_resuming_on_nanogpt_data_of_another_assumed_vocabulary_says_what_to_do(
 
 
 def test_a_resume_on_data_whose_tokenizer_was_resaved_keeps_the_runs_tokenizer_file(tmp_path):
-    from ringpipe.engine import prepare as prep
+    from ringpipe.engine.data import prepare as prep
     prep.prepare([_corpus(tmp_path)], tmp_path / "d", tokenizer="bpe:300", progress=False)
     out, _ = train(str(tmp_path), str(tmp_path / "d"), steps=2)
     before = (tmp_path / "run" / "tokenizer.json").read_text()
@@ -350,8 +350,8 @@ def test_a_resume_on_data_whose_tokenizer_was_resaved_keeps_the_runs_tokenizer_f
 
 
 def test_init_from_notes_that_data_without_a_tokenizer_was_checked_by_size_only(tmp_path):
-    from ringpipe.engine import hf
-    from ringpipe.engine.gpt import GPTConfig
+    from ringpipe.engine.interop import hf
+    from ringpipe.engine.model.gpt import GPTConfig
     (tmp_path / "config.json").write_text("{}")
     init = (GPTConfig(vocab=50257), {}, str(tmp_path / "tokenizer.json"))
     notes = hf.check_init_data(str(tmp_path), init, 50257, data_has_tokenizer=False)

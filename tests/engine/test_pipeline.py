@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ringpipe.engine import checkpoint
-from ringpipe.engine.config import Config
-from ringpipe.engine.errors import ConfigError
-from ringpipe.engine.run import run
+from ringpipe.engine.job import checkpoint
+from ringpipe.engine.train.config import Config
+from ringpipe.engine.job.errors import ConfigError
+from ringpipe.engine.train.run import run
 
 world = MPI.COMM_WORLD
 TOL = 1e-10

@@ -1,5 +1,5 @@
-"""`ringpipe prepare` and the token shards it writes (engine/prepare.py, engine/shards.py,
-engine/tokenizer.py): what goes in comes back out token for token, in llm.c's format,
+"""`ringpipe prepare` and the token shards it writes (engine/data/prepare.py, engine/data/shards.py,
+engine/data/tokenizer.py): what goes in comes back out token for token, in llm.c's format,
 the same for 1 and N ranks; the dataset reads only the windows it samples; every
 bad input is refused with a message that names it, on every rank, without a hang."""
 import importlib.util
@@ -12,10 +12,10 @@ import zlib
 import numpy as np
 import pytest
 
-from ringpipe.engine import prepare as prep
-from ringpipe.engine import shards
-from ringpipe.engine import tokenizer as tk
-from ringpipe.engine.data import TokenDataset
+from ringpipe.engine.data import prepare as prep
+from ringpipe.engine.data import shards
+from ringpipe.engine.data import tokenizer as tk
+from ringpipe.engine.data.datasets import TokenDataset
 from tests.support import MPIEXEC, ROOT
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", RAYON_NUM_THREADS="1",
@@ -78,7 +78,7 @@ def read_split(data_dir, split):
 
 
 def run_cli(*args, cwd, n=None, timeout=120):
-    cmd = [sys.executable, "-m", "ringpipe.engine.prepare", *args]
+    cmd = [sys.executable, "-m", "ringpipe.engine.data.prepare", *args]
     if n is not None:
         cmd = [MPIEXEC, "-n", str(n)] + cmd
     try:

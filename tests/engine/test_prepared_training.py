@@ -12,10 +12,11 @@ import os
 import numpy as np
 import pytest
 
-from ringpipe.engine import checkpoint, prepare as prep, shards
-from ringpipe.engine.config import Config
-from ringpipe.engine.errors import ConfigError
-from ringpipe.engine.run import run
+from ringpipe.engine.job import checkpoint
+from ringpipe.engine.data import prepare as prep, shards
+from ringpipe.engine.train.config import Config
+from ringpipe.engine.job.errors import ConfigError
+from ringpipe.engine.train.run import run
 
 WORDS = ("ring all reduce pipeline stage token shard gradient bucket rank layer tensor model data "
          "train step loss weight batch micro schedule optimizer").split()
@@ -216,8 +217,8 @@ def test_resume_on_shards_at_dp2_is_bit_identical(shared_dir):
 # ---- the stdlib corpus is a prepared dataset in a cache -----------------------------------------
 
 def test_the_stdlib_corpus_is_prepared_once_and_batches_as_in_memory(tmp_path, monkeypatch):
-    from ringpipe.engine import data
-    from ringpipe.engine.prepare import prepare_stdlib
+    from ringpipe.engine.data import datasets as data
+    from ringpipe.engine.data.prepare import prepare_stdlib
     monkeypatch.setenv("RINGPIPE_CACHE", str(tmp_path / "cache"))
     folder = prepare_stdlib(2 << 20)
     assert os.path.dirname(folder) == str(tmp_path / "cache")

@@ -18,8 +18,8 @@ import time
 import numpy as np
 import pytest
 
-from ringpipe.engine import checkpoint, rundir
-from ringpipe.engine.cli import run_flags
+from ringpipe.engine.job import checkpoint, rundir
+from ringpipe.engine.train.cli import run_flags
 from tests.engine.test_faults import MPIEXEC, ROOT, TINY as TINY_MPI, ends_within, rank_pids, wait_for_steps
 from tests.support.hostile import tmpfs
 
@@ -454,8 +454,8 @@ def test_continuing_to_more_steps_says_the_schedule_changes_and_decay_steps_keep
 
 def test_auto_buckets_give_several_buckets_for_the_default_model():
     from ringpipe.comm.buckets import _make_buckets
-    from ringpipe.engine.gpt import GPTConfig, gpt_layers
-    from ringpipe.engine.params import ParamBuffer
+    from ringpipe.engine.model.gpt import GPTConfig, gpt_layers
+    from ringpipe.engine.model.params import ParamBuffer
     from ringpipe.engine.parallel.data import bucket_sizes
     specs = [s for layer in gpt_layers(GPTConfig()) for s in layer.specs()]
     params = ParamBuffer(specs)
@@ -518,7 +518,7 @@ def test_an_aborted_job_leaves_no_shared_memory_segment_behind():
 
 def test_every_ringpipe_variable_the_repository_reads_is_known_and_typos_are_named():
     import re as _re
-    from ringpipe.engine import runtime
+    from ringpipe.engine.job import runtime
     found = set()
     for folder, _, files in os.walk(ROOT):
         if any(part in folder for part in (".venv", ".git", "__pycache__")):
@@ -535,6 +535,6 @@ def test_every_ringpipe_variable_the_repository_reads_is_known_and_typos_are_nam
 
 
 def test_bad_skip_launcher_check_value_is_refused():
-    from ringpipe.engine.lifecycle import LauncherError, check_launcher
+    from ringpipe.engine.job.lifecycle import LauncherError, check_launcher
     with pytest.raises(LauncherError, match="RINGPIPE_SKIP_LAUNCHER_CHECK='yes': use 1"):
         check_launcher(environ={"RINGPIPE_SKIP_LAUNCHER_CHECK": "yes"})

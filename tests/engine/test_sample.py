@@ -3,8 +3,9 @@ import os
 
 import pytest
 
-from ringpipe.engine import prepare as prep, sample
-from ringpipe.engine.cli import run_flags
+from ringpipe.engine.data import prepare as prep
+from ringpipe.engine.interop import sample
+from ringpipe.engine.train.cli import run_flags
 
 
 @pytest.fixture(scope="module")

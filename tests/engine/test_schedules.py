@@ -4,12 +4,12 @@ import sys
 
 import pytest
 
-from ringpipe.engine.pipeline import (
+from ringpipe.engine.schedules import (
     B, F, I, RECV_F, SEND_F, W, Action, ScheduleError, ascii_timeline, bubble_formula, forward_only, gpipe,
     interleaved_1f1b, make_schedule, one_f_one_b, parse_actions, parse_schedule, plot_timeline, simulate,
     theoretical_bubble, validate, zero_bubble_h1,
 )
-from ringpipe.engine.pipeline.__main__ import main
+from ringpipe.engine.schedules.__main__ import main
 
 PS = (1, 2, 3, 4, 5, 8)
 

@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ringpipe.engine import checkpoint, config as config_checks
-from ringpipe.engine.config import Config
-from ringpipe.engine.errors import ConfigError
-from ringpipe.engine.layers import MLP, Block, CausalSelfAttention, Embedding, Linear, LMHead
-from ringpipe.engine.params import ParamBuffer, ParamSpec, Split
-from ringpipe.engine.run import run
+from ringpipe.engine.job import checkpoint
+from ringpipe.engine.train import config as config_checks
+from ringpipe.engine.train.config import Config
+from ringpipe.engine.job.errors import ConfigError
+from ringpipe.engine.model.layers import MLP, Block, CausalSelfAttention, Embedding, Linear, LMHead
+from ringpipe.engine.model.params import ParamBuffer, ParamSpec, Split
+from ringpipe.engine.train.run import run
 
 world = MPI.COMM_WORLD
 TOL = 1e-10
@@ -69,7 +70,7 @@ def test_layouts_tensor_parallelism_cannot_make_are_refused():
 
 
 def test_shapes_tensor_parallelism_cannot_split_are_refused():
-    from ringpipe.engine.gpt import GPTConfig
+    from ringpipe.engine.model.gpt import GPTConfig
     with pytest.raises(ConfigError, match=r"tp 4 does not divide the model's 6 attention heads .* can be 1, 2, 3, 6"):
         config_checks.check_tensor_parallel(Config(tp=4), GPTConfig(n_head=6, d_model=12), 8)
     with pytest.raises(ConfigError, match=r"seq_len is 10: use a seq_len that is a multiple of 4"):
@@ -173,7 +174,7 @@ def test_each_tensor_parallel_layer_equals_its_unsharded_twin(name, size, sp, ea
 def test_vocabulary_parallel_embedding_and_cross_entropy_equal_the_whole_ones(used, sp):
     """The embedding and the head (tied wte, padded vocabulary masked) as one chain;
     with used=100 of 256 rows and tp=4, two ranks hold only padding."""
-    from ringpipe.engine.model import LayerChain
+    from ringpipe.engine.model.chain import LayerChain
     size = 4 if world.size % 4 == 0 else 2
     tensor = _group(size, sp)
     try:
@@ -343,7 +344,7 @@ def test_tp3_pads_the_vocabulary_further_and_its_checkpoint_continues_at_tp1(tmp
     import subprocess
     import sys
 
-    from ringpipe.engine.sample import load_run
+    from ringpipe.engine.interop.sample import load_run
     from tests.support import ROOT
     from tests.support.bench_cli import bench_env
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")

@@ -7,9 +7,9 @@ import sys
 import numpy as np
 import pytest
 
-from ringpipe.engine import checkpoint
-from ringpipe.engine.data import FASHION_MNIST_DIR, load_stdlib_corpus
-from ringpipe.engine.cli import run_flags
+from ringpipe.engine.job import checkpoint
+from ringpipe.engine.data.datasets import FASHION_MNIST_DIR, load_stdlib_corpus
+from ringpipe.engine.train.cli import run_flags
 
 from tests.support import ROOT
 TINY = ["--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16",
@@ -298,7 +298,7 @@ def test_text_folder_reads_txt_and_md(tmp_path):
 
 
 def test_every_rank_leaves_a_completion_marker_that_ringpipe_finished_checks(tmp_path):
-    from ringpipe.engine import rundir
+    from ringpipe.engine.job import rundir
     out = run(tmp_path, "--steps", "2")
     assert rundir.main([out]) == 0
     assert rundir.main([out, "--ranks", "2"]) == 1                # rank 1 never finished

@@ -334,7 +334,7 @@ BACKENDS = ["numba", "numpy"]
 def test_linear_forward_equals_matmul_bias_gelu(rng, backend, dtype, N, C_in, C_out, bias, gelu):
     x, w = rnd(rng, (N, C_in), dtype), rnd(rng, (C_out, C_in), dtype)
     b = rnd(rng, (C_out,), dtype) if bias else None
-    # what engine/layers.py did before linear_forward existed: bit for bit the same
+    # what engine/model/layers.py did before linear_forward existed: bit for bit the same
     pre_exp = kernels.matmul_nt(x, w, backend=backend)
     if bias:
         pre_exp += b

@@ -133,7 +133,7 @@ def test_the_link_rate_can_change_while_up(two_nodes):
 
 
 def test_a_cut_link_ends_the_job_naming_the_node(two_nodes, tmp_path):
-    """The watchdog's network pulse (engine/pulse.py) names the node rank 0 no longer
+    """The watchdog's network pulse (engine/job/pulse.py) names the node rank 0 no longer
     hears, and --watchdog-abort ends the job: no silent hang."""
     flags = ["--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16",
              "--batch-size", "8", "--steps", "1000000", "--log-every", "1000", "--sample-bytes", "0",
@@ -173,7 +173,7 @@ def test_a_killed_node_ends_the_job_fast(two_nodes, tmp_path):
     assert killed.get("value"), f"training never got going: {r.stderr[-2000:]}"
     assert r.returncode != 0, "the job reported success after a node was killed"
     assert ended - killed["at"] < 10, f"the job took {ended - killed['at']:.1f} s to end after the kill"
-    from ringpipe.engine import rundir
+    from ringpipe.engine.job import rundir
     ok, message = rundir.finished(str(tmp_path / "run"), 4)      # what a batch script checks
     assert not ok and "4 of 4 rank(s) never finished" in message, message
 

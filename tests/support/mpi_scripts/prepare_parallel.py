@@ -8,7 +8,7 @@ import sys
 from mpi4py import MPI
 
 from ringpipe import comm
-from ringpipe.engine.prepare import prepare
+from ringpipe.engine.data.prepare import prepare
 
 comm.install_abort_handler()          # a bug on one rank must end the job, not hang the test
 out, tokenizer, inputs = sys.argv[1], sys.argv[2], sys.argv[3:]

@@ -9,7 +9,7 @@ import sys
 
 from mpi4py import MPI  # noqa: E402
 
-from ringpipe.engine.lifecycle import LauncherError, check_launcher  # noqa: E402
+from ringpipe.engine.job.lifecycle import LauncherError, check_launcher  # noqa: E402
 
 try:
     check_launcher(MPI.COMM_WORLD)

@@ -1,0 +1,1074 @@
+"""Models in and out of the Hugging Face format: ringpipe's GPT is GPT-2.
+
+    export_hf(arrays, model_config, out_dir)   a checkpoint's parameters -> a folder that
+                                               transformers.GPT2LMHeadModel.from_pretrained loads
+    import_hf(hf_dir)                          a GPT-2 folder (save_pretrained, a local download,
+                                               or export_hf's) -> (GPTConfig, {our name: array}, tokenizer.json)
+    ringpipe export RUN_DIR --format hf --out HF_DIR      the command line (main)
+
+The architectures are the same: token + learned position embeddings, pre-LayerNorm blocks
+(causal self-attention with one fused qkv projection, an MLP 4x wide with GELU in its tanh
+approximation, biases on every Linear), a final LayerNorm, the LM head tied to the token
+embedding, LayerNorm eps 1e-5. So a conversion is only renaming, transposing and the
+vocabulary's padding:
+
+  - GPT-2's Conv1D stores its weight (in, out), our Linear (out, in) like torch.nn.Linear:
+    the four matrices of each block are transposed.
+  - qkv needs no reordering: both split the 3C outputs as [q | k | v], each C wide, with
+    head h in columns h*hs:(h+1)*hs (our reshape(B, T, 3, H, hs) is GPT-2's split(C) and
+    view(B, T, H, hs)).
+  - our wte has padded_vocab rows (a multiple of 128); GPT-2's has vocab_size. Exports keep
+    the first `vocab` rows, imports add the padding back.
+
+Only safetensors files are read or written: a pickle (pytorch_model.bin) can run code when
+it is loaded, so it is refused. Needs the `safetensors` package (pip install 'ringpipe[hf]');
+never torch or transformers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import sys
+import tempfile
+
+import numpy as np
+
+from ringpipe.engine.job import checkpoint, files
+from ringpipe.engine.model.gpt import GPTConfig, fit_vocab_rows, gpt_layers
+from ringpipe.engine.model.params import dedup_specs
+
+
+class HFError(ValueError):
+    """A Hugging Face folder, or a model, that cannot be converted; the message says why."""
+
+
+# ---- the name mapping ----------------------------------------------------------------------
+
+# (our parameter name, GPT-2's name without the "transformer." prefix, transposed?) per block.
+_BLOCK_NAMES = [
+    ("ln1.w", "ln_1.weight", False),
+    ("ln1.b", "ln_1.bias", False),
+    ("attn.qkv.w", "attn.c_attn.weight", True),     # ours (3C, C), GPT-2's (C, 3C)
+    ("attn.qkv.b", "attn.c_attn.bias", False),
+    ("attn.proj.w", "attn.c_proj.weight", True),    # (C, C)
+    ("attn.proj.b", "attn.c_proj.bias", False),
+    ("ln2.w", "ln_2.weight", False),
+    ("ln2.b", "ln_2.bias", False),
+    ("mlp.fc.w", "mlp.c_fc.weight", True),          # ours (4C, C), GPT-2's (C, 4C)
+    ("mlp.fc.b", "mlp.c_fc.bias", False),
+    ("mlp.proj.w", "mlp.c_proj.weight", True),      # ours (C, 4C), GPT-2's (4C, C)
+    ("mlp.proj.b", "mlp.c_proj.bias", False),
+]
+
+# The prefix GPT2LMHeadModel puts before the base model's names (GPT2Model saves without it).
+PREFIX = "transformer."
+
+
+def name_map(n_layer: int) -> list:
+    """[(our name, GPT-2's name without the prefix, transposed?)] for every parameter.
+    The LM head is no entry: it is wte in both models (tied)."""
+    names = [("wte", "wte.weight", False), ("wpe", "wpe.weight", False)]
+    for i in range(n_layer):
+        names += [(f"h.{i}.{ours}", f"h.{i}.{theirs}", transposed) for ours, theirs, transposed in _BLOCK_NAMES]
+    names += [("ln_f.w", "ln_f.weight", False), ("ln_f.b", "ln_f.bias", False)]
+    return names
+
+
+def _our_shapes(cfg: GPTConfig) -> dict:
+    """{our parameter name: shape}, from the model's own layer specs (so a parameter the GPT
+    gains without a mapping here is noticed, not silently left out of an export)."""
+    specs = dedup_specs([spec for layer in gpt_layers(cfg) for spec in layer.specs()])
+    shapes = {spec.name: tuple(spec.shape) for spec in specs}
+    mapped = {ours for ours, _, _ in name_map(cfg.n_layer)}
+    if set(shapes) != mapped:
+        raise HFError(f"the GPT's parameters {sorted(set(shapes) ^ mapped)} have no Hugging Face mapping in "
+                      "engine/interop/hf.py (a bug: the model changed, its conversion did not)")
+    return shapes
+
+
+def _hf_shape(ours: str, shape: tuple, transposed: bool, cfg: GPTConfig) -> tuple:
+    """The shape GPT-2 stores our parameter `ours` of shape `shape` in."""
+    if ours == "wte":
+        return (cfg.vocab, cfg.d_model)      # GPT-2's wte has exactly vocab_size rows
+    return tuple(reversed(shape)) if transposed else shape
+
+
+# ---- declared sizes, checked against the tensors before anything is built ------------------
+#
+# config.json and a checkpoint's manifest are a few bytes that declare sizes; the tensors
+# are what the files hold. Building a model from a declared size before looking at the
+# tensors lets a 2 KB file cost minutes and gigabytes (n_layer 10**6 builds a million
+# layers) or a MemoryError. So the declared shape is checked first against the shapes in
+# the files' headers (read without reading any tensor data), then against the memory
+# available; only then is anything built or read.
+
+# Bytes a conversion holds per parameter, at most, as float32: the tensors as read and the
+# converted (or loaded-into) copy. A bound to refuse the hopeless early, not an estimate.
+_CONVERSION_COPIES = 2
+
+
+def _available_memory():
+    """Bytes of memory available now (MemAvailable of /proc/meminfo), or None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _layer_indices(names) -> set:
+    """The block indices i of the names "h.<i>.<...>" (ours), written without leading zeros."""
+    found = set()
+    for name in names:
+        match = re.fullmatch(r"h\.(0|[1-9][0-9]*)\..+", name)
+        if match:
+            found.add(int(match.group(1)))
+    return found
+
+
+def check_gpt_shapes(cfg: GPTConfig, shapes: dict, where: str, wte_rows: int, naming, exact_layers=True) -> int:
+    """Refuse the declared model `cfg` unless the tensors present are that model's, and it fits
+    in memory; returns its number of parameters. Nothing is built and no tensor is read.
+
+    shapes: {our parameter name: shape in our orientation}, from file headers.
+    where: what declared cfg, for messages ("{dir}/config.json", "the manifest ...").
+    wte_rows: the rows the file's wte must have (GPT-2: vocab; a checkpoint: padded).
+    naming(ours, shape) -> (the tensor's name in the file, the shape as the file stores it).
+    exact_layers: refuse layers beyond n_layer too (a checkpoint); an import leaves extra
+    tensors to its own check, which names them."""
+    C = cfg.d_model
+
+    def tensor(ours):
+        name, _ = naming(ours, ())
+        if ours not in shapes:
+            raise HFError(f"the tensor {name} is missing ({where} declares {_describe_cfg(cfg)}): the weights are "
+                          f"incomplete or do not match {where}")
+        return shapes[ours]
+
+    def expect(ours, want, because):
+        have = tensor(ours)
+        if tuple(have) != tuple(want):
+            name, shown = naming(ours, tuple(have))
+            _, wanted = naming(ours, tuple(want))
+            raise HFError(f"the tensor {name} has shape {shown}, but {where} declares {because}, which implies "
+                          f"{wanted}: the two disagree (was {where} edited?)")
+
+    # wte and wpe first: they carry vocab, d_model and context, and are bounded by the file.
+    expect("wte", (wte_rows, C), f"vocab {cfg.vocab} and d_model {C}")
+    expect("wpe", (cfg.context, C), f"context {cfg.context} and d_model {C}")
+    if C % cfg.n_head:
+        raise HFError(f"{where} declares n_head {cfg.n_head}, which does not divide d_model {C}: no GPT has that "
+                      "shape (was it edited?)")
+    present = _layer_indices(shapes)
+    missing = [i for i in range(min(cfg.n_layer, len(present) + 1)) if i not in present]
+    if missing:
+        name, _ = naming(f"h.{missing[0]}.ln1.w", ())
+        raise HFError(f"{where} declares n_layer {cfg.n_layer}, but the weights hold {len(present)} layers: the "
+                      f"tensor {name} (and the rest of layer {missing[0]}) is missing")
+    extra = sorted(i for i in present if i >= cfg.n_layer)
+    if exact_layers and extra:
+        raise HFError(f"{where} declares n_layer {cfg.n_layer}, but the weights hold {len(present)} layers "
+                      f"(up to layer {extra[-1]}): the two disagree (was {where} edited?)")
+    # Every layer is now backed by tensors in the file, so one layer's shapes (from the model's
+    # own specs, so they cannot drift from it) are cheap to compute and to check n_layer times.
+    one = _our_shapes(GPTConfig(n_layer=1, d_model=C, n_head=cfg.n_head, context=cfg.context, vocab=cfg.vocab))
+    block = {ours[len("h.0."):]: shape for ours, shape in one.items() if ours.startswith("h.0.")}
+    for i in range(cfg.n_layer):
+        for suffix, want in block.items():
+            expect(f"h.{i}.{suffix}", want, f"d_model {C}")
+    for ours, want in one.items():
+        if not ours.startswith("h.") and ours not in ("wte", "wpe"):
+            expect(ours, want, f"d_model {C}")
+
+    n_params = (math.prod(shapes["wte"]) + math.prod(shapes["wpe"]) + 2 * C
+                + cfg.n_layer * sum(math.prod(shape) for shape in block.values()))
+    need = _CONVERSION_COPIES * 4 * max(n_params, cfg.padded_vocab * C)
+    available = _available_memory()
+    if available is not None and need > available:
+        raise HFError(f"{where} declares a model of {n_params:,} parameters: it needs about {need / 2**30:.1f} GiB "
+                      f"of memory here, and {available / 2**30:.1f} GiB are available; use a machine with more "
+                      "memory")
+    return n_params
+
+
+def _describe_cfg(cfg: GPTConfig) -> str:
+    return ", ".join(f"{key} {value}" for key, value in cfg.to_dict().items())
+
+
+def check_checkpoint_shapes(manifest: dict, declared: dict, path: str) -> GPTConfig:
+    """The GPTConfig of a GPT checkpoint whose manifest's model_config agrees with the arrays
+    its npz declares ({name: (shape, dtype)}, checkpoint.declared_arrays), else HFError naming
+    the key and the array. Call it before building the model or reading an array."""
+    where = f"the manifest {path}'s model_config"
+    model_config = manifest["model_config"]
+    cfg = GPTConfig(**model_config)
+    params = {}
+    for name, (shape, dtype) in declared.items():
+        if name.startswith("param/"):
+            if np.dtype(dtype).kind != "f":
+                raise HFError(f"the checkpoint's array {name} has dtype {dtype}, not a float type: a GPT's "
+                              f"parameters are floats ({path} was not written by ringpipe, or was edited)")
+            params[name[len("param/"):]] = tuple(shape)
+    from ringpipe.engine.model.gpt import checkpoint_vocab_rows
+    check_gpt_shapes(cfg, params, where, checkpoint_vocab_rows(cfg, manifest),
+                     lambda ours, shape: (f"param/{ours}", shape))
+    # The run's own record of its flags and tokenizer, where they name a size: n_head is in no
+    # array's shape, so an edited n_head shows only against what the run was started with.
+    heads = manifest.get("args", {}).get("heads")
+    if type(heads) is int and heads != cfg.n_head:
+        raise HFError(f"{where} declares n_head {cfg.n_head}, but the run was started with --heads {heads}: the "
+                      "manifest was edited; use the checkpoint as it was written")
+    tokenizer = manifest.get("tokenizer")
+    if tokenizer and tokenizer["vocab_size"] != cfg.vocab:
+        raise HFError(f"{where} declares vocab {cfg.vocab}, but the run's tokenizer has {tokenizer['vocab_size']} "
+                      "tokens: the manifest was edited; use the checkpoint as it was written")
+    return cfg
+
+
+# ---- export --------------------------------------------------------------------------------
+
+def export_hf(arrays: dict, model_config: dict, out_dir: str, tokenizer_json: str | None = None,
+              overwrite=False, protect=()) -> str:
+    """Write a GPT's parameters as a Hugging Face GPT-2 folder; returns its absolute path.
+
+    arrays: {"param/<name>": host array} as checkpoint.load returns them (other arrays, like
+    "opt/m/<name>", are ignored), or {<name>: array}. model_config: a GPTConfig dict.
+    tokenizer_json: a tokenizer.json path (or its JSON text) to ship with the model, so that
+    AutoTokenizer.from_pretrained(out_dir) works. Written as float32 into a temp folder that
+    is renamed into place, so out_dir is never half-written. A non-empty out_dir is replaced
+    only with overwrite, and only if it is a model folder (see _check_out_dir): never a run
+    directory, a dataset, a folder holding other files, nor one that is, holds or lies in
+    one of the paths in `protect` (the checkpoint being exported)."""
+    cfg = _gpt_config(model_config)
+    given = _param_arrays(arrays)
+    # The declared depth against the layers given, before _check_params builds the GPT's
+    # specs from it (a model_config of n_layer 10**6 would build a million layers first).
+    if cfg.n_layer > len(_layer_indices(given)):
+        raise HFError(f"model_config declares n_layer {cfg.n_layer}, but the parameters hold "
+                      f"{len(_layer_indices(given))} layers: are they this GPT's ({cfg.to_dict()})?")
+    params = _check_params(cfg, given)
+    tokenizer = _Tokenizer.read(tokenizer_json, cfg.vocab) if tokenizer_json is not None else None
+    special_id = tokenizer.end_of_text_id() if tokenizer is not None else None
+
+    tensors = {}
+    for ours, theirs, transposed in name_map(cfg.n_layer):
+        array = params[ours].astype(np.float32)
+        if ours == "wte":
+            array = array[:cfg.vocab]       # the padding rows are ours alone: GPT-2 has vocab_size rows
+        if transposed:
+            array = array.T
+        tensors[PREFIX + theirs] = np.ascontiguousarray(array)
+
+    files = {"config.json": _json_bytes(_hf_config(cfg, special_id)),
+             "generation_config.json": _json_bytes({"bos_token_id": special_id, "eos_token_id": special_id})}
+    if tokenizer is not None:
+        files["tokenizer.json"] = tokenizer.text.encode()
+        files["tokenizer_config.json"] = _json_bytes(tokenizer.config(cfg.context, special_id))
+        files["special_tokens_map.json"] = _json_bytes(tokenizer.special_tokens_map(special_id))
+
+    out_dir = os.path.abspath(out_dir)
+    _check_out_dir(out_dir, overwrite, protect)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    try:
+        _save_safetensors(tensors, os.path.join(tmp, "model.safetensors"))
+        for name, data in files.items():
+            with open(os.path.join(tmp, name), "wb") as fh:
+                fh.write(data)
+        # mkdtemp makes the folder 0700 and safetensors writes its file 0600: give both the
+        # modes every other file of the user gets (their umask), so the folder is not
+        # readable while model.safetensors, the one file that matters, is not.
+        umask = _umask()
+        for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+            _fsync(os.path.join(tmp, name))
+        os.chmod(tmp, 0o777 & ~umask)
+        _check_out_dir(out_dir, overwrite, protect)     # again: it may have changed while we wrote
+        _move_into_place(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _gpt_config(model_config: dict) -> GPTConfig:
+    if not isinstance(model_config, dict):
+        raise HFError(f"model_config must be a GPTConfig dict, got {type(model_config).__name__}")
+    expected = set(GPTConfig().to_dict())
+    if set(model_config) != expected:
+        # A key we do not know may change the architecture (an export would then be wrong).
+        raise HFError(f"model_config has the keys {sorted(model_config)}, expected {sorted(expected)}: "
+                      "is it a GPT checkpoint's model_config?")
+    cfg = GPTConfig(**model_config)
+    cfg.validate()
+    return cfg
+
+
+def _param_arrays(arrays: dict) -> dict:
+    """{our name: array}: the "param/" arrays of a checkpoint, or already bare names."""
+    params = {name[len("param/"):]: array for name, array in arrays.items() if name.startswith("param/")}
+    return params or dict(arrays)
+
+
+def _check_params(cfg: GPTConfig, params: dict) -> dict:
+    for name, shape in _our_shapes(cfg).items():
+        if name not in params:
+            raise HFError(f"the parameters lack {name!r}: are they this GPT's ({cfg.to_dict()})?")
+        array = np.asarray(params[name])
+        if array.shape != shape:
+            raise HFError(f"parameter {name!r} has shape {array.shape}, the GPT {cfg.to_dict()} has {shape}")
+        if array.dtype.kind != "f":
+            raise HFError(f"parameter {name!r} has dtype {array.dtype}, expected floating point")
+        if not np.isfinite(array).all():
+            raise HFError(f"parameter {name!r} holds NaN or inf: the model diverged; export an earlier checkpoint")
+        params[name] = array
+    return params
+
+
+def _hf_config(cfg: GPTConfig, special_id) -> dict:
+    """config.json: what GPT2Config needs to build exactly our model."""
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab,            # the tokenizer's size: the padding is not exported
+        "n_positions": cfg.context,
+        # The same value under GPT-2's older name: transformers ignores it, but llama.cpp's
+        # convert_hf_to_gguf.py reads config["n_ctx"] for GPT-2 and fails without it (KeyError).
+        "n_ctx": cfg.context,
+        "n_embd": cfg.d_model,
+        "n_layer": cfg.n_layer,
+        "n_head": cfg.n_head,
+        "n_inner": None,                    # None means 4 * n_embd, our MLP's width
+        "activation_function": "gelu_new",  # GELU, tanh approximation: our kernels' GELU
+        "layer_norm_epsilon": 1e-5,
+        "scale_attn_weights": True,         # scores / sqrt(head size), as ours
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "add_cross_attention": False,
+        "tie_word_embeddings": True,        # our LM head is wte
+        # ringpipe trains without dropout; GPT-2's default 0.1 would change the math of
+        # anyone fine-tuning the export.
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "summary_first_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "bos_token_id": special_id,
+        "eos_token_id": special_id,
+        "dtype": "float32",                 # transformers >= 4.56 reads "dtype",
+        "torch_dtype": "float32",           # older versions "torch_dtype"
+    }
+
+
+def _json_bytes(obj) -> bytes:
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _save_safetensors(tensors: dict, path: str) -> None:
+    numpy_api = _safetensors("numpy")
+    # transformers refuses a safetensors file whose metadata does not name a framework;
+    # "pt" is what save_pretrained writes.
+    numpy_api.save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _safetensors(module: str):
+    try:
+        if module == "numpy":
+            import safetensors.numpy as found
+        else:
+            import safetensors as found
+    except ImportError:
+        raise HFError("reading and writing Hugging Face model files needs the safetensors package: "
+                      "pip install 'ringpipe[hf]' (or pip install safetensors)") from None
+    return found
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it (/proc: setting it
+    to read it back would briefly change it for every thread)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _fsync(path: str) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+# What a model folder is made of: what export_hf writes, what save_pretrained writes for a
+# GPT-2 (sharded weights, the slow tokenizer's files) and what a Hub download adds. Only a
+# folder of these is ever replaced: --overwrite of a parent folder (--out ., --out ~) must
+# not delete everything in it, the run being exported included.
+_MODEL_FOLDER_FILES = frozenset({
+    "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+    "added_tokens.json", "README.md", ".gitattributes"})
+_SHARD_NAME = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors")
+_RUN_DIR_MARKERS = ("run.lock", "checkpoints", "metrics.jsonl", "finished")
+
+
+def _is_model_file(folder: str, name: str) -> bool:
+    if name not in _MODEL_FOLDER_FILES and not _SHARD_NAME.fullmatch(name):
+        return False
+    path = os.path.join(folder, name)
+    return os.path.islink(path) or os.path.isfile(path)     # a Hub snapshot's files are links
+
+
+def _within(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder
+
+
+def _check_out_dir(out_dir: str, overwrite: bool, protect=()) -> None:
+    """Refuse an out_dir that an export must not replace; return if it may be written (it
+    is new or empty, or it is a model folder and overwrite is given). Only a refusal that
+    --overwrite would lift suggests it."""
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise FileExistsError(f"--out {out_dir} exists and is not a folder; choose a folder")
+    if not os.path.isdir(out_dir) or not os.listdir(out_dir):
+        return
+    names = sorted(os.listdir(out_dir))
+    real = os.path.realpath(out_dir)
+    for source in protect:
+        src = os.path.realpath(source)
+        if real == src or _within(src, real) or _within(real, src):
+            how = "is" if real == src else "holds" if _within(src, real) else "lies inside"
+            what = ("the run directory" if os.path.isdir(os.path.join(src, "checkpoints")) else
+                    "the checkpoints folder" if os.path.isdir(src) else "the checkpoint")
+            raise FileExistsError(f"--out {out_dir} {how} {what} being exported ({source}): an export never "
+                                  "replaces a folder that is, holds or lies inside what it exports (that could "
+                                  "delete the checkpoint); export to a new folder outside the run")
+    run_marks = [n for n in names if n in _RUN_DIR_MARKERS or n.startswith("ckpt_")]
+    if run_marks:
+        raise FileExistsError(f"--out {out_dir} is a ringpipe run directory (it holds {', '.join(run_marks)}): an "
+                              "export never replaces one; export to a new folder")
+    if "data.json" in names:
+        raise FileExistsError(f"--out {out_dir} is a prepared dataset (it holds data.json): an export never "
+                              "replaces one; export to a new folder")
+    foreign = [n for n in names if not _is_model_file(out_dir, n)]
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+        raise FileExistsError(f"--out {out_dir} holds {shown}, which no model folder is made of: an export "
+                              "replaces only a model folder (config.json, model.safetensors, tokenizer files), "
+                              "never a folder holding other things; export to a new or empty folder")
+    if not overwrite:
+        raise FileExistsError(f"--out {out_dir} is not empty: it holds a model ({', '.join(names[:4])}"
+                              f"{', ...' if len(names) > 4 else ''}); pass --overwrite to replace it "
+                              "(overwrite=True), or choose another folder")
+
+
+def _move_into_place(tmp: str, out_dir: str) -> None:
+    """Rename the finished temp folder to out_dir. An existing (non-empty) out_dir is first
+    renamed aside and removed only after the new folder is in place."""
+    if not os.path.isdir(out_dir) or not os.listdir(out_dir):
+        os.replace(tmp, out_dir)            # rename(2) replaces an empty folder
+        return
+    aside = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=os.path.dirname(out_dir))
+    old = os.path.join(aside, "old")
+    os.rename(out_dir, old)
+    try:
+        os.rename(tmp, out_dir)
+    except BaseException:
+        os.rename(old, out_dir)             # put the previous export back
+        os.rmdir(aside)
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+    checkpoint.fsync_dir(os.path.dirname(out_dir))
+
+
+# ---- the tokenizer -------------------------------------------------------------------------
+
+# Tokens that end a text, in the order we look for them (engine/data/tokenizer.py's order):
+# GPT-2's, Llama 3's, then SentencePiece's.
+_END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+
+
+class _Tokenizer:
+    """A tokenizer.json (the `tokenizers` library's format), read as JSON: we only need
+    its size and its special tokens, and copy the file as it is."""
+
+    def __init__(self, text: str, ids: dict, special: list):
+        self.text = text            # the file's exact text
+        self.ids = ids              # {token: id} of the model's vocabulary and the added tokens
+        self.special = special      # the added tokens marked special
+
+    @classmethod
+    def read(cls, tokenizer_json: str, vocab: int) -> "_Tokenizer":
+        if tokenizer_json.lstrip().startswith("{"):
+            text, where = tokenizer_json, "the tokenizer JSON"
+        else:
+            where = tokenizer_json
+            raw = _files_call(files.read_regular, tokenizer_json, "the tokenizer", MAX_TOKENIZER_BYTES)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise HFError(f"the tokenizer {tokenizer_json} is not UTF-8 text (byte {e.start})") from None
+        data = _files_call(files.parse_json, text, where)
+        if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+            raise HFError(f"{where} is not a tokenizer.json of the tokenizers library (no \"model\")")
+        ids = {}
+        vocab_entries = data["model"].get("vocab")
+        if isinstance(vocab_entries, dict):              # BPE, WordPiece, WordLevel: {token: id}
+            ids.update(vocab_entries)
+        elif isinstance(vocab_entries, list):            # Unigram: [[piece, score], ...] in id order
+            ids.update({entry[0]: i for i, entry in enumerate(vocab_entries)})
+        special = []
+        for token in data.get("added_tokens") or []:
+            ids[token["content"]] = token["id"]
+            if token.get("special"):
+                special.append(token["content"])
+        if not ids or not all(type(i) is int and i >= 0 for i in ids.values()):
+            raise HFError(f"{where} holds no vocabulary of token ids")
+        size = max(ids.values()) + 1
+        if size > vocab:
+            raise HFError(f"the tokenizer {where} has {size} token ids, more than the model's vocabulary of "
+                          f"{vocab}: it is not the tokenizer this model was trained with")
+        return cls(text, ids, special)
+
+    def end_of_text_id(self):
+        """GPT-2's bos and eos are one token, <|endoftext|>; use it (or another end-of-text
+        token) if the tokenizer has one, else no bos/eos at all (a byte tokenizer)."""
+        for token in _END_OF_TEXT_TOKENS:
+            if token in self.ids:
+                return self.ids[token]
+        return None
+
+    def _special_token(self, special_id):
+        return next(t for t, i in self.ids.items() if i == special_id) if special_id is not None else None
+
+    def config(self, context: int, special_id) -> dict:
+        """tokenizer_config.json: AutoTokenizer builds a PreTrainedTokenizerFast over tokenizer.json."""
+        token = self._special_token(special_id)
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": context,
+                "bos_token": token, "eos_token": token, "clean_up_tokenization_spaces": False}
+
+    def special_tokens_map(self, special_id) -> dict:
+        token = self._special_token(special_id)
+        return {"bos_token": token, "eos_token": token} if token is not None else {}
+
+
+# ---- import --------------------------------------------------------------------------------
+
+# GPT2Config's defaults, for keys a config.json leaves out (transformers would use these).
+_GPT2_DEFAULTS = {
+    "vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_layer": 12, "n_head": 12, "n_inner": None,
+    "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "scale_attn_weights": True,
+    "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False, "add_cross_attention": False,
+    "tie_word_embeddings": True,
+}
+# Names transformers gives the same function, GELU in its tanh approximation (our kernels'):
+# gelu_fast writes sqrt(2/pi) as 0.7978845608 and x * (1 + 0.044715 x^2) for x + 0.044715 x^3,
+# which differ from gelu_new only in float rounding. Exact GELU ("gelu", erf) is not among them.
+_TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+# The dropout rates a GPT-2 config.json may set (GPT-2's own: 0.1). ringpipe trains without
+# dropout; a model trained with it is still represented exactly (dropout is off at inference),
+# so import_notes says so instead of refusing.
+# summary_first_dropout is left out: only GPT2DoubleHeadsModel's summary head uses it.
+_DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
+_GPT2_DROPOUT_DEFAULT = 0.1     # GPT2Config's, for a key config.json leaves out
+# Buffers older transformers saved with the weights (the causal mask): not parameters.
+_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+
+
+def import_hf(hf_dir: str) -> tuple[GPTConfig, dict, str | None]:
+    """Read a Hugging Face GPT-2 folder: (GPTConfig, {our parameter name: float32 array}, the
+    path of its tokenizer.json or None). wte is padded to cfg.padded_vocab rows. Anything
+    ringpipe's GPT cannot represent exactly is refused with an HFError (a ValueError)
+    naming the config key or tensor."""
+    if not os.path.isdir(hf_dir):
+        raise HFError(f"{hf_dir} is not a folder (expected a Hugging Face model folder with config.json)")
+    config = _read_config(hf_dir)
+    cfg = _config_from_hf(config, hf_dir)
+    headers = _read_headers(_weight_files(hf_dir), hf_dir)
+    # config.json's sizes against the tensors' shapes (headers only), before any model is
+    # built or tensor read: see check_gpt_shapes.
+    declared = _strip_prefix({name: shape for name, (_, shape, _) in headers.items()}, hf_dir)
+    check_gpt_shapes(cfg, _ours_from_gpt2(declared), f"{hf_dir}/config.json", cfg.vocab, _gpt2_naming,
+                     exact_layers=False)
+    tensors = _strip_prefix(_read_tensors(headers), hf_dir)
+    shapes = _our_shapes(cfg)
+
+    arrays = {}
+    for ours, theirs, transposed in name_map(cfg.n_layer):
+        if theirs not in tensors:
+            raise HFError(f"{hf_dir}: the tensor {PREFIX + theirs} is missing (config.json says n_layer "
+                          f"{cfg.n_layer}): the weights are incomplete or do not match config.json")
+        array = tensors.pop(theirs)
+        want = _hf_shape(ours, shapes[ours], transposed, cfg)
+        if array.shape != want:
+            raise HFError(f"{hf_dir}: the tensor {PREFIX + theirs} has shape {array.shape}, config.json "
+                          f"implies {want}")
+        array = array.astype(np.float32)
+        if transposed:
+            array = array.T
+        arrays[ours] = np.ascontiguousarray(array)
+
+    # Our wte has padded_vocab rows. The padding rows never matter: no token id reaches them
+    # in the embedding, and the head masks their logits (LMHead.PAD_LOGIT), so they get no
+    # probability and no gradient. Zeros keep the import deterministic.
+    wte = np.zeros((cfg.padded_vocab, cfg.d_model), dtype=np.float32)
+    wte[:cfg.vocab] = arrays["wte"]
+    arrays["wte"] = wte
+
+    lm_head = tensors.pop("lm_head.weight", None)
+    if lm_head is None and config.get("tie_word_embeddings", True) is False:
+        raise HFError(f"{hf_dir}: config.json says tie_word_embeddings false but there is no lm_head.weight "
+                      "(transformers would start the head from random values)")
+    if lm_head is not None and not np.array_equal(lm_head.astype(np.float32), arrays["wte"][:cfg.vocab]):
+        raise HFError(f"{hf_dir}: lm_head.weight differs from wte (config.json tie_word_embeddings "
+                      f"{config.get('tie_word_embeddings', True)}): ringpipe's LM head is always the token "
+                      "embedding, so this model cannot be represented")
+    leftover = sorted(name for name in tensors if not name.endswith(_BUFFER_SUFFIXES))
+    if leftover:
+        raise HFError(f"{hf_dir}: tensors that GPT-2 with this config.json does not have: "
+                      f"{', '.join(leftover[:5])}{', ...' if len(leftover) > 5 else ''}")
+    tokenizer = os.path.join(hf_dir, "tokenizer.json")
+    if os.path.lexists(tokenizer):
+        # Something named tokenizer.json that is a FIFO, a device or not JSON is refused here,
+        # naming it, rather than wherever it is read later.
+        _read_json(tokenizer, "the model's tokenizer", MAX_TOKENIZER_BYTES)
+        return cfg, arrays, tokenizer
+    return cfg, arrays, None
+
+
+# Limits on the JSON files of a model folder: far above any real one, far below a problem.
+MAX_CONFIG_BYTES = files.MiB                # config.json, generation_config.json: a few KB
+MAX_INDEX_BYTES = 64 * files.MiB            # model.safetensors.index.json: ~100 bytes a tensor
+MAX_TOKENIZER_BYTES = 256 * files.MiB       # tokenizer.json: GPT-2's 1.4 MB, large vocabularies tens of MB
+MAX_HEADER_BYTES = 100 * files.MiB          # a safetensors header: the library's own limit
+
+
+def _files_call(function, *args):
+    """engine/files' readers, their refusals (UnreadableFile) as HFError for our callers."""
+    try:
+        return function(*args)
+    except files.UnreadableFile as e:
+        raise HFError(str(e)) from None
+
+
+def _read_json(path: str, what: str, limit: int):
+    return _files_call(files.read_json, path, what, limit)
+
+
+def check_init_data(hf_dir: str, init: tuple, data_vocab, data_has_tokenizer: bool = True) -> list:
+    """For --init-from hf:DIR, once the data is open: refuse data whose vocabulary is larger
+    than the model's (token ids past the embedding's rows), and return the notes to print.
+    init: import_hf's (GPTConfig, arrays, tokenizer.json or None); data_vocab: the data's
+    vocabulary's size, or None where the data has none; data_has_tokenizer: whether it came
+    from a tokenizer (not: a peer's folder without tokenizer.json, its size assumed). Where
+    both have a tokenizer.json the caller compares them by identity; otherwise nothing can,
+    so a note says that only the vocabulary's size was checked."""
+    cfg, _, tokenizer_json = init
+    if data_vocab is not None and data_vocab > cfg.vocab:
+        whose = ("the data's tokenizer has" if data_has_tokenizer else
+                 "the data's vocabulary (it has no tokenizer.json) is")
+        raise HFError(f"{whose} {data_vocab} tokens, more than the {cfg.vocab} of the model in "
+                      f"{hf_dir} (its embedding's rows): token ids from {cfg.vocab} on have no embedding; prepare "
+                      "the data with the model's tokenizer")
+    notes = import_notes(hf_dir)
+    if tokenizer_json is not None and not data_has_tokenizer and data_vocab is not None:
+        notes.append(f"note: the data has no tokenizer.json, so it cannot be verified to be tokenized with the model's "
+                     f"({tokenizer_json}); only its vocabulary's size ({data_vocab}) was checked. Copy that "
+                     "tokenizer.json beside the data's shards to have it checked")
+    if tokenizer_json is None:
+        size = f"its size ({data_vocab} tokens, the model's {cfg.vocab})" if data_vocab is not None else "nothing"
+        notes.append(f"note: {hf_dir} has no tokenizer.json, so the data's tokenizer cannot be verified to be the "
+                     f"model's; only {size} was checked. Prepare the data with the tokenizer the model was trained with")
+    return notes
+
+
+def import_notes(hf_dir: str) -> list:
+    """Notes on what --init-from hf:DIR imports but ringpipe does not do, for the caller to
+    print once: the dropout config.json sets (ringpipe trains without it, so fine-tuning
+    here differs from fine-tuning the model in transformers). check_init_data includes them."""
+    config = _read_config(hf_dir)
+    rates = [(key, config.get(key, _GPT2_DROPOUT_DEFAULT)) for key in _DROPOUT_KEYS]
+    rates = [(key, value) for key, value in rates if type(value) in (int, float) and value != 0]
+    if not rates:
+        return []
+    listed = ", ".join(f"{key} {value}" + ("" if key in config else " by default") for key, value in rates)
+    return [f"note: {hf_dir}/config.json sets dropout ({listed}); ringpipe trains without dropout, so "
+            "fine-tuning here runs with none"]
+
+
+def _read_config(hf_dir: str) -> dict:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.lexists(path):
+        raise HFError(f"{hf_dir} has no config.json: it is not a Hugging Face model folder")
+    config = _read_json(path, "the model's config", MAX_CONFIG_BYTES)
+    if not isinstance(config, dict):
+        raise HFError(f"{path} holds no JSON object")
+    return config
+
+
+def _config_from_hf(config: dict, hf_dir: str) -> GPTConfig:
+    """Our GPTConfig from config.json, refusing every setting our GPT computes differently."""
+    where = f"{hf_dir}/config.json"
+    model_type = config.get("model_type")
+    if model_type != "gpt2":
+        raise HFError(f"{where}: model_type is {model_type!r}; ringpipe's GPT is GPT-2 and imports only "
+                      "model_type \"gpt2\"")
+
+    def get(key):
+        return config.get(key, _GPT2_DEFAULTS[key])
+
+    def refuse(key, why):
+        raise HFError(f"{where}: {key} is {get(key)!r}; {why}")
+
+    sizes = {}
+    for key in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+        value = get(key)
+        if type(value) is not int or value < 1:
+            refuse(key, "expected a positive integer")
+        sizes[key] = value
+    if sizes["n_embd"] % sizes["n_head"]:
+        refuse("n_head", f"it must divide n_embd {sizes['n_embd']}")
+    if get("activation_function") not in _TANH_GELUS:
+        refuse("activation_function", f"ringpipe's MLP uses GELU in its tanh approximation "
+                                      f"({' or '.join(_TANH_GELUS)})")
+    if get("n_inner") not in (None, 4 * sizes["n_embd"]):
+        refuse("n_inner", f"ringpipe's MLP is 4 * n_embd = {4 * sizes['n_embd']} wide")
+    epsilon = get("layer_norm_epsilon")
+    if type(epsilon) not in (int, float) or not math.isclose(epsilon, 1e-5, rel_tol=1e-6):
+        refuse("layer_norm_epsilon", "ringpipe's LayerNorm uses 1e-5")
+    if get("scale_attn_weights") is not True:
+        refuse("scale_attn_weights", "ringpipe always scales attention scores by 1/sqrt(head size)")
+    for key, why in (("scale_attn_by_inverse_layer_idx", "ringpipe does not scale attention by 1/(layer+1)"),
+                     ("add_cross_attention", "ringpipe's GPT has no cross-attention")):
+        if get(key) is not False:
+            refuse(key, why)
+    # reorder_and_upcast_attn is not checked: it only makes transformers compute q.k in float32
+    # with the scale applied before the matmul, the same attention in another order and precision.
+    # tie_word_embeddings false is fine if lm_head.weight equals wte: checked with the tensors.
+    return GPTConfig(n_layer=sizes["n_layer"], d_model=sizes["n_embd"], n_head=sizes["n_head"],
+                     context=sizes["n_positions"], vocab=sizes["vocab_size"])
+
+
+def _weight_files(hf_dir: str) -> list:
+    """The safetensors files of a model folder: model.safetensors, or the shards that
+    model.safetensors.index.json names. Pickled weights are refused, never opened."""
+    single = os.path.join(hf_dir, "model.safetensors")
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    # lexists, not isfile: a FIFO or a device under the name is refused by name when it is
+    # opened (engine/files), not mistaken for a missing file.
+    if os.path.lexists(single):
+        return [single]
+    if os.path.lexists(index):
+        return _shard_files(index, hf_dir)
+    names = os.listdir(hf_dir)
+    pickles = [n for n in names if n.endswith((".bin", ".pt", ".pth", ".ckpt"))]
+    if pickles:
+        raise HFError(f"{hf_dir} holds its weights only as {pickles[0]}, a pickle, which ringpipe never loads "
+                      "(loading a pickle can run code). Convert it to safetensors: load it with transformers "
+                      "where you trust it and re-save it with model.save_pretrained(folder, "
+                      "safe_serialization=True)")
+    raise HFError(f"{hf_dir} has no model.safetensors (nor model.safetensors.index.json)")
+
+
+def _shard_files(index: str, hf_dir: str) -> list:
+    document = _read_json(index, "the weights index", MAX_INDEX_BYTES)
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+    if not isinstance(weight_map, dict):
+        raise HFError(f"{index} has no \"weight_map\" object: it is not a model.safetensors.index.json")
+    shards = list(weight_map.values())
+    files_ = []
+    for shard in sorted(set(shards)) if all(isinstance(v, str) for v in shards) else shards:
+        # A shard is a file next to the index, never a path elsewhere on the machine.
+        if not isinstance(shard, str) or os.path.basename(shard) != shard or shard in ("", ".", ".."):
+            raise HFError(f"{index} names the shard {shard!r}; expected a file name in {hf_dir}")
+        path = os.path.join(hf_dir, shard)
+        if not os.path.lexists(path):
+            raise HFError(f"{index} names the shard {shard}, which is missing")
+        files_.append(path)
+    return files_
+
+
+# safetensors' float dtypes and their bytes per element: a GPT's weights are floats. An
+# integer or boolean tensor would be cast to float and trained on as if it were weights.
+_FLOAT_DTYPES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
+
+
+def _read_headers(paths: list, hf_dir: str) -> dict:
+    """{tensor name: (dtype, shape, (path, absolute offset of its data))} of every tensor in
+    the files, from their headers alone; a tensor in two files is refused."""
+    headers = {}
+    for path in paths:
+        for name, entry in _safetensors_header(path).items():
+            if name in headers:
+                raise HFError(f"{hf_dir}: the tensor {name} is in two shards")
+            headers[name] = entry
+    return headers
+
+
+def _safetensors_header(path: str) -> dict:
+    """{tensor name: (dtype, shape, (path, data offset))} from one safetensors file's header,
+    every entry checked against the file's size; no tensor data is read. The layout: an
+    8-byte little-endian header size, the JSON header, then the data (offsets relative to
+    its start)."""
+    fd = _files_call(files.open_regular, path, "the weights file")
+    with os.fdopen(fd, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        head = fh.read(8)
+        if len(head) != 8:
+            raise HFError(f"{path} is {size} bytes, too short to be a safetensors file")
+        (header_size,) = struct.unpack("<Q", head)
+        if header_size > min(size - 8, MAX_HEADER_BYTES):
+            raise HFError(f"{path} declares a header of {header_size:,} bytes, more than the file's {size:,} bytes "
+                          f"or safetensors' {MAX_HEADER_BYTES:,}: it is not a safetensors file, or it is damaged")
+        header = _files_call(files.parse_json, fh.read(header_size), f"the header of {path}")
+    if not isinstance(header, dict):
+        raise HFError(f"the header of {path} is not a JSON object: it is not a safetensors file")
+    data_size = size - 8 - header_size
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        shape = info.get("shape") if isinstance(info, dict) else None
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if (not isinstance(info, dict) or not isinstance(info.get("dtype"), str) or not isinstance(shape, list)
+                or not all(type(n) is int and n >= 0 for n in shape) or not isinstance(offsets, list)
+                or len(offsets) != 2 or not all(type(n) is int for n in offsets)):
+            raise HFError(f"{path}: the header's entry for the tensor {name} is malformed (expected dtype, shape "
+                          "and data_offsets): the file is damaged or not safetensors")
+        dtype = info["dtype"]
+        if dtype not in _FLOAT_DTYPES and not name.endswith(_BUFFER_SUFFIXES):
+            raise HFError(f"{path}: the tensor {name} is {dtype}, not a float type (F16, BF16, F32 or F64): a "
+                          "GPT-2's weights are floats, and ringpipe would cast it to float and train on it; "
+                          "remove the tensor or store it as floats")
+        begin, end = offsets
+        itemsize = _FLOAT_DTYPES.get(dtype)
+        if not 0 <= begin <= end <= data_size or (itemsize and end - begin != math.prod(shape) * itemsize):
+            raise HFError(f"{path}: the tensor {name} declares shape {tuple(shape)} of {dtype} at bytes "
+                          f"{begin}..{end}, which the file's {data_size:,} bytes of data do not hold: it is "
+                          "truncated or damaged")
+        entries[name] = (dtype, tuple(shape), (path, 8 + header_size + begin))
+    return entries
+
+
+def _read_tensors(headers: dict) -> dict:
+    """{name: numpy array} of the tensors in `headers` (_read_headers), read after their
+    shapes were checked. The old causal-mask buffers are not read: nothing uses them."""
+    by_file = {}
+    for name, (dtype, shape, (path, _)) in headers.items():
+        if not name.endswith(_BUFFER_SUFFIXES):
+            by_file.setdefault(path, []).append(name)
+    tensors = {}
+    for path, names in by_file.items():
+        tensors.update(_read_safetensors_file(path, names, headers))
+    return tensors
+
+
+def _read_safetensors_file(path: str, names: list, headers: dict) -> dict:
+    safetensors = _safetensors("safe_open")
+    tensors = {}
+    try:
+        with safetensors.safe_open(path, framework="np") as fh:
+            for name in names:
+                if headers[name][0] == "BF16":
+                    tensors[name] = _read_bf16(headers[name])     # numpy has no bfloat16
+                else:
+                    tensors[name] = fh.get_tensor(name)
+    except HFError:
+        raise
+    except Exception as e:   # the library raises its own types (SafetensorError, TypeError) for a bad file
+        raise HFError(f"{path} cannot be read as safetensors ({type(e).__name__}: {e})") from None
+    return tensors
+
+
+def _read_bf16(entry) -> np.ndarray:
+    """A bfloat16 tensor as float32: bfloat16 is the top 16 bits of a float32. Its place
+    and size in the file come from the checked header (_safetensors_header)."""
+    _, shape, (path, offset) = entry
+    count = math.prod(shape)
+    fd = _files_call(files.open_regular, path, "the weights file")
+    with os.fdopen(fd, "rb") as fh:
+        fh.seek(offset)
+        raw = np.frombuffer(fh.read(2 * count), dtype="<u2")
+    if raw.size != count:
+        raise HFError(f"{path} ends inside the tensor data: it was truncated while it was read")
+    return (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape)
+
+
+# GPT-2's names (without the prefix) of our parameters, and back.
+def _gpt2_block():
+    return {theirs: (ours, transposed) for ours, theirs, transposed in _BLOCK_NAMES}
+
+
+_GPT2_TOP = {theirs: ours for ours, theirs, _ in name_map(0)}     # wte, wpe, ln_f
+
+
+def _ours_from_gpt2(shapes: dict) -> dict:
+    """{our name: shape in our orientation} of the GPT-2 tensors in `shapes` (prefix stripped);
+    names that are not a GPT-2 parameter are left out (import_hf names them later)."""
+    block = _gpt2_block()
+    ours = {}
+    for name, shape in shapes.items():
+        if name in _GPT2_TOP:
+            ours[_GPT2_TOP[name]] = tuple(shape)
+            continue
+        match = re.fullmatch(r"h\.(0|[1-9][0-9]*)\.(.+)", name)
+        if match and match.group(2) in block:
+            our_suffix, transposed = block[match.group(2)]
+            ours[f"h.{match.group(1)}.{our_suffix}"] = tuple(reversed(shape)) if transposed else tuple(shape)
+    return ours
+
+
+def _gpt2_naming(ours: str, shape: tuple) -> tuple:
+    """(GPT-2's full name of our parameter, the shape as GPT-2 stores it)."""
+    top = {o: t for t, o in _GPT2_TOP.items()}
+    if ours in top:
+        return PREFIX + top[ours], shape
+    index, suffix = ours[len("h."):].split(".", 1)
+    theirs, transposed = next((t, tr) for o, t, tr in _BLOCK_NAMES if o == suffix)
+    return f"{PREFIX}h.{index}.{theirs}", tuple(reversed(shape)) if transposed else shape
+
+
+def _strip_prefix(tensors: dict, hf_dir: str) -> dict:
+    """GPT-2's names without "transformer.": GPT2LMHeadModel saves them with it, GPT2Model
+    (and the original GPT-2 download) without; lm_head.weight keeps its name."""
+    if PREFIX + "wte.weight" in tensors:
+        return {name[len(PREFIX):] if name.startswith(PREFIX) else name: array for name, array in tensors.items()}
+    if "wte.weight" in tensors:
+        return dict(tensors)
+    raise HFError(f"{hf_dir}: the tensor {PREFIX}wte.weight is missing: is this a GPT-2 model?")
+
+
+# ---- the command line: ringpipe export -------------------------------------------------------
+
+def main(argv=None, prog="ringpipe export") -> int:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Write a trained ringpipe GPT as a Hugging Face GPT-2 folder (config.json,\n"
+                    "model.safetensors, the tokenizer) that transformers loads with no conversion code.",
+        epilog="Example:\n  ringpipe export runs/gpt --format hf --out runs/gpt-hf\n"
+               "  python -c \"from transformers import pipeline; "
+               "print(pipeline('text-generation', 'runs/gpt-hf')('def ', max_new_tokens=40)[0])\"",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT",
+                        help="a run directory (its latest valid checkpoint), a checkpoints folder or a ckpt_*.json")
+    parser.add_argument("--format", choices=["hf"], default="hf", help="output format (hf: Hugging Face GPT-2)")
+    parser.add_argument("--out", required=True, metavar="HF_DIR", help="the folder to write (must be empty or new)")
+    parser.add_argument("--overwrite", action="store_true", help="replace HF_DIR if it is not empty")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:          # argparse has printed the usage and the error (or --help)
+        return 2 if e.code else 0
+    try:
+        return _export_command(args)
+    except (ValueError, checkpoint.CheckpointError, OSError) as e:    # HFError, UnreadableFile, ConfigError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _export_command(args) -> int:
+    if not os.path.exists(args.source):
+        raise HFError(f"{args.source} does not exist; pass a run directory, its checkpoints folder or a "
+                      "ckpt_XXXXXXXX.json")
+    manifest_path, note = checkpoint.resolve_with_note(args.source)
+    if note:
+        print(note, file=sys.stderr)
+    # The manifest and the arrays' declared shapes first: model_config is checked against them
+    # (check_checkpoint_shapes) before anything is built or read, and the output folder before
+    # the arrays are read, so a refusal costs nothing.
+    manifest, declared = checkpoint.declared_arrays(manifest_path)
+    if manifest["model"] != "gpt":
+        raise HFError(f"{manifest_path} is a checkpoint of the {manifest['model']} model; only the GPT "
+                      "exports to the Hugging Face format")
+    cfg = check_checkpoint_shapes(manifest, declared, manifest_path)
+    run_dir = _run_dir(args.source, manifest_path)
+    npz_path = manifest_path[:-len(".json")] + ".npz"
+    protect = (os.path.abspath(args.source), os.path.abspath(manifest_path), os.path.abspath(npz_path), run_dir)
+    _check_out_dir(os.path.abspath(args.out), args.overwrite, protect)
+    # Only the parameters (not the optimizer's state), each checked against its declared shape.
+    params, _ = checkpoint.load(manifest_path, expected={name: shape for name, (shape, _) in declared.items()
+                                                         if name.startswith("param/")})
+    params = fit_vocab_rows(params, cfg, cfg.padded_vocab)      # a tp not dividing 128 padded further
+    tokenizer, about_tokenizer = _find_tokenizer(manifest, run_dir, manifest["model_config"]["vocab"])
+    out = export_hf(params, manifest["model_config"], args.out, tokenizer_json=tokenizer, overwrite=args.overwrite,
+                    protect=protect)
+
+    # Counted from what was written, not from the checkpoint: its wte holds padding rows the
+    # export trims (vocab 300 is stored as 384 rows), which the exported model does not have.
+    n_params = sum(math.prod(shape) for _, shape, _ in
+                   _safetensors_header(os.path.join(out, "model.safetensors")).values())
+    print(f"exported {manifest_path} (step {manifest['step']}, {n_params:,} parameters) to {out}:")
+    print(f"  {', '.join(sorted(os.listdir(out)))}")
+    print(f"  tokenizer: {about_tokenizer}")
+    print("load it with:")
+    print("  from transformers import AutoModelForCausalLM, AutoTokenizer")
+    loads_tokenizer = f"; tokenizer = AutoTokenizer.from_pretrained({out!r})" if tokenizer is not None else ""
+    print(f"  model = AutoModelForCausalLM.from_pretrained({out!r}){loads_tokenizer}")
+    return 0
+
+
+def _tokenizer_sha256(path: str) -> str:
+    """The sha256 a checkpoint records for its tokenizer: engine.tokenizer's, over the JSON in
+    canonical form, so re-indenting the file does not change it."""
+    from ringpipe.engine.data.tokenizer import json_sha256
+    raw = _files_call(files.read_regular, path, "the run's tokenizer", MAX_TOKENIZER_BYTES)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise HFError(f"the run's tokenizer {path} is not UTF-8 text (byte {e.start})") from None
+    _files_call(files.parse_json, text, f"the run's tokenizer {path}")     # deep nesting refused by name
+    try:
+        return json_sha256(text)
+    except ValueError as e:
+        raise HFError(f"{path} is not valid JSON ({e})") from None
+
+
+def _run_dir(source: str, manifest_path: str) -> str:
+    """The run directory: RUN/checkpoints/ckpt_*.json or RUN/best/ckpt_*.json (--keep-best's) -> RUN
+    (or the source itself if it is one)."""
+    if os.path.isdir(os.path.join(source, "checkpoints")):
+        return os.path.abspath(source)
+    folder = os.path.dirname(os.path.abspath(manifest_path))
+    return os.path.dirname(folder) if os.path.basename(folder) in ("checkpoints", "best") else folder
+
+
+def _find_tokenizer(manifest: dict, run_dir: str, vocab: int):
+    """(tokenizer.json path or JSON text or None, a description): the tokenizer the checkpoint
+    names, else RUN_DIR/tokenizer.json, else the byte tokenizer for a 256-token model."""
+    entry = manifest.get("tokenizer")
+    if entry:
+        path = os.path.join(run_dir, entry["file"])
+        if not os.path.lexists(path):       # a FIFO or device under the name is refused when read
+            raise HFError(f"the checkpoint was trained with the tokenizer {entry['file']} of its run directory, "
+                          f"but {path} is missing; put it back (its sha256 is {entry['sha256']})")
+        digest = _tokenizer_sha256(path)
+        if digest != entry["sha256"]:
+            raise HFError(f"{path} is not the tokenizer the checkpoint was trained with (sha256 {digest[:12]}..., "
+                          f"the checkpoint says {entry['sha256'][:12]}...)")
+        return path, f"{path} (the checkpoint's)"
+    path = os.path.join(run_dir, "tokenizer.json")
+    if os.path.lexists(path):
+        return path, path
+    if vocab == 256:
+        try:
+            from ringpipe.engine.data.tokenizer import load_tokenizer
+        except ImportError:
+            return None, "none written (a byte model, and this ringpipe has no engine/data/tokenizer.py to write one)"
+        text = load_tokenizer("bytes").to_json()
+        return (text if isinstance(text, str) else json.dumps(text)), "the byte tokenizer (256 tokens)"
+    return None, f"none found (no tokenizer in the checkpoint nor {path}); the model has {vocab} tokens"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""`ringpipe sample RUN_DIR_OR_CHECKPOINT --prompt TEXT`: text from a trained GPT.
+
+The checkpoint (a run directory, its checkpoints folder or a ckpt_*.json) gives
+the weights and the model's shape; the run's tokenizer (OUT/tokenizer.json, as
+its manifest names it) encodes the prompt and decodes the continuation. One
+process, on the CPU: every layout's checkpoint holds the whole model.
+
+The model's shape is the manifest's model_config, checked against the shapes the
+npz declares before the model is built (a manifest can declare any size; the npz
+holds what it holds). A run directory's newest valid checkpoint is used; if newer
+ones are damaged, a note on stderr names them and says why they were skipped.
+
+A prompt that is not valid UTF-8 (bytes the shell passed as they are, which Python
+holds as surrogate escapes): the byte tokenizer encodes those bytes as they are,
+and the prompt is echoed with U+FFFD in their place; a BPE tokenizer encodes text,
+so such a prompt is refused.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+
+def load_run(path: str, notes=None):
+    """(GPT LayerChain with the checkpoint's weights, its Tokenizer, checkpoint path).
+    notes: a list to which a note about skipped newer checkpoints is appended."""
+    from ringpipe.engine.job import checkpoint
+    from ringpipe.engine.model.gpt import build_gpt, checkpoint_vocab_rows, fit_vocab_rows
+    from ringpipe.engine.interop.hf import check_checkpoint_shapes
+    resolved, note = checkpoint.resolve_with_note(path)
+    if note and notes is not None:
+        notes.append(note)
+    manifest, declared = checkpoint.declared_arrays(resolved)
+    if manifest["model"] != "gpt":
+        raise ValueError(f"{resolved} holds a {manifest['model']} model: only a GPT generates text")
+    # model_config against the npz's declared shapes and the memory, before the model is built.
+    cfg = check_checkpoint_shapes(manifest, declared, resolved)
+    model = build_gpt(cfg, dtype=np.float32)
+    wanted = {f"param/{s.name}": s.shape for s in model.params.specs}
+    wanted["param/wte"] = (checkpoint_vocab_rows(cfg, manifest), cfg.d_model)
+    arrays, _ = checkpoint.load(resolved, expected=wanted)
+    arrays = fit_vocab_rows(arrays, cfg, cfg.padded_vocab)
+    model.params.load_flat(model.params.data, {k[6:]: v for k, v in arrays.items()})
+    return model, run_tokenizer(resolved, manifest), resolved
+
+
+def run_tokenizer(checkpoint_path: str, manifest: dict):
+    """The tokenizer a checkpoint's run trained with: the file its manifest names
+    (checked by hash), or the byte tokenizer for byte-level runs from before runs
+    recorded theirs."""
+    from ringpipe.engine.data.tokenizer import load_tokenizer
+    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(checkpoint_path)))
+    entry = manifest.get("tokenizer")
+    if entry is None:
+        if manifest["model_config"]["vocab"] == 256:
+            return load_tokenizer("bytes")
+        raise ValueError(f"{checkpoint_path} records no tokenizer and its vocabulary is not bytes: nothing can "
+                         "decode its tokens")
+    from ringpipe.engine.job import files
+    from ringpipe.engine.data.tokenizer import from_json
+    path = os.path.join(run_dir, entry["file"])
+    if not os.path.lexists(path):
+        raise ValueError(f"the run's tokenizer {path} is missing (the checkpoint names it): copy it back from the "
+                         "data folder the run trained on")
+    # Read through engine/files: a FIFO, a device, a huge file or JSON nested too deeply is
+    # refused naming the file (load_tokenizer would block, read forever or overflow).
+    raw = files.read_regular(path, "the run's tokenizer", 256 * files.MiB)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the run's tokenizer {path} is not UTF-8 text (byte {e.start}); copy it back from the "
+                         "data folder the run trained on") from None
+    files.parse_json(text, f"the run's tokenizer {path}")
+    tokenizer = from_json(text, source=path, folder=os.path.dirname(path))
+    if tokenizer.sha256 != entry["sha256"]:
+        raise ValueError(f"{path} is not the tokenizer the checkpoint was trained with (sha256 differs)")
+    return tokenizer
+
+
+def main(argv=None, prog="ringpipe sample") -> int:
+    p = argparse.ArgumentParser(prog=prog, description="Generate text from a trained ringpipe GPT.",
+                                epilog="Example: ringpipe sample runs/gpt --prompt 'def main(' --tokens 200")
+    p.add_argument("path", nargs="?", metavar="RUN_DIR_OR_CHECKPOINT",
+                   help="a run directory (its latest valid checkpoint), a checkpoints folder or a ckpt_*.json")
+    p.add_argument("--checkpoint", default=None, metavar="RUN_DIR_OR_CHECKPOINT",
+                   help="the same, as an option (give one of the two)")
+    p.add_argument("--prompt", default="", help="text to continue (default: the start of a document)")
+    p.add_argument("--tokens", type=int, default=200, help="tokens to generate (default 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0: always the likeliest token (default 0.8)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if (args.path is None) == (args.checkpoint is None):
+        p.error("give the run directory or checkpoint once: ringpipe sample RUN_DIR --prompt TEXT")
+    args.checkpoint = args.checkpoint or args.path
+    if args.tokens < 1 or args.temperature < 0 or not np.isfinite(args.temperature):
+        p.error("--tokens must be >= 1 and --temperature a number >= 0")
+    if args.seed < 0:
+        p.error(f"--seed must be a whole number >= 0 (got {args.seed}): numpy's generator takes no negative seed")
+    from ringpipe.engine.job import checkpoint
+    from ringpipe.engine.model.gpt import generate
+    notes = []          # said whether the checkpoint then loads or not: it explains either outcome
+    try:
+        model, tokenizer, path = load_run(args.checkpoint, notes)
+    except (checkpoint.CheckpointError, ValueError, OSError) as e:
+        print("".join(f"{note}\n" for note in notes) + f"error: {e}", file=sys.stderr)
+        return 2
+    for note in notes:
+        print(note, file=sys.stderr)
+    try:
+        ids, shown = prompt_ids(args.prompt, tokenizer)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    context = model.params.view("wpe").shape[0]
+    new = generate(model, ids, args.tokens, context, temperature=args.temperature, seed=args.seed)
+    print(shown + tokenizer.decode(new))
+    return 0
+
+
+def prompt_ids(prompt: str, tokenizer):
+    """(the prompt's token ids, the prompt as printed). argv bytes that are not UTF-8 reach
+    Python as surrogate escapes (U+DC80..U+DCFF): the byte tokenizer encodes the bytes as
+    they were given, and they print as U+FFFD; a BPE tokenizer encodes only text, so
+    such a prompt is refused (encoding it would raise deep in the tokenizer)."""
+    if not prompt:
+        return list(tokenizer.separator), ""
+    try:
+        raw = prompt.encode("utf-8", errors="surrogateescape")
+    except UnicodeEncodeError as e:        # a lone surrogate that stands for no byte
+        raise ValueError(f"--prompt holds U+{ord(prompt[e.start]):04X} at position {e.start}, which is not a "
+                         "character: pass the prompt as UTF-8 text") from None
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if tokenizer.kind != "bytes":
+            raise ValueError(f"--prompt is not valid UTF-8 text (byte 0x{raw[e.start]:02x} at position {e.start}); "
+                             f"the run's tokenizer ({tokenizer.source}) encodes text only: pass the prompt as "
+                             "UTF-8") from None
+        return list(raw), raw.decode("utf-8", errors="replace")
+    return list(tokenizer.encode(prompt)), prompt
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,12 @@
+"""The model: parameters, the plain layers, the layer chain, GPT, the MLP, the optimizers.
+
+    params.py   the flat parameter and gradient buffers, named views, init from (seed, name)
+    layers.py   the hand-written layers (forward, backward_input, backward_weight)
+    chain.py    LayerChain: a contiguous run of layers on one parameter buffer
+    gpt.py, mlp.py   the two model families
+    optim.py    AdamW, SGD, global-norm clipping, the LR schedule
+
+Import rule (tests/test_architecture.py): numpy, ringpipe.kernels, this folder, and the
+two leaves of job/ every layer may need (errors: ConfigError; array_module: to_host).
+No MPI, no comm: a model is the same on one process and on many.
+"""

@@ -1,0 +1,98 @@
+"""A LayerChain: a contiguous run of layers over one ParamBuffer.
+
+The first layer takes the batch input (tokens or features); the last layer of the
+whole model is a head that takes targets and returns the summed loss. A single
+process runs every layer in one LayerChain; a pipeline rank holds one chain per
+model chunk (each chunk a virtual stage of the schedule), all on one buffer.
+
+Words with one meaning each: a *layer chain* is this container; a *pipeline
+rank* is a process of the pipeline axis; a *(virtual) stage* is a position in
+the pipeline's order of chunks (engine/schedules/schedule.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ringpipe.engine.model.params import ParamBuffer
+
+
+class LayerChain:
+    def __init__(self, layers, dtype=np.float32, xp=np, has_head=True, params=None):
+        """`params`: an existing ParamBuffer to bind to (a pipeline rank's model
+        chunks share one buffer); by default the stage gets its own."""
+        self.layers = list(layers)
+        self.has_head = has_head              # the last layer computes the loss
+        if params is None:
+            params = ParamBuffer([s for layer in self.layers for s in layer.specs()], dtype, xp)
+        self.params = params
+        for layer in self.layers:
+            layer.bind(self.params)
+        # A parameter's gradient is final once the *first* layer (in forward
+        # order) that uses it has run its backward: tied weights appear twice.
+        self._ready_after = {}
+        for i, layer in enumerate(self.layers):
+            for spec in layer.specs():
+                self._ready_after.setdefault(spec.name, i)
+        names = self.params.names()
+        self._ready_by_layer = [[] for _ in self.layers]
+        for name, i in self._ready_after.items():
+            self._ready_by_layer[i].append(names.index(name))
+
+    # ---- forward ---------------------------------------------------------------
+    def forward(self, x, targets=None, grad_scale=1.0, need_grad=True):
+        """Run every layer. Returns (output, ctxs): the loss sum if this stage ends in
+        the head and targets are given, else the activation (or logits)."""
+        ctxs = []
+        for i, layer in enumerate(self.layers):
+            if self.has_head and i == len(self.layers) - 1:
+                x, ctx = layer.forward(x, targets, grad_scale=grad_scale, need_grad=need_grad)
+            else:
+                x, ctx = layer.forward(x)
+            ctxs.append(ctx)
+        return x, ctxs
+
+    # ---- backward --------------------------------------------------------------
+    def backward(self, dout, ctxs, on_ready=None):
+        """Full backward; parameter gradients accumulate. `on_ready(param_index)` is
+        called as soon as a parameter's gradient is final (gradient buckets start
+        their all-reduce from it)."""
+        for i in reversed(range(len(self.layers))):
+            dout, wctx = self.layers[i].backward_input(dout, ctxs[i])
+            self.layers[i].backward_weight(wctx)
+            ctxs[i] = None                    # free activations as soon as possible
+            if on_ready is not None:
+                for index in self._ready_by_layer[i]:
+                    on_ready(index)
+        return dout
+
+    def backward_input(self, dout, ctxs):
+        """Zero-bubble split, part 1: activation gradients only. Returns (dx, wctxs)."""
+        wctxs = [None] * len(self.layers)
+        for i in reversed(range(len(self.layers))):
+            dout, wctxs[i] = self.layers[i].backward_input(dout, ctxs[i])
+            ctxs[i] = None
+        return dout, wctxs
+
+    def backward_weight(self, wctxs, on_ready=None):
+        """Zero-bubble split, part 2: the weight-gradient GEMMs."""
+        for i in reversed(range(len(self.layers))):
+            self.layers[i].backward_weight(wctxs[i])
+            wctxs[i] = None
+            if on_ready is not None:
+                for index in self._ready_by_layer[i]:
+                    on_ready(index)
+
+    # ---- conveniences for a single-stage model -----------------------------------
+    def loss_and_grad(self, x, targets, grad_scale, on_ready=None):
+        """Forward + backward of one (micro-)batch; gradients accumulate. Returns the loss sum."""
+        loss_sum, ctxs = self.forward(x, targets, grad_scale=grad_scale)
+        self.backward(None, ctxs, on_ready=on_ready)
+        return loss_sum
+
+    def loss(self, x, targets):
+        loss_sum, _ = self.forward(x, targets, need_grad=False)
+        return loss_sum
+
+    @property
+    def num_params(self):
+        return self.params.size

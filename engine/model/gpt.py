@@ -1,0 +1,146 @@
+"""A GPT-style byte-level language model, in one readable file.
+
+    tokens (B, T) -> Embedding (token + position) -> n_layer x Block -> LMHead (tied wte) -> loss
+
+`gpt_layers(cfg)` returns the list of layers; `engine.model.LayerChain` runs any
+contiguous slice of it, so the same list serves one process and a pipeline.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ringpipe.engine.job.array_module import to_host
+from ringpipe.engine.job.errors import ConfigError
+from ringpipe.engine.model.layers import Block, Embedding, LMHead
+from ringpipe.engine.model.chain import LayerChain
+
+VOCAB_SIZE = 256   # bytes
+# The embedding and the LM head are padded to a multiple of this many rows, for
+# GEMM shapes that tile well (llm.c pads GPT-2's 50257 to 50304); the padded
+# rows' logits are masked, so they never receive probability, and exports trim them.
+VOCAB_PAD_MULTIPLE = 128
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int = 4
+    d_model: int = 128
+    n_head: int = 4
+    context: int = 128
+    vocab: int = VOCAB_SIZE
+
+    def validate(self):
+        for name in ("n_layer", "d_model", "n_head", "context", "vocab"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"GPT <{name}> must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_head:
+            raise ConfigError(f"<d_model> {self.d_model} must be divisible by <n_head> {self.n_head} "
+                              f"(try <n_head> {_divisor_near(self.d_model, self.n_head)})")
+        return self
+
+    @property
+    def padded_vocab(self) -> int:
+        return self.padded_vocab_for(1)
+
+    def padded_vocab_for(self, tp: int) -> int:
+        """Rows of the embedding (and logits) under tensor parallel tp: a multiple of
+        VOCAB_PAD_MULTIPLE and of tp. The same for every tp that divides 128, so
+        checkpoints move between those layouts; another tp pads a little further."""
+        multiple = VOCAB_PAD_MULTIPLE * tp // math.gcd(VOCAB_PAD_MULTIPLE, tp)
+        return -(-self.vocab // multiple) * multiple
+
+    def to_dict(self):
+        return asdict(self)
+
+
+# Standard shapes, by name (--preset): (n_layer, d_model, n_head, context).
+PRESETS = {
+    "gpt2-124m": (12, 768, 12, 1024),
+    "gpt2-350m": (24, 1024, 16, 1024),
+    "gpt2-774m": (36, 1280, 20, 1024),
+    "gpt2-1558m": (48, 1600, 25, 1024),
+}
+
+
+def checkpoint_vocab_rows(cfg: GPTConfig, manifest: dict) -> int:
+    """Rows of wte in a checkpoint: padded for the tensor-parallel size it was written at."""
+    return cfg.padded_vocab_for(manifest.get("layout", {}).get("tp", 1))
+
+
+def fit_vocab_rows(arrays: dict, cfg: GPTConfig, rows: int) -> dict:
+    """`arrays` (named: "wte", "param/wte", "opt/<state>/wte", ...) with every wte cut or
+    zero-padded to `rows` rows. Only padding rows (from cfg.vocab on) change, and those
+    take no part in the math (their logits are masked, they get no gradient), so a model
+    padded for one tensor-parallel size continues at another on the same trajectory."""
+    out = dict(arrays)
+    for key, array in arrays.items():
+        if key.split("/")[-1] != "wte" or array.shape[0] == rows:
+            continue
+        if min(rows, array.shape[0]) < cfg.vocab:
+            raise ValueError(f"{key} has {array.shape[0]} rows, fewer than the vocabulary's {cfg.vocab}")
+        fitted = np.zeros((rows, *array.shape[1:]), dtype=array.dtype)
+        keep = min(rows, array.shape[0])
+        fitted[:keep] = array[:keep]
+        out[key] = fitted
+    return out
+
+
+def _divisor_near(n, k):
+    """The divisor of n closest to k (the lower one on a tie). Searches outwards
+    from k, so it stops within k steps (1 divides everything) even for a huge n."""
+    for delta in range(n + k):
+        for d in (k - delta, k + delta):
+            if 1 <= d <= n and n % d == 0:
+                return d
+    return 1
+
+
+def gpt_layers(cfg: GPTConfig, tensor=None):
+    """The model's layers; with a tensor group (engine/parallel/tensor.py), this
+    rank's parts of them."""
+    cfg.validate()
+    V = cfg.padded_vocab_for(tensor.size if tensor else 1)
+    layers = [Embedding(V, cfg.context, cfg.d_model, tensor=tensor)]
+    layers += [Block(f"h.{i}", cfg.d_model, cfg.n_head, cfg.n_layer, tensor=tensor) for i in range(cfg.n_layer)]
+    layers.append(LMHead(V, cfg.d_model, used=cfg.vocab, tensor=tensor))
+    return layers
+
+
+def build_gpt(cfg: GPTConfig, dtype=np.float32, xp=np, seed=0):
+    model = LayerChain(gpt_layers(cfg), dtype=dtype, xp=xp)
+    model.params.init(seed)
+    return model
+
+
+def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward), counting matmuls only.
+
+    Per layer forward: qkv 2*3C^2, proj 2C^2, mlp 2*8C^2 (= 24 C^2), attention
+    scores and weighted sum 2*2*T*C (causal: we compute the full T x T product).
+    Head: 2*C*V (V padded: the GEMM computes every row). The embedding lookup is free.
+    """
+    C, L, V, T = cfg.d_model, cfg.n_layer, cfg.padded_vocab, seq_len
+    forward = L * (24 * C * C + 4 * T * C) + 2 * C * V
+    return 3.0 * forward
+
+
+def generate(model: LayerChain, prompt: list, n_new: int, context: int, temperature=1.0, seed=0) -> list:
+    """Sample n_new token ids after the `prompt` ids (runs the full model on the last
+    `context` tokens each step). The padding rows' logits are masked by the head."""
+    xp = model.params.xp
+    rng = np.random.default_rng(seed)
+    tokens = [int(t) for t in prompt] or [10]
+    for _ in range(n_new):
+        window = xp.asarray(np.array(tokens[-context:], dtype=np.int64)[None, :])
+        logits, _ = model.forward(window, targets=None, need_grad=False)
+        last = np.asarray(to_host(logits[0, -1]), dtype=np.float64)
+        if temperature <= 0:
+            nxt = int(last.argmax())
+        else:
+            p = np.exp((last - last.max()) / temperature)
+            nxt = int(rng.choice(len(p), p=p / p.sum()))
+        tokens.append(nxt)
+    return tokens[len(prompt):]

@@ -1,0 +1,461 @@
+"""Layers with hand-written forward and backward passes (no autograd).
+
+Every layer follows one contract, so that a pipeline stage can run any
+contiguous run of them and the zero-bubble schedule can split backward in two:
+
+    specs()                      parameters this layer declares (names are global)
+    bind(params)                 take views into the flat ParamBuffer
+    forward(x, ...)      -> (y, ctx)          ctx: what backward needs
+    backward_input(dy, ctx) -> (dx, wctx)     activation gradient, overwritten
+    backward_weight(wctx)                     parameter gradients, accumulated (+=)
+
+Only the matrix-weight gradients of Linear layers are deferred to
+backward_weight (they are the GEMMs the zero-bubble schedule moves into the
+bubbles); LayerNorm and embedding gradients are cheap and are accumulated in
+backward_input, which is still exact because gradients only ever add.
+
+Shapes: B batch, T time, C channels, H heads, hs = C/H head size, V vocab, N = B*T rows.
+
+Tensor parallelism: the attention, MLP, block, embedding and head take a
+`tensor` group (engine/parallel/tensor.py; None: the whole layer on this
+rank). They then build its column- and row-parallel linears, hold H/tp heads
+and V/tp vocabulary rows, and call its operators where a region starts and
+ends; everything else, and the shape comments, stay the same (C_local = C/tp).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ringpipe import kernels as K
+from ringpipe.engine.model.params import ParamSpec
+
+
+class Layer:
+    def specs(self):
+        return []
+
+    def bind(self, params):
+        self.params = params
+
+    def backward_weight(self, wctx):
+        pass
+
+    def backward(self, dy, ctx):
+        dx, wctx = self.backward_input(dy, ctx)
+        self.backward_weight(wctx)
+        return dx
+
+
+class Linear(Layer):
+    """y = x @ w.T + b ; w (C_out, C_in) like PyTorch, so rows are output features.
+
+    gelu=True applies GELU (tanh approximation) to y in the same kernels call: on the
+    GPU it runs in the GEMM's epilogue instead of another pass over (N, C_out)."""
+
+    def __init__(self, name, c_in, c_out, bias=True, std=0.02, gelu=False):
+        self.name, self.c_in, self.c_out, self.has_bias, self.std = name, c_in, c_out, bias, std
+        self.gelu = gelu
+
+    def specs(self):
+        out = [ParamSpec(f"{self.name}.w", (self.c_out, self.c_in), std=self.std)]
+        if self.has_bias:
+            out.append(ParamSpec(f"{self.name}.b", (self.c_out,), init="zeros", decay=False))
+        return out
+
+    def bind(self, params):
+        self.w, self.dw = params.view(f"{self.name}.w"), params.grad_view(f"{self.name}.w")
+        if self.has_bias:
+            self.b, self.db = params.view(f"{self.name}.b"), params.grad_view(f"{self.name}.b")
+
+    def forward(self, x):
+        # x (..., C_in) -> y (..., C_out)
+        x2 = x.reshape(-1, self.c_in)
+        b = self.b if self.has_bias else None
+        y, pre = K.linear_forward(x2, self.w, b, gelu=self.gelu)   # (N, C_out); pre: before GELU, or None
+        return y.reshape(*x.shape[:-1], self.c_out), (x2, pre)
+
+    def backward_input(self, dy, ctx):
+        x2, pre = ctx
+        dy2 = dy.reshape(-1, self.c_out)
+        if self.gelu:
+            dy2 = K.gelu_backward(dy2, pre)              # (N, C_out) before GELU; a new array: dy is the caller's
+        dx = K.matmul(dy2, self.w)                       # (N, C_in)
+        return dx.reshape(*dy.shape[:-1], self.c_in), (x2, dy2)
+
+    def backward_weight(self, wctx):
+        x2, dy2 = wctx
+        K.matmul_tn(dy2, x2, out=self.dw, accumulate=True)   # (C_out, C_in) += dy.T @ x
+        if self.has_bias:
+            K.column_sum(dy2, out=self.db, accumulate=True)  # (C_out,) += sum over rows of dy
+
+
+class LayerNorm(Layer):
+    """partial=True: under sequence parallelism this rank normalises only its
+    positions, so its gradients are its part of the sum (ParamSpec.partial)."""
+
+    def __init__(self, name, c, eps=1e-5, partial=False):
+        self.name, self.c, self.eps, self.partial = name, c, eps, partial
+
+    def specs(self):
+        return [ParamSpec(f"{self.name}.w", (self.c,), init="ones", decay=False, partial=self.partial),
+                ParamSpec(f"{self.name}.b", (self.c,), init="zeros", decay=False, partial=self.partial)]
+
+    def bind(self, params):
+        self.w, self.dw = params.view(f"{self.name}.w"), params.grad_view(f"{self.name}.w")
+        self.b, self.db = params.view(f"{self.name}.b"), params.grad_view(f"{self.name}.b")
+
+    def forward(self, x):
+        x2 = x.reshape(-1, self.c)
+        y, mean, rstd = K.layernorm_forward(x2, self.w, self.b, self.eps)
+        return y.reshape(x.shape), (x2, mean, rstd)
+
+    def backward_input(self, dy, ctx):
+        x2, mean, rstd = ctx
+        dx = K.layernorm_backward(dy.reshape(-1, self.c), x2, self.w, mean, rstd,
+                                  dweight=self.dw, dbias=self.db)
+        return dx.reshape(dy.shape), None
+
+
+class GELU(Layer):
+    def forward(self, x):
+        return K.gelu_forward(x), x
+
+    def backward_input(self, dy, ctx):
+        return K.gelu_backward(dy, ctx), None
+
+
+def _residual_std(n_layer):
+    # GPT-2: scale residual projections by 1/sqrt(2 * n_layer) so the residual stream stays O(1).
+    return 0.02 / math.sqrt(2 * n_layer)
+
+
+class CausalSelfAttention(Layer):
+    """Multi-head causal self-attention: qkv projection, softmax(q k^T / sqrt(hs)) v, output projection.
+    With a tensor group: this rank's H/tp heads (qkv column-parallel, proj row-parallel)."""
+
+    def __init__(self, name, c, n_head, n_layer_for_init, tensor=None):
+        tp = tensor.size if tensor else 1
+        if c % n_head:
+            raise ValueError(f"d_model {c} is not divisible by heads {n_head}")
+        if n_head % tp:
+            raise ValueError(f"{n_head} heads do not split over tensor parallel {tp}")
+        self.name, self.c, self.h, self.hs = name, c, n_head // tp, c // n_head    # self.h: heads here
+        if tensor is None:
+            self.qkv = Linear(f"{name}.qkv", c, 3 * c)
+            self.proj = Linear(f"{name}.proj", c, c, std=_residual_std(n_layer_for_init))
+        else:
+            self.qkv = tensor.column(f"{name}.qkv", c, 3 * c, groups=3)     # q, k and v of this rank's heads
+            self.proj = tensor.row(f"{name}.proj", c, c, std=_residual_std(n_layer_for_init))
+
+    def specs(self):
+        return self.qkv.specs() + self.proj.specs()
+
+    def bind(self, params):
+        self.qkv.bind(params)
+        self.proj.bind(params)
+
+    def forward(self, x):
+        H, hs = self.h, self.hs
+        xp = K.get_array_module(x)
+        qkv, qkv_ctx = self.qkv.forward(x)                                  # (B, T, 3C)
+        B, T, _ = qkv.shape          # the whole sequence, also when x is a sequence-parallel part
+        qkv = xp.ascontiguousarray(qkv.reshape(B, T, 3, H, hs).transpose(2, 0, 3, 1, 4))
+        q, k, v = qkv[0], qkv[1], qkv[2]                                    # (B, H, T, hs) each
+        scale = 1.0 / math.sqrt(hs)
+        att = K.matmul_nt(q, k)                                             # (B, H, T, T)
+        att = K.softmax_causal_forward(att, scale, out=att)
+        y = K.matmul(att, v)                                                # (B, H, T, hs)
+        y = xp.ascontiguousarray(y.transpose(0, 2, 1, 3)).reshape(B, T, H * hs)
+        out, proj_ctx = self.proj.forward(y)
+        return out, (qkv_ctx, q, k, v, att, scale, proj_ctx)
+
+    def backward_input(self, dout, ctx):
+        qkv_ctx, q, k, v, att, scale, proj_ctx = ctx
+        B, H, T, hs = q.shape
+        xp = K.get_array_module(dout)
+        dy, proj_w = self.proj.backward_input(dout, proj_ctx)               # (B, T, C)
+        dy = xp.ascontiguousarray(dy.reshape(B, T, H, hs).transpose(0, 2, 1, 3))  # (B, H, T, hs)
+        dqkv = xp.empty((3, B, H, T, hs), dtype=dout.dtype)
+        K.matmul_tn(att, dy, out=dqkv[2])                                   # dv = att^T dy
+        datt = K.matmul_nt(dy, v)                                           # (B, H, T, T)
+        datt = K.softmax_causal_backward(datt, att, scale, out=datt)
+        K.matmul(datt, k, out=dqkv[0])                                      # dq = datt k
+        K.matmul_tn(datt, q, out=dqkv[1])                                   # dk = datt^T q
+        dqkv = xp.ascontiguousarray(dqkv.transpose(1, 3, 0, 2, 4)).reshape(B, T, 3 * H * hs)
+        dx, qkv_w = self.qkv.backward_input(dqkv, qkv_ctx)
+        return dx, (qkv_w, proj_w)
+
+    def backward_weight(self, wctx):
+        qkv_w, proj_w = wctx
+        self.proj.backward_weight(proj_w)
+        self.qkv.backward_weight(qkv_w)
+
+
+class MLP(Layer):
+    """fc (C -> 4C), GELU, proj (4C -> C); the GELU runs inside fc (Linear(gelu=True)).
+    With a tensor group: fc column-parallel, proj row-parallel (4C/tp hidden features here)."""
+
+    def __init__(self, name, c, n_layer_for_init, tensor=None):
+        if tensor is None:
+            self.fc = Linear(f"{name}.fc", c, 4 * c, gelu=True)
+            self.proj = Linear(f"{name}.proj", 4 * c, c, std=_residual_std(n_layer_for_init))
+        else:
+            self.fc = tensor.column(f"{name}.fc", c, 4 * c, gelu=True)
+            self.proj = tensor.row(f"{name}.proj", 4 * c, c, std=_residual_std(n_layer_for_init))
+
+    def specs(self):
+        return self.fc.specs() + self.proj.specs()
+
+    def bind(self, params):
+        self.fc.bind(params)
+        self.proj.bind(params)
+
+    def forward(self, x):
+        g, fc_ctx = self.fc.forward(x)                   # (B, T, 4C), after GELU
+        y, proj_ctx = self.proj.forward(g)
+        return y, (fc_ctx, proj_ctx)
+
+    def backward_input(self, dy, ctx):
+        fc_ctx, proj_ctx = ctx
+        dg, proj_w = self.proj.backward_input(dy, proj_ctx)
+        dx, fc_w = self.fc.backward_input(dg, fc_ctx)    # through the GELU, then fc
+        return dx, (fc_w, proj_w)
+
+    def backward_weight(self, wctx):
+        fc_w, proj_w = wctx
+        self.proj.backward_weight(proj_w)
+        self.fc.backward_weight(fc_w)
+
+
+class Block(Layer):
+    """Pre-norm residual Transformer block: x + attn(ln1(x)), then + mlp(ln2(x)).
+    Under sequence parallelism x, the LayerNorms and the residual adds are this
+    rank's T/tp positions; attention and MLP gather the sequence and scatter it back."""
+
+    def __init__(self, name, c, n_head, n_layer, tensor=None):
+        self.name = name
+        partial = bool(tensor and tensor.sequence_parallel)
+        self.ln1 = LayerNorm(f"{name}.ln1", c, partial=partial)
+        self.attn = CausalSelfAttention(f"{name}.attn", c, n_head, n_layer, tensor=tensor)
+        self.ln2 = LayerNorm(f"{name}.ln2", c, partial=partial)
+        self.mlp = MLP(f"{name}.mlp", c, n_layer, tensor=tensor)
+        self.parts = [self.ln1, self.attn, self.ln2, self.mlp]
+
+    def specs(self):
+        return [s for part in self.parts for s in part.specs()]
+
+    def bind(self, params):
+        for part in self.parts:
+            part.bind(params)
+
+    def forward(self, x):
+        # x (B, T, C)
+        a_in, ln1_ctx = self.ln1.forward(x)
+        a, attn_ctx = self.attn.forward(a_in)
+        x1 = x + a
+        m_in, ln2_ctx = self.ln2.forward(x1)
+        m, mlp_ctx = self.mlp.forward(m_in)
+        return x1 + m, (ln1_ctx, attn_ctx, ln2_ctx, mlp_ctx)
+
+    def backward_input(self, dx2, ctx):
+        ln1_ctx, attn_ctx, ln2_ctx, mlp_ctx = ctx
+        dm_in, mlp_w = self.mlp.backward_input(dx2, mlp_ctx)
+        dx1, _ = self.ln2.backward_input(dm_in, ln2_ctx)
+        dx1 += dx2                                        # residual
+        da_in, attn_w = self.attn.backward_input(dx1, attn_ctx)
+        dx, _ = self.ln1.backward_input(da_in, ln1_ctx)
+        dx += dx1                                         # residual
+        return dx, (attn_w, mlp_w)
+
+    def backward_weight(self, wctx):
+        attn_w, mlp_w = wctx
+        self.mlp.backward_weight(mlp_w)
+        self.attn.backward_weight(attn_w)
+
+
+class Embedding(Layer):
+    """Token + position embedding: tokens (B, T) int -> (B, T, C).
+
+    With a tensor group the token table is vocabulary-parallel: this rank holds
+    rows lo ... lo + V/tp, looks up the tokens among them (0 for the others),
+    and the group sums the parts (g: an all-reduce, or under sequence
+    parallelism a reduce-scatter to this rank's positions)."""
+
+    def __init__(self, vocab, context, c, wte="wte", wpe="wpe", tensor=None):
+        self.vocab, self.context, self.c, self.wte_name, self.wpe_name = vocab, context, c, wte, wpe
+        self.tensor = tensor
+        self.rows = tensor.rows(vocab) if tensor else (0, vocab)     # this rank's rows of wte
+
+    def specs(self):
+        wte = ParamSpec(self.wte_name, (self.rows[1] - self.rows[0], self.c),
+                        split=self.tensor.split(0) if self.tensor else None)
+        return [wte, ParamSpec(self.wpe_name, (self.context, self.c), std=0.01)]
+
+    def bind(self, params):
+        self.wte, self.dwte = params.view(self.wte_name), params.grad_view(self.wte_name)
+        self.wpe, self.dwpe = params.view(self.wpe_name), params.grad_view(self.wpe_name)
+
+    def forward(self, tokens):
+        B, T = tokens.shape
+        if T > self.context:
+            raise ValueError(f"sequence length {T} exceeds the model's context {self.context}")
+        if self.tensor is None:
+            return self.wte[tokens] + self.wpe[:T], tokens
+        xp = K.get_array_module(self.wte)
+        local = tokens - self.rows[0]
+        inside = (local >= 0) & (local < self.rows[1] - self.rows[0])
+        local = xp.where(inside, local, 0)
+        part = self.wte[local] * inside[..., None]                           # (B, T, C): 0 for others' tokens
+        x = self.tensor.out_of_region(part)                                 # (B, T, C), or (B, T/tp, C)
+        first = self.tensor.index * x.shape[1] if self.tensor.sequence_parallel else 0
+        return x + self.wpe[first:first + x.shape[1]], (tokens, local, inside)
+
+    def backward_input(self, dout, ctx):
+        if self.tensor is None:
+            tokens, rows = ctx, ctx.reshape(-1)
+        else:
+            tokens, local, inside = ctx
+            dout = self.tensor.out_of_region_backward(dout)                 # (B, T, C): whole
+            keep = inside.reshape(-1)
+            rows = local.reshape(-1)[keep]
+        B, T = tokens.shape
+        xp = K.get_array_module(dout)
+        self.dwpe[:T] += dout.sum(axis=0)            # from the whole dout: the same on every tensor rank
+        values = dout.reshape(B * T, self.c)
+        _scatter_add_rows(xp, self.dwte, rows, values if self.tensor is None else values[keep])
+        return None, None
+
+
+def _scatter_add_rows(xp, target, rows, values):
+    # target[rows[i]] += values[i], with repeated rows adding up (fancy-index += would not).
+    if xp is np:
+        np.add.at(target, rows, values)
+    else:
+        import cupyx
+        cupyx.scatter_add(target, rows, values)
+
+
+class LMHead(Layer):
+    """Final LayerNorm, logits against the (tied) token embedding, fused softmax cross-entropy.
+
+    forward computes the loss *and* the logits' gradient in one pass (the fused
+    kernel writes dlogits over the logits), so backward is two GEMMs.
+    `vocab` is the embedding's (padded) row count, `used` the tokenizer's: the
+    logits of the padding rows are pushed to -1e9 before the softmax, so they get
+    no probability (and their rows of wte no gradient).
+    """
+
+    PAD_LOGIT = -1e9      # exp() of it, minus any real logit, is 0 in float32 and float64
+
+    def __init__(self, vocab, c, wte="wte", used=None, tensor=None):
+        self.vocab, self.c, self.wte_name = vocab, c, wte
+        self.used = vocab if used is None else used
+        self.tensor = tensor
+        self.rows = tensor.rows(vocab) if tensor else (0, vocab)     # this rank's rows of wte: its logits
+        self.ln_f = LayerNorm("ln_f", c, partial=bool(tensor and tensor.sequence_parallel))
+
+    def specs(self):
+        # wte is declared again: tied to the embedding when both are in one stage
+        # (ParamBuffer dedups by name), a synchronized copy when they are not.
+        wte = ParamSpec(self.wte_name, (self.rows[1] - self.rows[0], self.c),
+                        split=self.tensor.split(0) if self.tensor else None)
+        return self.ln_f.specs() + [wte]
+
+    def bind(self, params):
+        self.ln_f.bind(params)
+        self.wte, self.dwte = params.view(self.wte_name), params.grad_view(self.wte_name)
+
+    def forward(self, x, targets=None, grad_scale=1.0, need_grad=True):
+        """x (B, T, C), targets (B, T). Returns (loss_sum, ctx); without targets returns logits (B, T, V).
+        With a tensor group: this rank's V/tp logits, the loss from the vocabulary-parallel
+        cross-entropy; x is this rank's T/tp positions under sequence parallelism."""
+        h, ln_ctx = self.ln_f.forward(x)
+        if self.tensor is not None:
+            h = self.tensor.into_region(h)                   # f, or the whole sequence gathered
+        B, T, C = h.shape
+        h2 = h.reshape(B * T, C)
+        logits = K.matmul_nt(h2, self.wte)                    # (N, V), or (N, V/tp): columns lo ... hi
+        lo, hi = self.rows
+        if self.used < hi:
+            logits[:, max(0, self.used - lo):] = self.PAD_LOGIT
+        if targets is None:
+            if self.tensor is not None:
+                logits = self.tensor.gather_columns(logits)
+            return logits.reshape(B, T, self.vocab), None
+        dlogits = logits if need_grad else None
+        if self.tensor is None:
+            losses, dlogits = K.cross_entropy_forward_backward(
+                logits, targets.reshape(-1), dlogits=dlogits, grad_scale=grad_scale)
+        else:
+            losses, dlogits = self.tensor.cross_entropy(logits, targets.reshape(-1), lo, need_grad, grad_scale)
+        return float(losses.sum()), (ln_ctx, h2, dlogits, (B, T, C))
+
+    def backward_input(self, dloss, ctx):
+        # dloss is unused: the gradient scale was applied in forward.
+        ln_ctx, h2, dlogits, shape = ctx
+        dh = K.matmul(dlogits, self.wte).reshape(shape)       # (N, C): with a tensor group, this rank's share
+        wctx = (h2, dlogits)
+        if self.tensor is not None:
+            dh, wctx = self.tensor.reduce_input_grad(dh, self.backward_weight, wctx)
+        dx, _ = self.ln_f.backward_input(dh, ln_ctx)
+        return dx, wctx
+
+    def backward_weight(self, wctx):
+        if wctx is None:              # computed during backward_input (tensor parallel overlap)
+            return
+        h2, dlogits = wctx
+        K.matmul_tn(dlogits, h2, out=self.dwte, accumulate=True)   # (V, C) += dlogits^T h
+
+
+class DenseGELU(Layer):
+    """Linear followed by GELU (one fused Linear): the hidden layer of the MLP classifier."""
+
+    def __init__(self, name, c_in, c_out):
+        self.fc = Linear(name, c_in, c_out, std=math.sqrt(2.0 / c_in) * 0.5, gelu=True)
+
+    def specs(self):
+        return self.fc.specs()
+
+    def bind(self, params):
+        self.fc.bind(params)
+
+    def forward(self, x):
+        return self.fc.forward(x)
+
+    def backward_input(self, dy, ctx):
+        return self.fc.backward_input(dy, ctx)
+
+    def backward_weight(self, wctx):
+        self.fc.backward_weight(wctx)
+
+
+class ClassifierHead(Layer):
+    """Linear to class logits plus fused softmax cross-entropy: x (B, C) -> loss."""
+
+    def __init__(self, name, c_in, n_classes):
+        self.n_classes = n_classes
+        self.fc = Linear(name, c_in, n_classes, std=math.sqrt(1.0 / c_in))
+
+    def specs(self):
+        return self.fc.specs()
+
+    def bind(self, params):
+        self.fc.bind(params)
+
+    def forward(self, x, targets=None, grad_scale=1.0, need_grad=True):
+        logits, fc_ctx = self.fc.forward(x)
+        if targets is None:
+            return logits, None
+        dlogits = logits if need_grad else None
+        losses, dlogits = K.cross_entropy_forward_backward(
+            logits, targets.reshape(-1), dlogits=dlogits, grad_scale=grad_scale)
+        return float(losses.sum()), (fc_ctx, dlogits)
+
+    def backward_input(self, dloss, ctx):
+        fc_ctx, dlogits = ctx
+        return self.fc.backward_input(dlogits, fc_ctx)
+
+    def backward_weight(self, wctx):
+        self.fc.backward_weight(wctx)

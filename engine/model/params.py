@@ -1,0 +1,182 @@
+"""All parameters in one flat buffer, all gradients in another, with named views.
+
+One buffer means the ring all-reduce, gradient clipping, checkpointing and the
+optimizer are each a single call over contiguous memory (llm.c's layout).
+
+Initialization is seeded per parameter *name*, not by position in the buffer,
+so a pipeline stage that holds only some layers gets exactly the weights the
+single-process model would have: parallelism never changes the math. A
+tensor-parallel rank holds a *part* of the parameters the tensor axis splits (ParamSpec.split):
+it draws the full parameter from the same seed and keeps its slice, and
+checkpoints and imports hand it full arrays by name, which it slices itself.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from ringpipe.engine.job.array_module import to_host
+
+
+@dataclass(frozen=True)
+class Split:
+    """Which part of a full parameter a tensor-parallel rank holds: along `dim`,
+    the full parameter is `groups` equal blocks (qkv's q, k and v: 3), each
+    cut into `count` equal slices; this rank holds slice `index` of every
+    block, in block order. groups=1 is one contiguous slice."""
+    dim: int
+    index: int
+    count: int
+    groups: int = 1
+
+    def full_shape(self, shape) -> tuple:
+        return tuple(n * self.count if d == self.dim else n for d, n in enumerate(shape))
+
+    def _blocks(self, full_len):
+        """(lo, hi) along dim of this rank's slice of each block."""
+        block = full_len // self.groups
+        part = block // self.count
+        return [(g * block + self.index * part, g * block + (self.index + 1) * part) for g in range(self.groups)]
+
+    def take(self, full):
+        """This rank's part of the full array (a copy)."""
+        pieces = [np.take(full, np.arange(lo, hi), axis=self.dim) for lo, hi in self._blocks(full.shape[self.dim])]
+        return np.concatenate(pieces, axis=self.dim)
+
+    def place(self, full, part) -> None:
+        """Write this rank's part into the full array."""
+        width = part.shape[self.dim] // self.groups
+        for g, (lo, hi) in enumerate(self._blocks(full.shape[self.dim])):
+            index = [slice(None)] * full.ndim
+            index[self.dim] = slice(lo, hi)
+            block = [slice(None)] * full.ndim
+            block[self.dim] = slice(g * width, (g + 1) * width)
+            full[tuple(index)] = part[tuple(block)]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple              # what this rank holds (its part's shape, when the tensor axis splits it)
+    init: str = "normal"      # "normal", "zeros" or "ones"
+    std: float = 0.02
+    decay: bool = True        # AdamW weight decay applies (matrices yes, biases/norms no)
+    split: Split | None = None    # tensor parallelism: how the axis divides the parameter
+    partial: bool = False     # each tensor-parallel rank holds part of the gradient (sequence
+                              # parallelism): summed over the tensor axis once final
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    @property
+    def full_shape(self) -> tuple:
+        return self.split.full_shape(self.shape) if self.split else tuple(self.shape)
+
+
+def dedup_specs(specs):
+    """Keep the first spec of each name; a repeated name is a tied parameter
+    (the GPT's output head reuses the token embedding)."""
+    seen = {}
+    for spec in specs:
+        if spec.name in seen:
+            if seen[spec.name].shape != spec.shape:
+                raise ValueError(f"tied parameter {spec.name!r} declared with shapes "
+                                 f"{seen[spec.name].shape} and {spec.shape}")
+            continue
+        seen[spec.name] = spec
+    return list(seen.values())
+
+
+class ParamBuffer:
+    """Flat `data` and `grad` arrays plus per-name views, laid out in forward order."""
+
+    def __init__(self, specs, dtype=np.float32, xp=np):
+        self.specs = dedup_specs(specs)
+        self.dtype = np.dtype(dtype)
+        self.xp = xp
+        self.offsets = {}
+        offset = 0
+        for spec in self.specs:
+            self.offsets[spec.name] = (offset, offset + spec.size)
+            offset += spec.size
+        self.size = offset
+        self.data = xp.zeros(self.size, dtype=self.dtype)
+        self.grad = xp.zeros(self.size, dtype=self.dtype)
+        # Weight-decay mask: 1 where AdamW decays (2D weights), 0 elsewhere.
+        mask = np.zeros(self.size, dtype=np.uint8)
+        for spec in self.specs:
+            lo, hi = self.offsets[spec.name]
+            mask[lo:hi] = 1 if spec.decay else 0
+        self.wd_mask = xp.asarray(mask)
+        self._spec_by_name = {s.name: s for s in self.specs}
+
+    # ---- views -----------------------------------------------------------------
+    def names(self):
+        return [s.name for s in self.specs]
+
+    def __contains__(self, name):
+        return name in self.offsets
+
+    def view(self, name):
+        lo, hi = self.offsets[name]
+        return self.data[lo:hi].reshape(self._spec_by_name[name].shape)
+
+    def grad_view(self, name):
+        lo, hi = self.offsets[name]
+        return self.grad[lo:hi].reshape(self._spec_by_name[name].shape)
+
+    def ranges(self):
+        """(lo, hi) of each parameter in forward order: what gradient buckets group."""
+        return [self.offsets[s.name] for s in self.specs]
+
+    def index_of(self, name):
+        return self.names().index(name)
+
+    # ---- state -----------------------------------------------------------------
+    def init(self, seed: int):
+        """Deterministic init from (seed, parameter name), independent of layout."""
+        for spec in self.specs:
+            view = self.view(spec.name)
+            if spec.init == "zeros":
+                values = np.zeros(spec.shape)
+            elif spec.init == "ones":
+                values = np.ones(spec.shape)
+            elif spec.init == "normal":
+                rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode())])
+                values = rng.normal(0.0, spec.std, size=spec.full_shape)
+                if spec.split:
+                    values = spec.split.take(values)
+            else:
+                raise ValueError(f"unknown init {spec.init!r} for {spec.name}")
+            view[...] = self.xp.asarray(values, dtype=self.dtype)
+
+    def zero_grad(self):
+        self.grad.fill(0)
+
+    def state_dict(self, flat):
+        """Split a flat array laid out like `data` into {name: array} (host copies)."""
+        out = {}
+        for spec in self.specs:
+            lo, hi = self.offsets[spec.name]
+            out[spec.name] = np.asarray(to_host(flat[lo:hi])).reshape(spec.shape).copy()
+        return out
+
+    def load_flat(self, flat, named, what="parameters"):
+        """Fill a flat array from {name: array}, checking names and shapes. A split
+        parameter may come whole (a checkpoint, an import): this rank takes its part."""
+        missing = [n for n in self.names() if n not in named]
+        if missing:
+            raise ValueError(f"checkpoint {what} lack {missing[:5]}{'...' if len(missing) > 5 else ''}: "
+                             "was it written by a model with another configuration?")
+        for spec in self.specs:
+            arr = named[spec.name]
+            if spec.split and tuple(arr.shape) == spec.full_shape:
+                arr = spec.split.take(np.asarray(to_host(arr)))
+            if tuple(arr.shape) != tuple(spec.shape):
+                raise ValueError(f"checkpoint {what} {spec.name!r} has shape {tuple(arr.shape)}, "
+                                 f"the model expects {spec.full_shape}")
+            lo, hi = self.offsets[spec.name]
+            flat[lo:hi] = self.xp.asarray(arr.reshape(-1), dtype=self.dtype)

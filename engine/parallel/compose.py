@@ -1,0 +1,33 @@
+"""The rank model a layout needs, composed from the axes: the protocol
+(parallel/__init__.py) knows none of them, this module knows them all."""
+from __future__ import annotations
+
+from ringpipe.engine.parallel.data import DataParallel
+from ringpipe.engine.parallel.local import LocalModel
+from ringpipe.engine.parallel.pipeline.stage import PipelineModel
+from ringpipe.engine.parallel.tensor import TensorGroup, TensorParallel
+
+
+def build_rank_model(grid, layers_fn, cfg, dtype, xp, micro_shape, cost_batch, trace=None):
+    """This rank's model for the grid's layout: the pipeline (or local) model of
+    this rank's (tensor-parallel: split) layers, wrapped by the tensor axis,
+    then by the data axis. layers_fn(tensor) builds the layers for a tensor
+    group (None: whole layers)."""
+    tensor = None
+    if grid.size("tensor") > 1:
+        tensor = TensorGroup(grid.comm("tensor"), sequence_parallel=cfg.sequence_parallel,
+                             overlap=cfg.tensor_overlap)
+        if cfg.sequence_parallel:      # between the stages travel this rank's positions only
+            micro_shape = (micro_shape[0], micro_shape[1] // tensor.size, *micro_shape[2:])
+    if cfg.pipelined:
+        inner = PipelineModel(layers_fn, grid, dtype, cfg.seed, cfg.schedule_name, cfg.microbatches, cfg.chunks,
+                              act_shape=micro_shape, partition=cfg.partition_name, cost_batch=cost_batch, xp=xp,
+                              trace=trace, tensor=tensor)
+        if tensor is not None:
+            # Zero-bubble W actions run the weight gradients later, in the bubbles.
+            tensor.weight_grads_early = not inner.schedule.splits_backward
+    else:
+        inner = LocalModel(layers_fn(tensor), dtype, cfg.seed, cfg.microbatches, xp=xp, trace=trace)
+    if tensor is not None:
+        inner = TensorParallel(inner, tensor, [s for layer in layers_fn(tensor) for s in layer.specs()])
+    return DataParallel(inner, grid, zero=bool(cfg.zero), bucket_mb=cfg.bucket_mb, overlap=not cfg.no_overlap)

@@ -1,0 +1,477 @@
+"""Everything a training run needs before its first step, in the order it is
+built: the checks, the process grid, the run directory, the checkpoint to
+resume from, the model's shape, the device, the data, the rank's model and
+its optimizer, and the reporting. Every step that depends on one rank's own
+state goes through engine/job/agreement.py, so all ranks reach the same verdict.
+
+    r = assemble(cfg, world, stop, cleanup, render)    # a Run: the parts, by name
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ringpipe import comm, kernels as K
+from ringpipe.engine.job import checkpoint, lifecycle, rundir, runtime
+from ringpipe.engine.train import config as config_checks
+from ringpipe.engine.job.agreement import agree, agree_on_rank0
+from ringpipe.engine.train.agreement import check_same_config
+from ringpipe.engine.train.config import Config, check_memory, check_tensor_parallel, model_config, resume_differences
+from ringpipe.engine.job.errors import ConfigError
+from ringpipe.engine.model.optim import lr_at
+from ringpipe.engine.train.reporting import Reporter
+
+
+@dataclass
+class Run:
+    """The parts of one run, built by assemble() and used by engine/train/run.py."""
+    cfg: Config
+    world: Any
+    grid: Any
+    stop: lifecycle.StopFlag
+    report: Reporter
+    ckpt_dir: str
+    resume_path: str | None = None
+    manifest: dict = field(default_factory=dict)
+    shape: Any = None                  # GPTConfig or MLPConfig
+    seq_len: int | None = None
+    dtype: Any = None
+    xp: Any = np
+    transport: Any = None
+    dataset: Any = None
+    model: Any = None                  # the rank model (engine/parallel)
+    opt: Any = None
+    start_step: int = 0
+    rows: tuple = (0, 0)               # this rank's rows of each global batch
+    items_per_example: int = 1         # tokens per sequence (GPT) or 1 (MLP)
+    flops_per_item: float = 0.0
+    tokenizer: Any = None              # the data's (engine/data/tokenizer.py), None for data without one
+    init: Any = None                   # init_from's (GPTConfig, named arrays, tokenizer.json or None)
+    tracer: Any = None
+    dog: Any = None
+    t_start: float = 0.0               # when the first step began
+
+    @property
+    def items_per_step(self) -> int:
+        return self.cfg.batch_size * self.items_per_example
+
+    @property
+    def grad_scale(self) -> float:
+        # Each micro-batch adds its share of this rank's mean; the data axis averages the ranks.
+        return 1.0 / ((self.rows[1] - self.rows[0]) * self.items_per_example)
+
+
+def assemble(cfg: Config, world, stop, cleanup, render=None) -> Run:
+    check_same_config(cfg, world)
+    agree(world, comm.check_settings, "RINGPIPE_* settings", hint="is the environment the same on every node?")
+    notes = config_checks.check(cfg, world.Get_size()) + runtime.unknown_variables()
+    # Tensor innermost: a tensor group is consecutive ranks, on one node as launchers place them.
+    grid = comm.ProcessGrid(world, [("pipe", cfg.pp), ("data", cfg.data_parallel(world.Get_size())),
+                                    ("tensor", cfg.tp)])
+    cleanup.callback(grid.free)
+    report = Reporter(world.Get_rank() == 0, cfg.quiet, cfg.steps, cfg.log_every, render)
+    cleanup.callback(report.close)
+    r = Run(cfg, world, grid, stop, report, ckpt_dir=os.path.join(cfg.out_dir, "checkpoints"))
+    for note in notes:
+        report.say(note)
+    own_run_directory(r, cleanup)
+    find_checkpoint(r)
+    shape_data_device(r)
+    # The shards' descriptors and the data folder's shared lock are let go when the run
+    # ends, not whenever the dataset is collected (a prepare may wait for them).
+    cleanup.callback(lambda: getattr(r.dataset, "close", lambda: None)())
+    build_model(r, cleanup)
+    start_reporting(r, cleanup)
+    return r
+
+
+# ---- the run directory ------------------------------------------------------------------
+
+def make_writable_dir(field_name, path):
+    """Create folder `path` (the setting `field_name`) or say clearly why it cannot be used."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create the folder <{field_name}> {path} ({e.strerror}: {e.filename}); "
+                          f"pass <{field_name}> a folder path that can be created") from None
+    if not os.access(path, os.W_OK):
+        raise ConfigError(f"the folder <{field_name}> {path} is not writable; pass <{field_name}> a folder "
+                          "you can write to")
+
+
+def own_run_directory(r: Run, cleanup) -> None:
+    """Before the data is loaded and the model built (a bad --out costs nothing yet):
+    create it, take its lock for the run's life (rank 0), start it clean."""
+    cfg = r.cfg
+
+    def make_output_dirs():
+        make_writable_dir("out", cfg.out_dir)
+        if cfg.trace:
+            make_writable_dir("trace", cfg.trace)
+
+    agree(r.world, make_output_dirs, "output directory")
+    run_dir = rundir.RunDir(cfg.out_dir)
+    if r.world.Get_rank() == 0:
+        cleanup.callback(run_dir.unlock)
+    for note in agree_on_rank0(r.world, lambda: prepare_run_dir(run_dir, cfg, r.ckpt_dir), "run directory"):
+        r.report.say(note)
+
+
+def prepare_run_dir(run_dir: rundir.RunDir, cfg: Config, ckpt_dir: str) -> list[str]:
+    """Rank 0: own the run directory and start it clean. Returns notes."""
+    notes = run_dir.lock()
+    if not cfg.resume:
+        if checkpoint.list_checkpoints(ckpt_dir) and not cfg.overwrite:
+            raise ConfigError(f"{ckpt_dir} already holds checkpoints; pass <resume> auto to continue that "
+                              "run, <out> DIR for a new one, or <overwrite> to start over in it")
+        # A fresh start: whatever an earlier run left (its checkpoints with --overwrite,
+        # or the metrics and logs of a run that never saved one) goes to OUT/previous/,
+        # so nothing of it can be resumed or pruned by mistake.
+        moved = run_dir.move_previous_aside()
+        if moved:
+            notes.append(f"{'<overwrite>' if cfg.overwrite else 'fresh start'}: {moved}")
+    rundir.clear_finished(cfg.out_dir)
+    # Only this run writes here now (it holds the lock): temp files are leftovers
+    # of killed runs, and would keep a nearly full disk full.
+    removed = checkpoint.remove_stale_temp_files(ckpt_dir) if os.path.isdir(ckpt_dir) else []
+    if removed:
+        notes.append(f"removed {len(removed)} temp file(s) left by an interrupted checkpoint write: "
+                     f"{', '.join(os.path.basename(p) for p in removed[:3])}{' ...' if len(removed) > 3 else ''}")
+    return notes
+
+
+# ---- resume ------------------------------------------------------------------------------
+
+def find_checkpoint(r: Run) -> None:
+    """Every rank resolves and reads the checkpoint itself; they must all find the
+    same one (a run directory on node-local disk would not)."""
+    r.resume_path, notes = agree(r.world, lambda: _find_resume(r.cfg, r.ckpt_dir), "checkpoint to resume from",
+                                 same_result=True, compared=lambda found: found[0])
+    for note in notes:
+        r.report.say(note)
+    if r.resume_path:
+        r.manifest = agree(r.world, lambda: checkpoint.read_manifest(r.resume_path), "checkpoint")
+        if r.manifest.get("model") != r.cfg.model:
+            raise ConfigError(f"checkpoint {r.resume_path} holds a {r.manifest.get('model')} model, "
+                              f"not <model> {r.cfg.model}")
+
+
+def _find_resume(cfg: Config, ckpt_dir: str):
+    """(manifest path or None, notes)."""
+    if not cfg.resume:
+        return None, []
+    if cfg.resume != "auto":
+        return checkpoint.resolve(cfg.resume), []
+    valid, invalid = checkpoint.scan(ckpt_dir) if os.path.isdir(ckpt_dir) else ([], [])
+    bad = [f"{os.path.basename(p)} ({why})" for p, why in invalid]
+    if not valid:
+        if invalid:
+            raise ConfigError(f"<resume> auto found no valid checkpoint in {ckpt_dir}, only invalid ones: "
+                              f"{'; '.join(bad[:5])}. Starting fresh would silently drop that run: remove or "
+                              "repair them, resume from a file with <resume> PATH, or start over with <overwrite>")
+        return None, [f"<resume> auto: no checkpoint in {ckpt_dir} yet, starting fresh"]
+    newer = [b for (p, _), b in zip(invalid, bad) if p > valid[-1]]
+    notes = [f"<resume> auto: skipping invalid checkpoint(s) newer than {os.path.basename(valid[-1])}: "
+             f"{'; '.join(newer)}"] if newer else []
+    return valid[-1], notes
+
+
+# ---- shape, data, device ---------------------------------------------------------------------
+
+def shape_data_device(r: Run) -> None:
+    """The model's shape, the data it trains on (whose tokenizer sets the vocabulary),
+    and the device; every rank decides for itself, and all must agree."""
+    cfg = r.cfg
+    if cfg.hf_dir:
+        from ringpipe.engine.interop import hf
+        r.init = agree(r.world, lambda: hf.import_hf(cfg.hf_dir), "Hugging Face model of --init-from")
+    init_shape = r.init[0].to_dict() if r.init else None
+    saved = r.manifest.get("model_config")
+    r.dtype = K.resolve_dtype(cfg.dtype)
+    if cfg.model == "gpt":
+        # The sequence length comes from the shape, the vocabulary from the data: the shape
+        # without the data's vocabulary first (only its context matters here), then with it.
+        r.seq_len = cfg.seq_len or model_config(cfg, saved, init=init_shape).context
+    stdlib_dir = None
+    if cfg.model == "gpt" and cfg.dataset == "stdlib":
+        # Token shards in a cache, written once by rank 0: no rank holds the corpus in memory.
+        from ringpipe.engine.data.prepare import prepare_stdlib
+        stdlib_dir = agree_on_rank0(r.world, lambda: prepare_stdlib(int(cfg.max_data_mb * 2**20)),
+                                    "preparing the stdlib corpus")
+    r.dataset = agree(r.world, lambda: open_dataset(cfg, r.seq_len, stdlib_dir), "dataset",
+                      hint="is RINGPIPE_CACHE (where the stdlib corpus is prepared) on a filesystem every node sees?"
+                      if stdlib_dir else "is the path on a filesystem every node sees?")
+    r.tokenizer = getattr(r.dataset, "tokenizer", None)
+    check_assumed_vocab(r)
+    r.shape = model_config(cfg, saved, vocab=getattr(r.dataset, "vocab_size", None), init=init_shape)
+    if cfg.model == "gpt" and r.seq_len > r.shape.context:
+        raise ConfigError(f"<seq_len> {r.seq_len} exceeds the model's context {r.shape.context}; lower "
+                          f"<seq_len> or raise <context> (at least {r.seq_len})")
+    check_tokenizer(r)
+    check_tensor_parallel(cfg, r.shape, r.seq_len)
+    # Nodes may differ in memory: every rank checks its own node, all agree.
+    dp = r.grid.size("data")
+    agree(r.world, lambda: check_memory(cfg, r.shape, dp, runtime.local_rank_count()), "memory check",
+          hint="do the nodes differ in memory?")
+
+    def pick_device():
+        from ringpipe.comm.device import Transport
+        from ringpipe.engine.job.array_module import select
+        xp = select(cfg.device, r.grid.local_rank)
+        return xp, Transport(xp)     # how device buffers reach MPI (direct or pinned staging)
+
+    # A node without CuPy or a GPU must stop every rank, not only its own.
+    r.xp, r.transport = agree(r.world, pick_device, "device setup",
+                              hint="does every node have CuPy and a visible GPU?")
+    describe_data(r)
+
+
+def check_assumed_vocab(r: Run) -> None:
+    """A peer's data without a tokenizer.json (nanoGPT's, llm.c's) has an assumed vocabulary
+    (engine/data/shards.py: the largest id + 1, or the one llm.c's shard format implies). Starting
+    from a model, or resuming one, of another size: say that and what to do, rather than
+    blame a tokenizer the data does not have."""
+    assumed = getattr(r.dataset, "assumed_vocab", None)
+    saved = (r.manifest.get("model_config") or {}).get("vocab")
+    if r.init:
+        model, whose, tokenizer = r.init[0].vocab, "the model of <init_from>", r.init[2]
+        missing = f"the model's folder has none at {os.path.join(r.cfg.hf_dir, 'tokenizer.json')}"
+    else:
+        model, whose, tokenizer = saved, "the checkpoint's model", None
+        missing = "the run directory's tokenizer.json, where it has one"
+    if not assumed or model is None or r.dataset.vocab_size == model:
+        return
+    fix = (f"copy the model's tokenizer into it (cp {tokenizer} {r.cfg.data}/)" if tokenizer else
+           f"put the tokenizer.json the data was made with in it ({missing})")
+    raise ConfigError(f"<data> {r.cfg.data} has no tokenizer.json, so its vocabulary was assumed to be "
+                      f"{r.dataset.vocab_size} ({assumed}), but {whose} has {model} tokens. If the data was made "
+                      f"with the model's tokenizer (GPT-2's for nanoGPT's and llm.c's GPT-2 data), {fix}: its "
+                      "vocabulary is then the data's, and it is checked to be the model's")
+
+
+def check_tokenizer(r: Run) -> None:
+    """A run continues (or starts from a model) with the tokenizer its data was prepared with.
+    Tokenizers are compared by identity (engine/data/tokenizer.py: what decides the ids), so a
+    tokenizer.json that `transformers` re-saved is the same tokenizer."""
+    mine = r.tokenizer.identity if r.tokenizer is not None else None
+    saved = r.manifest.get("tokenizer")
+    kept = _saved_tokenizer(r, saved) if saved and mine and saved["sha256"] != r.tokenizer.sha256 else None
+    if kept is not None and kept.identity == mine:
+        # The same tokenizer in another file (re-saved): the run keeps its own, which its
+        # checkpoints' sha256 names (`ringpipe export` and `sample` check it by that).
+        r.tokenizer = kept
+    elif saved and mine and saved["sha256"] != r.tokenizer.sha256:
+        raise ConfigError(f"the data was prepared with another tokenizer (identity {mine[:12]}...) than the "
+                          f"checkpoint's run ({saved['file']} in its run directory, sha256 {saved['sha256'][:12]}"
+                          "...): train on data prepared with that tokenizer (`ringpipe prepare ... --tokenizer "
+                          "RUN_DIR/tokenizer.json`)")
+    if r.init:
+        # Without the model's tokenizer.json only the vocabulary's size can be checked (and a
+        # larger one refused): say so rather than train silently on ids of another tokenizer.
+        from ringpipe.engine.interop import hf
+        for note in hf.check_init_data(r.cfg.hf_dir, r.init, getattr(r.dataset, "vocab_size", None),
+                                       data_has_tokenizer=mine is not None):
+            r.report.say(note)
+    if r.init and r.init[2] and mine:
+        from ringpipe.engine.data.tokenizer import load_tokenizer
+        theirs = load_tokenizer(r.init[2]).identity
+        if theirs != mine:
+            raise ConfigError(f"the data was prepared with another tokenizer than the model of <init_from> "
+                              f"({r.init[2]}; they give different ids: their vocabularies, merges, normalizers, "
+                              "pre-tokenizers or special tokens differ): prepare it with "
+                              f"`ringpipe prepare ... --tokenizer {r.init[2]}`")
+
+
+def _saved_tokenizer(r: Run, saved: dict):
+    """The tokenizer a checkpoint's run saved (RUN_DIR/FILE) when it is the file the checkpoint
+    records, or None (missing, unreadable, or another file: then the sha256 decides alone)."""
+    from ringpipe.engine.data.tokenizer import load_tokenizer
+    try:
+        tokenizer = load_tokenizer(os.path.join(r.cfg.out_dir, saved["file"]))
+    except (ValueError, OSError):
+        return None
+    return tokenizer if tokenizer.sha256 == saved["sha256"] else None
+
+
+def open_dataset(cfg: Config, seq_len, stdlib_dir=None):
+    from ringpipe.engine.data import datasets as data
+    kind, dtype = cfg.dataset, np.dtype(cfg.dtype)
+    max_bytes = int(cfg.max_data_mb * 2**20)
+    if cfg.model == "gpt":
+        if kind == "prepared":
+            from ringpipe.engine.data import shards
+            return shards.open_dataset(cfg.data, seq_len, cfg.seed)
+        if kind == "stdlib":
+            from ringpipe.engine.data import shards
+            dataset = shards.open_dataset(stdlib_dir, seq_len, cfg.seed)
+            source = shards.read_manifest(stdlib_dir)["sources"][0]["description"]
+            dataset.name, dataset.description = "stdlib", f"{source}; prepared once as token shards in {stdlib_dir}"
+            return dataset
+        if kind == "synthetic":
+            return data.synthetic_tokens(seq_len, cfg.seed)
+        if kind == "text":
+            if not cfg.data_path:
+                raise ConfigError("<data> text needs <data_path> FILE_OR_FOLDER")
+            return data.load_text_folder(cfg.data_path, seq_len, cfg.seed, max_bytes=max_bytes)
+        raise ConfigError(f"<data> {kind} is a classification set; use it with <model> mlp")
+    if kind == "fashion-mnist":
+        return data.load_fashion_mnist(cfg.seed, root=cfg.data_path or data.FASHION_MNIST_DIR, dtype=dtype)
+    if kind == "synthetic":
+        return data.synthetic_classification(cfg.seed, dtype=dtype)
+    raise ConfigError(f"<data> {kind} is a text corpus; use it with <model> gpt")
+
+
+def describe_data(r: Run) -> None:
+    from ringpipe.engine.model.gpt import flops_per_token
+    from ringpipe.engine.model.mlp import flops_per_example
+    r.report.say(f"data: {r.dataset.describe()}")
+    if r.cfg.model == "gpt":
+        r.items_per_example, r.flops_per_item = r.seq_len, flops_per_token(r.shape, r.seq_len)
+    else:
+        r.shape.n_in, r.shape.n_classes = r.dataset.n_features, r.dataset.n_classes
+        r.flops_per_item = flops_per_example(r.shape)
+    local_batch = r.cfg.batch_size // r.grid.size("data")
+    first = r.grid.index("data") * local_batch
+    r.rows = (first, first + local_batch)
+
+
+# ---- the model and its optimizer --------------------------------------------------------
+
+def build_model(r: Run, cleanup) -> None:
+    from ringpipe.engine.model.gpt import gpt_layers
+    from ringpipe.engine.model.mlp import mlp_layers
+    from ringpipe.engine.parallel.compose import build_rank_model
+    from ringpipe.engine.schedules import ScheduleError
+    cfg = r.cfg
+    # layers_fn(tensor): whole layers, or a tensor group's parts of them (GPT only)
+    layers_fn = (lambda tensor=None: gpt_layers(r.shape, tensor)) if cfg.model == "gpt" \
+        else (lambda tensor=None: mlp_layers(r.shape))
+    micro = (r.rows[1] - r.rows[0]) // cfg.microbatches
+    r.tracer = None
+    if cfg.trace:
+        from ringpipe.engine.train.trace import Tracer
+        r.tracer = Tracer(cfg.trace, r.world)
+    try:
+        r.model = build_rank_model(r.grid, layers_fn, cfg, r.dtype, r.xp,
+                                   micro_shape=(micro, r.seq_len or 1, getattr(r.shape, "d_model", 1)),
+                                   cost_batch=lambda: r.dataset.batch(0, cfg.batch_size, 0, micro),
+                                   trace=r.tracer.events if r.tracer else None)
+    except (ScheduleError, ValueError) as e:     # a layout the schedule or the partition cannot make
+        raise ConfigError(str(e)) from None
+    cleanup.callback(r.model.close)
+    tensor = getattr(r.model.inner, "tensor", None)
+    if tensor is not None:
+        from ringpipe.engine.parallel.tensor import tensor_notes
+        for note in tensor_notes(tensor):
+            r.report.say(note)
+    r.opt = r.model.make_optimizer(cfg.optimizer, cfg.peak_lr, cfg.weight_decay)
+    if r.init:
+        # Every rank takes the arrays of the parameters it holds (any layout).
+        r.model.params.load_flat(r.model.params.data, vocab_rows_for_run(r, r.init[1]))
+        r.report.say(f"initialised from the Hugging Face model in {cfg.hf_dir}")
+        r.init = (r.init[0], None, r.init[2])           # the arrays are loaded: let them go
+    if not r.resume_path:
+        r.model.start_identical()
+        return
+    if r.manifest.get("optimizer") != cfg.optimizer:
+        raise ConfigError(f"the checkpoint was trained with <optimizer> {r.manifest.get('optimizer')}, "
+                          f"not {cfg.optimizer}")
+    # Only the arrays this rank holds, each checked against the model's shape
+    # before its bytes are read (a damaged or hostile file costs nothing).
+    expected = r.model.state_shapes(r.opt)
+    if cfg.model == "gpt":
+        from ringpipe.engine.model.gpt import checkpoint_vocab_rows
+        rows = checkpoint_vocab_rows(r.shape, r.manifest)          # padded for the tp it was written at
+        expected = {k: (rows, *shape[1:]) if k.split("/")[-1] == "wte" else shape for k, shape in expected.items()}
+    arrays, _ = agree(r.world, lambda: checkpoint.load(r.resume_path, expected=expected), "checkpoint")
+    r.model.restore_state(vocab_rows_for_run(r, arrays), r.opt)
+    r.opt.step_count = r.manifest["opt_step_count"]
+    r.start_step = r.manifest["step"]
+    r.report.say(f"resumed from {r.resume_path} at step {r.start_step}")
+    saved = dict(r.manifest.get("args", {}))
+    resolved = {"seq_len": r.seq_len, "data": cfg.dataset}      # as checkpoint_meta records them
+    if cfg.dataset == "prepared" and saved.get("data") is not None:
+        # checkpoint_meta records a prepared folder by its real path; older checkpoints
+        # recorded "prepared" alone, which says nothing of which folder: no note either way.
+        if saved["data"] == "prepared" or saved["data"] == os.path.realpath(cfg.data):
+            saved["data"] = cfg.data
+    for note in resume_differences(saved, cfg, resolved) + schedule_change(saved, cfg, r.start_step):
+        r.report.say(note)
+
+
+def vocab_rows_for_run(r: Run, arrays: dict) -> dict:
+    """A GPT's named arrays with wte padded as this run's tensor-parallel size pads it."""
+    if r.cfg.model != "gpt":
+        return arrays
+    from ringpipe.engine.model.gpt import fit_vocab_rows
+    return fit_vocab_rows(arrays, r.shape, r.shape.padded_vocab_for(r.cfg.tp))
+
+
+def schedule_change(saved: dict, cfg: Config, start_step: int) -> list[str]:
+    """A note when the resumed run's LR schedule spans other steps than the
+    checkpoint's run (typically: continuing to a larger --steps)."""
+    if not saved.get("steps"):
+        return []
+    saved_span = saved.get("decay_steps") or saved["steps"]
+    if saved_span == cfg.schedule_steps:
+        return []
+    saved_lr = saved.get("lr") or cfg.peak_lr
+    saved_warmup = saved.get("warmup")
+    saved_warmup = saved_warmup if saved_warmup is not None else max(1, saved_span // 20)
+    was = lr_at(start_step, saved_lr, saved_warmup, saved_span, saved.get("min_lr_ratio", cfg.min_lr_ratio))
+    now = lr_at(start_step, cfg.peak_lr, cfg.warmup_steps, cfg.schedule_steps, cfg.min_lr_ratio)
+    return [f"note: the LR schedule now spans {cfg.schedule_steps} steps where the checkpoint's run had "
+            f"{saved_span}: step {start_step + 1} gets lr {now:.2e} where that run would have used {was:.2e}. "
+            f"To continue on the original schedule (the LR then stays at its minimum), pass <decay_steps> "
+            f"{saved_span}"]
+
+
+# ---- reporting --------------------------------------------------------------------------------
+
+def start_reporting(r: Run, cleanup) -> None:
+    cfg, report, world = r.cfg, r.report, r.world
+    report.say(f"ringpipe | {cfg.model} {r.shape.to_dict()} | {r.model.params.size:,} parameters on rank 0 | "
+               f"{cfg.dtype}{', bf16 matmuls' if cfg.precision == 'bf16' else ''}")
+    layout = f"dp {r.grid.size('data')} x pp {r.grid.size('pipe')}" + \
+        (f" x tp {r.grid.size('tensor')}" if r.grid.size("tensor") > 1 else "")
+    described = r.model.describe()
+    report.say(f"data {r.dataset.name} | global batch {cfg.batch_size} x {r.items_per_example} = "
+               f"{r.items_per_step} {'tokens' if cfg.model == 'gpt' else 'examples'}/step | {world.Get_size()} "
+               f"ranks: {layout}{f' | {described}' if described else ''}")
+    if comm.launcher.prepared:
+        report.say(f"MPI: {comm.launcher.prepared}")
+    for line in runtime.thread_report():     # threads per rank and why; a warning if they oversubscribe
+        report.say(line)
+    if r.xp is not np:
+        from ringpipe.engine.job.array_module import describe as describe_device
+        report.say(f"device: {describe_device(r.xp)} on rank 0")
+        if world.Get_size() > 1:
+            report.say(f"GPU buffers and MPI: {r.transport.describe()}")
+    if cfg.model == "gpt":
+        # Reads each split's first 256 MiB (and refuses a token id outside the vocabulary
+        # there): a read error on one rank must stop every rank alike.
+        nats = agree(world, r.dataset.unigram_entropy, "unigram baseline of the data")
+        per_token = r.dataset.bytes_per_token("val")
+        bpb = f" = {nats / math.log(2) / per_token:.3f} bits/byte" if per_token else ""
+        report.say(f"unigram baseline (val): {nats:.4f} nats/token{bpb} (a model must beat it to have learned)")
+    pp = r.grid.size("pipe")
+    if pp > 1 and cfg.microbatches < 2 * pp:
+        report.say(f"note: {cfg.microbatches} micro-batch(es) on {pp} stages leaves the pipeline mostly idle "
+                   f"(bubble {(pp - 1) / (cfg.microbatches + pp - 1):.0%}); use <microbatches> >= {4 * pp} "
+                   "to fill it")
+    report.log = lifecycle.setup_rank_logging(cfg.out_dir, world.Get_rank(), world.Get_size())
+    report.log.info("start: %s", " ".join(sys.argv) or "(in-process)")
+    r.dog = lifecycle.Watchdog(world, cfg.watchdog, run_dir=cfg.out_dir, abort=cfg.watchdog_abort)
+    cleanup.callback(r.dog.stop)
+    if report.is_main:
+        if r.tokenizer is not None:
+            r.tokenizer.save(cfg.out_dir)          # OUT/tokenizer.json: `ringpipe sample` and `export` read it
+        report.metrics = rundir.MetricsLog(os.path.join(cfg.out_dir, rundir.METRICS_NAME),
+                                           append=bool(r.resume_path))
+        for note in report.metrics.notes:
+            report.say(note)

@@ -1,0 +1,319 @@
+"""The `ringpipe train` command line (also `python -m ringpipe.train`, `ringpipe-train`):
+flags in (each the Config field of the same name), engine.run.run() out,
+library errors to messages and exit codes.
+
+Runs the same way under plain `python`, `mpiexec -n N` and `srun`. Defaults
+train the small byte-level GPT on the Python standard library's own source.
+Exit codes: 0 done, 85 stopped on SIGUSR1/SIGTERM with a checkpoint (requeue),
+130 the same after Ctrl-C, 2 a refused configuration, 1 a failure every rank
+agreed on (a full disk), else an abort naming the rank.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from ringpipe import threads
+from ringpipe.engine.job import runtime  # stdlib only: safe before numpy
+
+runtime.set_thread_defaults()        # (ringpipe's import set them, before numpy loads BLAS)
+threads.leave_warning_to_report()    # rank 0's start-up report says the threads, and any oversubscription
+runtime.reuse_freed_memory()
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+
+from ringpipe.engine.train.config import Config  # noqa: E402
+from ringpipe.engine.model.gpt import PRESETS  # noqa: E402
+from ringpipe.engine.job.errors import ConfigError, Diverged, JobFailure, spell  # noqa: E402
+
+
+def _launcher_rank():
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+class UsageError(SystemExit):
+    """A refused command line. Raised, not printed: main() first makes sure every
+    rank knows (a rank that exits alone would leave the others waiting).
+    The code is usage + error, as argparse prints it; `short` is the error alone."""
+
+    def __init__(self, usage: str, short: str):
+        super().__init__(usage + short)
+        self.short = short
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(self.format_usage(), f"{self.prog}: error: {message}")
+
+
+def parse_args(argv=None, prog="ringpipe train"):
+    p = _Parser(
+        prog=prog,
+        description="Train a hand-written GPT or MLP (numpy + Numba on the CPU, CuPy on a GPU) with MPI "
+                    "data parallelism (our ring all-reduce, ZeRO-1) and pipeline stages (GPipe, 1F1B, "
+                    "interleaved, zero-bubble), alone or as a DP x PP grid. "
+                    "Launch with plain python, `mpiexec -n N`, or `srun`.",
+        epilog="Examples:\n"
+               "  ringpipe train --steps 50                      # small GPT, stdlib corpus, 1 rank\n"
+               "  mpiexec -n 4 ringpipe train --dp 4             # data-parallel over 4 ranks\n"
+               "  ringpipe train --model mlp --data synthetic\n"
+               "  ringpipe train --resume auto --out runs/gpt    # continue from the latest checkpoint\n"
+               "(python -m ringpipe.train ... is the same command)",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    for add_flags in (_model_flags, _data_flags, _optimization_flags, _parallelism_flags, _output_flags,
+                      _cluster_flags):
+        add_flags(p)
+    return p.parse_args(argv)
+
+
+def _model_flags(p):
+    g = p.add_argument_group("model")
+    g.add_argument("--model", choices=["gpt", "mlp"], default="gpt", help="model to train (default gpt)")
+    g.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="a standard GPT shape: sets --layers, --d-model, --heads and --context (gpt2-124m: 12, "
+                        "768, 12, 1024); flags given as well must agree with it")
+    g.add_argument("--init-from", default=None, metavar="hf:HF_DIR",
+                   help="start from the weights of a Hugging Face GPT-2 folder (ringpipe export's, or a local "
+                        "GPT-2 download with model.safetensors): its shape replaces the shape flags, and --data "
+                        "must use its tokenizer")
+    g.add_argument("--layers", type=int, default=None, help="transformer blocks / MLP hidden layers (default 4 / 2)")
+    g.add_argument("--d-model", type=int, default=None, help="GPT width / MLP hidden width (default 128 / 256)")
+    g.add_argument("--heads", type=int, default=None, help="GPT attention heads (default 4)")
+    g.add_argument("--context", type=int, default=None, help="GPT maximum sequence length (default 128)")
+    g.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="compute dtype (default float32)")
+    g.add_argument("--precision", choices=["float32", "bf16"], default="float32",
+                   help="matmul inputs: float32, or bf16 (rounded to bfloat16, float32 accumulation, "
+                        "float32 master weights and optimizer state; tensor cores with --device cuda, "
+                        "emulated with no speed-up on the CPU). Needs --dtype float32")
+    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu (numpy + Numba) or cuda (CuPy + CUDA kernels; rank takes GPU local_rank %% n_gpus; "
+                        "MPI gets GPU buffers directly if RINGPIPE_CUDA_AWARE_MPI=1, or if unset when the MPI "
+                        "library reports CUDA support or MPICH_GPU_SUPPORT_ENABLED=1 / MV2_USE_CUDA=1 is set; "
+                        "else through pinned host memory)")
+
+
+def _data_flags(p):
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default=None, metavar="{stdlib,synthetic,fashion-mnist,text,DATA_DIR}",
+                   help="dataset: a folder written by `ringpipe prepare` (token shards, read window by window; its "
+                        "tokenizer sets the GPT's vocabulary; a nanoGPT train.bin/val.bin folder works too), or "
+                        "stdlib (default for gpt; the interpreter's own library source), fashion-mnist (default "
+                        "for mlp; Debian package dataset-fashion-mnist), synthetic (tiny, for tests), text (a "
+                        "file or folder given by --data-path)")
+    g.add_argument("--data-path", default=None,
+                   help="file/folder for --data text (given alone, it implies --data text for the GPT), or the "
+                        "IDX folder for fashion-mnist; a folder's text files are read in sorted order, binary "
+                        "files skipped, and what was read is printed")
+    g.add_argument("--max-data-mb", type=float, default=64.0,
+                   help="--data text folders: read at most this many MiB into memory on every rank (default "
+                        "64; the run says when the folder holds more); a single file is memory-mapped instead, "
+                        "whatever its size. --data stdlib: the MiB of library source prepared (once, as token "
+                        "shards in $RINGPIPE_CACHE, default ~/.cache/ringpipe) and read like them. For corpora of "
+                        "any size use `ringpipe prepare` and --data DATA_DIR")
+    g.add_argument("--seq-len", type=int, default=None, help="GPT training sequence length (default: the context)")
+    g.add_argument("--batch-size", type=int, default=16, help="GLOBAL batch size in sequences/examples (default 16)")
+
+
+def _optimization_flags(p):
+    g = p.add_argument_group("optimization")
+    g.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
+    g.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3 adamw, 0.05 sgd; "
+                   "a tenth of that with --init-from)")
+    g.add_argument("--warmup", type=int, default=None, help="warmup steps (default 5%% of --decay-steps; 1%% with "
+                   "--init-from)")
+    g.add_argument("--decay-steps", type=int, default=None,
+                   help="steps the warmup + cosine LR schedule spans (default --steps); after them the LR stays "
+                        "at --min-lr-ratio x --lr. To continue a finished run to a larger --steps on its "
+                        "original schedule, pass its old --steps here (the run says so when resuming)")
+    g.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine decays to this fraction of --lr")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip (0 disables)")
+    g.add_argument("--seed", type=int, default=1337, help="initialisation and data order (>= 0; default 1337)")
+
+
+def _parallelism_flags(p):
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--dp", type=int, default=None,
+                   help="data-parallel ranks (default: all ranks / (pp x tp)); ranks = dp x pp x tp")
+    g.add_argument("--bucket-mb", type=float, default=None,
+                   help="gradient bucket size in MiB (default: auto, about 1/8 of the gradients, between "
+                        "0.25 and 25 MiB, so backward overlaps several all-reduces; the first bucket is "
+                        "capped at 1 MiB like PyTorch DDP's)")
+    g.add_argument("--no-overlap", action="store_true", help="all-reduce after backward instead of during it")
+    g.add_argument("--zero", type=int, choices=[0, 1], default=0,
+                   help="1: shard optimizer state across data-parallel ranks (ZeRO-1)")
+    g.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1); ranks = dp x pp x tp")
+    g.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks per layer (default 1; GPT only): attention heads, MLP features "
+                        "and the vocabulary split across tp ranks, 2 all-reduces per sub-layer. Must divide "
+                        "--heads. The innermost axis: keep tp within a node")
+    g.add_argument("--tp-overlap", choices=["auto", "on", "off"], default="auto",
+                   help="with --tp: reduce a column-parallel layer's input gradient on a thread while its "
+                        "weight gradient is computed. auto (default): on with --device cuda (the GPU computes "
+                        "while the CPU runs MPI), off on the CPU, where the copies compete with the GEMM for "
+                        "the core (benchmarks/tensor_parallel.py measured 0.96x)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: LayerNorms and the residual stream split along the sequence between the "
+                        "tensor-parallel regions (all-gather/reduce-scatter instead of all-reduce; activation "
+                        "memory there / tp). --seq-len must be a multiple of --tp")
+    g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zbh1"], default=None,
+                   help="pipeline schedule (default 1f1b; zbh1 = zero-bubble H1; interleaved needs --chunks "
+                        ">= 2); needs --pp >= 2 or --chunks >= 2")
+    g.add_argument("--microbatches", type=int, default=1,
+                   help="micro-batches per step on each data-parallel replica (pipeline depth / accumulation)")
+    g.add_argument("--chunks", type=int, default=1, help="model chunks per pipeline rank (interleaved schedule)")
+    g.add_argument("--partition", choices=["uniform", "balanced"], default=None,
+                   help="split layers evenly (default), or balance measured per-layer cost across stages")
+    g.add_argument("--trace", default=None, metavar="DIR",
+                   help="write a Chrome/Perfetto trace per rank and a merged DIR/trace.json")
+
+
+def _output_flags(p):
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default=None, help="run directory (default runs/<model>)")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start fresh even if --out holds checkpoints: the earlier run's checkpoints, metrics "
+                        "and logs are moved to OUT/previous/ (replacing what was kept there before)")
+    g.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
+    g.add_argument("--keep", type=int, default=3, help="checkpoints to keep (0: all)")
+    g.add_argument("--resume", default=None, help="checkpoint (.json), run directory, or 'auto' (latest valid "
+                                                  "checkpoint in --out, or a fresh start if none)")
+    g.add_argument("--eval-every", type=int, default=None,
+                   help="steps between validation passes (default steps/5; steps/10 with --init-from, which also "
+                        "validates once before the first step)")
+    g.add_argument("--keep-best", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep the checkpoint of the best validation loss in OUT/best/ (for `ringpipe export "
+                        "OUT/best` and `ringpipe sample OUT/best`) and say at the end which step it was "
+                        "(default: on with --init-from, off otherwise)")
+    g.add_argument("--eval-batches", type=int, default=4, help="global batches per validation pass")
+    g.add_argument("--log-every", type=int, default=None, help="steps between progress lines (default ~20 lines)")
+    g.add_argument("--sample-bytes", type=int, default=200, help="GPT: bytes of text to sample at the end (0: none)")
+    g.add_argument("--quiet", action="store_true", help="no progress lines (metrics.jsonl is still written)")
+
+
+def _cluster_flags(p):
+    g = p.add_argument_group("cluster")
+    g.add_argument("--watchdog", type=float, default=0.0, metavar="SECONDS",
+                   help="report ranks that made no progress for this long (0: off); names the stuck ranks")
+    g.add_argument("--watchdog-abort", action="store_true", help="abort the job after a watchdog report")
+
+
+# ---- settings as flags ---------------------------------------------------------------
+
+# Names that messages use (<field>) and the flag that sets each.
+_MODEL_FIELD_FLAGS = {"n_layer": "--layers", "n_head": "--heads", "hidden": "--d-model", "d_model": "--d-model",
+                      "context": "--context", "vocab": "the vocabulary"}
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(Config)}
+
+
+def flag_name(field: str) -> str | None:
+    """The flag for a Config (or model shape) field; None for any other word."""
+    if field in _MODEL_FIELD_FLAGS:
+        return _MODEL_FIELD_FLAGS[field]
+    if field in _CONFIG_FIELDS:
+        return "--" + field.replace("_", "-")
+    return None
+
+
+def config_from_args(args) -> Config:
+    return Config(**vars(args))
+
+
+def run_flags(argv, world=None, stop=None):
+    """Train from a command line, in this process (tests and notebooks): what `ringpipe
+    train ARGV` does, with errors raised as SystemExit("error: ...") as the command
+    line prints them, and a stop with a checkpoint as SystemExit(code)."""
+    from ringpipe.engine.train.run import run
+    cfg = config_from_args(parse_args(argv))
+    try:
+        result = run(cfg, world=world, stop=stop, render=flag_name)
+    except (ConfigError, JobFailure, Diverged) as e:
+        raise SystemExit(f"error: {_spelled(e)}") from None
+    if result.exit_code:
+        raise SystemExit(result.exit_code)
+    return result
+
+
+def _spelled(e: BaseException) -> str:
+    return e.render(flag_name) if isinstance(e, ConfigError) else spell(str(e), flag_name)
+
+
+# ---- the command ---------------------------------------------------------------------
+
+def main(argv=None, prog="ringpipe train"):
+    # Catch stop signals before anything else, MPI_Init included: MPICH installs
+    # a SIGUSR1 handler of its own there that would swallow the signal.
+    from ringpipe.engine.job import lifecycle
+    stop = lifecycle.StopFlag()
+    try:
+        args, usage_error = parse_args(argv, prog), None
+    except UsageError as e:
+        args, usage_error = None, e
+    try:
+        from ringpipe import comm    # MPI_Init happens here
+    except ImportError as e:
+        if lifecycle.missing_mpi(e) is None:
+            raise
+        print(f"{prog}: error: {lifecycle.missing_mpi(e)}", file=sys.stderr)
+        sys.exit(2)
+    from ringpipe.engine.train.run import run
+    stop.install()                   # take SIGUSR1 back from MPICH
+    comm.install_abort_handler()
+    code = 0
+    try:
+        # Refuse a launch where srun's MPI plugin did not wire the ranks together.
+        lifecycle.check_launcher()
+        agree_on_command_line(usage_error)
+        code = run(config_from_args(args), stop=stop, render=flag_name).exit_code
+    except lifecycle.LauncherError as e:
+        # Every task is alone in its own world: each says so, since srun may
+        # kill task 0 before it gets to print.
+        print(f"error: {_spelled(e)}", file=sys.stderr, flush=True)
+        code = 2
+    except UsageError as e:
+        print(e.code, file=sys.stderr, flush=True)
+        code = 2
+    except (ConfigError, JobFailure, Diverged) as e:
+        # Every rank reached the same verdict (engine/job/agreement.py sees to that),
+        # so every rank exits quietly, no abort needed; rank 0 prints it.
+        if _launcher_rank() == 0:
+            print(f"error: {_spelled(e)}", file=sys.stderr, flush=True)
+        code = 1 if isinstance(e, JobFailure) else 2
+    finally:
+        # The outcome is decided (and its checkpoint written): a signal during
+        # interpreter and MPI shutdown must not turn the exit code into "killed".
+        stop.ignore_from_now_on()
+    sys.exit(code)
+
+
+def agree_on_command_line(usage_error):
+    """A command line refused on some ranks only (an MPMD launch, `a : b`) must
+    stop all ranks, not leave the others waiting in their first collective."""
+    from mpi4py import MPI
+
+    from ringpipe.engine.job.agreement import agree
+    world = MPI.COMM_WORLD
+    if world.Get_size() == 1:
+        if usage_error is not None:
+            raise usage_error
+        return
+
+    def refused_here():
+        if usage_error is not None:
+            raise ConfigError(usage_error.short)
+
+    try:
+        agree(world, refused_here, "command line", hint="were the ranks launched with different arguments?")
+    except ConfigError as e:
+        if usage_error is not None and e.message == usage_error.short:
+            raise usage_error from None    # refused alike on every rank: show the usage, as one process would
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,511 @@
+"""What a training run needs, as data: `Config`, and the checks that refuse a
+configuration that cannot work before any work is done.
+
+    cfg = Config(steps=100, dp=2, pp=2, microbatches=4)   # every field has a default
+    notes = check(cfg, world_size=4)    # ConfigError for what cannot work, notes for what has no effect
+
+The command line (engine/train/cli.py) is one way to fill a Config: each field is
+the flag of the same name (`batch_size` is `--batch-size`; `layers`, `heads`,
+`d_model` also shape the MLP). Messages name settings as <field> (see
+engine/job/errors.py), so the CLI can show them as flags and the library as fields.
+Defaults that depend on other settings (the learning rate, the schedule's
+length, the pipeline schedule) are resolved by the methods below, never by
+rewriting the fields, so a Config always says what the user asked for.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ringpipe.engine.job.errors import ConfigError
+
+MAX_BUCKET_MB = 1 << 20        # 1 TiB: past the gradients' size a bucket is just one bucket
+# Fine-tuning (init_from) defaults, each used only where the setting was not given
+# (fine_tuning_notes prints which, and docs/fine-tuning.md says why):
+FINE_TUNING_LR_FACTOR = 0.1       # of the scratch LR: steps that large undo what the model learned
+FINE_TUNING_WARMUP_DIVISOR = 100  # warmup = 1% of the schedule (5% from scratch): Adam's moments settle fast
+FINE_TUNING_EVALS = 10            # validation every 10% of the steps (every 20% from scratch)
+DATASET_NAMES = ("stdlib", "synthetic", "fashion-mnist", "text")
+
+
+@dataclass
+class Config:
+    # ---- model
+    model: str = "gpt"                 # gpt | mlp
+    preset: str | None = None          # a standard GPT shape (engine/model/gpt.py PRESETS): gpt2-124m, ...
+    init_from: str | None = None       # "hf:HF_DIR": start from a Hugging Face GPT-2 folder's weights
+    layers: int | None = None          # GPT blocks / MLP hidden layers (4 / 2)
+    d_model: int | None = None         # GPT width / MLP hidden width (128 / 256)
+    heads: int | None = None           # GPT attention heads (4)
+    context: int | None = None         # GPT maximum sequence length (128)
+    dtype: str = "float32"             # float32 | float64
+    precision: str = "float32"         # float32 | bf16 (GEMM inputs; float32 master weights)
+    device: str = "cpu"                # cpu | cuda
+    # ---- data
+    data: str | None = None            # a prepared DATA_DIR, or stdlib | synthetic | fashion-mnist | text
+    data_path: str | None = None       # file/folder for text (alone it means text), IDX folder for fashion-mnist
+    max_data_mb: float = 64.0          # text folders: MiB read into memory per rank; stdlib: MiB prepared
+    seq_len: int | None = None         # GPT training sequence length (the context)
+    batch_size: int = 16               # GLOBAL batch in sequences/examples
+    # ---- optimization
+    steps: int = 300
+    optimizer: str = "adamw"           # adamw | sgd
+    lr: float | None = None            # peak LR (2e-3 adamw, 0.05 sgd)
+    warmup: int | None = None          # warmup steps (5% of decay_steps)
+    decay_steps: int | None = None     # steps the warmup + cosine schedule spans (steps)
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0             # global-norm clip (0: off)
+    seed: int = 1337
+    # ---- parallelism
+    dp: int | None = None              # data-parallel ranks (all ranks / pp)
+    bucket_mb: float | None = None     # gradient bucket MiB (auto)
+    no_overlap: bool = False           # all-reduce after backward instead of during it
+    zero: int = 0                      # 1: ZeRO-1 (optimizer state sharded over the data axis)
+    pp: int = 1                        # pipeline stages
+    tp: int = 1                        # tensor-parallel ranks (GPT): heads, MLP features, vocabulary split
+    sequence_parallel: bool = False    # with tp > 1: the stream between the TP regions split along T
+    tp_overlap: str = "auto"           # auto | on | off: input-gradient reductions beside weight-gradient GEMMs
+    schedule: str | None = None        # gpipe | 1f1b | interleaved | zbh1 (1f1b)
+    microbatches: int = 1              # per step and data-parallel replica
+    chunks: int = 1                    # model chunks per pipeline rank (interleaved)
+    partition: str | None = None       # uniform | balanced (uniform)
+    trace: str | None = None           # folder for per-rank Chrome/Perfetto traces
+    # ---- output
+    out: str | None = None             # run directory (runs/<model>)
+    overwrite: bool = False            # start over in `out` (the old run goes to OUT/previous/)
+    checkpoint_every: int = 0          # 0: only at the end
+    keep: int = 3                      # valid checkpoints kept (0: all)
+    resume: str | None = None          # checkpoint (.json), run directory, or "auto"
+    eval_every: int | None = None      # steps between validation passes (steps/5; steps/10 fine-tuning)
+    keep_best: bool | None = None      # keep the checkpoint of the best validation loss in OUT/best/ (on fine-tuning)
+    eval_batches: int = 4
+    log_every: int | None = None       # steps between progress lines (steps/20)
+    sample_bytes: int = 200            # GPT: bytes sampled at the end
+    quiet: bool = False
+    # ---- cluster
+    watchdog: float = 0.0              # seconds without progress before a report (0: off)
+    watchdog_abort: bool = False
+
+    # ---- defaults that depend on other settings ---------------------------------------
+    def data_parallel(self, world_size: int) -> int:
+        return self.dp if self.dp is not None else max(1, world_size // (self.pp * max(1, self.tp)))
+
+    @property
+    def tensor_overlap(self) -> bool:
+        """auto: on for the GPU (it computes while the CPU thread runs MPI), off on the CPU."""
+        return self.tp_overlap == "on" or (self.tp_overlap == "auto" and self.device == "cuda")
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pp > 1 or self.chunks > 1
+
+    @property
+    def dataset(self) -> str:
+        """A dataset name (DATASET_NAMES), or "prepared" for a folder of token shards."""
+        if self.data is not None:
+            return self.data if self.data in DATASET_NAMES else "prepared"
+        if self.model == "gpt":
+            return "text" if self.data_path is not None else "stdlib"
+        return "fashion-mnist"
+
+    @property
+    def fine_tuning(self) -> bool:
+        """Starting from a trained model's weights (init_from): the defaults below change
+        (fine_tuning_notes says how and why)."""
+        return self.init_from is not None
+
+    @property
+    def hf_dir(self) -> str | None:
+        """The folder of init_from ("hf:PATH")."""
+        return self.init_from[3:] if self.init_from else None
+
+    @property
+    def schedule_name(self) -> str:
+        return self.schedule or "1f1b"
+
+    @property
+    def partition_name(self) -> str:
+        return self.partition or "uniform"
+
+    @property
+    def peak_lr(self) -> float:
+        if self.lr is not None:
+            return self.lr
+        return self.scratch_lr * (FINE_TUNING_LR_FACTOR if self.fine_tuning else 1.0)
+
+    @property
+    def scratch_lr(self) -> float:
+        """The default peak LR for training from random weights."""
+        return 2e-3 if self.optimizer == "adamw" else 0.05
+
+    @property
+    def schedule_steps(self) -> int:
+        return self.decay_steps or self.steps
+
+    @property
+    def warmup_steps(self) -> int:
+        if self.warmup is not None:
+            return self.warmup
+        return max(1, self.schedule_steps // (FINE_TUNING_WARMUP_DIVISOR if self.fine_tuning else 20))
+
+    @property
+    def eval_period(self) -> int:
+        """Steps between validation passes."""
+        if self.eval_every:
+            return self.eval_every
+        return max(1, self.steps // (FINE_TUNING_EVALS if self.fine_tuning else 5))
+
+    @property
+    def best_kept(self) -> bool:
+        """Whether OUT/best/ keeps the checkpoint of the best validation loss."""
+        return self.keep_best if self.keep_best is not None else self.fine_tuning
+
+    @property
+    def out_dir(self) -> str:
+        return self.out or os.path.join("runs", self.model)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def check(cfg: Config, world_size: int) -> list[str]:
+    """Refuse impossible shapes, values and combinations (ConfigError, the same on
+    every rank: it depends on the configuration and the world size only); return
+    notes for settings that have no effect in this layout."""
+    _check_values(cfg)
+    notes = _check_combinations(cfg, cfg.data_parallel(world_size))
+    _check_layout(cfg, world_size)
+    return notes + fine_tuning_notes(cfg)
+
+
+def fine_tuning_notes(cfg: Config) -> list[str]:
+    """What a run from init_from's weights does differently, said once at start-up: the
+    defaults for training from scratch made held-out validation worse in a fine-tune
+    (issue 21: 1.599 -> 1.673 bits per byte), and nothing showed it."""
+    if not cfg.fine_tuning:
+        return []
+    applied = []
+    if cfg.lr is None:
+        applied.append(f"<lr> {cfg.peak_lr:.1e} ({FINE_TUNING_LR_FACTOR:g} x the {cfg.scratch_lr:.0e} for training "
+                       "from scratch: larger steps undo what the model learned)")
+    if cfg.warmup is None:
+        applied.append(f"<warmup> {cfg.warmup_steps} (1% of the schedule, not 5%)")
+    if not cfg.eval_every:
+        applied.append(f"<eval_every> {cfg.eval_period} (validation every 10% of the steps, not 20%)")
+    if cfg.keep_best is None:
+        applied.append("<keep_best> on (the checkpoint of the best validation loss is kept in OUT/best/)")
+    said = [f"fine-tuning from <init_from> {cfg.init_from}: a run that starts from it validates once before the "
+            "first step too, so step 0 shows the model as given"]
+    if applied:
+        said.append("fine-tuning defaults, for the settings not given: " + "; ".join(applied)
+                    + " (docs/fine-tuning.md; give a setting to override its default)")
+    return said
+
+
+def _check_values(cfg: Config) -> None:
+    for field, value in sorted(cfg.to_dict().items()):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"<{field}> must be a finite number, got {value}")
+    for field in ("layers", "d_model", "heads", "context"):
+        value = getattr(cfg, field)
+        if value is not None and value < 1:
+            raise ConfigError(f"<{field}> must be >= 1, got {value}")
+    if cfg.lr is not None and cfg.lr <= 0:
+        raise ConfigError(f"<lr> must be > 0, got {cfg.lr}")
+    if not 0 <= cfg.min_lr_ratio <= 1:
+        raise ConfigError(f"<min_lr_ratio> is the fraction of <lr> the schedule decays to: it must be "
+                          f"between 0 and 1, got {cfg.min_lr_ratio}")
+    for field in ("warmup", "weight_decay", "grad_clip"):
+        value = getattr(cfg, field)
+        if value is not None and value < 0:
+            raise ConfigError(f"<{field}> must be >= 0, got {value}"
+                              f"{' (0 disables clipping)' if field == 'grad_clip' else ''}")
+    for field, value, low in (("bucket_mb", 1 if cfg.bucket_mb is None else cfg.bucket_mb, 1e-9),
+                              ("checkpoint_every", cfg.checkpoint_every, 0), ("keep", cfg.keep, 0),
+                              ("eval_batches", cfg.eval_batches, 1), ("eval_every", cfg.eval_every or 1, 1),
+                              ("log_every", cfg.log_every or 1, 1), ("watchdog", cfg.watchdog, 0),
+                              ("sample_bytes", cfg.sample_bytes, 0)):
+        if value < low:
+            raise ConfigError(f"<{field}> must be {'> 0' if low == 1e-9 else f'>= {low}'}, got {value}")
+    if cfg.precision == "bf16" and cfg.dtype != "float32":
+        raise ConfigError(f"<precision> bf16 needs <dtype> float32 (bf16 matmuls keep float32 master "
+                          f"weights), got <dtype> {cfg.dtype}")
+    if cfg.seq_len is not None and cfg.seq_len < 1:
+        raise ConfigError(f"<seq_len> must be >= 1, got {cfg.seq_len}")
+    if cfg.microbatches < 1 or cfg.chunks < 1:
+        raise ConfigError("<microbatches> and <chunks> must be >= 1")
+    if cfg.steps < 1:
+        raise ConfigError(f"<steps> must be >= 1, got {cfg.steps}")
+    if cfg.batch_size < 1:
+        raise ConfigError(f"<batch_size> must be >= 1, got {cfg.batch_size}")
+    if cfg.seed < 0:
+        raise ConfigError(f"<seed> must be >= 0 (it seeds numpy's generators), got {cfg.seed}")
+    if cfg.decay_steps is not None and cfg.decay_steps < 1:
+        raise ConfigError(f"<decay_steps> must be >= 1, got {cfg.decay_steps}")
+    if cfg.max_data_mb <= 0:
+        raise ConfigError(f"<max_data_mb> must be > 0, got {cfg.max_data_mb}")
+    if cfg.bucket_mb is not None and cfg.bucket_mb > MAX_BUCKET_MB:
+        raise ConfigError(f"<bucket_mb> {cfg.bucket_mb:g} is more than {MAX_BUCKET_MB} MiB (1 TiB); a bucket "
+                          "larger than the gradients is one bucket anyway: leave <bucket_mb> out for the "
+                          "automatic size, or give a size in MiB")
+
+
+def _check_layout(cfg: Config, world_size: int) -> None:
+    if cfg.pp < 1:
+        raise ConfigError(f"<pp> must be >= 1, got {cfg.pp}")
+    if cfg.tp < 1:
+        raise ConfigError(f"<tp> must be >= 1, got {cfg.tp}")
+    model_parallel = cfg.pp * cfg.tp
+    if cfg.dp is None and world_size % model_parallel:
+        what = f"<pp> {cfg.pp} pipeline stages" + (f" x <tp> {cfg.tp} tensor-parallel ranks" if cfg.tp > 1 else "")
+        raise ConfigError(f"{world_size} ranks do not split into {what}; launch a multiple of {model_parallel} "
+                          f"ranks (ranks = dp x pp x tp)")
+    dp = cfg.data_parallel(world_size)
+    if dp < 1 or dp * model_parallel != world_size:
+        tp = f" x <tp> {cfg.tp}" if cfg.tp > 1 else ""
+        raise ConfigError(f"<dp> {dp} x <pp> {cfg.pp}{tp} = {dp * model_parallel} does not match the {world_size} "
+                          f"ranks of this job (launch dp x pp x tp ranks, e.g. mpiexec -n {dp * model_parallel})")
+    if cfg.chunks > 1 and cfg.schedule_name != "interleaved":
+        raise ConfigError(f"<chunks> {cfg.chunks} needs <schedule> interleaved")
+    if cfg.batch_size % dp == 0 and (cfg.batch_size // dp) % cfg.microbatches:
+        raise ConfigError(f"the per-replica batch {cfg.batch_size // dp} (<batch_size> {cfg.batch_size} / "
+                          f"dp {dp}) does not split into <microbatches> {cfg.microbatches}; use a batch size "
+                          f"that is a multiple of dp x microbatches = {dp * cfg.microbatches}")
+    if cfg.batch_size % dp:
+        raise ConfigError(f"<batch_size> {cfg.batch_size} does not divide among {dp} data-parallel ranks; "
+                          f"use a multiple of {dp} (e.g. {dp * max(1, cfg.batch_size // dp)})")
+
+
+def _check_combinations(cfg: Config, dp: int) -> list[str]:
+    """Settings that would have no effect: refused when the user clearly expected
+    something to happen, noted when the same settings are reasonably reused across
+    layouts (a scaling sweep from one rank up)."""
+    if cfg.schedule is not None and not cfg.pipelined:
+        raise ConfigError(f"<schedule> {cfg.schedule} has no effect without pipeline stages: add <pp> N "
+                          "(N >= 2; ranks = pp x dp), or drop <schedule>")
+    if cfg.schedule == "interleaved" and cfg.chunks < 2:
+        raise ConfigError("<schedule> interleaved needs <chunks> >= 2 (model chunks per pipeline rank); "
+                          "with one chunk it is 1F1B: pass <chunks> 2, or <schedule> 1f1b")
+    if cfg.data_path is not None and cfg.data not in (None, "text", "fashion-mnist"):
+        raise ConfigError(f"<data_path> is read only with <data> text (or fashion-mnist for the MLP), but "
+                          f"<data> {cfg.data} was given: drop one of the two")
+    if cfg.model == "mlp":
+        given = [f"<{field}>" for field in ("heads", "context", "seq_len") if getattr(cfg, field) is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to <model> gpt only; "
+                              "the MLP takes <layers> and <d_model> (hidden width)")
+        if cfg.pipelined:
+            raise ConfigError("pipeline stages (<pp>/<chunks> > 1) are implemented for <model> gpt only")
+        if cfg.tp > 1:
+            raise ConfigError("tensor parallelism (<tp> > 1) is implemented for <model> gpt only (the MLP "
+                              "classifier is small enough for <dp>): drop <tp>")
+    if cfg.tp_overlap not in ("auto", "on", "off"):
+        raise ConfigError(f"<tp_overlap> must be auto, on or off, got {cfg.tp_overlap!r}")
+    if cfg.sequence_parallel and cfg.tp < 2:
+        raise ConfigError("<sequence_parallel> splits the sequence across tensor-parallel ranks: it needs "
+                          "<tp> >= 2")
+    if cfg.data is not None and cfg.data not in DATASET_NAMES and not os.path.isdir(cfg.data):
+        raise ConfigError(f"<data> {cfg.data!r} is neither a dataset name ({', '.join(DATASET_NAMES)}) nor a folder "
+                          "written by `ringpipe prepare`" + (f" ({cfg.data} does not exist)"
+                                                             if not os.path.exists(cfg.data) else ""))
+    if cfg.dataset == "prepared" and cfg.model != "gpt":
+        raise ConfigError("a prepared token dataset (<data> DATA_DIR) trains <model> gpt")
+    if cfg.init_from is not None:
+        if not cfg.init_from.startswith("hf:") or not cfg.hf_dir:
+            raise ConfigError(f"<init_from> {cfg.init_from!r}: give hf:HF_DIR, a Hugging Face GPT-2 folder")
+        if not os.path.isdir(cfg.hf_dir):
+            raise ConfigError(f"<init_from>: the folder {cfg.hf_dir} does not exist")
+        if cfg.preset:
+            raise ConfigError("<init_from>'s model has its own shape; <preset> would be ignored: pass one of them")
+    if cfg.model != "gpt" and (cfg.preset or cfg.init_from):
+        raise ConfigError("<preset> and <init_from> are GPT shapes: use them with <model> gpt")
+    if cfg.watchdog_abort and not cfg.watchdog:
+        raise ConfigError("<watchdog_abort> needs <watchdog> SECONDS (the stall that triggers it)")
+    notes = []
+    if dp == 1:
+        unused = [flag for flag, on in (("<zero> 1", cfg.zero), ("<bucket_mb>", cfg.bucket_mb is not None),
+                                        ("<no_overlap>", cfg.no_overlap)) if on]
+        if unused:
+            notes.append(f"note: {', '.join(unused)} ha{'s' if len(unused) == 1 else 've'} no effect with one "
+                         "data-parallel rank")
+    if cfg.tp == 1 and cfg.tp_overlap != "auto":
+        notes.append(f"note: <tp_overlap> {cfg.tp_overlap} has no effect without tensor parallelism (<tp>)")
+    if cfg.partition is not None and not cfg.pipelined:
+        notes.append(f"note: <partition> {cfg.partition} has no effect without pipeline stages (<pp>)")
+    if cfg.data is None and cfg.data_path is not None and cfg.model == "gpt":
+        notes.append("note: <data_path> given without <data>: reading it as <data> text")
+    return notes
+
+
+# ---- the model's shape ---------------------------------------------------------------
+
+def model_config(cfg: Config, saved: dict | None = None, vocab: int | None = None, init: dict | None = None):
+    """The model's shape. The first of these that exists fixes it: a checkpoint when
+    resuming, the Hugging Face model of init_from, a preset; settings given explicitly
+    must agree with it, and fill in the rest. `vocab`: the data's tokenizer's size."""
+    from ringpipe.engine.model.gpt import GPTConfig
+    from ringpipe.engine.model.mlp import MLPConfig
+    if cfg.model == "gpt":
+        given = {"n_layer": cfg.layers, "d_model": cfg.d_model, "n_head": cfg.heads, "context": cfg.context}
+        shape = GPTConfig()
+    else:
+        given = {"n_layer": cfg.layers, "hidden": cfg.d_model}
+        shape = MLPConfig()
+    fixed, source = _fixed_shape(cfg, saved, init)
+    for key, value in fixed.items():
+        if key in given and given[key] is not None and given[key] != value:
+            raise ConfigError(f"{source} has <{key}> {value}, but <{key}> {given[key]} was given; drop the setting"
+                              + (" or use a new <out>" if saved else ""))
+        setattr(shape, key, value)
+    for key, value in given.items():
+        if value is not None and key not in fixed:
+            setattr(shape, key, value)
+    if vocab is not None and cfg.model == "gpt":
+        if "vocab" in fixed and fixed["vocab"] != vocab:
+            raise ConfigError(f"the data's tokenizer has {vocab} tokens, but {source} has a vocabulary of "
+                              f"{fixed['vocab']}: train on data prepared with the model's tokenizer")
+        shape.vocab = vocab
+    return shape.validate()
+
+
+def check_tensor_parallel(cfg: Config, shape, seq_len) -> None:
+    """Refuse a tensor-parallel size the model's shape cannot split."""
+    if cfg.tp == 1 or cfg.model != "gpt":
+        return
+    if shape.n_head % cfg.tp:
+        from ringpipe.engine.parallel.tensor import valid_tp
+        raise ConfigError(f"<tp> {cfg.tp} does not divide the model's {shape.n_head} attention heads (each "
+                          f"tensor-parallel rank holds whole heads); <tp> can be "
+                          f"{', '.join(map(str, valid_tp(shape.n_head, shape.n_head)))} for this model, or "
+                          "change <heads>")
+    if cfg.sequence_parallel and seq_len % cfg.tp:
+        raise ConfigError(f"<sequence_parallel> splits each sequence into <tp> {cfg.tp} equal parts, but "
+                          f"<seq_len> is {seq_len}: use a <seq_len> that is a multiple of {cfg.tp}")
+
+
+def _fixed_shape(cfg: Config, saved, init) -> tuple[dict, str]:
+    from ringpipe.engine.model.gpt import PRESETS
+    if saved:
+        if cfg.preset in PRESETS:
+            preset = dict(zip(("n_layer", "d_model", "n_head", "context"), PRESETS[cfg.preset]))
+            differ = {k: v for k, v in preset.items() if saved.get(k) != v}
+            if differ:
+                raise ConfigError(f"the checkpoint was written with a shape other than <preset> {cfg.preset}'s ("
+                                  + ", ".join(f"{k} {saved.get(k)}, not {v}" for k, v in differ.items())
+                                  + "): drop <preset> to continue it, or use a new <out>")
+        if init and any(saved.get(k) != v for k, v in init.items()):
+            raise ConfigError(f"the checkpoint to resume holds another model ({_shape_words(saved)}) than "
+                              f"<init_from> {cfg.init_from} ({_shape_words(init)}): drop <init_from> to continue "
+                              "the checkpoint's run, or pass a new <out> to start from the model")
+        return saved, "the checkpoint"
+    if init:
+        return init, f"the model of <init_from> {cfg.init_from}"
+    if cfg.preset:
+        if cfg.preset not in PRESETS:
+            raise ConfigError(f"unknown <preset> {cfg.preset!r}: use one of {', '.join(sorted(PRESETS))}")
+        return dict(zip(("n_layer", "d_model", "n_head", "context"), PRESETS[cfg.preset])), f"<preset> {cfg.preset}"
+    return {}, ""
+
+
+def _shape_words(shape: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(shape.items()))
+
+
+# ---- memory: refuse what cannot fit, in milliseconds -----------------------------------
+
+def memory_floor(cfg: Config, shape, dp: int) -> tuple[float, str]:
+    """(bytes, what): a LOWER bound on what one rank must allocate for this run
+    (parameters, gradients and optimizer state, plus the activations of one
+    micro-batch), so a run that cannot possibly fit is refused at once instead
+    of failing with a MemoryError minutes in. Real use is higher."""
+    itemsize = np.dtype(cfg.dtype).itemsize
+    if cfg.model == "gpt":
+        C, L = shape.d_model, shape.n_layer
+        V = shape.padded_vocab                 # the embedding's rows and the logits' columns
+        n_params = V * C + shape.context * C + L * 12 * C * C
+        micro = cfg.batch_size // dp // cfg.microbatches
+        T = cfg.seq_len or shape.context
+        heads = shape.n_head
+        # Per token and block at least the residual, LayerNorm, qkv, attention
+        # output and MLP activations (about 16 C) and the saved attention
+        # probabilities (heads x T); plus the logits of the head.
+        activations = micro * T * (max(1, L // cfg.pp) * (16 * C + heads * T) + V) * itemsize
+    else:
+        widths = [1] + [shape.hidden] * shape.n_layer + [1]    # features and classes are unknown yet
+        n_params = sum(a * b for a, b in zip(widths[:-1], widths[1:]))
+        activations = cfg.batch_size // dp * sum(widths) * itemsize
+    states = 2 if cfg.optimizer == "adamw" else 1
+    # Tensor parallelism splits nearly all of both (a lower bound may divide all of it).
+    weights = n_params / cfg.pp / cfg.tp * itemsize * (2 + states / (dp if cfg.zero else 1))
+    activations /= cfg.tp
+    return weights + activations, (f"{n_params:.3g} parameters: {_gib(weights)} for weights, gradients and "
+                                   f"optimizer state, {_gib(activations)} for one micro-batch's activations")
+
+
+def check_memory(cfg: Config, shape, dp: int, ranks_on_node: int) -> None:
+    """Refuse a run whose lower-bound memory per rank exceeds this node's share."""
+    if cfg.device != "cpu":
+        return                    # GPU memory is checked by the allocator itself, quickly
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    need, what = memory_floor(cfg, shape, dp)
+    if need > total / max(1, ranks_on_node):
+        raise ConfigError(f"this run needs at least {_gib(need)} per rank ({what}), but this node has "
+                          f"{_gib(total)} for {ranks_on_node} rank(s); use a smaller model (<d_model>, <layers>) "
+                          f"or batch (<batch_size>, <microbatches>), more ranks (<pp> splits the layers, <zero> 1 "
+                          "the optimizer state), or nodes with more memory")
+
+
+def _gib(nbytes):
+    return f"{nbytes / 2**30:.3g} GiB"
+
+
+# Settings whose change on resume makes the run differ from the uninterrupted one
+# (the layout settings dp/pp/... and steps may change freely).
+TRAJECTORY_FIELDS = ("seed", "data", "data_path", "max_data_mb", "dtype", "precision", "batch_size", "seq_len",
+                     "lr", "warmup", "min_lr_ratio", "weight_decay", "grad_clip")
+
+
+def resume_differences(saved: dict, cfg: Config, resolved: dict | None = None) -> list[str]:
+    """A note for each trajectory setting that differs from the checkpoint's run.
+    `resolved`: values as the run resolved them (the checkpoint records <seq_len> and
+    <data> so), compared in place of the fields left at their defaults."""
+    resolved = resolved or {}
+    notes = []
+    for field in TRAJECTORY_FIELDS:
+        value = getattr(cfg, field)
+        if value is None and field in resolved:
+            value = resolved[field]
+        if field in saved and not same_value(saved[field], value):
+            notes.append(f"note: resuming with <{field}> {value} where the checkpoint's run had "
+                         f"{saved[field]}: it continues, but no longer as that run would have")
+    if "init_from" in saved and bool(saved["init_from"]) != cfg.fine_tuning:
+        notes.append(_fine_tuning_changed(saved["init_from"], cfg))
+    return notes
+
+
+def _fine_tuning_changed(saved_init_from: str | None, cfg: Config) -> str:
+    """The settings left out default otherwise for a fine-tune (Config.fine_tuning): say so
+    when a resume changes whether the run is one."""
+    now = "a fine-tune" if cfg.fine_tuning else "training from scratch"
+    said = (f"note: the checkpoint's run had {f'<init_from> {saved_init_from}' if saved_init_from else 'no <init_from>'}"
+            f", this one {f'<init_from> {cfg.init_from}' if cfg.init_from else 'none'}: the settings not given "
+            f"(<lr>, <warmup>, <eval_every>, <keep_best>) now default as for {now}")
+    if saved_init_from:
+        said += (f"; pass <init_from> {saved_init_from} again (its weights are not used when resuming) to continue "
+                 "as that run would have")
+    return said
+
+
+def same_value(a, b) -> bool:
+    # NaN != NaN: without this, one rank given lr=nan would "differ from itself".
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b

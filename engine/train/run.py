@@ -1,0 +1,453 @@
+"""The trainer: `run(config)` trains on every rank of `world` and returns how it ended.
+
+    from ringpipe.engine.train.config import Config
+    from ringpipe.engine.train.run import run
+    result = run(Config(steps=100, layers=2), world=MPI.COMM_WORLD)   # the same call on every rank
+
+The loop reads top to bottom (llm.c's shape): zero the gradients, forward and
+backward (gradients reduced along every parallel axis while backward runs),
+the global gradient norm and clip, the optimizer update, then log, evaluate,
+checkpoint, and the one small all-reduce per step that lets every rank agree
+on a stop signal (and on the next batch: a rank whose rows of it cannot be used,
+a token id outside the vocabulary, stops every rank there, before any uses it). Everything before the first step is engine/train/assemble.py;
+everything parallel is the rank model's (engine/parallel/).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ringpipe import comm, kernels as K
+from ringpipe.engine.job import checkpoint, lifecycle, rundir
+from ringpipe.engine.train.agreement import BadBatch, agree_batch, batch_error, batch_problem
+from ringpipe.engine.train.assemble import Run, assemble
+from ringpipe.engine.train.config import Config
+from ringpipe.engine.job.errors import Diverged, JobFailure
+from ringpipe.engine.model.optim import clip_scale, lr_at
+from ringpipe.engine.train.reporting import hms, step_record
+from ringpipe.engine.data.shards import Prefetcher
+
+
+@dataclass
+class RunResult:
+    steps_done: int               # the step the run ended at
+    loss: float                   # the last step's training loss
+    exit_code: int = 0            # 0: finished; REQUEUE_EXIT_CODE / INTERRUPT_EXIT_CODE: stopped with a checkpoint
+    stopped_by: str | None = None  # the signal's name, when stopped by one
+    checkpoint: str | None = None  # the last checkpoint written
+    model: Any = None             # the rank model: its buffers stay readable (its communicators are freed)
+
+
+def run(cfg: Config, world=None, stop=None, render=None) -> RunResult:
+    """Train. `world`: the communicator of all ranks of this job (default
+    COMM_WORLD; tests pass COMM_SELF for a one-process reference). `stop`: the
+    lifecycle.StopFlag to use (by default one is installed for the run and
+    removed when it returns). `render`: how messages spell a setting (the CLI
+    writes flags). Raises ConfigError, JobFailure or Diverged alike on every rank."""
+    from mpi4py import MPI
+    world = world or MPI.COMM_WORLD
+    with contextlib.ExitStack() as cleanup:
+        if stop is None:
+            stop = lifecycle.StopFlag()
+            cleanup.callback(stop.uninstall)
+        # The precision is the kernels' module-wide GEMM default: the layers never pass one.
+        cleanup.callback(K.set_matmul_precision, K.get_matmul_precision())
+        K.set_matmul_precision(cfg.precision)
+        r = assemble(cfg, world, stop, cleanup, render)
+        best = Best.from_manifest(r.manifest) if cfg.best_kept else None
+        loss, stopped_at = train(r, best)
+        return finish(r, loss, stopped_at, best)
+
+
+@dataclass
+class Best:
+    """The best validation loss so far and its step (<keep_best>). Every checkpoint's
+    manifest records it, so a resumed run keeps the best an uninterrupted one would."""
+    step: int | None = None
+    val_loss: float | None = None
+
+    @classmethod
+    def from_manifest(cls, manifest: dict) -> Best:
+        saved = manifest.get("best")
+        return cls(saved["step"], saved["val_loss"]) if saved else cls()
+
+    def improved_by(self, val_loss: float) -> bool:
+        return self.val_loss is None or val_loss < self.val_loss
+
+
+def train(r: Run, best: Best | None = None) -> tuple[float, int | None]:
+    """The step loop. Returns (last loss, the step it stopped at on a signal, or None)."""
+    # The next step's rows are read in a background thread while this step computes.
+    with Prefetcher(r.dataset, r.cfg.batch_size, *r.rows) as batches:
+        if r.start_step < r.cfg.steps:
+            # The first batch is agreed on before the loop (one tiny all-reduce, once);
+            # each later one inside the step before it (next_batch_problem).
+            agree_batch(r.world, read_error(batches.error_of(r.start_step)))
+        say_epochs(r)
+        if r.cfg.fine_tuning and r.start_step == 0:
+            validate_before_training(r, best)
+        r.t_start = time.perf_counter()
+        r.report.first_step_starts()
+        return steps(r, batches, best)
+
+
+def steps(r: Run, batches: Prefetcher, best: Best | None = None) -> tuple[float, int | None]:
+    cfg, model = r.cfg, r.model
+    loss = float("nan")
+    for step in range(r.start_step, cfg.steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg.peak_lr, cfg.warmup_steps, cfg.schedule_steps, cfg.min_lr_ratio)
+        x, y = batches.get(step)
+        model.params.zero_grad()
+        loss = sum_over_ranks(r, model.forward_backward(x, y, r.grad_scale)) / r.items_per_step
+        norm_sq = model.grad_norm_sq()
+        refuse_non_finite(r, step + 1, loss=loss, grad_norm=math.sqrt(norm_sq) if norm_sq >= 0 else norm_sq)
+        clip(model.params, norm_sq, cfg.grad_clip)
+        model.update(r.opt, lr)
+
+        done = step + 1
+        record = step_record(done, loss, lr, norm_sq, time.perf_counter() - t0, r.items_per_step,
+                             r.flops_per_item, cfg.model, getattr(model, "comm_hidden_fraction", lambda: None)(),
+                             epochs_at(r, done))
+        reported = saved_now = False
+        try:
+            if done % cfg.eval_period == 0 or done == cfg.steps:
+                record.update(evaluate(r))
+                refuse_non_finite(r, done, validation_loss=record["val_loss"])
+            report_step(r, record)
+            reported = True
+            if "val_loss" in record:
+                keep_if_best(r, best, done, record["val_loss"], loss)
+            saved_now = bool(cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done != cfg.steps)
+            if saved_now:
+                save(r, done, loss, best)
+            r.dog.beat(done)
+            stopping = agree_to_stop(r, next_batch_problem(r, batches, done))
+        except BadBatch as e:
+            # Every rank is here alike (the verdict was agreed): keep the steps done so far.
+            if not reported:
+                report_step(r, record)
+            if not saved_now:
+                save(r, done, loss, best)
+            raise BadBatch(f"{e.message} (stopped after step {done}, before any rank used the batch; the "
+                           f"checkpoint of step {done} holds the training so far)") from None
+        if stopping and done != cfg.steps:
+            if not saved_now:
+                save(r, done, loss, best)
+            return loss, done
+    return loss, None
+
+
+# ---- the pieces of a step -------------------------------------------------------------------
+
+def sum_over_ranks(r: Run, local: float) -> float:
+    """The loss summed over every rank (only the ranks that compute a loss add to it)."""
+    buf = np.array([local])
+    comm.allreduce(buf, r.world, op="sum")
+    return float(buf[0])
+
+
+def refuse_non_finite(r: Run, step: int, **values) -> None:
+    """A NaN/inf loss can be followed by a finite one; a NaN gradient norm with a finite
+    loss (an overflow in backward) would poison every weight: stop before the update.
+    The values are the same on every rank, so every rank stops here alike."""
+    for what, value in values.items():
+        if not math.isfinite(value):
+            raise diverged(r, value, step, what.replace("_", " ").replace("grad ", "the gradient "))
+
+
+def diverged(r: Run, value, step: int, what: str) -> Diverged:
+    # Every checkpoint on disk is finite (save() refuses anything else), so the
+    # newest valid one is a safe place to go back to.
+    last = checkpoint.find_latest(r.ckpt_dir)
+    then = (f"Nothing was saved after the last good checkpoint ({last}): lower <lr> or raise <warmup>, then "
+            "resume from it with <resume> auto." if last else
+            "No checkpoint was written yet: lower <lr> or raise <warmup> and start again.")
+    return Diverged(f"{what} is {value} at step {step}: training diverged. {then}")
+
+
+def clip(params, norm_sq: float, max_norm: float) -> None:
+    scale = clip_scale(norm_sq, max_norm)
+    if scale != 1.0:
+        params.grad *= scale
+
+
+def evaluate(r: Run) -> dict:
+    """Validation loss (nats per item) and, for text, bits per byte: comparable across
+    tokenizers, since a token covers bytes_per_token bytes of the text on average."""
+    total = 0.0
+    for i in range(r.cfg.eval_batches):
+        try:
+            batch, error = r.dataset.batch(i, r.cfg.batch_size, *r.rows, split="val"), None
+        except (ValueError, OSError) as e:
+            batch, error = None, e
+        # Agreed before any rank uses it: one 8-byte all-reduce per validation batch,
+        # next to the forward pass it guards (evaluation is not every step).
+        agree_batch(r.world, error)
+        total += r.model.forward_loss(*batch)
+    val = {"val_loss": sum_over_ranks(r, total) / (r.cfg.eval_batches * r.items_per_step)}
+    per_token = getattr(r.dataset, "bytes_per_token", lambda split: None)("val")
+    if per_token:
+        val["val_bpb"] = val["val_loss"] / math.log(2) / per_token
+    return val
+
+
+def report_step(r: Run, record: dict) -> None:
+    try:
+        r.report.step_done(record, r.start_step, "tok" if r.cfg.model == "gpt" else "ex")
+    except rundir.RunDirError as e:
+        r.stop.fail(str(e))                  # every rank stops at the next boundary
+
+
+# ---- what a fine-tune shows: the model as given, the epochs, the best step -------------------
+
+def validate_before_training(r: Run, best: Best | None) -> None:
+    """Step 0: validation of the weights as given (init_from), recorded like any step's,
+    so a fine-tune that makes validation worse shows it against where it began."""
+    record = {"step": 0, **({"epoch": 0.0} if epochs_at(r, 0) is not None else {}), **evaluate(r)}
+    refuse_non_finite(r, 0, validation_loss=record["val_loss"])
+    try:
+        r.report.validation_before_training(record)
+    except rundir.RunDirError as e:
+        r.stop.fail(str(e))                  # every rank stops at the first step's boundary
+    keep_if_best(r, best, 0, record["val_loss"], None)
+
+
+def train_items(dataset) -> int | None:
+    """Tokens (GPT) or examples (MLP) in the training split; None for a dataset that does not say."""
+    train = getattr(dataset, "splits", {}).get("train")
+    if train is None:
+        return None
+    return len(train[0]) if isinstance(train, tuple) else len(train)     # (x, y) of a classification set
+
+
+def epochs_at(r: Run, step: int) -> float | None:
+    """Passes over the training split after `step` steps (a batch draws its windows at random,
+    so an epoch is as many items as the split holds, not each item once)."""
+    items = train_items(r.dataset)
+    return step * r.items_per_step / items if items else None
+
+
+# More passes than these over the training data: validation often gets worse (the model
+# learns the text by heart). A fine-tune's data is usually small and the model already
+# good, so it gets the note sooner than a run from scratch.
+EPOCHS_NOTED = {"fine-tune": 3, "scratch": 10}
+
+
+def say_epochs(r: Run) -> None:
+    total, items = epochs_at(r, r.cfg.steps), train_items(r.dataset)
+    if total is None:
+        return
+    unit = "tokens" if r.cfg.model == "gpt" else "examples"
+    per_epoch = items / r.items_per_step
+    resumed = f"; resuming at epoch {epochs_at(r, r.start_step):.2f}" if r.start_step else ""
+    r.report.say(f"epochs: <steps> {r.cfg.steps} x {r.items_per_step:,} {unit} = {total:.2f} epoch(s) of the "
+                 f"training split ({items:,} {unit}; one epoch is {per_epoch:,.1f} steps){resumed}")
+    kind = "fine-tune" if r.cfg.fine_tuning else "scratch"
+    if total > EPOCHS_NOTED[kind]:
+        fewer = max(1, int(EPOCHS_NOTED[kind] * per_epoch))
+        r.report.say(f"note: {total:.1f} epochs: the run sees its training data {total:.0f} times over; past about "
+                     f"{EPOCHS_NOTED[kind]} a {'fine-tune' if kind == 'fine-tune' else 'model'} often learns the "
+                     "text by heart and validation gets worse" + (" than at step 0" if kind == "fine-tune" else "")
+                     + f". Watch the val column; <keep_best> keeps the best checkpoint; for at most "
+                     f"{EPOCHS_NOTED[kind]} epochs pass <steps> {fewer}, or train on more data")
+
+
+def keep_if_best(r: Run, best: Best | None, step: int, val_loss: float, loss: float | None) -> None:
+    """With <keep_best>: a validation loss lower than any before makes this step's
+    checkpoint OUT/best/'s one (written as every checkpoint is, any layout)."""
+    if best is None or not best.improved_by(val_loss):
+        return
+    best.step, best.val_loss = step, val_loss
+    save(r, step, loss, best, directory=rundir.best_path(r.cfg.out_dir), alone=True)
+
+
+def say_best(r: Run, best: Best) -> None:
+    if best.step is None:
+        return
+    folder = rundir.best_path(r.cfg.out_dir)
+    path = checkpoint.manifest_path(folder, best.step)
+    per_token = getattr(r.dataset, "bytes_per_token", lambda split: None)("val")
+    bpb = f" ({best.val_loss / math.log(2) / per_token:.3f} bits/byte)" if per_token else ""
+    worse = (": no step improved on the model as given (lower <lr> or fewer <steps>)"
+             if best.step == 0 and r.cfg.fine_tuning else "")
+    if not r.report.is_main or os.path.exists(path):
+        kept = f"its checkpoint is {path} (ringpipe export {folder} ..., ringpipe sample {folder} ...)"
+    else:
+        # Resumed from before a better step that this run, with other settings, did not reach
+        # again: the folder holds that step's checkpoint, which is not this run's best.
+        held = ", ".join(os.path.basename(p) for p in checkpoint.list_checkpoints(folder)) or "nothing"
+        kept = (f"its checkpoint is not kept: {folder} holds {held}, written before this run resumed from step "
+                f"{r.start_step}, by a trajectory this one left")
+    r.report.say(f"best validation: step {best.step}, val {best.val_loss:.4f}{bpb}{worse}; {kept}")
+
+
+# What stop.fail() is given when this rank's rows of the next batch cannot be used:
+# the flag rides in the step's stop all-reduce, the message is gathered only then.
+_BAD_BATCH = "ringpipe: a rank could not use its rows of the next batch"
+
+
+def read_error(error):
+    """The error a batch read raised that the ranks agree on and stop for (a bad token
+    id, a shard that changed or cannot be read); anything else is a bug, raised as is."""
+    if error is None or isinstance(error, (ValueError, OSError)):
+        return error
+    raise error
+
+
+def next_batch_problem(r: Run, batches: Prefetcher, done: int):
+    """Check this rank's rows of the next step's batch (read ahead while this step
+    computed) before any rank uses them. Each rank reads only its rows (and every
+    rank of a tensor group or pipeline the same ones), so a bad id one replica holds
+    must stop all: the verdict is folded into the stop signal's all-reduce at the end
+    of this step, costing no message of its own. (Checking the whole global batch on
+    every rank would need no agreement, but multiplies each rank's reads by the
+    data-parallel size: 64 rows of 1025 tokens take 190 us of preads, so dp 64 would
+    spend 12 ms a step per rank and put 64x the reads on a shared filesystem.)"""
+    if done >= r.cfg.steps:
+        return None                              # the batch read ahead past the last step is never used
+    problem = batch_problem(read_error(batches.error_of(done)), r.world.Get_rank())
+    if problem is not None:
+        r.stop.fail(_BAD_BATCH)
+    return problem
+
+
+def agree_to_stop(r: Run, problem=None) -> bool:
+    """A collective every step: all ranks see the same answer, so none is left behind.
+    `problem`: this rank's with the next batch (next_batch_problem), raised as
+    BadBatch on every rank when any rank has one."""
+    try:
+        return r.stop.should_stop(r.world)
+    except lifecycle.StopError as e:
+        # Every rank holds the same StopError (the first failing rank's message), so
+        # all take the same branch here, and the gather below is collective.
+        if str(e).startswith(_BAD_BATCH):
+            raise batch_error(r.world, problem) from None
+        raise JobFailure(str(e)) from None
+
+
+# ---- checkpoints ---------------------------------------------------------------------------
+
+def save(r: Run, step: int, loss: float | None, best: Best | None = None, directory: str | None = None,
+         alone: bool = False) -> dict:
+    """Write checkpoint `step` (gathered on rank 0) into `directory` (the run's checkpoints;
+    `alone`: as the only one there, OUT/best/'s); every rank learns whether it was
+    written, so a full disk ends the job cleanly instead of with an abort."""
+    arrays = r.model.gather_state(r.opt)
+    failure = None
+    if r.world.Get_rank() == 0:
+        bad = next((k for k, v in arrays.items() if k.startswith("param/") and not np.isfinite(v).all()), None)
+        if bad:
+            failure = ("diverged", f"{bad} holds NaN or inf after step {step}")
+        else:
+            try:
+                if alone:        # rank 0 holds the run's lock: temp files there are a killed run's
+                    checkpoint.remove_stale_temp_files(directory)
+                checkpoint.save(directory or r.ckpt_dir, step, arrays, checkpoint_meta(r, loss, best),
+                                keep=r.cfg.keep, alone=alone)
+            except checkpoint.CheckpointError as e:
+                failure = ("write", str(e))
+    failure = r.world.bcast(failure, root=0) if r.world.Get_size() > 1 else failure
+    if failure and failure[0] == "diverged":
+        raise diverged(r, failure[1], step, "a weight")
+    if failure:
+        raise JobFailure(failure[1])
+    return arrays
+
+
+def checkpoint_meta(r: Run, loss: float | None, best: Best | None = None) -> dict:
+    settings = r.cfg.to_dict()
+    # The settings as they were resolved, as older checkpoints recorded them.
+    # A prepared folder is recorded by its real path (a resume from another directory, or
+    # through a link, still names it so); older checkpoints say only "prepared".
+    data = os.path.realpath(r.cfg.data) if r.cfg.dataset == "prepared" else r.cfg.dataset
+    settings.update(data=data, seq_len=r.seq_len, schedule=r.cfg.schedule_name,
+                    partition=r.cfg.partition_name)
+    meta = {"model": r.cfg.model, "model_config": r.shape.to_dict(), "optimizer": r.cfg.optimizer,
+            "opt_step_count": r.opt.step_count, "loss": loss, "dtype": r.cfg.dtype, "precision": r.cfg.precision,
+            "layout": {"dp": r.grid.size("data"), "pp": r.grid.size("pipe"), "tp": r.grid.size("tensor"),
+                       "chunks": r.cfg.chunks},
+            "args": settings}
+    if r.tokenizer is not None:
+        meta["tokenizer"] = {"kind": r.tokenizer.kind, "sha256": r.tokenizer.sha256,
+                             "vocab_size": r.tokenizer.vocab_size, "file": "tokenizer.json"}
+    if best is not None and best.step is not None:
+        meta["best"] = {"step": best.step, "val_loss": best.val_loss}
+    return meta
+
+
+# ---- the end ---------------------------------------------------------------------------------
+
+def finish(r: Run, loss: float, stopped_at: int | None, best: Best | None = None) -> RunResult:
+    cfg, report = r.cfg, r.report
+    if stopped_at is not None:
+        code = lifecycle.INTERRUPT_EXIT_CODE if r.stop.signum == signal.SIGINT else lifecycle.REQUEUE_EXIT_CODE
+        # A second signal from here on must not turn this into "killed": the checkpoint is on disk.
+        r.stop.forced_exit_code, r.stop.forced_note = code, f"the checkpoint of step {stopped_at} is written"
+        # Every rank holds the code before rank 0 announces it. Without this, a second
+        # signal could end another rank (still on its way here) as "killed" after rank 0
+        # had announced this code: the job's exit code would contradict what it said.
+        # A second signal before this point ends the job as killed, with nothing announced.
+        if r.world.Get_size() > 1:
+            r.world.Barrier()
+        then = ("so the batch script requeues the job (--resume auto continues)" if code == lifecycle.REQUEUE_EXIT_CODE
+                else f"(interrupted); continue with <resume> auto <out> {cfg.out_dir}")
+        report.say(f"{r.stop.signal_name} received: checkpoint at step {stopped_at} written; exiting with code "
+                   f"{code} {then}")
+        report.log.warning("stopped by %s at step %d (checkpointed)", r.stop.signal_name, stopped_at)
+        return RunResult(stopped_at, loss, code, r.stop.signal_name, checkpoint.manifest_path(r.ckpt_dir, stopped_at),
+                         r.model)
+    if r.tracer:
+        r.tracer.write()
+        report.say(f"trace: {r.tracer.merged_path} (open in https://ui.perfetto.dev or chrome://tracing)")
+    summary = r.model.summary()
+    if summary:
+        report.say(summary)
+    arrays = save(r, cfg.steps, loss, best) if r.start_step < cfg.steps else None
+    r.stop.forced_exit_code, r.stop.forced_note = 0, "the run is complete and its final checkpoint written"
+    if r.start_step >= cfg.steps:
+        report.say(f"nothing to do: the checkpoint is already at step {r.start_step} of <steps> {cfg.steps}")
+    if r.stop.requested:
+        report.say(f"note: {r.stop.signal_name} arrived during the final checkpoint; the run is complete")
+    final = checkpoint.manifest_path(r.ckpt_dir, max(cfg.steps, r.start_step))
+    report.say(f"done: {max(0, cfg.steps - r.start_step)} steps in {hms(time.perf_counter() - r.t_start)}; "
+               f"checkpoint {final}, metrics {rundir.metrics_path(cfg.out_dir)}")
+    if best is not None:
+        say_best(r, best)
+    if r.xp is not np and r.world.Get_size() > 1:
+        from ringpipe.comm.device import stats
+        report.say(f"GPU buffers and MPI on rank 0: {stats['staged_bytes'] / 2**20:.1f} MiB copied through host "
+                   f"memory ({r.transport.describe()})")
+    if cfg.model == "gpt" and cfg.sample_bytes > 0 and arrays is not None and report.is_main:
+        sample(r, arrays)
+    # The last thing every rank does: what `ringpipe finished RUN_DIR` counts.
+    rundir.mark_finished(cfg.out_dir, r.world.Get_rank(), r.world.Get_size(), max(cfg.steps, r.start_step))
+    return RunResult(max(cfg.steps, r.start_step), loss, 0, None, final, r.model)
+
+
+def sample(r: Run, arrays: dict) -> None:
+    """Rank 0 may hold only the first pipeline stage: sample from a full copy."""
+    from ringpipe.engine.model.gpt import build_gpt, fit_vocab_rows, generate
+    if r.tokenizer is None:
+        # Token ids without a tokenizer say nothing to a reader; a silent skip looked like a bug.
+        r.report.say("no sample at the end: the data has no tokenizer (token shards, nanoGPT's or llm.c's, without "
+                     "a tokenizer.json beside them), so nothing can turn token ids into text; put the tokenizer.json "
+                     "the data was made with beside the shards, or prepare the text with `ringpipe prepare`; "
+                     "<sample_bytes> 0 skips the sample")
+        return
+    full = build_gpt(r.shape, dtype=r.dtype)
+    arrays = fit_vocab_rows(arrays, r.shape, r.shape.padded_vocab)     # a tp not dividing 128 pads further
+    full.params.load_flat(full.params.data, {k[6:]: v for k, v in arrays.items() if k.startswith("param/")})
+    # Python source for the byte model of the stdlib; a document's start for other tokenizers.
+    prompt = "def " if r.tokenizer.kind == "bytes" else ""
+    ids = list(r.tokenizer.encode(prompt)) if prompt else list(r.tokenizer.separator)
+    new = generate(full, ids, r.cfg.sample_bytes, min(r.seq_len, r.shape.context), temperature=0.8,
+                   seed=r.cfg.seed)
+    r.report.sample(prompt + r.tokenizer.decode(new))
