@@ -74,7 +74,7 @@ mpi_pass() {  # mpi_pass N [pytest args]: the MPI tests under N ranks
 # ranks: all three axes at once. About 25 s on 2 cores, so MPICH's pass only by default.
 mpi_pass_8() {
     timeout 600 "${launch[@]}" -n 8 "$PY" tests/support/mpi_pytest.py -q -m mpi --with-mpi \
-        tests/engine/test_tensor.py -k "equals_one_process and 2-2-2-True-zbh1" "$@" | tr -d '\000'
+        tests/engine/parallel/test_tensor.py -k "equals_one_process and 2-2-2-True-zbh1" "$@" | tr -d '\000'
     return "${PIPESTATUS[0]}"
 }
 

@@ -1,6 +1,6 @@
 """Tensor (and sequence) parallelism never changes the math.
 
-Run with `mpiexec -n 2|4 python tests/support/mpi_pytest.py -m mpi --with-mpi tests/engine/test_tensor.py`.
+Run with `mpiexec -n 2|4 python tests/support/mpi_pytest.py -m mpi --with-mpi tests/engine/parallel/test_tensor.py`.
 
 - every TP layer against its unsharded twin: forward, input gradient, parameter gradients;
 - whole runs: every DP x PP x TP layout that fits the ranks, with and without sequence

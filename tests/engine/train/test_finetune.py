@@ -19,7 +19,7 @@ from ringpipe.engine.data import shards
 from ringpipe.engine.train.config import Config, check, resume_differences
 from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.interop.sample import load_run
-from tests.engine.test_prepared_training import drop_last_checkpoint, metrics, prepared, single, weights
+from tests.engine.train.test_prepared_training import drop_last_checkpoint, metrics, prepared, single, weights
 
 pytest.importorskip("safetensors.numpy", reason="--init-from hf: and export need safetensors")
 

@@ -1,6 +1,6 @@
 """Data parallelism never changes the math: DP=N equals one process on the same global batch.
 
-Run with `mpiexec -n 2|4 python tests/support/mpi_pytest.py -m mpi --with-mpi tests/engine/test_dp.py`.
+Run with `mpiexec -n 2|4 python tests/support/mpi_pytest.py -m mpi --with-mpi tests/engine/parallel/test_dp.py`.
 Every rank first trains the single-process reference on COMM_SELF, then all ranks
 train together, both through the library entry point run(Config(...), world);
 losses and final weights must agree (float64 ~1e-10, float32 ~1e-5).

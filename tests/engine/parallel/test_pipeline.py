@@ -1,6 +1,6 @@
 """Pipeline (and DP x PP) training equals one process: losses, gradients, weights (float64 ~1e-10).
 
-Run with `mpiexec -n 2|4 python tests/support/mpi_pytest.py -m mpi --with-mpi tests/engine/test_pipeline.py`.
+Run with `mpiexec -n 2|4 python tests/support/mpi_pytest.py -m mpi --with-mpi tests/engine/parallel/test_pipeline.py`.
 Every rank first trains the single-process reference on COMM_SELF, then the grid, both
 through the library entry point run(Config(...), world).
 """

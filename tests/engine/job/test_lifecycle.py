@@ -1,7 +1,7 @@
 """engine.lifecycle: stop flag, launcher check, watchdog, per-rank logging.
 
-Serial:   python -m pytest tests/engine/test_lifecycle.py -m "not mpi"
-MPI:      mpiexec -n 2 python tests/support/mpi_pytest.py -m mpi --with-mpi tests/engine/test_lifecycle.py
+Serial:   python -m pytest tests/engine/job/test_lifecycle.py -m "not mpi"
+MPI:      mpiexec -n 2 python tests/support/mpi_pytest.py -m mpi --with-mpi tests/engine/job/test_lifecycle.py
           (also under -n 4: the stuck / signalled rank is always the last one)
 """
 import io
