@@ -10,11 +10,14 @@
 - README.md is at most README_MAX_LINES lines.
 - Every relative link of README.md and docs/*.md leads to a file that exists, and a `#anchor`
   to a heading of that file (GitHub's rule for heading anchors).
+- Every file of the repository README.md and docs/*.md name (`engine/data/shards.py`,
+  `tests/engine/test_abuse_*.py`, ...) is there: a move leaves no stale path behind.
 - The README's five commands of your own data are the ones docs/data.md runs and shows.
 """
 import json
 import os
 import re
+import glob
 import subprocess
 import sys
 
@@ -62,6 +65,8 @@ else:
 FLAG = re.compile(r"(?<![\w-])--?[A-Za-z][\w-]*")
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
+# a path in the repository: one of its top folders, then a name (a glob's * allowed)
+REPO_PATH = re.compile(r"(?<![\w./$-])((?:engine|kernels|comm|tests|benchmarks|slurm|ringpipe|docs|\.ci)/[\w./*{},-]*)")
 
 
 def parser_options(command: str) -> list:
@@ -199,3 +204,14 @@ def test_the_readmes_five_commands_are_the_ones_docs_data_runs():
     assert len(ours) == 4, ours
     differ = [c for c in ours if c not in shown]
     assert not differ, f"README.md runs {differ}, which docs/data.md does not (the README's block is not run)"
+
+
+@pytest.mark.parametrize("page", markdown_pages(), ids=lambda p: os.path.relpath(p, ROOT))
+def test_every_repository_path_named_exists(page):
+    gone = []
+    for path in REPO_PATH.findall(open(page, encoding="utf-8").read()):
+        path = path.rstrip(".,:")
+        if "{" not in path and not glob.glob(os.path.join(ROOT, path)):      # tests/{kernels,comm}: a list
+            gone.append(path)
+    assert not gone, (f"{os.path.relpath(page, ROOT)} names {sorted(set(gone))}, which the repository does "
+                      "not hold (moved or renamed?): name where it is now")
