@@ -13,7 +13,7 @@ Measures, in one run:
      it (its summary line: from after MPI start-up to the manifest); the speedup of N ranks
      over 1. Medians of --repeats runs, interleaved.
   2. the loader's memory: a corpus of --corpus-tokens uint16 tokens (random ids of the bytes
-     vocabulary) written with engine.shards.ShardWriter into shards of --tokens-per-shard,
+     vocabulary) written with engine.data.shards.ShardWriter into shards of --tokens-per-shard,
      with the data.json prepare would write, in a temp folder under --tmp-dir. A fresh
      interpreter opens it with shards.open_dataset and fetches --batches batches (batch x
      seq-len) of the train split at random steps; the growth of its VmRSS (before opening ->

@@ -7,7 +7,7 @@ One training step = forward + loss + backward + global-norm clip (1.0) + AdamW u
 (betas 0.9/0.95, weight decay 0.1 on the matrices only, constant lr), float32, on one
 fixed batch of random GPT-2 token ids (batch x seq).
   * ringpipe: the trainer's own pieces (engine.parallel.local.LocalModel over
-    engine.gpt.gpt_layers, engine.optim.make_optimizer("adamw"), clip_scale), with the
+    engine.model.gpt.gpt_layers, engine.model.optim.make_optimizer("adamw"), clip_scale), with the
     trainer's process settings (runtime.set_thread_defaults, reuse_freed_memory);
     vocabulary 50257 padded to 50304 rows, the padding's logits masked.
   * PyTorch: transformers.GPT2LMHeadModel of the same shape (n_positions = the preset's
@@ -18,10 +18,10 @@ fixed batch of random GPT-2 token ids (batch x seq).
 Each framework runs in a fresh subprocess, one after the other, so its peak memory is its
 own: peak RSS is the child's ru_maxrss (from wait4), next to the RSS after the imports
 and, for both, the bytes of parameters + gradients + AdamW moments; for ringpipe also the
-trainer's own lower bound (engine.config.memory_floor, what it refuses runs with).
+trainer's own lower bound (engine.train.config.memory_floor, what it refuses runs with).
 Both children get the same thread count: OMP_NUM_THREADS, OPENBLAS_NUM_THREADS,
 MKL_NUM_THREADS, NUMBA_NUM_THREADS = --threads, and torch.set_num_threads(--threads).
-Model FLOP/s uses engine.gpt.flops_per_token (matmuls only, 3x forward, the full T x T
+Model FLOP/s uses engine.model.gpt.flops_per_token (matmuls only, 3x forward, the full T x T
 attention product) for both; next to it each child's own float32 GEMM peak (square 1024:
 numpy's BLAS for ringpipe, torch.mm for PyTorch, different libraries) and the step's
 fraction of it, which separates "whose BLAS is faster" from "who uses it better".
@@ -344,7 +344,7 @@ def main(argv=None):
     print(f"# GPT-2 train step ({name}: {n_layer} layers x {d_model}, {n_head} heads, context {context}, vocab "
           f"{GPT2_VOCAB} -> {cfg.padded_vocab} rows) | batch {args.batch} x seq {args.seq} = {tokens} tokens/step | "
           f"float32 | {args.threads} thread(s) | median of {args.steps} steps after {args.warmup} | "
-          f"{fpt * tokens / 1e12:.3f} TFLOP/step (engine.gpt.flops_per_token)", flush=True)
+          f"{fpt * tokens / 1e12:.3f} TFLOP/step (engine.model.gpt.flops_per_token)", flush=True)
     runs = {fw: [] for fw in args.frameworks}
     for n in range(args.rounds):
         for fw in args.frameworks:
@@ -373,7 +373,7 @@ def main(argv=None):
               f"{ratio['gemm_flops']:.2f}x")
     if "ringpipe" in by:
         r = by["ringpipe"]
-        print(f"ringpipe's own lower bound (engine.config.memory_floor): {r['memory_floor_gib']:.2f} GiB "
+        print(f"ringpipe's own lower bound (engine.train.config.memory_floor): {r['memory_floor_gib']:.2f} GiB "
               f"vs {r['peak_rss_gib'] - r['import_rss_gib']:.2f} GiB measured above the imports")
     if "torch" in by:
         print(f"torch: attention {by['torch'].get('attn_implementation')}, {by['torch']['threads']['torch']} "

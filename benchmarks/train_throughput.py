@@ -6,7 +6,7 @@ Measures, in the same run:
   * the practical peak: GEMM FLOP/s that numpy's BLAS reaches on this machine
     (square float32 matmul at --peak-n, median of repeats);
   * a full training step (forward + backward + AdamW): tokens/s and model FLOP/s
-    (matmul FLOPs only, see engine.gpt.flops_per_token), and its fraction of the peak;
+    (matmul FLOPs only, see engine.model.gpt.flops_per_token), and its fraction of the peak;
   * where the time goes: a per-op table (GEMM vs each fused kernel vs the rest)
     and a per-layer table (forward, backward), from instrumented steps.
 Medians over --repeats steps after --warmup; no single absolute time is a claim,

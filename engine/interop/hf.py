@@ -1019,7 +1019,7 @@ def _export_command(args) -> int:
 
 
 def _tokenizer_sha256(path: str) -> str:
-    """The sha256 a checkpoint records for its tokenizer: engine.tokenizer's, over the JSON in
+    """The sha256 a checkpoint records for its tokenizer: engine.data.tokenizer's, over the JSON in
     canonical form, so re-indenting the file does not change it."""
     from ringpipe.engine.data.tokenizer import json_sha256
     raw = _files_call(files.read_regular, path, "the run's tokenizer", MAX_TOKENIZER_BYTES)

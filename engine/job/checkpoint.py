@@ -72,7 +72,7 @@ _TEMP_NAME = re.compile(r"ckpt_\d{8}\.(json|npz)\.tmp\.\d+")
 _SHORT_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
-# The keys of model_config for each model (engine.gpt.GPTConfig, engine.mlp.MLPConfig).
+# The keys of model_config for each model (engine.model.gpt.GPTConfig, engine.model.mlp.MLPConfig).
 _MODEL_CONFIG_KEYS = {"gpt": ("context", "d_model", "n_head", "n_layer", "vocab"),
                       "mlp": ("hidden", "n_classes", "n_in", "n_layer")}
 _LAYOUT_KEYS = ("chunks", "dp", "pp", "tp")

@@ -2,7 +2,7 @@
 
     tokens (B, T) -> Embedding (token + position) -> n_layer x Block -> LMHead (tied wte) -> loss
 
-`gpt_layers(cfg)` returns the list of layers; `engine.model.LayerChain` runs any
+`gpt_layers(cfg)` returns the list of layers; `engine.model.chain.LayerChain` runs any
 contiguous slice of it, so the same list serves one process and a pipeline.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The `ringpipe train` command line (also `python -m ringpipe.train`, `ringpipe-train`):
-flags in (each the Config field of the same name), engine.run.run() out,
+flags in (each the Config field of the same name), engine.train.run.run() out,
 library errors to messages and exit codes.
 
 Runs the same way under plain `python`, `mpiexec -n N` and `srun`. Defaults

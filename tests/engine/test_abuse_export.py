@@ -34,7 +34,7 @@ def params_of(config):
 
 def make_run(folder, config=CONFIG, steps=(3,), tokenizer=None):
     """A GPT run directory with checkpoints at `steps`, written directly (no training);
-    tokenizer: a engine.tokenizer Tokenizer saved as the run's (default: bytes)."""
+    tokenizer: a engine.data.tokenizer Tokenizer saved as the run's (default: bytes)."""
     from ringpipe.engine.data.tokenizer import load_tokenizer
     tokenizer = tokenizer or load_tokenizer("bytes")
     folder.mkdir(parents=True)

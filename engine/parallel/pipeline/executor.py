@@ -1,6 +1,6 @@
 """Runs one rank's list of schedule actions over MPI point-to-point.
 
-The schedule (engine.pipeline.schedule) decides the order; this module only
+The schedule (engine.schedules.schedule) decides the order; this module only
 carries it out, one handler per action kind (the table in __init__), with the
 semantics the simulator models:
 

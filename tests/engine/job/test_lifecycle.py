@@ -1,4 +1,4 @@
-"""engine.lifecycle: stop flag, launcher check, watchdog, per-rank logging.
+"""engine.job.lifecycle: stop flag, launcher check, watchdog, per-rank logging.
 
 Serial:   python -m pytest tests/engine/job/test_lifecycle.py -m "not mpi"
 MPI:      mpiexec -n 2 python tests/support/mpi_pytest.py -m mpi --with-mpi tests/engine/job/test_lifecycle.py

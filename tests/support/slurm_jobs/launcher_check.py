@@ -1,4 +1,4 @@
-"""Run engine.lifecycle.check_launcher() on every task and report: under
+"""Run engine.job.lifecycle.check_launcher() on every task and report: under
 `srun --mpi=none` each task is MPI rank 0 of 1 and must be refused.
 
 Task 0 prints the refusal; with --every-task every task does (then the first
