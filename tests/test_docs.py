@@ -12,7 +12,8 @@
   to a heading of that file (GitHub's rule for heading anchors).
 - Every file of the repository README.md and docs/*.md name (`engine/data/shards.py`,
   `tests/engine/test_abuse_*.py`, ...) is there: a move leaves no stale path behind.
-- The README's five commands of your own data are the ones docs/data.md runs and shows.
+- The README's commands that are not run (its five commands of your own data, its training
+  launches) are ones docs/data.md and docs/training.md run.
 """
 import json
 import os
@@ -194,16 +195,23 @@ def test_every_relative_link_leads_somewhere(page):
     assert not broken, f"{os.path.relpath(page, ROOT)}: links that lead nowhere: {broken}"
 
 
-def test_the_readmes_five_commands_are_the_ones_docs_data_runs():
+def test_the_readmes_commands_are_the_ones_the_docs_run():
+    """A README block marked `skip (docs/PAGE.md runs these same commands ...)` is not run: each
+    of its commands must be one that docs/PAGE.md runs (its five commands of your own data,
+    its training launches)."""
     from tests.test_examples import fenced_blocks
-    readme = [b for b in fenced_blocks(os.path.join(ROOT, "README.md"))
-              if b.marker and "docs/data.md runs these same commands" in b.marker]
-    assert len(readme) == 1, "README.md: the block of your own data's commands (its skip marker names docs/data.md)"
-    shown = {c for b in fenced_blocks(os.path.join(DOCS, "data.md")) if b.language == "console" for c in b.commands()}
-    ours = [c for c in readme[0].commands() if c.startswith(("ringpipe", "mpiexec"))]
-    assert len(ours) == 4, ours
-    differ = [c for c in ours if c not in shown]
-    assert not differ, f"README.md runs {differ}, which docs/data.md does not (the README's block is not run)"
+    shown_by = {}
+    for block in fenced_blocks(os.path.join(ROOT, "README.md")):
+        page = re.match(r"skip \(docs/([\w.-]+\.md) runs these same commands", block.marker or "")
+        if page:
+            shown_by.setdefault(page.group(1), []).append(block)
+    assert {"data.md", "training.md"} <= set(shown_by), sorted(shown_by)
+    for page, blocks in shown_by.items():
+        runs = {c for b in fenced_blocks(os.path.join(DOCS, page)) if b.language in ("bash", "console")
+                and not (b.marker or "").startswith("skip") for c in b.commands()}
+        ours = [c for b in blocks for c in b.commands() if c.startswith(("ringpipe", "mpiexec"))]
+        differ = [c for c in ours if c not in runs]
+        assert not differ, f"README.md shows {differ}, which docs/{page} does not run (the README's block is not run)"
 
 
 @pytest.mark.parametrize("page", markdown_pages(), ids=lambda p: os.path.relpath(p, ROOT))
