@@ -47,7 +47,7 @@ def cluster():
     assert not os.path.exists(DIR) and not os.path.exists(f"{NS}-head")
 
 
-# What the README tells users: under Slurm, a task that fails ends the step (the others
+# What docs/slurm.md tells users: under Slurm, a task that fails ends the step (the others
 # would otherwise wait for it in their next collective, or in MPI_Init's PMI barrier).
 SRUN = ["srun", "--kill-on-bad-exit=1"]
 
@@ -84,7 +84,7 @@ def test_srun_across_two_nodes_trains_like_one_process(cluster, tmp_path):
 
 
 def test_the_readme_sbatch_example_runs_as_written(cluster, tmp_path):
-    # README: `sbatch -N 2 --ntasks-per-node 2 slurm/train.sbatch --steps 20`. The script's
+    # docs/slurm.md: `sbatch -N 2 --ntasks-per-node 2 slurm/train.sbatch --steps 20`. The script's
     # own 8 CPUs per task were "More processors requested than permitted" on 4-CPU nodes.
     tiny = ["--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16",
             "--batch-size", "8", "--dtype", "float64", "--sample-bytes", "0"]
