@@ -145,7 +145,7 @@ def child_ringpipe(spec):
     dtype = np.dtype(np.float32)
     model = LocalModel(gpt_layers(cfg), dtype, seed=1337)
     params = model.params
-    opt = make_optimizer("adamw", params.size, dtype, np, params.wd_mask, LR, 0.1)
+    opt = make_optimizer("adamw", params.size, dtype, np, params.wd_mask, 0.1)
     x, y = _tokens(spec)
     tokens = x.size
 

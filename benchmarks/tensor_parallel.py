@@ -123,7 +123,7 @@ def run_layout(world, shape, batch, T, layout, steps):
     micro = batch // dp // m
     model = build_rank_model(grid, lambda tensor=None: gpt_layers(shape, tensor), cfg, DTYPE, np,
                              micro_shape=(micro, T, shape.d_model), cost_batch=None)
-    opt = model.make_optimizer("adamw", 1e-3, 0.1)
+    opt = model.make_optimizer("adamw", 0.1)
     rng = np.random.default_rng(1)
     x = rng.integers(0, shape.vocab, size=(batch, T))
     y = rng.integers(0, shape.vocab, size=(batch, T))

@@ -92,7 +92,3 @@ class LayerChain:
     def loss(self, x, targets):
         loss_sum, _ = self.forward(x, targets, need_grad=False)
         return loss_sum
-
-    @property
-    def num_params(self):
-        return self.params.size

@@ -3,11 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import numpy as np
-
 from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.model.layers import ClassifierHead, DenseGELU
-from ringpipe.engine.model.chain import LayerChain
 
 
 @dataclass
@@ -33,12 +30,6 @@ def mlp_layers(cfg: MLPConfig):
     layers = [DenseGELU(f"fc.{i}", widths[i], widths[i + 1]) for i in range(cfg.n_layer)]
     layers.append(ClassifierHead("head", widths[-1], cfg.n_classes))
     return layers
-
-
-def build_mlp(cfg: MLPConfig, dtype=np.float32, xp=np, seed=0):
-    model = LayerChain(mlp_layers(cfg), dtype=dtype, xp=xp)
-    model.params.init(seed)
-    return model
 
 
 def flops_per_example(cfg: MLPConfig) -> float:

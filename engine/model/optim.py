@@ -14,17 +14,16 @@ from ringpipe import kernels as K
 class AdamW:
     state_names = ("m", "v")
 
-    def __init__(self, size, dtype, xp, wd_mask=None, lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
-                 weight_decay=0.1):
-        self.lr, self.beta1, self.beta2, self.eps, self.weight_decay = lr, betas[0], betas[1], eps, weight_decay
+    def __init__(self, size, dtype, xp, wd_mask=None, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1):
+        self.beta1, self.beta2, self.eps, self.weight_decay = betas[0], betas[1], eps, weight_decay
         self.wd_mask = wd_mask
         self.m = xp.zeros(size, dtype=dtype)
         self.v = xp.zeros(size, dtype=dtype)
         self.step_count = 0
 
-    def step(self, param, grad, lr=None):
+    def step(self, param, grad, lr):
         self.step_count += 1
-        K.adamw_update(param, grad, self.m, self.v, lr=self.lr if lr is None else lr,
+        K.adamw_update(param, grad, self.m, self.v, lr=lr,
                        beta1=self.beta1, beta2=self.beta2, eps=self.eps,
                        weight_decay=self.weight_decay, step=self.step_count, wd_mask=self.wd_mask)
 
@@ -35,25 +34,26 @@ class AdamW:
 class SGD:
     state_names = ("momentum_buf",)
 
-    def __init__(self, size, dtype, xp, wd_mask=None, lr=0.1, momentum=0.9, weight_decay=0.0):
-        self.lr, self.momentum, self.weight_decay, self.wd_mask = lr, momentum, weight_decay, wd_mask
+    def __init__(self, size, dtype, xp, wd_mask=None, momentum=0.9, weight_decay=0.0):
+        self.momentum, self.weight_decay, self.wd_mask = momentum, weight_decay, wd_mask
         self.momentum_buf = xp.zeros(size, dtype=dtype)
         self.step_count = 0
 
-    def step(self, param, grad, lr=None):
+    def step(self, param, grad, lr):
         self.step_count += 1
-        K.sgd_momentum_update(param, grad, self.momentum_buf, lr=self.lr if lr is None else lr,
+        K.sgd_momentum_update(param, grad, self.momentum_buf, lr=lr,
                               momentum=self.momentum, weight_decay=self.weight_decay, wd_mask=self.wd_mask)
 
     def state(self):
         return {"momentum_buf": self.momentum_buf}
 
 
-def make_optimizer(name, size, dtype, xp, wd_mask, lr, weight_decay):
+def make_optimizer(name, size, dtype, xp, wd_mask, weight_decay):
+    """The learning rate is not the optimizer's: the schedule (lr_at) gives each step its own."""
     if name == "adamw":
-        return AdamW(size, dtype, xp, wd_mask=wd_mask, lr=lr, weight_decay=weight_decay)
+        return AdamW(size, dtype, xp, wd_mask=wd_mask, weight_decay=weight_decay)
     if name == "sgd":
-        return SGD(size, dtype, xp, wd_mask=wd_mask, lr=lr, weight_decay=weight_decay)
+        return SGD(size, dtype, xp, wd_mask=wd_mask, weight_decay=weight_decay)
     raise ValueError(f"unknown optimizer {name!r}: use adamw or sgd")
 
 

@@ -67,7 +67,7 @@ class RankModel(Protocol):
         """The squared global gradient norm, every parameter counted once, the same on every rank.
         (The inner models take `exclude`: (lo, hi) ranges an outer axis counts elsewhere.)"""
 
-    def make_optimizer(self, name: str, lr: float, weight_decay: float):
+    def make_optimizer(self, name: str, weight_decay: float):
         """An optimizer for the part of the parameters this rank updates."""
 
     def update(self, opt, lr: float) -> None:

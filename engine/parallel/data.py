@@ -70,9 +70,9 @@ class DataParallel:
     def grad_norm_sq(self):
         return self.inner.grad_norm_sq()      # the gradients are the same on every replica now
 
-    def make_optimizer(self, name, lr, weight_decay):
+    def make_optimizer(self, name, weight_decay):
         lo, hi = self.shard
-        return make_optimizer(name, hi - lo, self.params.dtype, self.params.xp, self.params.wd_mask[lo:hi], lr,
+        return make_optimizer(name, hi - lo, self.params.dtype, self.params.xp, self.params.wd_mask[lo:hi],
                               weight_decay)
 
     def update(self, opt, lr):

@@ -369,7 +369,7 @@ def build_model(r: Run, cleanup) -> None:
         from ringpipe.engine.parallel.tensor import tensor_notes
         for note in tensor_notes(tensor):
             r.report.say(note)
-    r.opt = r.model.make_optimizer(cfg.optimizer, cfg.peak_lr, cfg.weight_decay)
+    r.opt = r.model.make_optimizer(cfg.optimizer, cfg.weight_decay)
     if r.init:
         # Every rank takes the arrays of the parameters it holds (any layout).
         r.model.params.load_flat(r.model.params.data, vocab_rows_for_run(r, r.init[1]))

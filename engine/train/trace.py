@@ -45,14 +45,3 @@ class Tracer:
                     merged += json.load(fh)["traceEvents"]
             with open(self.merged_path, "w") as fh:
                 json.dump({"traceEvents": merged, "displayTimeUnit": "ms"}, fh)
-
-
-def bubble_fraction(events, start=None, end=None):
-    """1 - compute time / wall span, from one rank's (name, category, t0, t1) events."""
-    compute = [(t0, t1) for _, cat, t0, t1 in events if cat == "compute"]
-    if not compute:
-        return 0.0
-    start = min(t0 for t0, _ in compute) if start is None else start
-    end = max(t1 for _, t1 in compute) if end is None else end
-    busy = sum(t1 - t0 for t0, t1 in compute)
-    return max(0.0, 1.0 - busy / (end - start))

@@ -33,9 +33,6 @@ It is never a second production path: nothing selects it by default, so a traini
 run on cupy arrays always runs "cuda" unless asked otherwise, and the tests say so.
 """
 
-_registered = False
-
-
 def available():
     """(True, description) if cupy imports and sees a CUDA device, else (False, why)."""
     try:
@@ -67,7 +64,6 @@ CUBLAS_OPS = ("matmul", "linear_forward")
 def register():
     """Register the GPU backends with kernels.backend (idempotent). The op names each
     claims are checked against the table now; the modules load on first use."""
-    global _registered
     from .. import backend as kb
     from ..ops import OP_NAMES
 
@@ -75,8 +71,3 @@ def register():
     kb.register_backend("cublas", f"{__name__}.cublas", device="gpu", ops=CUBLAS_OPS, fallback="cuda")
     kb.register_backend("numba_cuda", f"{__name__}.numba_kernels", device="gpu",
                         ops=[op for op in OP_NAMES if op not in NUMBA_CUDA_LEAVES_OUT], fallback="cuda")
-    _registered = True
-
-
-def is_registered():
-    return _registered
