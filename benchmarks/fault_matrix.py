@@ -48,7 +48,7 @@ PY = sys.executable
 MPIEXEC = os.path.join(os.path.dirname(PY), "mpiexec")
 STEPS = 80
 MODEL = ["--data", "synthetic", "--layers", "2", "--d-model", "16", "--heads", "2", "--context", "16",
-         "--batch-size", "8", "--sample-bytes", "0", "--dtype", "float64", "--lr", "1e-3", "--log-every", "1",
+         "--batch-size", "8", "--sample-tokens", "0", "--dtype", "float64", "--lr", "1e-3", "--log-every", "1",
          "--decay-steps", str(STEPS)]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
            PYTHONUNBUFFERED="1")
@@ -528,7 +528,7 @@ def _tiny_run(folder, data):
     run = os.path.join(folder, "run")
     rc, output, _, _ = run_tool("train", "--data", data, "--layers", "1", "--d-model", "16", "--heads", "2",
                                 "--context", "16", "--batch-size", "4", "--steps", "2", "--checkpoint-every", "1",
-                                "--sample-bytes", "0", "--quiet", "--out", run, deadline=300)
+                                "--sample-tokens", "0", "--quiet", "--out", run, deadline=300)
     if rc != 0:
         raise SystemExit(f"fault_matrix: the run to export failed:\n{output[-3000:]}")
     return run
@@ -649,7 +649,7 @@ def hostile_load(rng, folder, reference, deadline):
     kind = rng.choice(HOSTILE)
     _damage_hostile(kind, model, run)
     if kind.startswith("init-from"):
-        args = ("train", "--init-from", f"hf:{model}", "--data", data, "--steps", "1", "--sample-bytes", "0",
+        args = ("train", "--init-from", f"hf:{model}", "--data", data, "--steps", "1", "--sample-tokens", "0",
                 "--out", os.path.join(folder, "new"))
         culprit = "config.json" if "config" in kind else "model.safetensors"
     elif kind.startswith("sample"):

@@ -43,7 +43,7 @@ def run(n, global_batch, args, out):
            "--layers", str(args.layers), "--d-model", str(args.d_model), "--heads", str(args.heads),
            "--context", str(args.seq_len), "--batch-size", str(global_batch), "--steps", str(args.steps),
            "--bucket-mb", str(args.bucket_mb), "--eval-every", str(10 ** 9), "--eval-batches", "1",
-           "--sample-bytes", "0", "--quiet", "--overwrite", "--out", out, "--data", "stdlib"]
+           "--sample-tokens", "0", "--quiet", "--overwrite", "--out", out, "--data", "stdlib"]
     env = dict(os.environ)
     threads = str(args.threads_per_rank)
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):

@@ -98,7 +98,7 @@ def test_the_installed_wheel_does_the_whole_job(wheel, tmp_path):
     steps = [
         [bin_ / "ringpipe", "prepare", "notes.txt", "--out", "data", "--quiet"],
         [bin_ / "mpiexec", "-n", "2", bin_ / "ringpipe", "train", "--data", "data", "--steps", "2", "--layers", "1",
-         "--d-model", "16", "--heads", "2", "--context", "16", "--batch-size", "4", "--sample-bytes", "0",
+         "--d-model", "16", "--heads", "2", "--context", "16", "--batch-size", "4", "--sample-tokens", "0",
          "--out", "run", "--quiet"],
         [bin_ / "ringpipe", "finished", "run", "--ranks", "2"],
         [bin_ / "ringpipe", "sample", "run", "--tokens", "5", "--prompt", "the ring"],

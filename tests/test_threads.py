@@ -126,7 +126,7 @@ def test_more_ranks_than_cores_is_warned_of_even_with_one_thread_each():
 def test_the_train_start_up_report_says_the_threads_and_the_warning_once(tmp_path):
     one_cpu = {min(os.sched_getaffinity(0))}
     flags = ["--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16",
-             "--batch-size", "4", "--sample-bytes", "0", "--steps", "1", "--out", str(tmp_path / "run")]
+             "--batch-size", "4", "--sample-tokens", "0", "--steps", "1", "--out", str(tmp_path / "run")]
     r = child("import sys; from ringpipe.engine.train.cli import main; main(sys.argv[1:])", *flags, cpus=one_cpu,
               OMP_NUM_THREADS="2")
     assert "threads: 2 per rank; the user's settings kept: OMP_NUM_THREADS=2; 1 core available to 1 rank" \

@@ -16,6 +16,7 @@ from ringpipe.engine.job.array_module import to_host
 from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.model.layers import Block, Embedding, LMHead
 from ringpipe.engine.model.chain import LayerChain
+from ringpipe.engine.model.recipe import ModelRecipe
 
 VOCAB_SIZE = 256   # bytes
 # The embedding and the LM head are padded to a multiple of this many rows, for
@@ -144,3 +145,36 @@ def generate(model: LayerChain, prompt: list, n_new: int, context: int, temperat
             nxt = int(rng.choice(len(p), p=p / p.sum()))
         tokens.append(nxt)
     return tokens[len(prompt):]
+
+
+def memory(cfg: GPTConfig, rows: int, microbatches: int, seq_len: int | None, pp: int) -> tuple[int, int]:
+    """(parameters, activation elements of one micro-batch on one pipeline rank): the
+    lower bound engine/train/config.py memory_floor refuses a run by."""
+    C, L = cfg.d_model, cfg.n_layer
+    V = cfg.padded_vocab                 # the embedding's rows and the logits' columns
+    n_params = V * C + cfg.context * C + L * 12 * C * C
+    micro = rows // microbatches
+    T = seq_len or cfg.context
+    # Per token and block at least the residual, LayerNorm, qkv, attention output and MLP
+    # activations (about 16 C) and the saved attention probabilities (heads x T); plus the
+    # logits of the head.
+    return n_params, micro * T * (max(1, L // pp) * (16 * C + cfg.n_head * T) + V)
+
+
+def _saved_shapes(expected: dict, cfg: GPTConfig, manifest: dict) -> dict:
+    rows = checkpoint_vocab_rows(cfg, manifest)          # padded for the tp it was written at
+    return {k: (rows, *shape[1:]) if k.split("/")[-1] == "wte" else shape for k, shape in expected.items()}
+
+
+def _fit_arrays(arrays: dict, cfg: GPTConfig, tp: int) -> dict:
+    return fit_vocab_rows(arrays, cfg, cfg.padded_vocab_for(tp))
+
+
+GPT_RECIPE = ModelRecipe(
+    name="gpt", shape=GPTConfig,
+    fields={"layers": "n_layer", "d_model": "d_model", "heads": "n_head", "context": "context"},
+    layers=gpt_layers, flops_per_item=flops_per_token, memory=memory,
+    data="tokens", default_data="stdlib", data_path_data="text", unit="tokens", rate_unit="tok",
+    axes=("data", "pipe", "tensor"),
+    presets={name: dict(zip(("n_layer", "d_model", "n_head", "context"), shape)) for name, shape in PRESETS.items()},
+    hf_format=True, saved_shapes=_saved_shapes, fit_arrays=_fit_arrays, generate=generate)

@@ -16,11 +16,12 @@ backward_input, which is still exact because gradients only ever add.
 
 Shapes: B batch, T time, C channels, H heads, hs = C/H head size, V vocab, N = B*T rows.
 
-Tensor parallelism: the attention, MLP, block, embedding and head take a
-`tensor` group (engine/parallel/tensor.py; None: the whole layer on this
-rank). They then build its column- and row-parallel linears, hold H/tp heads
-and V/tp vocabulary rows, and call its operators where a region starts and
-ends; everything else, and the shape comments, stay the same (C_local = C/tp).
+Every layer here is whole on its rank. The attention, MLP and block build their
+linears through a `maker` (WHOLE below: plain Linear layers); the tensor axis
+(engine/parallel/tensor.py) passes its group instead, which makes the column-
+and row-parallel linears and the vocabulary-parallel embedding and head (its
+subclasses of these layers), so nothing here knows how a layer is split. The
+shape comments hold for a split layer with C_local = C/tp, H/tp heads.
 """
 from __future__ import annotations
 
@@ -126,6 +127,29 @@ class GELU(Layer):
         return K.gelu_backward(dy, ctx), None
 
 
+class WholeLayers:
+    """The layer maker for layers whole on this rank. A tensor group
+    (engine/parallel/tensor.py TensorGroup) offers the same methods for its parts."""
+
+    size = 1                      # ranks a layer is split over
+    sequence_parallel = False     # the stream between the regions holds this rank's positions only
+
+    def column(self, name, c_in, c_out, groups=1, gelu=False, std=0.02):
+        return Linear(name, c_in, c_out, std=std, gelu=gelu)
+
+    def row(self, name, c_in, c_out, std=0.02):
+        return Linear(name, c_in, c_out, std=std)
+
+    def embedding(self, vocab, context, c, wte="wte", wpe="wpe"):
+        return Embedding(vocab, context, c, wte=wte, wpe=wpe)
+
+    def head(self, vocab, c, wte="wte", used=None):
+        return LMHead(vocab, c, wte=wte, used=used)
+
+
+WHOLE = WholeLayers()
+
+
 def _residual_std(n_layer):
     # GPT-2: scale residual projections by 1/sqrt(2 * n_layer) so the residual stream stays O(1).
     return 0.02 / math.sqrt(2 * n_layer)
@@ -133,21 +157,17 @@ def _residual_std(n_layer):
 
 class CausalSelfAttention(Layer):
     """Multi-head causal self-attention: qkv projection, softmax(q k^T / sqrt(hs)) v, output projection.
-    With a tensor group: this rank's H/tp heads (qkv column-parallel, proj row-parallel)."""
+    Split by a maker over `maker.size` ranks: this rank's H/size heads (qkv
+    column-parallel, proj row-parallel)."""
 
-    def __init__(self, name, c, n_head, n_layer_for_init, tensor=None):
-        tp = tensor.size if tensor else 1
+    def __init__(self, name, c, n_head, n_layer_for_init, maker=WHOLE):
         if c % n_head:
             raise ValueError(f"d_model {c} is not divisible by heads {n_head}")
-        if n_head % tp:
-            raise ValueError(f"{n_head} heads do not split over tensor parallel {tp}")
-        self.name, self.c, self.h, self.hs = name, c, n_head // tp, c // n_head    # self.h: heads here
-        if tensor is None:
-            self.qkv = Linear(f"{name}.qkv", c, 3 * c)
-            self.proj = Linear(f"{name}.proj", c, c, std=_residual_std(n_layer_for_init))
-        else:
-            self.qkv = tensor.column(f"{name}.qkv", c, 3 * c, groups=3)     # q, k and v of this rank's heads
-            self.proj = tensor.row(f"{name}.proj", c, c, std=_residual_std(n_layer_for_init))
+        if n_head % maker.size:
+            raise ValueError(f"{n_head} heads do not split over tensor parallel {maker.size}")
+        self.name, self.c, self.h, self.hs = name, c, n_head // maker.size, c // n_head    # self.h: heads here
+        self.qkv = maker.column(f"{name}.qkv", c, 3 * c, groups=3)     # q, k and v of this rank's heads
+        self.proj = maker.row(f"{name}.proj", c, c, std=_residual_std(n_layer_for_init))
 
     def specs(self):
         return self.qkv.specs() + self.proj.specs()
@@ -195,15 +215,11 @@ class CausalSelfAttention(Layer):
 
 class MLP(Layer):
     """fc (C -> 4C), GELU, proj (4C -> C); the GELU runs inside fc (Linear(gelu=True)).
-    With a tensor group: fc column-parallel, proj row-parallel (4C/tp hidden features here)."""
+    Split by a maker: fc column-parallel, proj row-parallel (4C/size hidden features here)."""
 
-    def __init__(self, name, c, n_layer_for_init, tensor=None):
-        if tensor is None:
-            self.fc = Linear(f"{name}.fc", c, 4 * c, gelu=True)
-            self.proj = Linear(f"{name}.proj", 4 * c, c, std=_residual_std(n_layer_for_init))
-        else:
-            self.fc = tensor.column(f"{name}.fc", c, 4 * c, gelu=True)
-            self.proj = tensor.row(f"{name}.proj", 4 * c, c, std=_residual_std(n_layer_for_init))
+    def __init__(self, name, c, n_layer_for_init, maker=WHOLE):
+        self.fc = maker.column(f"{name}.fc", c, 4 * c, gelu=True)
+        self.proj = maker.row(f"{name}.proj", 4 * c, c, std=_residual_std(n_layer_for_init))
 
     def specs(self):
         return self.fc.specs() + self.proj.specs()
@@ -234,13 +250,12 @@ class Block(Layer):
     Under sequence parallelism x, the LayerNorms and the residual adds are this
     rank's T/tp positions; attention and MLP gather the sequence and scatter it back."""
 
-    def __init__(self, name, c, n_head, n_layer, tensor=None):
+    def __init__(self, name, c, n_head, n_layer, maker=WHOLE):
         self.name = name
-        partial = bool(tensor and tensor.sequence_parallel)
-        self.ln1 = LayerNorm(f"{name}.ln1", c, partial=partial)
-        self.attn = CausalSelfAttention(f"{name}.attn", c, n_head, n_layer, tensor=tensor)
-        self.ln2 = LayerNorm(f"{name}.ln2", c, partial=partial)
-        self.mlp = MLP(f"{name}.mlp", c, n_layer, tensor=tensor)
+        self.ln1 = LayerNorm(f"{name}.ln1", c, partial=maker.sequence_parallel)
+        self.attn = CausalSelfAttention(f"{name}.attn", c, n_head, n_layer, maker=maker)
+        self.ln2 = LayerNorm(f"{name}.ln2", c, partial=maker.sequence_parallel)
+        self.mlp = MLP(f"{name}.mlp", c, n_layer, maker=maker)
         self.parts = [self.ln1, self.attn, self.ln2, self.mlp]
 
     def specs(self):
@@ -277,60 +292,40 @@ class Block(Layer):
 
 class Embedding(Layer):
     """Token + position embedding: tokens (B, T) int -> (B, T, C).
+    (engine/parallel/tensor.py VocabParallelEmbedding: the token table split by rows.)"""
 
-    With a tensor group the token table is vocabulary-parallel: this rank holds
-    rows lo ... lo + V/tp, looks up the tokens among them (0 for the others),
-    and the group sums the parts (g: an all-reduce, or under sequence
-    parallelism a reduce-scatter to this rank's positions)."""
-
-    def __init__(self, vocab, context, c, wte="wte", wpe="wpe", tensor=None):
+    def __init__(self, vocab, context, c, wte="wte", wpe="wpe"):
         self.vocab, self.context, self.c, self.wte_name, self.wpe_name = vocab, context, c, wte, wpe
-        self.tensor = tensor
-        self.rows = tensor.rows(vocab) if tensor else (0, vocab)     # this rank's rows of wte
 
     def specs(self):
-        wte = ParamSpec(self.wte_name, (self.rows[1] - self.rows[0], self.c),
-                        split=self.tensor.split(0) if self.tensor else None)
-        return [wte, ParamSpec(self.wpe_name, (self.context, self.c), std=0.01)]
+        return [ParamSpec(self.wte_name, (self.vocab, self.c)), self.wpe_spec()]
+
+    def wpe_spec(self):
+        return ParamSpec(self.wpe_name, (self.context, self.c), std=0.01)
 
     def bind(self, params):
         self.wte, self.dwte = params.view(self.wte_name), params.grad_view(self.wte_name)
         self.wpe, self.dwpe = params.view(self.wpe_name), params.grad_view(self.wpe_name)
 
-    def forward(self, tokens):
-        B, T = tokens.shape
+    def check_length(self, T):
         if T > self.context:
             raise ValueError(f"sequence length {T} exceeds the model's context {self.context}")
-        if self.tensor is None:
-            return self.wte[tokens] + self.wpe[:T], tokens
-        xp = K.get_array_module(self.wte)
-        local = tokens - self.rows[0]
-        inside = (local >= 0) & (local < self.rows[1] - self.rows[0])
-        local = xp.where(inside, local, 0)
-        part = self.wte[local] * inside[..., None]                           # (B, T, C): 0 for others' tokens
-        x = self.tensor.out_of_region(part)                                 # (B, T, C), or (B, T/tp, C)
-        first = self.tensor.index * x.shape[1] if self.tensor.sequence_parallel else 0
-        return x + self.wpe[first:first + x.shape[1]], (tokens, local, inside)
+
+    def forward(self, tokens):
+        self.check_length(tokens.shape[1])
+        return self.wte[tokens] + self.wpe[:tokens.shape[1]], tokens
 
     def backward_input(self, dout, ctx):
-        if self.tensor is None:
-            tokens, rows = ctx, ctx.reshape(-1)
-        else:
-            tokens, local, inside = ctx
-            dout = self.tensor.out_of_region_backward(dout)                 # (B, T, C): whole
-            keep = inside.reshape(-1)
-            rows = local.reshape(-1)[keep]
+        tokens = ctx
         B, T = tokens.shape
-        xp = K.get_array_module(dout)
-        self.dwpe[:T] += dout.sum(axis=0)            # from the whole dout: the same on every tensor rank
-        values = dout.reshape(B * T, self.c)
-        _scatter_add_rows(xp, self.dwte, rows, values if self.tensor is None else values[keep])
+        self.dwpe[:T] += dout.sum(axis=0)
+        scatter_add_rows(self.dwte, tokens.reshape(-1), dout.reshape(B * T, self.c))
         return None, None
 
 
-def _scatter_add_rows(xp, target, rows, values):
+def scatter_add_rows(target, rows, values):
     # target[rows[i]] += values[i], with repeated rows adding up (fancy-index += would not).
-    if xp is np:
+    if K.get_array_module(target) is np:
         np.add.at(target, rows, values)
     else:
         import cupyx
@@ -345,66 +340,53 @@ class LMHead(Layer):
     `vocab` is the embedding's (padded) row count, `used` the tokenizer's: the
     logits of the padding rows are pushed to -1e9 before the softmax, so they get
     no probability (and their rows of wte no gradient).
+    (engine/parallel/tensor.py VocabParallelHead: this rank's rows of wte, its logits.)
     """
 
     PAD_LOGIT = -1e9      # exp() of it, minus any real logit, is 0 in float32 and float64
 
-    def __init__(self, vocab, c, wte="wte", used=None, tensor=None):
+    def __init__(self, vocab, c, wte="wte", used=None):
         self.vocab, self.c, self.wte_name = vocab, c, wte
         self.used = vocab if used is None else used
-        self.tensor = tensor
-        self.rows = tensor.rows(vocab) if tensor else (0, vocab)     # this rank's rows of wte: its logits
-        self.ln_f = LayerNorm("ln_f", c, partial=bool(tensor and tensor.sequence_parallel))
+        self.ln_f = LayerNorm("ln_f", c)
 
     def specs(self):
         # wte is declared again: tied to the embedding when both are in one stage
         # (ParamBuffer dedups by name), a synchronized copy when they are not.
-        wte = ParamSpec(self.wte_name, (self.rows[1] - self.rows[0], self.c),
-                        split=self.tensor.split(0) if self.tensor else None)
-        return self.ln_f.specs() + [wte]
+        return self.ln_f.specs() + [ParamSpec(self.wte_name, (self.vocab, self.c))]
 
     def bind(self, params):
         self.ln_f.bind(params)
         self.wte, self.dwte = params.view(self.wte_name), params.grad_view(self.wte_name)
 
+    def logits(self, h2, lo=0):
+        """(N, rows of wte here) logits; columns of padding rows (vocabulary ids from
+        `used` on, this rank's rows starting at id lo) masked."""
+        logits = K.matmul_nt(h2, self.wte)
+        if self.used < lo + logits.shape[1]:
+            logits[:, max(0, self.used - lo):] = self.PAD_LOGIT
+        return logits
+
     def forward(self, x, targets=None, grad_scale=1.0, need_grad=True):
-        """x (B, T, C), targets (B, T). Returns (loss_sum, ctx); without targets returns logits (B, T, V).
-        With a tensor group: this rank's V/tp logits, the loss from the vocabulary-parallel
-        cross-entropy; x is this rank's T/tp positions under sequence parallelism."""
+        """x (B, T, C), targets (B, T). Returns (loss_sum, ctx); without targets returns logits (B, T, V)."""
         h, ln_ctx = self.ln_f.forward(x)
-        if self.tensor is not None:
-            h = self.tensor.into_region(h)                   # f, or the whole sequence gathered
         B, T, C = h.shape
         h2 = h.reshape(B * T, C)
-        logits = K.matmul_nt(h2, self.wte)                    # (N, V), or (N, V/tp): columns lo ... hi
-        lo, hi = self.rows
-        if self.used < hi:
-            logits[:, max(0, self.used - lo):] = self.PAD_LOGIT
+        logits = self.logits(h2)                              # (N, V)
         if targets is None:
-            if self.tensor is not None:
-                logits = self.tensor.gather_columns(logits)
             return logits.reshape(B, T, self.vocab), None
-        dlogits = logits if need_grad else None
-        if self.tensor is None:
-            losses, dlogits = K.cross_entropy_forward_backward(
-                logits, targets.reshape(-1), dlogits=dlogits, grad_scale=grad_scale)
-        else:
-            losses, dlogits = self.tensor.cross_entropy(logits, targets.reshape(-1), lo, need_grad, grad_scale)
+        losses, dlogits = K.cross_entropy_forward_backward(
+            logits, targets.reshape(-1), dlogits=logits if need_grad else None, grad_scale=grad_scale)
         return float(losses.sum()), (ln_ctx, h2, dlogits, (B, T, C))
 
     def backward_input(self, dloss, ctx):
         # dloss is unused: the gradient scale was applied in forward.
         ln_ctx, h2, dlogits, shape = ctx
-        dh = K.matmul(dlogits, self.wte).reshape(shape)       # (N, C): with a tensor group, this rank's share
-        wctx = (h2, dlogits)
-        if self.tensor is not None:
-            dh, wctx = self.tensor.reduce_input_grad(dh, self.backward_weight, wctx)
+        dh = K.matmul(dlogits, self.wte).reshape(shape)       # (N, C)
         dx, _ = self.ln_f.backward_input(dh, ln_ctx)
-        return dx, wctx
+        return dx, (h2, dlogits)
 
     def backward_weight(self, wctx):
-        if wctx is None:              # computed during backward_input (tensor parallel overlap)
-            return
         h2, dlogits = wctx
         K.matmul_tn(dlogits, h2, out=self.dwte, accumulate=True)   # (V, C) += dlogits^T h
 

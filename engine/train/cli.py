@@ -173,6 +173,20 @@ def _parallelism_flags(p):
                    help="write a Chrome/Perfetto trace per rank and a merged DIR/trace.json")
 
 
+class _OldName(argparse.Action):
+    """A renamed flag's old spelling: still works, with a note (on the launcher's rank 0) naming the new one."""
+
+    def __init__(self, option_strings, dest, new, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.new = new
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if _launcher_rank() == 0:
+            print(f"note: {option_string} is now {self.new} (it counts tokens); the old name still works",
+                  file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def _output_flags(p):
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="run directory (default runs/<model>)")
@@ -192,7 +206,10 @@ def _output_flags(p):
                         "(default: on with --init-from, off otherwise)")
     g.add_argument("--eval-batches", type=int, default=4, help="global batches per validation pass")
     g.add_argument("--log-every", type=int, default=None, help="steps between progress lines (default ~20 lines)")
-    g.add_argument("--sample-bytes", type=int, default=200, help="GPT: bytes of text to sample at the end (0: none)")
+    g.add_argument("--sample-tokens", type=int, default=200, help="GPT: tokens of text to sample at the end (0: none)")
+    # The flag's first name: it always counted tokens (bytes only for the byte tokenizer).
+    g.add_argument("--sample-bytes", type=int, dest="sample_tokens", action=_OldName, new="--sample-tokens",
+                   help=argparse.SUPPRESS)
     g.add_argument("--quiet", action="store_true", help="no progress lines (metrics.jsonl is still written)")
 
 

@@ -85,7 +85,7 @@ class Config:
     keep_best: bool | None = None      # keep the checkpoint of the best validation loss in OUT/best/ (on fine-tuning)
     eval_batches: int = 4
     log_every: int | None = None       # steps between progress lines (steps/20)
-    sample_bytes: int = 200            # GPT: bytes sampled at the end
+    sample_tokens: int = 200           # GPT: tokens sampled at the end
     quiet: bool = False
     # ---- cluster
     watchdog: float = 0.0              # seconds without progress before a report (0: off)
@@ -229,7 +229,7 @@ def _check_values(cfg: Config) -> None:
                               ("checkpoint_every", cfg.checkpoint_every, 0), ("keep", cfg.keep, 0),
                               ("eval_batches", cfg.eval_batches, 1), ("eval_every", cfg.eval_every or 1, 1),
                               ("log_every", cfg.log_every or 1, 1), ("watchdog", cfg.watchdog, 0),
-                              ("sample_bytes", cfg.sample_bytes, 0)):
+                              ("sample_tokens", cfg.sample_tokens, 0)):
         if value < low:
             raise ConfigError(f"<{field}> must be {'> 0' if low == 1e-9 else f'>= {low}'}, got {value}")
     if cfg.precision == "bf16" and cfg.dtype != "float32":

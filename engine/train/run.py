@@ -425,7 +425,7 @@ def finish(r: Run, loss: float, stopped_at: int | None, best: Best | None = None
         from ringpipe.comm.device import stats
         report.say(f"GPU buffers and MPI on rank 0: {stats['staged_bytes'] / 2**20:.1f} MiB copied through host "
                    f"memory ({r.transport.describe()})")
-    if cfg.model == "gpt" and cfg.sample_bytes > 0 and arrays is not None and report.is_main:
+    if cfg.model == "gpt" and cfg.sample_tokens > 0 and arrays is not None and report.is_main:
         sample(r, arrays)
     # The last thing every rank does: what `ringpipe finished RUN_DIR` counts.
     rundir.mark_finished(cfg.out_dir, r.world.Get_rank(), r.world.Get_size(), max(cfg.steps, r.start_step))
@@ -440,7 +440,7 @@ def sample(r: Run, arrays: dict) -> None:
         r.report.say("no sample at the end: the data has no tokenizer (token shards, nanoGPT's or llm.c's, without "
                      "a tokenizer.json beside them), so nothing can turn token ids into text; put the tokenizer.json "
                      "the data was made with beside the shards, or prepare the text with `ringpipe prepare`; "
-                     "<sample_bytes> 0 skips the sample")
+                     "<sample_tokens> 0 skips the sample")
         return
     full = build_gpt(r.shape, dtype=r.dtype)
     arrays = fit_vocab_rows(arrays, r.shape, r.shape.padded_vocab)     # a tp not dividing 128 pads further
@@ -448,6 +448,6 @@ def sample(r: Run, arrays: dict) -> None:
     # Python source for the byte model of the stdlib; a document's start for other tokenizers.
     prompt = "def " if r.tokenizer.kind == "bytes" else ""
     ids = list(r.tokenizer.encode(prompt)) if prompt else list(r.tokenizer.separator)
-    new = generate(full, ids, r.cfg.sample_bytes, min(r.seq_len, r.shape.context), temperature=0.8,
+    new = generate(full, ids, r.cfg.sample_tokens, min(r.seq_len, r.shape.context), temperature=0.8,
                    seed=r.cfg.seed)
     r.report.sample(prompt + r.tokenizer.decode(new))

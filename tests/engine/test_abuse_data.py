@@ -24,7 +24,7 @@ from ringpipe.engine.data.tokenizer import load_tokenizer
 from tests.support.hostile import deadline
 
 SEQ, BATCH = 8, 4
-TINY = dict(layers=2, d_model=8, heads=2, context=SEQ, seq_len=SEQ, batch_size=BATCH, steps=4, sample_bytes=0,
+TINY = dict(layers=2, d_model=8, heads=2, context=SEQ, seq_len=SEQ, batch_size=BATCH, steps=4, sample_tokens=0,
             quiet=True, overwrite=True, eval_batches=1, eval_every=100, dtype="float64")
 TRAIN_TOKENS, VAL_TOKENS = 3000, 600
 

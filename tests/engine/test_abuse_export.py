@@ -383,7 +383,7 @@ def test_init_from_a_folder_without_a_tokenizer_says_the_tokenizer_is_unverified
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 400)
     prepare([str(corpus)], str(tmp_path / "bytes"), progress=False)
-    flags = ["--init-from", f"hf:{folder}", "--steps", "1", "--sample-bytes", "0", "--batch-size", "2"]
+    flags = ["--init-from", f"hf:{folder}", "--steps", "1", "--sample-tokens", "0", "--batch-size", "2"]
     run_flags(flags + ["--data", str(tmp_path / "bytes"), "--out", str(tmp_path / "run")])
     assert "has no tokenizer.json, so the data's tokenizer cannot be verified" in capsys.readouterr().out
     prepare([str(corpus)], str(tmp_path / "bpe"), tokenizer="bpe:300", progress=False)

@@ -175,7 +175,7 @@ def test_training_refuses_a_linked_run_lock_with_exit_2(tmp_path):
     os.symlink(target, out / "run.lock")
     r = subprocess.run([sys.executable, "-m", "ringpipe", "train", "--data", "synthetic", "--layers", "1",
                         "--d-model", "8", "--heads", "2", "--context", "8", "--batch-size", "2", "--steps", "1",
-                        "--sample-bytes", "0", "--quiet", "--out", str(out)],
+                        "--sample-tokens", "0", "--quiet", "--out", str(out)],
                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r
     assert "run.lock" in r.stderr and "symbolic link" in r.stderr, r.stderr
@@ -383,7 +383,7 @@ def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("trained") / "run"
     r = subprocess.run([sys.executable, "-m", "ringpipe", "train", "--data", "synthetic", "--layers", "1",
                         "--d-model", "8", "--heads", "2", "--context", "8", "--batch-size", "2", "--steps", "1",
-                        "--sample-bytes", "0", "--quiet", "--out", str(out)],
+                        "--sample-tokens", "0", "--quiet", "--out", str(out)],
                        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r
     return out

@@ -16,7 +16,7 @@ from ringpipe.engine.train.config import Config
 from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.train.run import run
 
-TINY = dict(layers=1, d_model=16, heads=2, context=16, seq_len=16, batch_size=4, steps=3, sample_bytes=0,
+TINY = dict(layers=1, d_model=16, heads=2, context=16, seq_len=16, batch_size=4, steps=3, sample_tokens=0,
             quiet=True, overwrite=True, eval_batches=1)
 
 

@@ -24,7 +24,7 @@ from tests.engine.test_faults import MPIEXEC, ROOT, TINY as TINY_MPI, ends_withi
 from tests.support.hostile import tmpfs
 
 TINY = ["--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16",
-        "--batch-size", "4", "--sample-bytes", "0", "--quiet"]
+        "--batch-size", "4", "--sample-tokens", "0", "--quiet"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
            PYTHONUNBUFFERED="1")
 
@@ -198,7 +198,7 @@ def test_a_fifo_named_like_a_manifest_does_not_block_resume(tmp_path):
 def test_nan_gradient_norm_stops_before_the_update_and_nothing_poisoned_is_saved(tmp_path):
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as e:    # the default GPT: its gradient norm goes NaN while the loss is finite
-        run_flags(["--data", "synthetic", "--sample-bytes", "0", "--quiet", "--out", str(out),
+        run_flags(["--data", "synthetic", "--sample-tokens", "0", "--quiet", "--out", str(out),
                           "--lr", "1e6", "--steps", "30", "--checkpoint-every", "1"])
     message = str(e.value.code)
     assert "training diverged" in message

@@ -371,7 +371,7 @@ def test_engine_trains_on_emulated_gpu_like_on_cpu(tmp_path, precision):
     # bf16: the tensor-core GEMM against the CPU's emulated bf16 rounding.
     _need_gxx()
     args = ["--steps", "3", "--layers", "1", "--d-model", "32", "--heads", "2", "--context", "16",
-            "--batch-size", "2", "--eval-every", "3", "--eval-batches", "1", "--sample-bytes", "0", "--overwrite",
+            "--batch-size", "2", "--eval-every", "3", "--eval-batches", "1", "--sample-tokens", "0", "--overwrite",
             "--quiet", "--precision", precision]
     cpu = _run([sys.executable, "-m", "ringpipe.train", "--device", "cpu", *args, "--out", str(tmp_path / "cpu")])
     if cpu.returncode != 0 and "--device" in cpu.stderr:
@@ -404,7 +404,7 @@ def test_engine_on_emulated_gpu_with_two_ranks_equals_one_cpu_process(tmp_path, 
     if not os.path.exists(mpiexec):
         pytest.skip("no mpiexec next to this python")
     args = ["--steps", "3", "--layers", "2", "--d-model", "32", "--heads", "2", "--context", "16",
-            "--batch-size", "4", "--eval-every", "3", "--eval-batches", "1", "--sample-bytes", "0", "--overwrite",
+            "--batch-size", "4", "--eval-every", "3", "--eval-batches", "1", "--sample-tokens", "0", "--overwrite",
             "--quiet", "--dtype", "float64"]
     cpu = _run([sys.executable, "-m", "ringpipe.train", "--device", "cpu", *args, "--out", str(tmp_path / "cpu")])
     assert cpu.returncode == 0, cpu.stderr[-3000:]

@@ -69,7 +69,7 @@ def test_up_prints_only_shell_lines_and_the_wrappers_reach_the_head(cluster):
 
 def test_srun_across_two_nodes_trains_like_one_process(cluster, tmp_path):
     flags = ["-m", "ringpipe", "train", "--data", "synthetic", "--layers", "2", "--d-model", "16", "--heads", "2",
-             "--context", "16", "--batch-size", "8", "--steps", "3", "--dtype", "float64", "--sample-bytes", "0",
+             "--context", "16", "--batch-size", "8", "--steps", "3", "--dtype", "float64", "--sample-tokens", "0",
              "--quiet"]
     one = run(ENV, sys.executable, *flags, "--out", str(tmp_path / "one"))
     assert one.returncode == 0, one.stderr
@@ -87,7 +87,7 @@ def test_the_readme_sbatch_example_runs_as_written(cluster, tmp_path):
     # docs/slurm.md: `sbatch -N 2 --ntasks-per-node 2 slurm/train.sbatch --steps 20`. The script's
     # own 8 CPUs per task were "More processors requested than permitted" on 4-CPU nodes.
     tiny = ["--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16",
-            "--batch-size", "8", "--dtype", "float64", "--sample-bytes", "0"]
+            "--batch-size", "8", "--dtype", "float64", "--sample-tokens", "0"]
     env = dict(cluster, RINGPIPE_RUN_DIR=str(tmp_path / "run"), RINGPIPE_PYTHON=sys.executable)
     log = tmp_path / "job.out"
     r = run(env, "sbatch", "--wait", "-o", str(log), "-N", "2", "--ntasks-per-node", "2", "slurm/train.sbatch",
@@ -114,7 +114,7 @@ def test_a_cut_link_under_srun_ends_the_job_naming_the_node(cluster, tmp_path):
     out = tmp_path / "run"
     flags = ["-m", "ringpipe", "train", "--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2",
              "--context", "16", "--batch-size", "8", "--steps", "1000000", "--log-every", "1000",
-             "--sample-bytes", "0", "--watchdog", "6", "--watchdog-abort", "--out", str(out)]
+             "--sample-tokens", "0", "--watchdog", "6", "--watchdog-abort", "--out", str(out)]
     # The watchdog of 6 s would take a first step that compiles the Numba kernels (tens of
     # seconds on a cold cache) for a hang: compile them first, in one process, without it.
     warm = [f for f in flags if f not in ("--watchdog", "6", "--watchdog-abort")]
@@ -145,7 +145,7 @@ def test_resume_on_fewer_nodes_through_slurm(cluster, tmp_path):
     """Checkpointed by srun -N 2 x 2 ranks, resumed by srun -N 1 x 2: the uninterrupted
     run's losses from the checkpoint on (float64, 1e-10)."""
     flags = ["-m", "ringpipe", "train", "--data", "synthetic", "--layers", "2", "--d-model", "16", "--heads", "2",
-             "--context", "16", "--batch-size", "8", "--steps", "6", "--dtype", "float64", "--sample-bytes", "0",
+             "--context", "16", "--batch-size", "8", "--steps", "6", "--dtype", "float64", "--sample-tokens", "0",
              "--quiet"]
     two_nodes = [*SRUN, "-N", "2", "--ntasks-per-node", "2", "--mpi=pmi2", sys.executable]
     full, part = str(tmp_path / "full"), str(tmp_path / "part")

@@ -69,7 +69,7 @@ def test_usage_and_refusals():
 
 def test_training_across_nodes_equals_one_process(two_nodes, tmp_path):
     flags = ["--data", "synthetic", "--layers", "2", "--d-model", "16", "--heads", "2", "--context", "16",
-             "--batch-size", "8", "--steps", "3", "--dtype", "float64", "--sample-bytes", "0", "--quiet"]
+             "--batch-size", "8", "--steps", "3", "--dtype", "float64", "--sample-tokens", "0", "--quiet"]
     one = subprocess.run([sys.executable, "-m", "ringpipe", "train", *flags, "--out", str(tmp_path / "one")],
                          env=ENV, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert one.returncode == 0, one.stderr
@@ -136,7 +136,7 @@ def test_a_cut_link_ends_the_job_naming_the_node(two_nodes, tmp_path):
     """The watchdog's network pulse (engine/job/pulse.py) names the node rank 0 no longer
     hears, and --watchdog-abort ends the job: no silent hang."""
     flags = ["--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16",
-             "--batch-size", "8", "--steps", "1000000", "--log-every", "1000", "--sample-bytes", "0",
+             "--batch-size", "8", "--steps", "1000000", "--log-every", "1000", "--sample-tokens", "0",
              "--watchdog", "6", "--watchdog-abort", "--out", str(tmp_path / "run")]
     cutter, cut = when_training(str(tmp_path / "run"), lambda: subprocess.run(
         ["ip", "-n", f"{PREFIX}-n2", "link", "set", "eth0", "down"], check=True), min_bytes=2000, wait_s=90)
@@ -157,7 +157,7 @@ def test_a_cut_link_ends_the_job_naming_the_node(two_nodes, tmp_path):
 def test_a_killed_node_ends_the_job_fast(two_nodes, tmp_path):
     """Every process of n2 killed (-9) mid-run: mpiexec ends the job within 10 s, failing."""
     flags = ["--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16",
-             "--batch-size", "8", "--steps", "1000000", "--log-every", "1000", "--sample-bytes", "0",
+             "--batch-size", "8", "--steps", "1000000", "--log-every", "1000", "--sample-tokens", "0",
              "--out", str(tmp_path / "run")]
 
     def kill_n2():
@@ -182,7 +182,7 @@ def test_resume_on_fewer_nodes_continues_the_trajectory(two_nodes, tmp_path):
     """Checkpointed on 2 nodes x 2 ranks (DP 4), resumed on one node (DP 2): the same
     losses as the uninterrupted run on 2 nodes (float64, 1e-10)."""
     flags = ["--data", "synthetic", "--layers", "2", "--d-model", "16", "--heads", "2", "--context", "16",
-             "--batch-size", "8", "--steps", "6", "--dtype", "float64", "--sample-bytes", "0", "--quiet"]
+             "--batch-size", "8", "--steps", "6", "--dtype", "float64", "--sample-tokens", "0", "--quiet"]
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     across("-m", "ringpipe", "train", *flags, "--out", full)
     across("-m", "ringpipe", "train", *flags, "--checkpoint-every", "3", "--out", part)
@@ -219,7 +219,7 @@ def test_open_mpi_across_nodes_trains_like_one_process_and_reduces_hierarchicall
         return r
     assert "picked hierarchical" in mpirun(str(script)).stdout
     flags = ["-m", "ringpipe", "train", "--data", "synthetic", "--layers", "2", "--d-model", "16", "--heads", "2",
-             "--context", "16", "--batch-size", "8", "--steps", "3", "--dtype", "float64", "--sample-bytes", "0",
+             "--context", "16", "--batch-size", "8", "--steps", "3", "--dtype", "float64", "--sample-tokens", "0",
              "--quiet"]
     one = subprocess.run([python, *flags, "--out", str(tmp_path / "one")], env=env, capture_output=True, text=True,
                          timeout=120, cwd=ROOT)

@@ -29,7 +29,7 @@ VENV_PY = os.path.join(ROOT, ".venv", "bin", "python")
 PY = VENV_PY if os.path.exists(VENV_PY) else sys.executable
 MPIEXEC = os.path.join(os.path.dirname(PY), "mpiexec")
 TINY = ["--data", "synthetic", "--layers", "2", "--d-model", "16", "--heads", "2", "--context", "16",
-        "--batch-size", "8", "--steps", "6", "--dtype", "float64", "--sample-bytes", "0"]
+        "--batch-size", "8", "--steps", "6", "--dtype", "float64", "--sample-tokens", "0"]
 FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
          "DEADLINE", "PREEMPTED"}
 THREADS = {v: "1" for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")}
@@ -191,7 +191,7 @@ def test_train_job_matches_mpiexec(slurm, tmp_path):
 
 def test_usr1_checkpoints_requeues_and_matches_uninterrupted(slurm, tmp_path):
     steps = 300                       # a few seconds: the signal must land before the end
-    args = TINY[:-6] + ["--steps", str(steps), "--dtype", "float64", "--sample-bytes", "0", "--quiet"]
+    args = TINY[:-6] + ["--steps", str(steps), "--dtype", "float64", "--sample-tokens", "0", "--quiet"]
     ref = mpiexec_reference(str(tmp_path / "ref"), args)
     finish(ref)                       # first, so the two runs do not share the 2 cores
     run = tmp_path / "run"

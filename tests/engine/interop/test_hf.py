@@ -465,7 +465,7 @@ def trained_run(tmp_path_factory):
     from ringpipe.engine.train.cli import run_flags
     run = tmp_path_factory.mktemp("export") / "run"
     run_flags(["--data", "synthetic", "--layers", "2", "--d-model", "32", "--heads", "2", "--context", "16",
-               "--batch-size", "4", "--steps", "3", "--sample-bytes", "0", "--quiet", "--out", str(run)])
+               "--batch-size", "4", "--steps", "3", "--sample-tokens", "0", "--quiet", "--out", str(run)])
     return run
 
 

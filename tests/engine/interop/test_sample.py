@@ -17,7 +17,7 @@ def bpe_run(tmp_path_factory):
     prep.prepare([str(tmp / "corpus")], tmp / "data", tokenizer="bpe:280", progress=False)
     out = str(tmp / "run")
     run_flags(["--data", str(tmp / "data"), "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16",
-               "--batch-size", "4", "--steps", "2", "--sample-bytes", "0", "--quiet", "--out", out])
+               "--batch-size", "4", "--steps", "2", "--sample-tokens", "0", "--quiet", "--out", out])
     return out
 
 

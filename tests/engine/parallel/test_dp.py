@@ -18,7 +18,7 @@ from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.train.run import run
 
 world = MPI.COMM_WORLD
-BASE = dict(data="synthetic", layers=2, d_model=16, heads=2, context=16, batch_size=8, steps=4, sample_bytes=0,
+BASE = dict(data="synthetic", layers=2, d_model=16, heads=2, context=16, batch_size=8, steps=4, sample_tokens=0,
             quiet=True, overwrite=True)
 
 

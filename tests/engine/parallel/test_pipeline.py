@@ -22,7 +22,7 @@ TOL = 1e-10
 
 def base(layers, batch, **more):
     return Config(**{**dict(data="synthetic", layers=layers, d_model=8, heads=2, context=8, batch_size=batch,
-                            steps=3, dtype="float64", sample_bytes=0, quiet=True, overwrite=True, eval_every=3,
+                            steps=3, dtype="float64", sample_tokens=0, quiet=True, overwrite=True, eval_every=3,
                             eval_batches=1), **more})
 
 

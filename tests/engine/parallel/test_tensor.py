@@ -216,7 +216,7 @@ def test_a_tensor_group_across_nodes_is_warned_about(monkeypatch):
 def base(**more):
     # grad_clip 0.1: the clipping acts, so a norm that counted a parameter twice would change the weights
     return Config(**{**dict(data="synthetic", layers=2, d_model=16, heads=4, context=8, batch_size=8, steps=3, grad_clip=0.1,
-                            dtype="float64", sample_bytes=0, quiet=True, overwrite=True, eval_every=3,
+                            dtype="float64", sample_tokens=0, quiet=True, overwrite=True, eval_every=3,
                             eval_batches=1), **more})
 
 
@@ -354,11 +354,11 @@ def test_tp3_pads_the_vocabulary_further_and_its_checkpoint_continues_at_tp1(tmp
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()]
     out = tmp_path / "tp3"
     r = subprocess.run([mpiexec, "-n", "3", sys.executable, "-m", "ringpipe.cli", "train", "--data", "synthetic",
-                        *flags, "--tp", "3", "--checkpoint-every", "2", "--sample-bytes", "0", "--out", str(out)],
+                        *flags, "--tp", "3", "--checkpoint-every", "2", "--sample-tokens", "0", "--out", str(out)],
                        cwd=ROOT, env=bench_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
     assert "tp 3" in r.stdout
-    common = dict(data="synthetic", sample_bytes=0, quiet=True, eval_every=4, eval_batches=4, **shape)
+    common = dict(data="synthetic", sample_tokens=0, quiet=True, eval_every=4, eval_batches=4, **shape)
     ref = tmp_path / "ref"
     run(Config(out=str(ref), **common), world=MPI.COMM_SELF)
     np.testing.assert_allclose([m["loss"] for m in metrics(out)], [m["loss"] for m in metrics(ref)], rtol=TOL)

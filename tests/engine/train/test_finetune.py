@@ -263,7 +263,7 @@ def test_a_run_on_data_without_a_tokenizer_says_why_it_samples_nothing(tmp_path,
     rng = np.random.default_rng(0)
     for split, n in (("train", 4000), ("val", 1000)):
         rng.integers(0, 300, n).astype(np.uint16).tofile(folder / f"{split}.bin")
-    single(str(tmp_path), str(folder), "run", steps=2, sample_bytes=20, quiet=False)
+    single(str(tmp_path), str(folder), "run", steps=2, sample_tokens=20, quiet=False)
     said = capsys.readouterr().out
     assert "no sample at the end: the data has no tokenizer" in said
 

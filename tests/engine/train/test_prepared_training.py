@@ -20,7 +20,7 @@ from ringpipe.engine.train.run import run
 
 WORDS = ("ring all reduce pipeline stage token shard gradient bucket rank layer tensor model data "
          "train step loss weight batch micro schedule optimizer").split()
-TINY = dict(layers=2, d_model=16, heads=2, context=16, batch_size=8, steps=4, sample_bytes=0, quiet=True,
+TINY = dict(layers=2, d_model=16, heads=2, context=16, batch_size=8, steps=4, sample_tokens=0, quiet=True,
             overwrite=True, eval_batches=1)
 
 

@@ -13,7 +13,7 @@ from ringpipe.engine.train.cli import run_flags
 
 from tests.support import ROOT
 TINY = ["--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16",
-        "--batch-size", "4", "--sample-bytes", "0", "--quiet"]
+        "--batch-size", "4", "--sample-tokens", "0", "--quiet"]
 
 
 def run(tmp_path, *extra, name="run"):
@@ -42,7 +42,7 @@ def test_gpt_learns_the_stdlib_corpus(tmp_path):
     out = str(tmp_path / "learn")
     run_flags(["--layers", "2", "--d-model", "64", "--heads", "4", "--context", "64",
                       "--batch-size", "16", "--steps", "150", "--lr", "3e-3", "--eval-batches", "4",
-                      "--sample-bytes", "0", "--quiet", "--out", out])
+                      "--sample-tokens", "0", "--quiet", "--out", out])
     with open(os.path.join(out, "metrics.jsonl")) as fh:
         records = [json.loads(line) for line in fh]
     val = records[-1]["val_loss"]
@@ -134,6 +134,15 @@ def test_unknown_flag_and_value():
     assert r.returncode == 2 and "unrecognized arguments: --stepz" in r.stderr
     r = cli("--dtype", "float16")
     assert r.returncode == 2 and "invalid choice: 'float16'" in r.stderr
+
+
+def test_sample_bytes_is_the_old_name_of_sample_tokens(capsys):
+    """--sample-tokens was --sample-bytes (it counts tokens): the old name still sets it, and says so."""
+    from ringpipe.engine.train.cli import config_from_args, parse_args
+    assert config_from_args(parse_args(["--sample-tokens", "7"])).sample_tokens == 7
+    assert capsys.readouterr().err == ""
+    assert config_from_args(parse_args(["--sample-bytes", "9"])).sample_tokens == 9
+    assert "--sample-bytes is now --sample-tokens" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag, value, says", [
@@ -264,7 +273,7 @@ def test_cli_runs_plain_and_under_mpiexec(tmp_path, launcher):
         pytest.skip("no mpiexec next to this python (install the mpi extra)")
     prefix = [] if launcher == "python" else [mpiexec, "-n", "1"]
     args = [a for a in TINY if a != "--quiet"]
-    args[args.index("--sample-bytes") + 1] = "16"
+    args[args.index("--sample-tokens") + 1] = "16"
     r = subprocess.run(prefix + [sys.executable, "-m", "ringpipe.train", *args, "--steps", "2",
                                  "--out", str(tmp_path / "cli")],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
