@@ -1,7 +1,7 @@
 """Optimizers over flat buffers, global-norm clipping and the LR schedule.
 
 Each optimizer updates one contiguous slice of the flat parameter buffer with
-state of the same length: the whole buffer on one process, this rank's shard
+state of the same length: the whole buffer on one process, this rank's slice
 under ZeRO-1. State is exposed as named flat arrays for checkpoints.
 """
 from __future__ import annotations

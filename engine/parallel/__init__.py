@@ -11,7 +11,7 @@
                  between the first and the last stage; evaluation through a forward-only
                  schedule; the partitioner that splits the layers (partition.py)
     data.py      DataParallel: wraps either one; gradient buckets all-reduced while
-                 backward runs; ZeRO-1 (the update of one shard, then an all-gather)
+                 backward runs; ZeRO-1 (the update of one slice, then an all-gather)
     compose.py   build_rank_model: DataParallel(TensorParallel(PipelineModel | LocalModel))
 
 Every rank model offers the same surface (RankModel below), so the trainer
@@ -100,7 +100,7 @@ class RankModel(Protocol):
 
 def named_state(params: ParamBuffer, opt_state: dict) -> dict:
     """Host arrays by name: the parameters, and optimizer states given as flat
-    arrays laid out like params.data (full size: ZeRO shards gathered first)."""
+    arrays laid out like params.data (full size: ZeRO slices gathered first)."""
     arrays = {f"param/{k}": v for k, v in params.state_dict(params.data).items()}
     for state_name, flat in opt_state.items():
         arrays.update({f"opt/{state_name}/{k}": v for k, v in params.state_dict(flat).items()})

@@ -4,10 +4,10 @@ DataParallel wraps the local or the pipeline model and owns:
 - gradient reduction: GradBuckets all-reduce (average) buckets of gradients
   over the data axis while backward still runs (the inner model says when
   each gradient is final); done when the inner model's step says so;
-- the update: the whole buffer, or under ZeRO-1 this rank's shard of it
-  (its optimizer state is that shard only), then an all-gather of the
+- the update: the whole buffer, or under ZeRO-1 this rank's slice of it
+  (its optimizer state is that slice only), then an all-gather of the
   parameters along the axis;
-- checkpoint state: ZeRO shards of the optimizer state gathered first; only
+- checkpoint state: the ZeRO slices of the optimizer state gathered first; only
   the first replica's pipeline gathers the arrays for world rank 0;
 - identical replicas at a fresh start (a broadcast of the first replica).
 With one data-parallel rank it adds nothing and communicates nothing.
@@ -49,7 +49,7 @@ class DataParallel:
         self.dp, self.index = grid.size("data"), grid.index("data")
         self.zero = zero and self.dp > 1
         # This rank updates (and keeps optimizer state for) this slice of the flat buffer.
-        self.shard = comm.chunk_bounds(self.params.size, self.dp)[self.index] if self.zero \
+        self.update_slice = comm.chunk_bounds(self.params.size, self.dp)[self.index] if self.zero \
             else (0, self.params.size)
         self.buckets, self.sync = None, NO_SYNC
         if self.dp > 1:
@@ -71,12 +71,12 @@ class DataParallel:
         return self.inner.grad_norm_sq()      # the gradients are the same on every replica now
 
     def make_optimizer(self, name, weight_decay):
-        lo, hi = self.shard
+        lo, hi = self.update_slice
         return make_optimizer(name, hi - lo, self.params.dtype, self.params.xp, self.params.wd_mask[lo:hi],
                               weight_decay)
 
     def update(self, opt, lr):
-        lo, hi = self.shard
+        lo, hi = self.update_slice
         opt.step(self.params.data[lo:hi], self.params.grad[lo:hi], lr)
         if self.zero:
             comm.allgather(self.params.data, self.data_comm)
@@ -93,7 +93,7 @@ class DataParallel:
         for state_name, buf in opt.state().items():
             if self.zero:
                 flat = np.zeros(self.params.size, dtype=self.params.dtype)
-                flat[self.shard[0]:self.shard[1]] = to_host(buf)
+                flat[self.update_slice[0]:self.update_slice[1]] = to_host(buf)
                 comm.allgather(flat, self.data_comm)
             else:
                 flat = buf
@@ -106,7 +106,7 @@ class DataParallel:
 
     def restore_state(self, arrays, opt):
         full = self.inner.restore_state(arrays, opt.state_names)
-        lo, hi = self.shard
+        lo, hi = self.update_slice
         for state_name, buf in opt.state().items():
             buf[...] = self.params.xp.asarray(full[state_name][lo:hi])
 

@@ -146,7 +146,7 @@ def _parallelism_flags(p):
                         "capped at 1 MiB like PyTorch DDP's)")
     g.add_argument("--no-overlap", action="store_true", help="all-reduce after backward instead of during it")
     g.add_argument("--zero", type=int, choices=[0, 1], default=0,
-                   help="1: shard optimizer state across data-parallel ranks (ZeRO-1)")
+                   help="1: split the optimizer state across data-parallel ranks, a slice each (ZeRO-1)")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1); ranks = dp x pp x tp")
     g.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks per layer (default 1; GPT only): attention heads, MLP features "

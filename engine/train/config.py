@@ -65,7 +65,7 @@ class Config:
     dp: int | None = None              # data-parallel ranks (all ranks / pp)
     bucket_mb: float | None = None     # gradient bucket MiB (auto)
     no_overlap: bool = False           # all-reduce after backward instead of during it
-    zero: int = 0                      # 1: ZeRO-1 (optimizer state sharded over the data axis)
+    zero: int = 0                      # 1: ZeRO-1 (optimizer state split over the data axis, a slice a rank)
     pp: int = 1                        # pipeline stages
     tp: int = 1                        # tensor-parallel ranks (GPT): heads, MLP features, vocabulary split
     sequence_parallel: bool = False    # with tp > 1: the stream between the TP regions split along T
