@@ -151,7 +151,7 @@ def _peak_rss_mb(path, tmp_path, tokenizer="bytes", limit_gb=2):
     script = textwrap.dedent(f"""
         import resource, shutil
         resource.setrlimit(resource.RLIMIT_AS, ({limit_gb} << 30, {limit_gb} << 30))
-        from ringpipe.engine import prepare as prep
+        from ringpipe.engine.data import prepare as prep
         prep.prepare([{str(path)!r}], {str(tmp_path / "out")!r}, tokenizer={tokenizer!r}, progress=False,
                      overwrite=True)
         shutil.rmtree({str(tmp_path / "out")!r})
