@@ -32,8 +32,6 @@
 # Exit code: 0 if every step that ran passed, 1 otherwise.
 set -u
 cd "$(dirname "$0")/.." || exit 1
-# The checkout itself, not an installed ringpipe: the GPU machine has none.
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-gpu_results}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -43,6 +41,11 @@ START=$(date +%s)
 LOG="$OUT/check.log"
 STEPS="$OUT/steps.tsv"
 TMPD=$(mktemp -d /tmp/ringpipe_gpu_check.XXXXXX)
+# The checkout itself, not an installed ringpipe: the GPU machine has none, and maybe no pip.
+# package_view.py makes the checkout again of links, its ringpipe/ the package setup.py would
+# install (engine/, kernels/, comm/ under it); every step runs from there (docs/gpu.md).
+VIEW=$("$PY" benchmarks/package_view.py "$TMPD/view") && cd "$VIEW" || { echo "gpu_check.sh: no package view" >&2; exit 1; }
+export PYTHONPATH=$VIEW${PYTHONPATH:+:$PYTHONPATH}
 : >"$LOG"
 printf 'step\texit\tseconds\n' >"$STEPS"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1

@@ -211,6 +211,12 @@ def copy_checkout(dest: str) -> None:
             os.makedirs(os.path.join(dest, os.path.dirname(rel)), exist_ok=True)
             shutil.copy2(src, os.path.join(dest, rel))
     os.symlink(sys.prefix, os.path.join(dest, ".venv"))
+    # The copy's ringpipe/ made the whole package (its engine/, kernels/, comm/ linked in, as
+    # setup.py maps them), so that `ringpipe` found from the copy is all of the copy's code.
+    spec = importlib.util.spec_from_file_location("package_view", os.path.join(dest, "benchmarks", "package_view.py"))
+    package_view = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(package_view)
+    package_view.link_subpackages(os.path.join(dest, "ringpipe"), dest)
 
 
 def reader_environment(checkout: str, home: str) -> dict:
