@@ -171,3 +171,70 @@ def test_the_linter_ci_runs_catches_undefined_names():
     assert r.returncode == 1, r.stdout + r.stderr
     for name in ("CommContext", "_contexts", "key"):
         assert f"Undefined name `{name}`" in r.stdout, r.stdout
+
+
+# ---- a model is a recipe (engine/model/recipe.py) ---------------------------------------
+
+def _family_names():
+    from ringpipe.engine.model.registry import RECIPES
+    return set(RECIPES)
+
+
+def _names_a_model(node) -> bool:
+    """cfg.model, manifest["model"], model_kind, model: an expression that holds a family's name."""
+    if isinstance(node, ast.Attribute):
+        return node.attr in ("model", "model_kind")
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.slice, ast.Constant) and node.slice.value == "model"
+    return isinstance(node, ast.Name) and node.id in ("model", "model_kind")
+
+
+def _strings(node):
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        yield node.value
+    elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        for element in node.elts:
+            yield from _strings(element)
+
+
+def _model_branches(source, families):
+    """Lines that compare a model's name with a string (`cfg.model == "gpt"`, `kind in ("gpt",)`),
+    or anything with a family's name (`"mlp" != name`): a branch on the model kind."""
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        strings = {s for operand in operands for s in _strings(operand)}
+        if strings & families or (strings and any(_names_a_model(operand) for operand in operands)):
+            yield node.lineno
+
+
+# The files outside engine/model/ that may name a family, and why: the checkpoint format
+# (job/, which may not import the model) reads the files each family wrote, old ones too.
+MAY_NAME_A_FAMILY = {"engine/job/checkpoint.py"}
+
+
+def test_no_branch_on_the_model_kind_outside_the_recipes():
+    """The trainer, the config checks, reporting and interop ask the model's recipe; only
+    engine/model/ (where each family's recipe lives) may name a family in a comparison."""
+    families = _family_names()
+    found = [f"{os.path.relpath(path, ROOT)}:{line}" for path in _files("engine")
+             if not os.path.relpath(path, ROOT).startswith(os.path.join("engine", "model") + os.sep)
+             and os.path.relpath(path, ROOT).replace(os.sep, "/") not in MAY_NAME_A_FAMILY
+             for line in _model_branches(open(path).read(), families)]
+    assert not found, "a branch on the model kind (ask the recipe instead):\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("source", ['if cfg.model == "gpt":\n    pass\n',
+                                    'unit = "tokens" if r.cfg.model != "mlp" else "examples"\n',
+                                    'if manifest["model"] in ("gpt", "other"):\n    pass\n',
+                                    'ok = model_kind == "toy"\n',
+                                    'ok = "gpt" == name\n'])
+def test_the_model_branch_check_sees_one(source):
+    assert list(_model_branches(source, {"gpt", "mlp"})), source
+
+
+def test_the_model_branch_check_lets_other_comparisons_be():
+    source = ('if r.manifest.get("model") != r.cfg.model:\n    pass\n'
+              'if cfg.dataset == "stdlib" and recipe.data == "tokens":\n    pass\n')
+    assert not list(_model_branches(source, {"gpt", "mlp"}))

@@ -41,6 +41,7 @@ import numpy as np
 from ringpipe.engine.job import checkpoint, files
 from ringpipe.engine.model.gpt import GPTConfig, fit_vocab_rows, gpt_layers
 from ringpipe.engine.model.params import dedup_specs
+from ringpipe.engine.model.registry import RECIPES
 
 
 class HFError(ValueError):
@@ -988,7 +989,7 @@ def _export_command(args) -> int:
     # (check_checkpoint_shapes) before anything is built or read, and the output folder before
     # the arrays are read, so a refusal costs nothing.
     manifest, declared = checkpoint.declared_arrays(manifest_path)
-    if manifest["model"] != "gpt":
+    if not RECIPES[manifest["model"]].hf_format:            # the checkpoint's check knows every family
         raise HFError(f"{manifest_path} is a checkpoint of the {manifest['model']} model; only the GPT "
                       "exports to the Hugging Face format")
     cfg = check_checkpoint_shapes(manifest, declared, manifest_path)

@@ -30,11 +30,12 @@ def load_run(path: str, notes=None):
     from ringpipe.engine.job import checkpoint
     from ringpipe.engine.model.gpt import build_gpt, checkpoint_vocab_rows, fit_vocab_rows
     from ringpipe.engine.interop.hf import check_checkpoint_shapes
+    from ringpipe.engine.model.registry import RECIPES
     resolved, note = checkpoint.resolve_with_note(path)
     if note and notes is not None:
         notes.append(note)
     manifest, declared = checkpoint.declared_arrays(resolved)
-    if manifest["model"] != "gpt":
+    if RECIPES[manifest["model"]].generate is None:       # the checkpoint's check knows every family
         raise ValueError(f"{resolved} holds a {manifest['model']} model: only a GPT generates text")
     # model_config against the npz's declared shapes and the memory, before the model is built.
     cfg = check_checkpoint_shapes(manifest, declared, resolved)

@@ -21,9 +21,11 @@ from ringpipe.engine.job import checkpoint, lifecycle, rundir, runtime
 from ringpipe.engine.train import config as config_checks
 from ringpipe.engine.job.agreement import agree, agree_on_rank0
 from ringpipe.engine.train.agreement import check_same_config
-from ringpipe.engine.train.config import Config, check_memory, check_tensor_parallel, model_config, resume_differences
+from ringpipe.engine.train.config import (DATA_WORDS, DATASETS, Config, check_memory, check_tensor_parallel,
+                                          model_config, resume_differences)
 from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.model.optim import lr_at
+from ringpipe.engine.model.registry import names_of
 from ringpipe.engine.train.reporting import Reporter
 
 
@@ -38,7 +40,7 @@ class Run:
     ckpt_dir: str
     resume_path: str | None = None
     manifest: dict = field(default_factory=dict)
-    shape: Any = None                  # GPTConfig or MLPConfig
+    shape: Any = None                  # the recipe's shape: GPTConfig, MLPConfig, ...
     seq_len: int | None = None
     dtype: Any = None
     xp: Any = np
@@ -55,6 +57,11 @@ class Run:
     tracer: Any = None
     dog: Any = None
     t_start: float = 0.0               # when the first step began
+
+    @property
+    def recipe(self):
+        """The model family's recipe (engine/model/recipe.py): what this run asks of its model."""
+        return self.cfg.recipe
 
     @property
     def items_per_step(self) -> int:
@@ -193,12 +200,12 @@ def shape_data_device(r: Run) -> None:
     init_shape = r.init[0].to_dict() if r.init else None
     saved = r.manifest.get("model_config")
     r.dtype = K.resolve_dtype(cfg.dtype)
-    if cfg.model == "gpt":
+    if r.recipe.data == "tokens":
         # The sequence length comes from the shape, the vocabulary from the data: the shape
         # without the data's vocabulary first (only its context matters here), then with it.
         r.seq_len = cfg.seq_len or model_config(cfg, saved, init=init_shape).context
     stdlib_dir = None
-    if cfg.model == "gpt" and cfg.dataset == "stdlib":
+    if cfg.dataset == "stdlib" and r.recipe.data == "tokens":
         # Token shards in a cache, written once by rank 0: no rank holds the corpus in memory.
         from ringpipe.engine.data.prepare import prepare_stdlib
         stdlib_dir = agree_on_rank0(r.world, lambda: prepare_stdlib(int(cfg.max_data_mb * 2**20)),
@@ -209,7 +216,7 @@ def shape_data_device(r: Run) -> None:
     r.tokenizer = getattr(r.dataset, "tokenizer", None)
     check_assumed_vocab(r)
     r.shape = model_config(cfg, saved, vocab=getattr(r.dataset, "vocab_size", None), init=init_shape)
-    if cfg.model == "gpt" and r.seq_len > r.shape.context:
+    if r.recipe.data == "tokens" and r.seq_len > r.shape.context:
         raise ConfigError(f"<seq_len> {r.seq_len} exceeds the model's context {r.shape.context}; lower "
                           f"<seq_len> or raise <context> (at least {r.seq_len})")
     check_tokenizer(r)
@@ -299,42 +306,46 @@ def _saved_tokenizer(r: Run, saved: dict):
 
 
 def open_dataset(cfg: Config, seq_len, stdlib_dir=None):
-    from ringpipe.engine.data import datasets as data
-    kind, dtype = cfg.dataset, np.dtype(cfg.dtype)
-    max_bytes = int(cfg.max_data_mb * 2**20)
-    if cfg.model == "gpt":
-        if kind == "prepared":
-            from ringpipe.engine.data import shards
-            return shards.open_dataset(cfg.data, seq_len, cfg.seed)
-        if kind == "stdlib":
-            from ringpipe.engine.data import shards
-            dataset = shards.open_dataset(stdlib_dir, seq_len, cfg.seed)
-            source = shards.read_manifest(stdlib_dir)["sources"][0]["description"]
-            dataset.name, dataset.description = "stdlib", f"{source}; prepared once as token shards in {stdlib_dir}"
-            return dataset
-        if kind == "synthetic":
-            return data.synthetic_tokens(seq_len, cfg.seed)
-        if kind == "text":
-            if not cfg.data_path:
-                raise ConfigError("<data> text needs <data_path> FILE_OR_FOLDER")
-            return data.load_text_folder(cfg.data_path, seq_len, cfg.seed, max_bytes=max_bytes)
-        raise ConfigError(f"<data> {kind} is a classification set; use it with <model> mlp")
-    if kind == "fashion-mnist":
-        return data.load_fashion_mnist(cfg.seed, root=cfg.data_path or data.FASHION_MNIST_DIR, dtype=dtype)
+    """The dataset <data> names, of the kind of data the model family trains on."""
+    kind, wanted = cfg.dataset, cfg.recipe.data
+    if kind not in DATASETS[wanted]:
+        other = next(k for k, names in DATASETS.items() if kind in names)
+        raise ConfigError(f"<data> {kind} is {DATA_WORDS[other]}; use it with <model> "
+                          f"{names_of(lambda recipe: recipe.data == other)}")
+    return _open_tokens(cfg, seq_len, stdlib_dir) if wanted == "tokens" else _open_classes(cfg)
+
+
+def _open_tokens(cfg: Config, seq_len, stdlib_dir):
+    from ringpipe.engine.data import datasets as data, shards
+    kind = cfg.dataset
+    if kind == "prepared":
+        return shards.open_dataset(cfg.data, seq_len, cfg.seed)
+    if kind == "stdlib":
+        dataset = shards.open_dataset(stdlib_dir, seq_len, cfg.seed)
+        source = shards.read_manifest(stdlib_dir)["sources"][0]["description"]
+        dataset.name, dataset.description = "stdlib", f"{source}; prepared once as token shards in {stdlib_dir}"
+        return dataset
     if kind == "synthetic":
-        return data.synthetic_classification(cfg.seed, dtype=dtype)
-    raise ConfigError(f"<data> {kind} is a text corpus; use it with <model> gpt")
+        return data.synthetic_tokens(seq_len, cfg.seed)
+    if not cfg.data_path:
+        raise ConfigError("<data> text needs <data_path> FILE_OR_FOLDER")
+    return data.load_text_folder(cfg.data_path, seq_len, cfg.seed, max_bytes=int(cfg.max_data_mb * 2**20))
+
+
+def _open_classes(cfg: Config):
+    from ringpipe.engine.data import datasets as data
+    dtype = np.dtype(cfg.dtype)
+    if cfg.dataset == "fashion-mnist":
+        return data.load_fashion_mnist(cfg.seed, root=cfg.data_path or data.FASHION_MNIST_DIR, dtype=dtype)
+    return data.synthetic_classification(cfg.seed, dtype=dtype)
 
 
 def describe_data(r: Run) -> None:
-    from ringpipe.engine.model.gpt import flops_per_token
-    from ringpipe.engine.model.mlp import flops_per_example
     r.report.say(f"data: {r.dataset.describe()}")
-    if r.cfg.model == "gpt":
-        r.items_per_example, r.flops_per_item = r.seq_len, flops_per_token(r.shape, r.seq_len)
-    else:
-        r.shape.n_in, r.shape.n_classes = r.dataset.n_features, r.dataset.n_classes
-        r.flops_per_item = flops_per_example(r.shape)
+    r.recipe.fit_to_data(r.shape, r.dataset)           # the MLP's features and classes
+    if r.recipe.data == "tokens":
+        r.items_per_example = r.seq_len
+    r.flops_per_item = r.recipe.flops_per_item(r.shape, r.seq_len)
     local_batch = r.cfg.batch_size // r.grid.size("data")
     first = r.grid.index("data") * local_batch
     r.rows = (first, first + local_batch)
@@ -343,14 +354,12 @@ def describe_data(r: Run) -> None:
 # ---- the model and its optimizer --------------------------------------------------------
 
 def build_model(r: Run, cleanup) -> None:
-    from ringpipe.engine.model.gpt import gpt_layers
-    from ringpipe.engine.model.mlp import mlp_layers
     from ringpipe.engine.parallel.compose import build_rank_model
     from ringpipe.engine.schedules import ScheduleError
     cfg = r.cfg
-    # layers_fn(tensor): whole layers, or a tensor group's parts of them (GPT only)
-    layers_fn = (lambda tensor=None: gpt_layers(r.shape, tensor)) if cfg.model == "gpt" \
-        else (lambda tensor=None: mlp_layers(r.shape))
+    # layers_fn(tensor): whole layers, or a tensor group's parts of them (a family with the tensor axis)
+    def layers_fn(tensor=None):
+        return r.recipe.layers(r.shape, tensor)
     micro = (r.rows[1] - r.rows[0]) // cfg.microbatches
     r.tracer = None
     if cfg.trace:
@@ -383,11 +392,7 @@ def build_model(r: Run, cleanup) -> None:
                           f"not {cfg.optimizer}")
     # Only the arrays this rank holds, each checked against the model's shape
     # before its bytes are read (a damaged or hostile file costs nothing).
-    expected = r.model.state_shapes(r.opt)
-    if cfg.model == "gpt":
-        from ringpipe.engine.model.gpt import checkpoint_vocab_rows
-        rows = checkpoint_vocab_rows(r.shape, r.manifest)          # padded for the tp it was written at
-        expected = {k: (rows, *shape[1:]) if k.split("/")[-1] == "wte" else shape for k, shape in expected.items()}
+    expected = r.recipe.saved_shapes(r.model.state_shapes(r.opt), r.shape, r.manifest)
     arrays, _ = agree(r.world, lambda: checkpoint.load(r.resume_path, expected=expected), "checkpoint")
     r.model.restore_state(vocab_rows_for_run(r, arrays), r.opt)
     r.opt.step_count = r.manifest["opt_step_count"]
@@ -405,11 +410,8 @@ def build_model(r: Run, cleanup) -> None:
 
 
 def vocab_rows_for_run(r: Run, arrays: dict) -> dict:
-    """A GPT's named arrays with wte padded as this run's tensor-parallel size pads it."""
-    if r.cfg.model != "gpt":
-        return arrays
-    from ringpipe.engine.model.gpt import fit_vocab_rows
-    return fit_vocab_rows(arrays, r.shape, r.shape.padded_vocab_for(r.cfg.tp))
+    """Named arrays as this run's tensor-parallel size builds them (a GPT's wte padded so)."""
+    return r.recipe.fit_arrays(arrays, r.shape, r.cfg.tp)
 
 
 def schedule_change(saved: dict, cfg: Config, start_step: int) -> list[str]:
@@ -441,7 +443,7 @@ def start_reporting(r: Run, cleanup) -> None:
         (f" x tp {r.grid.size('tensor')}" if r.grid.size("tensor") > 1 else "")
     described = r.model.describe()
     report.say(f"data {r.dataset.name} | global batch {cfg.batch_size} x {r.items_per_example} = "
-               f"{r.items_per_step} {'tokens' if cfg.model == 'gpt' else 'examples'}/step | {world.Get_size()} "
+               f"{r.items_per_step} {r.recipe.unit}/step | {world.Get_size()} "
                f"ranks: {layout}{f' | {described}' if described else ''}")
     if comm.launcher.prepared:
         report.say(f"MPI: {comm.launcher.prepared}")
@@ -452,7 +454,7 @@ def start_reporting(r: Run, cleanup) -> None:
         report.say(f"device: {describe_device(r.xp)} on rank 0")
         if world.Get_size() > 1:
             report.say(f"GPU buffers and MPI: {r.transport.describe()}")
-    if cfg.model == "gpt":
+    if r.recipe.data == "tokens":
         # Reads each split's first 256 MiB (and refuses a token id outside the vocabulary
         # there): a read error on one rank must stop every rank alike.
         nats = agree(world, r.dataset.unigram_entropy, "unigram baseline of the data")

@@ -25,6 +25,7 @@ import dataclasses  # noqa: E402
 
 from ringpipe.engine.train.config import Config  # noqa: E402
 from ringpipe.engine.model.gpt import PRESETS  # noqa: E402
+from ringpipe.engine.model.registry import RECIPES  # noqa: E402
 from ringpipe.engine.job.errors import ConfigError, Diverged, JobFailure, spell  # noqa: E402
 
 
@@ -72,7 +73,7 @@ def parse_args(argv=None, prog="ringpipe train"):
 
 def _model_flags(p):
     g = p.add_argument_group("model")
-    g.add_argument("--model", choices=["gpt", "mlp"], default="gpt", help="model to train (default gpt)")
+    g.add_argument("--model", choices=sorted(RECIPES), default="gpt", help="model to train (default gpt)")
     g.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="a standard GPT shape: sets --layers, --d-model, --heads and --context (gpt2-124m: 12, "
                         "768, 12, 1024); flags given as well must agree with it")

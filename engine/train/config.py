@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ringpipe.engine.job.errors import ConfigError
+from ringpipe.engine.model.registry import names_of
 
 MAX_BUCKET_MB = 1 << 20        # 1 TiB: past the gradients' size a bucket is just one bucket
 # Fine-tuning (init_from) defaults, each used only where the setting was not given
@@ -30,12 +31,18 @@ FINE_TUNING_LR_FACTOR = 0.1       # of the scratch LR: steps that large undo wha
 FINE_TUNING_WARMUP_DIVISOR = 100  # warmup = 1% of the schedule (5% from scratch): Adam's moments settle fast
 FINE_TUNING_EVALS = 10            # validation every 10% of the steps (every 20% from scratch)
 DATASET_NAMES = ("stdlib", "synthetic", "fashion-mnist", "text")
+# The datasets of each kind of data a model family trains on (engine/model/recipe.py
+# DATA_KINDS); "prepared" is a folder of token shards. SYNTHETIC is of both kinds.
+DATASETS = {"tokens": ("prepared", "stdlib", "synthetic", "text"), "classes": ("fashion-mnist", "synthetic")}
+DATA_WORDS = {"tokens": "a text corpus", "classes": "a classification set"}
+# The Config fields that set a model's shape; a family takes those its recipe maps.
+SHAPE_FIELDS = ("layers", "d_model", "heads", "context")
 
 
 @dataclass
 class Config:
     # ---- model
-    model: str = "gpt"                 # gpt | mlp
+    model: str = "gpt"                 # gpt | mlp: a family of engine/model/registry.py
     preset: str | None = None          # a standard GPT shape (engine/model/gpt.py PRESETS): gpt2-124m, ...
     init_from: str | None = None       # "hf:HF_DIR": start from a Hugging Face GPT-2 folder's weights
     layers: int | None = None          # GPT blocks / MLP hidden layers (4 / 2)
@@ -109,9 +116,13 @@ class Config:
         """A dataset name (DATASET_NAMES), or "prepared" for a folder of token shards."""
         if self.data is not None:
             return self.data if self.data in DATASET_NAMES else "prepared"
-        if self.model == "gpt":
-            return "text" if self.data_path is not None else "stdlib"
-        return "fashion-mnist"
+        return self.recipe.data_path_data if self.data_path is not None else self.recipe.default_data
+
+    @property
+    def recipe(self):
+        """The model family's ModelRecipe (engine/model/recipe.py): what the run asks of the model."""
+        from ringpipe.engine.model.registry import recipe_named
+        return recipe_named(self.model)
 
     @property
     def fine_tuning(self) -> bool:
@@ -208,6 +219,7 @@ def fine_tuning_notes(cfg: Config) -> list[str]:
 
 
 def _check_values(cfg: Config) -> None:
+    cfg.recipe                                 # an unknown <model> is refused first, naming the families
     for field, value in sorted(cfg.to_dict().items()):
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"<{field}> must be a finite number, got {value}")
@@ -294,16 +306,7 @@ def _check_combinations(cfg: Config, dp: int) -> list[str]:
     if cfg.data_path is not None and cfg.data not in (None, "text", "fashion-mnist"):
         raise ConfigError(f"<data_path> is read only with <data> text (or fashion-mnist for the MLP), but "
                           f"<data> {cfg.data} was given: drop one of the two")
-    if cfg.model == "mlp":
-        given = [f"<{field}>" for field in ("heads", "context", "seq_len") if getattr(cfg, field) is not None]
-        if given:
-            raise ConfigError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to <model> gpt only; "
-                              "the MLP takes <layers> and <d_model> (hidden width)")
-        if cfg.pipelined:
-            raise ConfigError("pipeline stages (<pp>/<chunks> > 1) are implemented for <model> gpt only")
-        if cfg.tp > 1:
-            raise ConfigError("tensor parallelism (<tp> > 1) is implemented for <model> gpt only (the MLP "
-                              "classifier is small enough for <dp>): drop <tp>")
+    _check_recipe(cfg)
     if cfg.tp_overlap not in ("auto", "on", "off"):
         raise ConfigError(f"<tp_overlap> must be auto, on or off, got {cfg.tp_overlap!r}")
     if cfg.sequence_parallel and cfg.tp < 2:
@@ -313,8 +316,9 @@ def _check_combinations(cfg: Config, dp: int) -> list[str]:
         raise ConfigError(f"<data> {cfg.data!r} is neither a dataset name ({', '.join(DATASET_NAMES)}) nor a folder "
                           "written by `ringpipe prepare`" + (f" ({cfg.data} does not exist)"
                                                              if not os.path.exists(cfg.data) else ""))
-    if cfg.dataset == "prepared" and cfg.model != "gpt":
-        raise ConfigError("a prepared token dataset (<data> DATA_DIR) trains <model> gpt")
+    if cfg.dataset == "prepared" and cfg.recipe.data != "tokens":
+        raise ConfigError(f"a prepared token dataset (<data> DATA_DIR) trains <model> "
+                          f"{names_of(lambda r: r.data == 'tokens')}")
     if cfg.init_from is not None:
         if not cfg.init_from.startswith("hf:") or not cfg.hf_dir:
             raise ConfigError(f"<init_from> {cfg.init_from!r}: give hf:HF_DIR, a Hugging Face GPT-2 folder")
@@ -322,8 +326,9 @@ def _check_combinations(cfg: Config, dp: int) -> list[str]:
             raise ConfigError(f"<init_from>: the folder {cfg.hf_dir} does not exist")
         if cfg.preset:
             raise ConfigError("<init_from>'s model has its own shape; <preset> would be ignored: pass one of them")
-    if cfg.model != "gpt" and (cfg.preset or cfg.init_from):
-        raise ConfigError("<preset> and <init_from> are GPT shapes: use them with <model> gpt")
+    if (cfg.preset and not cfg.recipe.presets) or (cfg.init_from and not cfg.recipe.hf_format):
+        raise ConfigError(f"<preset> and <init_from> are GPT shapes: use them with <model> "
+                          f"{names_of(lambda r: r.presets and r.hf_format)}")
     if cfg.watchdog_abort and not cfg.watchdog:
         raise ConfigError("<watchdog_abort> needs <watchdog> SECONDS (the stall that triggers it)")
     notes = []
@@ -337,9 +342,28 @@ def _check_combinations(cfg: Config, dp: int) -> list[str]:
         notes.append(f"note: <tp_overlap> {cfg.tp_overlap} has no effect without tensor parallelism (<tp>)")
     if cfg.partition is not None and not cfg.pipelined:
         notes.append(f"note: <partition> {cfg.partition} has no effect without pipeline stages (<pp>)")
-    if cfg.data is None and cfg.data_path is not None and cfg.model == "gpt":
-        notes.append("note: <data_path> given without <data>: reading it as <data> text")
+    if cfg.data is None and cfg.data_path is not None and cfg.recipe.data_path_data != cfg.recipe.default_data:
+        notes.append(f"note: <data_path> given without <data>: reading it as <data> {cfg.recipe.data_path_data}")
     return notes
+
+
+def _check_recipe(cfg: Config) -> None:
+    """Refuse what the model family does not offer: another family's shape settings, an axis."""
+    recipe = cfg.recipe
+    takes = set(recipe.fields) | ({"seq_len"} if recipe.data == "tokens" else set())
+    others = [f for f in SHAPE_FIELDS + ("seq_len",) if f not in takes and getattr(cfg, f) is not None]
+    if others:
+        given = [f"<{f}>" for f in others]
+        whose = names_of(lambda r: all(f in r.fields or (f == "seq_len" and r.data == "tokens") for f in others))
+        raise ConfigError(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to <model> {whose} only"
+                          + (f"; {recipe.fields_hint}" if recipe.fields_hint else ""))
+    if cfg.pipelined and "pipe" not in recipe.axes:
+        raise ConfigError(f"pipeline stages (<pp>/<chunks> > 1) are implemented for <model> "
+                          f"{names_of(lambda r: 'pipe' in r.axes)} only")
+    if cfg.tp > 1 and "tensor" not in recipe.axes:
+        raise ConfigError(f"tensor parallelism (<tp> > 1) is implemented for <model> "
+                          f"{names_of(lambda r: 'tensor' in r.axes)} only (<dp> spreads a small model's "
+                          "batch): drop <tp>")
 
 
 # ---- the model's shape ---------------------------------------------------------------
@@ -348,14 +372,9 @@ def model_config(cfg: Config, saved: dict | None = None, vocab: int | None = Non
     """The model's shape. The first of these that exists fixes it: a checkpoint when
     resuming, the Hugging Face model of init_from, a preset; settings given explicitly
     must agree with it, and fill in the rest. `vocab`: the data's tokenizer's size."""
-    from ringpipe.engine.model.gpt import GPTConfig
-    from ringpipe.engine.model.mlp import MLPConfig
-    if cfg.model == "gpt":
-        given = {"n_layer": cfg.layers, "d_model": cfg.d_model, "n_head": cfg.heads, "context": cfg.context}
-        shape = GPTConfig()
-    else:
-        given = {"n_layer": cfg.layers, "hidden": cfg.d_model}
-        shape = MLPConfig()
+    recipe = cfg.recipe
+    given = {key: getattr(cfg, field) for field, key in recipe.fields.items()}
+    shape = recipe.shape()
     fixed, source = _fixed_shape(cfg, saved, init)
     for key, value in fixed.items():
         if key in given and given[key] is not None and given[key] != value:
@@ -365,7 +384,7 @@ def model_config(cfg: Config, saved: dict | None = None, vocab: int | None = Non
     for key, value in given.items():
         if value is not None and key not in fixed:
             setattr(shape, key, value)
-    if vocab is not None and cfg.model == "gpt":
+    if vocab is not None and recipe.data == "tokens":
         if "vocab" in fixed and fixed["vocab"] != vocab:
             raise ConfigError(f"the data's tokenizer has {vocab} tokens, but {source} has a vocabulary of "
                               f"{fixed['vocab']}: train on data prepared with the model's tokenizer")
@@ -375,7 +394,7 @@ def model_config(cfg: Config, saved: dict | None = None, vocab: int | None = Non
 
 def check_tensor_parallel(cfg: Config, shape, seq_len) -> None:
     """Refuse a tensor-parallel size the model's shape cannot split."""
-    if cfg.tp == 1 or cfg.model != "gpt":
+    if cfg.tp == 1 or "tensor" not in cfg.recipe.axes:
         return
     if shape.n_head % cfg.tp:
         from ringpipe.engine.parallel.tensor import valid_tp
@@ -389,10 +408,10 @@ def check_tensor_parallel(cfg: Config, shape, seq_len) -> None:
 
 
 def _fixed_shape(cfg: Config, saved, init) -> tuple[dict, str]:
-    from ringpipe.engine.model.gpt import PRESETS
+    presets = cfg.recipe.presets
     if saved:
-        if cfg.preset in PRESETS:
-            preset = dict(zip(("n_layer", "d_model", "n_head", "context"), PRESETS[cfg.preset]))
+        if cfg.preset in presets:
+            preset = presets[cfg.preset]
             differ = {k: v for k, v in preset.items() if saved.get(k) != v}
             if differ:
                 raise ConfigError(f"the checkpoint was written with a shape other than <preset> {cfg.preset}'s ("
@@ -406,9 +425,9 @@ def _fixed_shape(cfg: Config, saved, init) -> tuple[dict, str]:
     if init:
         return init, f"the model of <init_from> {cfg.init_from}"
     if cfg.preset:
-        if cfg.preset not in PRESETS:
-            raise ConfigError(f"unknown <preset> {cfg.preset!r}: use one of {', '.join(sorted(PRESETS))}")
-        return dict(zip(("n_layer", "d_model", "n_head", "context"), PRESETS[cfg.preset])), f"<preset> {cfg.preset}"
+        if cfg.preset not in presets:
+            raise ConfigError(f"unknown <preset> {cfg.preset!r}: use one of {', '.join(sorted(presets))}")
+        return dict(presets[cfg.preset]), f"<preset> {cfg.preset}"
     return {}, ""
 
 
@@ -424,21 +443,8 @@ def memory_floor(cfg: Config, shape, dp: int) -> tuple[float, str]:
     micro-batch), so a run that cannot possibly fit is refused at once instead
     of failing with a MemoryError minutes in. Real use is higher."""
     itemsize = np.dtype(cfg.dtype).itemsize
-    if cfg.model == "gpt":
-        C, L = shape.d_model, shape.n_layer
-        V = shape.padded_vocab                 # the embedding's rows and the logits' columns
-        n_params = V * C + shape.context * C + L * 12 * C * C
-        micro = cfg.batch_size // dp // cfg.microbatches
-        T = cfg.seq_len or shape.context
-        heads = shape.n_head
-        # Per token and block at least the residual, LayerNorm, qkv, attention
-        # output and MLP activations (about 16 C) and the saved attention
-        # probabilities (heads x T); plus the logits of the head.
-        activations = micro * T * (max(1, L // cfg.pp) * (16 * C + heads * T) + V) * itemsize
-    else:
-        widths = [1] + [shape.hidden] * shape.n_layer + [1]    # features and classes are unknown yet
-        n_params = sum(a * b for a, b in zip(widths[:-1], widths[1:]))
-        activations = cfg.batch_size // dp * sum(widths) * itemsize
+    n_params, elements = cfg.recipe.memory(shape, cfg.batch_size // dp, cfg.microbatches, cfg.seq_len, cfg.pp)
+    activations = elements * itemsize
     states = 2 if cfg.optimizer == "adamw" else 1
     # Tensor parallelism splits nearly all of both (a lower bound may divide all of it).
     weights = n_params / cfg.pp / cfg.tp * itemsize * (2 + states / (dp if cfg.zero else 1))

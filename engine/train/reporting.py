@@ -94,11 +94,12 @@ class Reporter:
             self.metrics.close()
 
 
-def step_record(step, loss, lr, norm_sq, dt, items_per_step, flops_per_item, model_kind, hidden=None,
+def step_record(step, loss, lr, norm_sq, dt, items_per_step, flops_per_item, unit, hidden=None,
                 epoch=None) -> dict:
-    """One line of metrics.jsonl. epoch: passes over the training split so far (a float), when known."""
+    """One line of metrics.jsonl. unit: what the model counts (its recipe's: "tokens" gives
+    tokens_per_s). epoch: passes over the training split so far (a float), when known."""
     record = {"step": step, "loss": loss, "lr": lr, "grad_norm": math.sqrt(norm_sq), "step_ms": dt * 1e3,
-              "tokens_per_s" if model_kind == "gpt" else "examples_per_s": items_per_step / dt,
+              f"{unit}_per_s": items_per_step / dt,
               "model_flops_per_s": flops_per_item * items_per_step / dt}
     if epoch is not None:
         record["epoch"] = epoch

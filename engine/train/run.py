@@ -114,7 +114,7 @@ def steps(r: Run, batches: Prefetcher, best: Best | None = None) -> tuple[float,
 
         done = step + 1
         record = step_record(done, loss, lr, norm_sq, time.perf_counter() - t0, r.items_per_step,
-                             r.flops_per_item, cfg.model, getattr(model, "comm_hidden_fraction", lambda: None)(),
+                             r.flops_per_item, r.recipe.unit, getattr(model, "comm_hidden_fraction", lambda: None)(),
                              epochs_at(r, done))
         reported = saved_now = False
         try:
@@ -201,7 +201,7 @@ def evaluate(r: Run) -> dict:
 
 def report_step(r: Run, record: dict) -> None:
     try:
-        r.report.step_done(record, r.start_step, "tok" if r.cfg.model == "gpt" else "ex")
+        r.report.step_done(record, r.start_step, r.recipe.rate_unit)
     except rundir.RunDirError as e:
         r.stop.fail(str(e))                  # every rank stops at the next boundary
 
@@ -245,7 +245,7 @@ def say_epochs(r: Run) -> None:
     total, items = epochs_at(r, r.cfg.steps), train_items(r.dataset)
     if total is None:
         return
-    unit = "tokens" if r.cfg.model == "gpt" else "examples"
+    unit = r.recipe.unit
     per_epoch = items / r.items_per_step
     resumed = f"; resuming at epoch {epochs_at(r, r.start_step):.2f}" if r.start_step else ""
     r.report.say(f"epochs: <steps> {r.cfg.steps} x {r.items_per_step:,} {unit} = {total:.2f} epoch(s) of the "
@@ -425,7 +425,7 @@ def finish(r: Run, loss: float, stopped_at: int | None, best: Best | None = None
         from ringpipe.comm.device import stats
         report.say(f"GPU buffers and MPI on rank 0: {stats['staged_bytes'] / 2**20:.1f} MiB copied through host "
                    f"memory ({r.transport.describe()})")
-    if cfg.model == "gpt" and cfg.sample_tokens > 0 and arrays is not None and report.is_main:
+    if r.recipe.generate is not None and cfg.sample_tokens > 0 and arrays is not None and report.is_main:
         sample(r, arrays)
     # The last thing every rank does: what `ringpipe finished RUN_DIR` counts.
     rundir.mark_finished(cfg.out_dir, r.world.Get_rank(), r.world.Get_size(), max(cfg.steps, r.start_step))
@@ -434,7 +434,6 @@ def finish(r: Run, loss: float, stopped_at: int | None, best: Best | None = None
 
 def sample(r: Run, arrays: dict) -> None:
     """Rank 0 may hold only the first pipeline stage: sample from a full copy."""
-    from ringpipe.engine.model.gpt import build_gpt, fit_vocab_rows, generate
     if r.tokenizer is None:
         # Token ids without a tokenizer say nothing to a reader; a silent skip looked like a bug.
         r.report.say("no sample at the end: the data has no tokenizer (token shards, nanoGPT's or llm.c's, without "
@@ -442,12 +441,12 @@ def sample(r: Run, arrays: dict) -> None:
                      "the data was made with beside the shards, or prepare the text with `ringpipe prepare`; "
                      "<sample_tokens> 0 skips the sample")
         return
-    full = build_gpt(r.shape, dtype=r.dtype)
-    arrays = fit_vocab_rows(arrays, r.shape, r.shape.padded_vocab)     # a tp not dividing 128 pads further
+    full = r.recipe.build(r.shape, dtype=r.dtype)
+    arrays = r.recipe.fit_arrays(arrays, r.shape, 1)     # a tp not dividing 128 pads further
     full.params.load_flat(full.params.data, {k[6:]: v for k, v in arrays.items() if k.startswith("param/")})
     # Python source for the byte model of the stdlib; a document's start for other tokenizers.
     prompt = "def " if r.tokenizer.kind == "bytes" else ""
     ids = list(r.tokenizer.encode(prompt)) if prompt else list(r.tokenizer.separator)
-    new = generate(full, ids, r.cfg.sample_tokens, min(r.seq_len, r.shape.context), temperature=0.8,
-                   seed=r.cfg.seed)
+    new = r.recipe.generate(full, ids, r.cfg.sample_tokens, min(r.seq_len, r.shape.context), temperature=0.8,
+                            seed=r.cfg.seed)
     r.report.sample(prompt + r.tokenizer.decode(new))
