@@ -108,6 +108,20 @@ def test_the_installed_wheel_does_the_whole_job(wheel, tmp_path):
         r = subprocess.run([str(c) for c in command], cwd=work, env=env, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, f"{' '.join(map(str, command[:3]))}: {r.stdout[-1500:]}{r.stderr[-3000:]}"
     assert (work / "hf" / "model.safetensors").is_file() and (work / "hf" / "config.json").is_file()
+    # Every command's help, the package's module entry point and the second console script,
+    # from the installed copy: each one's imports are found in the wheel, not in a checkout.
+    from ringpipe.cli import COMMANDS
+    helps = [[bin_ / "ringpipe", "--help"], [bin_ / "python", "-m", "ringpipe.train", "--help"],
+             [bin_ / "ringpipe-train", "--help"]] + [[bin_ / "ringpipe", name, "--help"] for name in COMMANDS]
+    for command in helps:
+        r = subprocess.run([str(c) for c in command], cwd=work, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and "usage" in r.stdout, f"{' '.join(map(str, command[-3:]))}: {r.stderr[-3000:]}"
+    # Only `ringpipe` is installed: the checkout's tests/, benchmarks/ and slurm/ are no part of it.
+    r = subprocess.run([str(bin_ / "python"), "-c", "import importlib.util as u; print([n for n in ("
+                        "'ringpipe.tests', 'ringpipe.benchmarks', 'ringpipe.slurm', 'tests', 'benchmarks', 'slurm', "
+                        "'engine', 'kernels', 'comm') if u.find_spec(n)])"], cwd=work, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
     where = subprocess.run([str(bin_ / "python"), "-c", "import ringpipe.engine.parallel as p; print(p.__file__)"],
                            cwd=work, env=env, capture_output=True, text=True)
     assert str(venv) in where.stdout, where.stdout + where.stderr        # the installed copy ran
