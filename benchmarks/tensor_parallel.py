@@ -43,6 +43,7 @@ from mpi4py import MPI  # noqa: E402
 from _common import median, output_path, positive_int, table, write_json  # noqa: E402
 from ringpipe.engine.train.config import Config  # noqa: E402
 from ringpipe.engine.model.gpt import GPTConfig, flops_per_token, gpt_layers  # noqa: E402
+from ringpipe.engine.model.layers import Block, Embedding, LMHead  # noqa: E402  (the tensor axis's: subclasses)
 from ringpipe.engine.model.chain import LayerChain  # noqa: E402
 from ringpipe.engine.parallel.compose import build_rank_model  # noqa: E402
 from ringpipe.engine.parallel.tensor import TensorGroup  # noqa: E402
@@ -55,7 +56,8 @@ DTYPE = np.float32
 
 def param_formula(cfg: GPTConfig, tp: int) -> int:
     """Parameters one tensor-parallel rank holds (elements)."""
-    C, L, V = cfg.d_model, cfg.n_layer, cfg.padded_vocab_for(tp)
+    C, L = cfg.d_model, cfg.n_layer
+    V = -(-cfg.padded_vocab // tp) * tp        # wte's rows in memory: the tensor axis pads to a multiple of tp
     per_block = 12 * C * C // tp + (3 * C + 4 * C) // tp + (C + C) + 4 * C   # matrices, split biases, row biases, LNs
     return V // tp * C + cfg.context * C + L * per_block + 2 * C
 
@@ -110,8 +112,10 @@ def layers_here(model):
     """What this rank's model holds: its blocks, and whether the embedding and the head."""
     inner = model.inner.inner if hasattr(model.inner, "tensor") else model.inner
     chains = inner.chunks if hasattr(inner, "chunks") else [inner.chain]
-    kinds = [type(layer).__name__ for chain in chains for layer in chain.layers]
-    return {"blocks": kinds.count("Block"), "embedding": int("Embedding" in kinds), "head": int("LMHead" in kinds)}
+    layers = [layer for chain in chains for layer in chain.layers]
+    return {"blocks": sum(isinstance(layer, Block) for layer in layers),
+            "embedding": int(any(isinstance(layer, Embedding) for layer in layers)),
+            "head": int(any(isinstance(layer, LMHead) for layer in layers))}
 
 
 def run_layout(world, shape, batch, T, layout, steps):

@@ -39,7 +39,7 @@ import tempfile
 import numpy as np
 
 from ringpipe.engine.job import checkpoint, files
-from ringpipe.engine.model.gpt import GPTConfig, fit_vocab_rows, gpt_layers
+from ringpipe.engine.model.gpt import GPTConfig, gpt_layers
 from ringpipe.engine.model.params import dedup_specs
 from ringpipe.engine.model.registry import RECIPES
 
@@ -218,8 +218,7 @@ def check_checkpoint_shapes(manifest: dict, declared: dict, path: str) -> GPTCon
                 raise HFError(f"the checkpoint's array {name} has dtype {dtype}, not a float type: a GPT's "
                               f"parameters are floats ({path} was not written by ringpipe, or was edited)")
             params[name[len("param/"):]] = tuple(shape)
-    from ringpipe.engine.model.gpt import checkpoint_vocab_rows
-    check_gpt_shapes(cfg, params, where, checkpoint_vocab_rows(cfg, manifest),
+    check_gpt_shapes(cfg, params, where, cfg.padded_vocab,
                      lambda ours, shape: (f"param/{ours}", shape))
     # The run's own record of its flags and tokenizer, where they name a size: n_head is in no
     # array's shape, so an edited n_head shows only against what the run was started with.
@@ -992,7 +991,7 @@ def _export_command(args) -> int:
     if not RECIPES[manifest["model"]].hf_format:            # the checkpoint's check knows every family
         raise HFError(f"{manifest_path} is a checkpoint of the {manifest['model']} model; only the GPT "
                       "exports to the Hugging Face format")
-    cfg = check_checkpoint_shapes(manifest, declared, manifest_path)
+    check_checkpoint_shapes(manifest, declared, manifest_path)
     run_dir = _run_dir(args.source, manifest_path)
     npz_path = manifest_path[:-len(".json")] + ".npz"
     protect = (os.path.abspath(args.source), os.path.abspath(manifest_path), os.path.abspath(npz_path), run_dir)
@@ -1000,7 +999,6 @@ def _export_command(args) -> int:
     # Only the parameters (not the optimizer's state), each checked against its declared shape.
     params, _ = checkpoint.load(manifest_path, expected={name: shape for name, (shape, _) in declared.items()
                                                          if name.startswith("param/")})
-    params = fit_vocab_rows(params, cfg, cfg.padded_vocab)      # a tp not dividing 128 padded further
     tokenizer, about_tokenizer = _find_tokenizer(manifest, run_dir, manifest["model_config"]["vocab"])
     out = export_hf(params, manifest["model_config"], args.out, tokenizer_json=tokenizer, overwrite=args.overwrite,
                     protect=protect)

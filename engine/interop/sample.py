@@ -28,7 +28,7 @@ def load_run(path: str, notes=None):
     """(GPT LayerChain with the checkpoint's weights, its Tokenizer, checkpoint path).
     notes: a list to which a note about skipped newer checkpoints is appended."""
     from ringpipe.engine.job import checkpoint
-    from ringpipe.engine.model.gpt import build_gpt, checkpoint_vocab_rows, fit_vocab_rows
+    from ringpipe.engine.model.gpt import build_gpt
     from ringpipe.engine.interop.hf import check_checkpoint_shapes
     from ringpipe.engine.model.registry import RECIPES
     resolved, note = checkpoint.resolve_with_note(path)
@@ -41,9 +41,7 @@ def load_run(path: str, notes=None):
     cfg = check_checkpoint_shapes(manifest, declared, resolved)
     model = build_gpt(cfg, dtype=np.float32)
     wanted = {f"param/{s.name}": s.shape for s in model.params.specs}
-    wanted["param/wte"] = (checkpoint_vocab_rows(cfg, manifest), cfg.d_model)
     arrays, _ = checkpoint.load(resolved, expected=wanted)
-    arrays = fit_vocab_rows(arrays, cfg, cfg.padded_vocab)
     model.params.load_flat(model.params.data, {k[6:]: v for k, v in arrays.items()})
     return model, run_tokenizer(resolved, manifest), resolved
 

@@ -15,8 +15,13 @@ its checkpoints folder:
                       separators=(",", ":")), which binds the
                       step, the model config and the npz's CRC together.
 
-Arrays are stored by parameter name, never by offset in a flat buffer, so a
-checkpoint written by one data x pipeline layout loads into any other.
+Arrays are stored by parameter name, never by offset in a flat buffer, and
+whole (a tensor-parallel run joins its ranks' parts, its in-memory padding left
+out), so a checkpoint written by one data x pipeline x tensor layout loads into
+any other as it is. Older GPT checkpoints written at a tensor-parallel size that
+does not divide 128 hold wte with more padding rows: `load` and `declared_arrays`
+hand those arrays over without the extra rows (_legacy_vocab_rows), the one
+place that knows of them.
 
 Write order: the npz and the manifest are each written to a temp file
 (ckpt_*.npz.tmp.<pid>) and fsynced; then the npz is renamed into place, then the
@@ -55,6 +60,7 @@ import stat
 import struct
 import zipfile
 import zlib
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -86,6 +92,9 @@ _OPTIONAL_IN_FORMAT_1 = ("precision", "layout", "tokenizer")    # format 1 files
 # best: only runs that keep their best checkpoint (--keep-best) record it.
 _OPTIONAL_IN_FORMAT_2 = ("best", "tokenizer")
 _TOKENIZER_KEYS = ("file", "kind", "sha256", "vocab_size")
+# A GPT's wte rows are its vocabulary padded to a multiple of this (engine/model/gpt.py
+# VOCAB_PAD_MULTIPLE; tests/engine/job/test_checkpoint_vocab.py checks they agree).
+_GPT_VOCAB_PAD = 128
 
 _DAMAGED_HINT = ("it was not written completely, was damaged or was edited; resume from an earlier "
                  "checkpoint (--resume auto skips damaged ones)")
@@ -387,7 +396,7 @@ def _with_checked_members(path, use):
         with _open_regular(npz_path, "npz") as fh:
             _check_size_and_crc(fh, manifest)
             with _open_zip(fh) as zf:
-                return manifest, use(path, zf, _check_members(zf, fh))
+                return manifest, use(path, zf, _legacy_vocab_rows(manifest, _check_members(zf, fh)))
     except _Problem as e:
         raise CheckpointError(f"checkpoint {npz_path!r} cannot be used: {e}; {_DAMAGED_HINT}") from None
     except OSError as e:
@@ -667,11 +676,32 @@ def _open_zip(fh):
 
 @dataclass(frozen=True)
 class _Member:
-    """One array of the npz: its zip entry and what its .npy header declares."""
+    """One array of the npz: its zip entry and what its .npy header declares.
+    stored: the header's shape where `shape`, what a reader gets, keeps fewer rows."""
     info: zipfile.ZipInfo
     shape: tuple
     fortran_order: bool
     dtype: np.dtype
+    stored: tuple | None = None
+
+
+def _legacy_vocab_rows(manifest, members):
+    """Checkpoints before wte was stored the same for every layout padded it to a
+    multiple of lcm(128, tp) rows: at a tp that does not divide 128, more rows than
+    today's multiple of 128. Those extra rows are padding (ids >= vocab: masked
+    logits, no gradient), so such a file's wte arrays are read without them and load
+    like one written today. Every other member, and every newer file, is unchanged."""
+    tp = manifest.get("layout", {}).get("tp", 1)
+    if manifest["model"] != "gpt" or _GPT_VOCAB_PAD % tp == 0:
+        return members
+    vocab = manifest["model_config"]["vocab"]
+    multiple = math.lcm(_GPT_VOCAB_PAD, tp)
+    written, rows = -(-vocab // multiple) * multiple, -(-vocab // _GPT_VOCAB_PAD) * _GPT_VOCAB_PAD
+    out = dict(members)
+    for name, member in members.items():
+        if name.split("/")[-1] == "wte" and len(member.shape) == 2 and member.shape[0] == written != rows:
+            out[name] = dataclasses.replace(member, shape=(rows, member.shape[1]), stored=member.shape)
+    return out
 
 
 def _check_members(zf, fh):
@@ -751,7 +781,8 @@ def _read_array(zf, member):
     try:
         with zf.open(member.info) as stream:
             _read_npy_header(stream, member.info)
-            flat = np.empty(math.prod(member.shape), dtype=member.dtype)
+            shape = member.stored or member.shape
+            flat = np.empty(math.prod(shape), dtype=member.dtype)
             raw = flat.view(np.uint8)
             filled = 0
             while filled < raw.size:     # in blocks: a single read would hold a second copy
@@ -762,9 +793,10 @@ def _read_array(zf, member):
                 filled += len(block)
     except (zipfile.BadZipFile, ValueError, OSError, EOFError, NotImplementedError, struct.error) as e:
         raise _Problem(f"the npz member {name!r} cannot be read ({e})") from None
-    if member.fortran_order:
-        return flat.reshape(member.shape[::-1]).transpose()
-    return flat.reshape(member.shape)
+    array = flat.reshape(shape[::-1]).transpose() if member.fortran_order else flat.reshape(shape)
+    if member.stored:                    # an old file's extra padding rows (_legacy_vocab_rows)
+        array = np.ascontiguousarray(array[:member.shape[0]])
+    return array
 
 
 # ---- declared shapes, for sizing a model before building it ----------------------------

@@ -7,14 +7,13 @@ contiguous slice of it, so the same list serves one process and a pipeline.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from ringpipe.engine.job.array_module import to_host
 from ringpipe.engine.job.errors import ConfigError
-from ringpipe.engine.model.layers import Block, Embedding, LMHead
+from ringpipe.engine.model.layers import WHOLE, Block
 from ringpipe.engine.model.chain import LayerChain
 from ringpipe.engine.model.recipe import ModelRecipe
 
@@ -44,14 +43,10 @@ class GPTConfig:
 
     @property
     def padded_vocab(self) -> int:
-        return self.padded_vocab_for(1)
-
-    def padded_vocab_for(self, tp: int) -> int:
-        """Rows of the embedding (and logits) under tensor parallel tp: a multiple of
-        VOCAB_PAD_MULTIPLE and of tp. The same for every tp that divides 128, so
-        checkpoints move between those layouts; another tp pads a little further."""
-        multiple = VOCAB_PAD_MULTIPLE * tp // math.gcd(VOCAB_PAD_MULTIPLE, tp)
-        return -(-self.vocab // multiple) * multiple
+        """Rows of the embedding (and logits), for every layout: checkpoints hold wte with
+        this many rows whatever the tensor-parallel size (the tensor axis pads further
+        in memory where it must: engine/parallel/tensor.py)."""
+        return -(-self.vocab // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
 
     def to_dict(self):
         return asdict(self)
@@ -66,29 +61,6 @@ PRESETS = {
 }
 
 
-def checkpoint_vocab_rows(cfg: GPTConfig, manifest: dict) -> int:
-    """Rows of wte in a checkpoint: padded for the tensor-parallel size it was written at."""
-    return cfg.padded_vocab_for(manifest.get("layout", {}).get("tp", 1))
-
-
-def fit_vocab_rows(arrays: dict, cfg: GPTConfig, rows: int) -> dict:
-    """`arrays` (named: "wte", "param/wte", "opt/<state>/wte", ...) with every wte cut or
-    zero-padded to `rows` rows. Only padding rows (from cfg.vocab on) change, and those
-    take no part in the math (their logits are masked, they get no gradient), so a model
-    padded for one tensor-parallel size continues at another on the same trajectory."""
-    out = dict(arrays)
-    for key, array in arrays.items():
-        if key.split("/")[-1] != "wte" or array.shape[0] == rows:
-            continue
-        if min(rows, array.shape[0]) < cfg.vocab:
-            raise ValueError(f"{key} has {array.shape[0]} rows, fewer than the vocabulary's {cfg.vocab}")
-        fitted = np.zeros((rows, *array.shape[1:]), dtype=array.dtype)
-        keep = min(rows, array.shape[0])
-        fitted[:keep] = array[:keep]
-        out[key] = fitted
-    return out
-
-
 def _divisor_near(n, k):
     """The divisor of n closest to k (the lower one on a tie). Searches outwards
     from k, so it stops within k steps (1 divides everything) even for a huge n."""
@@ -101,12 +73,13 @@ def _divisor_near(n, k):
 
 def gpt_layers(cfg: GPTConfig, tensor=None):
     """The model's layers; with a tensor group (engine/parallel/tensor.py), this
-    rank's parts of them."""
+    rank's parts of them: the group is then the layer maker."""
     cfg.validate()
-    V = cfg.padded_vocab_for(tensor.size if tensor else 1)
-    layers = [Embedding(V, cfg.context, cfg.d_model, tensor=tensor)]
-    layers += [Block(f"h.{i}", cfg.d_model, cfg.n_head, cfg.n_layer, tensor=tensor) for i in range(cfg.n_layer)]
-    layers.append(LMHead(V, cfg.d_model, used=cfg.vocab, tensor=tensor))
+    maker = WHOLE if tensor is None else tensor
+    V = cfg.padded_vocab
+    layers = [maker.embedding(V, cfg.context, cfg.d_model)]
+    layers += [Block(f"h.{i}", cfg.d_model, cfg.n_head, cfg.n_layer, maker=maker) for i in range(cfg.n_layer)]
+    layers.append(maker.head(V, cfg.d_model, used=cfg.vocab))
     return layers
 
 
@@ -161,15 +134,6 @@ def memory(cfg: GPTConfig, rows: int, microbatches: int, seq_len: int | None, pp
     return n_params, micro * T * (max(1, L // pp) * (16 * C + cfg.n_head * T) + V)
 
 
-def _saved_shapes(expected: dict, cfg: GPTConfig, manifest: dict) -> dict:
-    rows = checkpoint_vocab_rows(cfg, manifest)          # padded for the tp it was written at
-    return {k: (rows, *shape[1:]) if k.split("/")[-1] == "wte" else shape for k, shape in expected.items()}
-
-
-def _fit_arrays(arrays: dict, cfg: GPTConfig, tp: int) -> dict:
-    return fit_vocab_rows(arrays, cfg, cfg.padded_vocab_for(tp))
-
-
 GPT_RECIPE = ModelRecipe(
     name="gpt", shape=GPTConfig,
     fields={"layers": "n_layer", "d_model": "d_model", "heads": "n_head", "context": "context"},
@@ -177,4 +141,4 @@ GPT_RECIPE = ModelRecipe(
     data="tokens", default_data="stdlib", data_path_data="text", unit="tokens", rate_unit="tok",
     axes=("data", "pipe", "tensor"),
     presets={name: dict(zip(("n_layer", "d_model", "n_head", "context"), shape)) for name, shape in PRESETS.items()},
-    hf_format=True, saved_shapes=_saved_shapes, fit_arrays=_fit_arrays, generate=generate)
+    hf_format=True, generate=generate)

@@ -25,34 +25,53 @@ class Split:
     """Which part of a full parameter a tensor-parallel rank holds: along `dim`,
     the full parameter is `groups` equal blocks (qkv's q, k and v: 3), each
     cut into `count` equal slices; this rank holds slice `index` of every
-    block, in block order. groups=1 is one contiguous slice."""
+    block, in block order. groups=1 is one contiguous slice.
+
+    pad: zero rows along dim that exist in memory only, so that a full length
+    `count` does not divide still splits evenly (the vocabulary-parallel wte:
+    the last ranks hold them). The full parameter (its full_shape, what
+    checkpoints and imports hold) is without them, the same for every count."""
     dim: int
     index: int
     count: int
     groups: int = 1
+    pad: int = 0
+
+    def __post_init__(self):
+        if self.pad and self.groups != 1:
+            raise ValueError("a split with padding rows is one contiguous slice (groups=1)")
 
     def full_shape(self, shape) -> tuple:
-        return tuple(n * self.count if d == self.dim else n for d, n in enumerate(shape))
+        return tuple(n * self.count - self.pad if d == self.dim else n for d, n in enumerate(shape))
 
     def _blocks(self, full_len):
-        """(lo, hi) along dim of this rank's slice of each block."""
-        block = full_len // self.groups
+        """(lo, hi) along dim of this rank's slice of each block, in the padded array."""
+        block = (full_len + self.pad) // self.groups
         part = block // self.count
         return [(g * block + self.index * part, g * block + (self.index + 1) * part) for g in range(self.groups)]
 
     def take(self, full):
-        """This rank's part of the full array (a copy)."""
-        pieces = [np.take(full, np.arange(lo, hi), axis=self.dim) for lo, hi in self._blocks(full.shape[self.dim])]
+        """This rank's part of the full array (a copy; padding rows are zeros)."""
+        if self.pad:
+            shape = list(full.shape)
+            shape[self.dim] = self.pad
+            full = np.concatenate([full, np.zeros(shape, dtype=full.dtype)], axis=self.dim)
+        blocks = self._blocks(full.shape[self.dim] - self.pad)
+        pieces = [np.take(full, np.arange(lo, hi), axis=self.dim) for lo, hi in blocks]
         return np.concatenate(pieces, axis=self.dim)
 
     def place(self, full, part) -> None:
-        """Write this rank's part into the full array."""
+        """Write this rank's part into the full array (its padding rows are left out)."""
         width = part.shape[self.dim] // self.groups
-        for g, (lo, hi) in enumerate(self._blocks(full.shape[self.dim])):
+        length = full.shape[self.dim]
+        for g, (lo, hi) in enumerate(self._blocks(length)):
+            hi = min(hi, length)
+            if hi <= lo:
+                continue
             index = [slice(None)] * full.ndim
             index[self.dim] = slice(lo, hi)
             block = [slice(None)] * full.ndim
-            block[self.dim] = slice(g * width, (g + 1) * width)
+            block[self.dim] = slice(g * width, g * width + hi - lo)
             full[tuple(index)] = part[tuple(block)]
 
 

@@ -24,14 +24,6 @@ DATA_KINDS = ("tokens", "classes")
 AXES = ("data", "pipe", "tensor")
 
 
-def _no_fitting(arrays, shape, tp):
-    return arrays
-
-
-def _saved_as_built(expected, shape, manifest):
-    return expected
-
-
 def _nothing_from_data(shape, dataset):
     return None
 
@@ -56,8 +48,6 @@ class ModelRecipe:
     presets: dict = field(default_factory=dict)   # <preset> name -> the shape fields it fixes
     hf_format: bool = False       # its checkpoints export to, and <init_from> imports, Hugging Face's GPT-2
     fit_to_data: Callable = _nothing_from_data    # (shape, dataset): set the shape fields the data decides
-    saved_shapes: Callable = _saved_as_built      # (expected, shape, manifest) -> the shapes a checkpoint holds
-    fit_arrays: Callable = _no_fitting            # (named arrays, shape, tp) -> arrays as a run at tp builds them
     generate: Callable | None = None              # text sampling (engine/model/gpt.py generate); None: no text
 
     def __post_init__(self):

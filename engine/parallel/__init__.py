@@ -16,6 +16,11 @@
 
 Every rank model offers the same surface (RankModel below), so the trainer
 knows nothing of buckets, tied communicators, duplicate ranges or shards.
+The data axis, outermost, is the RankModel the trainer holds; what it wraps
+(TensorParallel, PipelineModel, LocalModel) is an InnerModel: it takes the
+outer axis's GradSync, leaves out the ranges the outer axis counts elsewhere,
+and moves optimizer state as full flat arrays by state name (the data axis
+owns the optimizer, and its ZeRO slices), under method names of its own.
 Each axis says in one place how it reduces gradients, how it counts each
 parameter once in the gradient norm, how it updates, and how it gathers and
 restores checkpoint state by name.
@@ -78,10 +83,12 @@ class RankModel(Protocol):
 
     def gather_state(self, opt) -> dict:
         """Named host arrays of the parameters and the optimizer state ("param/<name>",
-        "opt/<state>/<name>"): all of them on world rank 0, what is needed elsewhere."""
+        "opt/<state>/<name>"), every array whole (its full, layout-independent shape):
+        all of them on world rank 0, what is needed elsewhere."""
 
     def state_shapes(self, opt) -> dict:
-        """{array name: shape} of the checkpoint arrays this rank restores."""
+        """{array name: shape} of the checkpoint arrays this rank restores: whole shapes,
+        the same for every layout."""
 
     def restore_state(self, arrays: dict, opt) -> None:
         """Load parameters and optimizer state from named arrays (any layout's checkpoint)."""
@@ -89,8 +96,56 @@ class RankModel(Protocol):
     def describe(self) -> str:
         """The layout, for the run's start-up lines."""
 
+    def notes(self) -> list[str]:
+        """Warnings about the layout (a tensor group across nodes, ...), for the start-up lines."""
+
+    def comm_hidden_fraction(self) -> float | None:
+        """Share of the last step's overlapped gradient-reduction time hidden behind
+        backward; None where nothing was overlapped."""
+
     def summary(self) -> str:
         """What the run used (pipeline memory, ...), for its last lines; may be empty."""
+
+    def close(self) -> None:
+        """Stop background threads, free communicators (collective)."""
+
+
+class InnerModel(Protocol):
+    """What an outer axis wraps: the tensor axis, the pipeline or the local model."""
+
+    params: ParamBuffer          # this rank's flat parameters and gradients, with named views
+
+    def forward_backward(self, x, y, grad_scale: float, sync: GradSync = NO_SYNC) -> float:
+        """One step's forward and backward; sync.on_ready(i) as each gradient is final,
+        sync.finish() once all are. Returns this rank's loss sum."""
+
+    def forward_loss(self, x, y) -> float:
+        """Loss sum without gradients (evaluation)."""
+
+    def grad_norm_sq(self, exclude=()) -> float:
+        """The squared gradient norm over this axis and those inside it, leaving out the
+        (lo, hi) ranges of params.data in `exclude` (counted elsewhere)."""
+
+    def named_arrays(self, opt_states: dict) -> dict:
+        """Named host arrays ("param/<name>", "opt/<state>/<name>") from the parameters
+        and opt_states ({state name: flat array laid out like params.data}), every
+        array whole: on this axis's first rank, {} elsewhere (collective)."""
+
+    def named_shapes(self, state_names) -> dict:
+        """{array name: whole shape} of the arrays load_named takes."""
+
+    def load_named(self, arrays: dict, state_names) -> dict:
+        """Load the parameters from named whole arrays; return the optimizer states
+        {state name: flat host array laid out like params.data}."""
+
+    def notes(self) -> list[str]:
+        """Warnings about the layout, for the start-up lines."""
+
+    def describe(self) -> str:
+        """The layout, for the run's start-up lines (may be empty)."""
+
+    def summary(self) -> str:
+        """What the run used, for its last lines (may be empty)."""
 
     def close(self) -> None:
         """Stop background threads, free communicators (collective)."""

@@ -99,13 +99,13 @@ class DataParallel:
                 flat = buf
             full[state_name] = flat
         # Every replica holds the same state: the first one's pipeline gathers it.
-        return self.inner.gather_state(full) if self.index == 0 else {}
+        return self.inner.named_arrays(full) if self.index == 0 else {}
 
     def state_shapes(self, opt):
-        return self.inner.state_shapes(opt.state_names)
+        return self.inner.named_shapes(opt.state_names)
 
     def restore_state(self, arrays, opt):
-        full = self.inner.restore_state(arrays, opt.state_names)
+        full = self.inner.load_named(arrays, opt.state_names)
         lo, hi = self.update_slice
         for state_name, buf in opt.state().items():
             buf[...] = self.params.xp.asarray(full[state_name][lo:hi])
@@ -126,6 +126,9 @@ class DataParallel:
 
     def summary(self):
         return self.inner.summary()
+
+    def notes(self):
+        return self.inner.notes()
 
     def comm_hidden_fraction(self):
         """Share of this step's bucket all-reduce time hidden behind backward (None without buckets)."""

@@ -22,6 +22,8 @@ def split_micro(arr, m):
 
 
 class LocalModel:
+    """An inner model (engine/parallel/__init__.py InnerModel)."""
+
     def __init__(self, layers, dtype, seed, microbatches=1, xp=np, trace=None):
         self.xp = xp
         self.chain = LayerChain(layers, dtype=dtype, xp=xp)
@@ -55,14 +57,17 @@ class LocalModel:
         grad = self.params.grad
         return float(K.sum_of_squares(grad)) - sum(float(K.sum_of_squares(grad[a:b])) for a, b in exclude)
 
-    def gather_state(self, opt_state):
-        return named_state(self.params, opt_state)
+    def named_arrays(self, opt_states):
+        return named_state(self.params, opt_states)
 
-    def state_shapes(self, state_names):
+    def named_shapes(self, state_names):
         return state_shapes(self.params, state_names)
 
-    def restore_state(self, arrays, state_names):
+    def load_named(self, arrays, state_names):
         return load_named_state(self.params, arrays, state_names)
+
+    def notes(self):
+        return []
 
     def describe(self):
         return f"{self.m} micro-batches (gradient accumulation)" if self.m > 1 else ""

@@ -10,6 +10,11 @@ Megatron's split of a Transformer block, written out by hand like the layers:
     LM head     wte   the same rows, tied; logits (N, V/tp) never gathered: the fused
                       cross-entropy all-reduces each row's max and sum of exponentials
 
+V is the model's padded vocabulary (GPTConfig.padded_vocab, the same for every
+layout). Where tp does not divide it, the last ranks hold a few more zero rows,
+in memory only (Split.pad): their logits are masked like any padding row's, and
+a checkpoint or an export holds wte at its V rows whatever the tp.
+
 Between the regions the activations are whole on every rank. Entering one is
 Megatron's `f` (forward: identity; backward: all-reduce of the input gradient,
 each rank having computed its share of it); leaving one is `g` (forward:
@@ -30,9 +35,12 @@ reduction on a communication thread and computes its weight gradient while it
 runs, unless the schedule defers weight gradients to later actions (zero-bubble
 W), which then fill that time instead.
 
-TensorGroup holds the group and these operators; ColumnParallelLinear and
-RowParallelLinear are the two Linear layers; TensorParallel is the axis's
-RankModel, wrapping the local or pipeline model of the split layers.
+TensorGroup holds the group and these operators, and makes the split layers (the
+layer maker engine/model/layers.py's Block asks for its linears): ColumnParallelLinear
+and RowParallelLinear (the two Linear layers), VocabParallelEmbedding and
+VocabParallelHead (the Embedding and LMHead subclasses). TensorParallel is the
+axis's inner model (engine/parallel/__init__.py InnerModel), wrapping the local or
+pipeline model of the split layers.
 """
 from __future__ import annotations
 
@@ -44,9 +52,9 @@ import numpy as np
 
 from ringpipe import comm, kernels as K
 from ringpipe.comm.hierarchical import node_key, node_map
-from ringpipe.engine.model.layers import Linear
+from ringpipe.engine.model.layers import Embedding, Linear, LMHead, LayerNorm, scatter_add_rows
 from ringpipe.engine.parallel import NO_SYNC, GradSync
-from ringpipe.engine.model.params import Split
+from ringpipe.engine.model.params import ParamSpec, Split
 
 
 class _Done:
@@ -101,20 +109,27 @@ class TensorGroup:
         self.stats = {"all-reduce": [0, 0], "all-gather": [0, 0], "reduce-scatter": [0, 0],
                       "comm_s": 0.0, "async_s": 0.0, "waited_s": 0.0}
 
-    def split(self, dim, groups=1) -> Split:
-        return Split(dim, self.index, self.size, groups)
+    def split(self, dim, groups=1, pad=0) -> Split:
+        return Split(dim, self.index, self.size, groups, pad)
 
-    def rows(self, n):
-        """(lo, hi) of this rank's slice of n rows split evenly across the group."""
-        part = n // self.size
-        return self.index * part, (self.index + 1) * part
+    def vocab_rows(self, vocab):
+        """(lo, hi, pad): this rank's rows of a `vocab`-row table split across the group,
+        with `pad` zero rows added at its end (in memory only) when size does not divide it."""
+        part = -(-vocab // self.size)
+        return self.index * part, (self.index + 1) * part, part * self.size - vocab
 
-    # ---- the layers of a region -------------------------------------------------------------
+    # ---- the layers of a region (the layer maker: engine/model/layers.py WholeLayers) ------------
     def column(self, name, c_in, c_out, groups=1, gelu=False, std=0.02):
         return ColumnParallelLinear(self, name, c_in, c_out, groups=groups, gelu=gelu, std=std)
 
     def row(self, name, c_in, c_out, std=0.02):
         return RowParallelLinear(self, name, c_in, c_out, std=std)
+
+    def embedding(self, vocab, context, c, wte="wte", wpe="wpe"):
+        return VocabParallelEmbedding(self, vocab, context, c, wte=wte, wpe=wpe)
+
+    def head(self, vocab, c, wte="wte", used=None):
+        return VocabParallelHead(self, vocab, c, wte=wte, used=used)
 
     # ---- the conjugate operators ----------------------------------------------------------------
     def into_region(self, x):
@@ -320,6 +335,79 @@ def _split(spec, split):
     return replace(spec, split=split)
 
 
+class VocabParallelEmbedding(Embedding):
+    """This rank holds rows lo ... hi of wte, looks up the tokens among them (0 for
+    the others), and the group sums the parts (g: an all-reduce, or under sequence
+    parallelism a reduce-scatter to this rank's positions)."""
+
+    def __init__(self, tensor, vocab, context, c, wte="wte", wpe="wpe"):
+        super().__init__(vocab, context, c, wte=wte, wpe=wpe)
+        self.tensor = tensor
+        self.lo, self.hi, self.pad = tensor.vocab_rows(vocab)
+
+    def specs(self):
+        wte = ParamSpec(self.wte_name, (self.hi - self.lo, self.c), split=self.tensor.split(0, pad=self.pad))
+        return [wte, self.wpe_spec()]
+
+    def forward(self, tokens):
+        self.check_length(tokens.shape[1])
+        xp = K.get_array_module(self.wte)
+        local = tokens - self.lo
+        inside = (local >= 0) & (local < self.hi - self.lo)
+        local = xp.where(inside, local, 0)
+        part = self.wte[local] * inside[..., None]                           # (B, T, C): 0 for others' tokens
+        x = self.tensor.out_of_region(part)                                 # (B, T, C), or (B, T/tp, C)
+        first = self.tensor.index * x.shape[1] if self.tensor.sequence_parallel else 0
+        return x + self.wpe[first:first + x.shape[1]], (tokens, local, inside)
+
+    def backward_input(self, dout, ctx):
+        tokens, local, inside = ctx
+        dout = self.tensor.out_of_region_backward(dout)                     # (B, T, C): whole
+        B, T = tokens.shape
+        self.dwpe[:T] += dout.sum(axis=0)            # from the whole dout: the same on every tensor rank
+        keep = inside.reshape(-1)
+        scatter_add_rows(self.dwte, local.reshape(-1)[keep], dout.reshape(B * T, self.c)[keep])
+        return None, None
+
+
+class VocabParallelHead(LMHead):
+    """This rank's rows of the tied wte give its columns of the logits (N, V/tp); the
+    loss comes from the vocabulary-parallel cross-entropy, the logits never whole;
+    x is this rank's T/tp positions under sequence parallelism."""
+
+    def __init__(self, tensor, vocab, c, wte="wte", used=None):
+        super().__init__(vocab, c, wte=wte, used=used)
+        self.tensor = tensor
+        self.lo, self.hi, self.pad = tensor.vocab_rows(vocab)
+        self.ln_f = LayerNorm("ln_f", c, partial=tensor.sequence_parallel)
+
+    def specs(self):
+        wte = ParamSpec(self.wte_name, (self.hi - self.lo, self.c), split=self.tensor.split(0, pad=self.pad))
+        return self.ln_f.specs() + [wte]
+
+    def forward(self, x, targets=None, grad_scale=1.0, need_grad=True):
+        h, ln_ctx = self.ln_f.forward(x)
+        h = self.tensor.into_region(h)                       # f, or the whole sequence gathered
+        B, T, C = h.shape
+        h2 = h.reshape(B * T, C)
+        logits = self.logits(h2, self.lo)                    # (N, V/tp): columns lo ... hi
+        if targets is None:                                  # whole, without the in-memory padding
+            return self.tensor.gather_columns(logits)[:, :self.vocab].reshape(B, T, self.vocab), None
+        losses, dlogits = self.tensor.cross_entropy(logits, targets.reshape(-1), self.lo, need_grad, grad_scale)
+        return float(losses.sum()), (ln_ctx, h2, dlogits, (B, T, C))
+
+    def backward_input(self, dloss, ctx):
+        ln_ctx, h2, dlogits, shape = ctx
+        dh = K.matmul(dlogits, self.wte).reshape(shape)       # (N, C): this rank's share
+        dh, wctx = self.tensor.reduce_input_grad(dh, super().backward_weight, (h2, dlogits))
+        dx, _ = self.ln_f.backward_input(dh, ln_ctx)
+        return dx, wctx
+
+    def backward_weight(self, wctx):
+        if wctx is not None:              # None: computed during backward_input
+            super().backward_weight(wctx)
+
+
 # ---- the axis as a rank model ------------------------------------------------------------------
 
 class _PartialSums(GradSync):
@@ -340,7 +428,8 @@ class _PartialSums(GradSync):
 
 
 class TensorParallel:
-    """Wraps the local or pipeline model built from the split layers. Owns:
+    """An inner model (engine/parallel/__init__.py InnerModel) wrapping the local or
+    pipeline model built from the split layers. Owns:
     - the loss: every rank of the group computes the same one; the first reports it;
     - the gradient norm: split parameters add up over the group, replicated ones
       (LayerNorms, the row-parallel biases, wpe) are counted on the first rank only;
@@ -372,14 +461,14 @@ class TensorParallel:
         self.tensor.stats = kept
         return loss if self.tensor.index == 0 else 0.0
 
-    def grad_norm_sq(self):
-        exclude = self._replicated if self.tensor.index else []
+    def grad_norm_sq(self, exclude=()):
+        exclude = [*exclude, *(self._replicated if self.tensor.index else [])]
         total = np.array([self.inner.grad_norm_sq(exclude=exclude)])
         comm.allreduce(total, self.tensor.comm, op="sum")
         return float(total[0])
 
-    def gather_state(self, opt_state):
-        arrays = self.inner.gather_state(opt_state)
+    def named_arrays(self, opt_states):
+        arrays = self.inner.named_arrays(opt_states)
         parts = self.tensor.comm.gather(arrays, root=0)   # not a hot path: pickled named arrays
         if self.tensor.index != 0:
             return {}
@@ -389,15 +478,18 @@ class TensorParallel:
                 continue
             full = np.zeros(spec.full_shape, dtype=arrays[key].dtype)
             for r, part in enumerate(parts):
-                Split(spec.split.dim, r, spec.split.count, spec.split.groups).place(full, part[key])
+                replace(spec.split, index=r).place(full, part[key])
             arrays[key] = full
         return arrays
 
-    def state_shapes(self, state_names):
-        return self.inner.state_shapes(state_names)
+    def named_shapes(self, state_names):
+        return self.inner.named_shapes(state_names)
 
-    def restore_state(self, arrays, state_names):
-        return self.inner.restore_state(arrays, state_names)
+    def load_named(self, arrays, state_names):
+        return self.inner.load_named(arrays, state_names)
+
+    def notes(self):
+        return tensor_notes(self.tensor) + self.inner.notes()
 
     def describe(self):
         t = self.tensor
@@ -417,6 +509,7 @@ class TensorParallel:
 
 
 def tensor_notes(tensor: TensorGroup) -> list[str]:
+    """Warnings about the group's placement, for the run's start-up lines."""
     if tensor.nodes > 1:
         return [f"warning: the tensor-parallel group of {tensor.size} ranks spans {tensor.nodes} nodes; it "
                 "all-reduces activations twice per sub-layer, which is slow across a network: launch with "

@@ -373,15 +373,12 @@ def build_model(r: Run, cleanup) -> None:
     except (ScheduleError, ValueError) as e:     # a layout the schedule or the partition cannot make
         raise ConfigError(str(e)) from None
     cleanup.callback(r.model.close)
-    tensor = getattr(r.model.inner, "tensor", None)
-    if tensor is not None:
-        from ringpipe.engine.parallel.tensor import tensor_notes
-        for note in tensor_notes(tensor):
-            r.report.say(note)
+    for note in r.model.notes():
+        r.report.say(note)
     r.opt = r.model.make_optimizer(cfg.optimizer, cfg.weight_decay)
     if r.init:
         # Every rank takes the arrays of the parameters it holds (any layout).
-        r.model.params.load_flat(r.model.params.data, vocab_rows_for_run(r, r.init[1]))
+        r.model.params.load_flat(r.model.params.data, r.init[1])
         r.report.say(f"initialised from the Hugging Face model in {cfg.hf_dir}")
         r.init = (r.init[0], None, r.init[2])           # the arrays are loaded: let them go
     if not r.resume_path:
@@ -392,9 +389,10 @@ def build_model(r: Run, cleanup) -> None:
                           f"not {cfg.optimizer}")
     # Only the arrays this rank holds, each checked against the model's shape
     # before its bytes are read (a damaged or hostile file costs nothing).
-    expected = r.recipe.saved_shapes(r.model.state_shapes(r.opt), r.shape, r.manifest)
+    # Whole arrays, the same for every layout: any layout's checkpoint loads as it is.
+    expected = r.model.state_shapes(r.opt)
     arrays, _ = agree(r.world, lambda: checkpoint.load(r.resume_path, expected=expected), "checkpoint")
-    r.model.restore_state(vocab_rows_for_run(r, arrays), r.opt)
+    r.model.restore_state(arrays, r.opt)
     r.opt.step_count = r.manifest["opt_step_count"]
     r.start_step = r.manifest["step"]
     r.report.say(f"resumed from {r.resume_path} at step {r.start_step}")
@@ -407,11 +405,6 @@ def build_model(r: Run, cleanup) -> None:
             saved["data"] = cfg.data
     for note in resume_differences(saved, cfg, resolved) + schedule_change(saved, cfg, r.start_step):
         r.report.say(note)
-
-
-def vocab_rows_for_run(r: Run, arrays: dict) -> dict:
-    """Named arrays as this run's tensor-parallel size builds them (a GPT's wte padded so)."""
-    return r.recipe.fit_arrays(arrays, r.shape, r.cfg.tp)
 
 
 def schedule_change(saved: dict, cfg: Config, start_step: int) -> list[str]:

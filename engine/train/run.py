@@ -114,7 +114,7 @@ def steps(r: Run, batches: Prefetcher, best: Best | None = None) -> tuple[float,
 
         done = step + 1
         record = step_record(done, loss, lr, norm_sq, time.perf_counter() - t0, r.items_per_step,
-                             r.flops_per_item, r.recipe.unit, getattr(model, "comm_hidden_fraction", lambda: None)(),
+                             r.flops_per_item, r.recipe.unit, model.comm_hidden_fraction(),
                              epochs_at(r, done))
         reported = saved_now = False
         try:
@@ -442,7 +442,6 @@ def sample(r: Run, arrays: dict) -> None:
                      "<sample_tokens> 0 skips the sample")
         return
     full = r.recipe.build(r.shape, dtype=r.dtype)
-    arrays = r.recipe.fit_arrays(arrays, r.shape, 1)     # a tp not dividing 128 pads further
     full.params.load_flat(full.params.data, {k[6:]: v for k, v in arrays.items() if k.startswith("param/")})
     # Python source for the byte model of the stdlib; a document's start for other tokenizers.
     prompt = "def " if r.tokenizer.kind == "bytes" else ""

@@ -26,6 +26,8 @@ from ringpipe.engine.parallel.pipeline.partition import balanced, measure_layer_
 
 
 class PipelineModel:
+    """An inner model (engine/parallel/__init__.py InnerModel)."""
+
     def __init__(self, layers_fn, grid, dtype, seed, schedule_name, microbatches, chunks, act_shape,
                  partition="uniform", cost_batch=None, xp=np, trace=None, tensor=None):
         """layers_fn(tensor): the model's layers (this rank's shards of them for a tensor group)."""
@@ -95,9 +97,9 @@ class PipelineModel:
         comm.allreduce(norm_sq, self.pipe_comm, op="sum")
         return float(norm_sq[0])
 
-    def gather_state(self, opt_state):
+    def named_arrays(self, opt_states):
         # Checkpointing is not a hot path: a pickled gather of named arrays is fine here.
-        arrays = named_state(self.params, opt_state)
+        arrays = named_state(self.params, opt_states)
         parts = self.pipe_comm.gather(arrays, root=0)
         if self.grid.index("pipe") != 0:
             return {}        # only pipeline rank 0 holds the whole model (an outer axis need not join the rest)
@@ -105,11 +107,14 @@ class PipelineModel:
             arrays.update(part)
         return arrays
 
-    def state_shapes(self, state_names):
+    def named_shapes(self, state_names):
         return state_shapes(self.params, state_names)
 
-    def restore_state(self, arrays, state_names):
+    def load_named(self, arrays, state_names):
         return load_named_state(self.params, arrays, state_names)
+
+    def notes(self):
+        return []
 
     def describe(self):
         s = self.schedule

@@ -19,7 +19,7 @@ from ringpipe.engine.job import checkpoint
 from ringpipe.engine.train import config as config_checks
 from ringpipe.engine.train.config import Config
 from ringpipe.engine.job.errors import ConfigError
-from ringpipe.engine.model.layers import MLP, Block, CausalSelfAttention, Embedding, Linear, LMHead
+from ringpipe.engine.model.layers import MLP, WHOLE, Block, CausalSelfAttention, Linear
 from ringpipe.engine.model.params import ParamBuffer, ParamSpec, Split
 from ringpipe.engine.train.run import run
 
@@ -42,6 +42,60 @@ def test_splits_take_and_place_cover_the_parameter_once(dim, groups):
     np.testing.assert_array_equal(rebuilt, full)
     if groups == 3:      # qkv: rank 0 holds the first half of q, of k and of v
         np.testing.assert_array_equal(Split(0, 0, 2, 3).take(full)[:, 0], [0, 6, 24, 30, 48, 54])
+
+
+@pytest.mark.parametrize("count", [2, 3, 4])
+def test_a_padded_split_holds_zero_rows_in_memory_only(count):
+    """A full length `count` does not divide (10 rows): the last ranks hold zero rows in
+    memory; the full shape, and what place() writes back, is the 10 rows alone."""
+    full = np.arange(10 * 3, dtype=np.float64).reshape(10, 3)
+    rows = -(-10 // count)
+    rebuilt = np.full_like(full, -1)
+    for index in range(count):
+        split = Split(0, index, count, pad=rows * count - 10)
+        part = split.take(full)
+        assert part.shape == (rows, 3) and split.full_shape(part.shape) == full.shape
+        lo = index * rows
+        np.testing.assert_array_equal(part[:max(0, min(rows, 10 - lo))], full[lo:lo + rows])
+        assert not part[max(0, 10 - lo):].any()
+        split.place(rebuilt, part)
+    np.testing.assert_array_equal(rebuilt, full)
+    with pytest.raises(ValueError, match="one contiguous slice"):
+        Split(0, 0, 2, groups=3, pad=1)
+
+
+def test_the_vocabulary_parallel_wte_is_declared_at_the_model_vocabulary_for_every_tp():
+    """gpt_layers with a tensor group: wte's full shape is padded_vocab rows whatever the
+    group's size (what checkpoints hold), the in-memory rows a multiple of the size."""
+    from ringpipe.engine.model.gpt import GPTConfig, gpt_layers
+    from ringpipe.engine.parallel.tensor import TensorGroup
+
+    class Group(TensorGroup):          # the maker's arithmetic without a communicator
+        def __init__(self, size, index):
+            self.size, self.index, self.sequence_parallel = size, index, False
+
+    cfg = GPTConfig(n_layer=1, d_model=12, n_head=6, vocab=300)
+    for size in (1, 2, 3):
+        layers = gpt_layers(cfg, Group(size, size - 1)) if size > 1 else gpt_layers(cfg)
+        for spec in (s for layer in (layers[0], layers[-1]) for s in layer.specs() if s.name == "wte"):
+            assert spec.full_shape == (cfg.padded_vocab, 12) == (384, 12)
+            assert spec.shape == (-(-384 // size), 12)
+
+
+def test_the_plain_layers_know_no_tensor_axis():
+    """engine/model/layers.py holds whole layers only: no name in its code mentions a
+    tensor (group, branch or attribute); the tensor axis's layers are its subclasses."""
+    import ast
+    import inspect
+    from ringpipe.engine.model import layers
+    tree = ast.parse(inspect.getsource(layers))
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    names |= {n.arg for n in ast.walk(tree) if isinstance(n, (ast.arg, ast.keyword)) and n.arg}
+    assert not [n for n in names if "tensor" in n.lower()]
+    from ringpipe.engine.parallel import tensor
+    assert issubclass(tensor.VocabParallelEmbedding, layers.Embedding)
+    assert issubclass(tensor.VocabParallelHead, layers.LMHead)
 
 
 def test_a_split_parameter_is_initialised_as_its_slice_of_the_full_parameter():
@@ -75,9 +129,8 @@ def test_shapes_tensor_parallelism_cannot_split_are_refused():
         config_checks.check_tensor_parallel(Config(tp=4), GPTConfig(n_head=6, d_model=12), 8)
     with pytest.raises(ConfigError, match=r"seq_len is 10: use a seq_len that is a multiple of 4"):
         config_checks.check_tensor_parallel(Config(tp=4, sequence_parallel=True), GPTConfig(), 10)
-    # A tp that does not divide 128 pads the vocabulary further, to a multiple of both.
-    assert GPTConfig(vocab=256).padded_vocab_for(2) == 256
-    assert GPTConfig(vocab=256).padded_vocab_for(3) == 384
+    # One vocabulary padding for every layout: the tensor axis pads further in memory only.
+    assert GPTConfig(vocab=256).padded_vocab == 256 and GPTConfig(vocab=300).padded_vocab == 384
 
 
 # ---- each TP layer against its unsharded twin ----------------------------------------------------
@@ -112,9 +165,9 @@ LAYERS = {   # name: (make(tensor), input kind, output kind); kinds: stream | fe
     "column-gelu": (lambda t: t.column("c", C, 4 * C, gelu=True) if t else Linear("c", C, 4 * C, gelu=True),
                     "stream", ("features", 1)),
     "row": (lambda t: t.row("r", 4 * C, C) if t else Linear("r", 4 * C, C), ("features", 1), "stream"),
-    "attention": (lambda t: CausalSelfAttention("a", C, HEADS, 2, tensor=t), "stream", "stream"),
-    "mlp": (lambda t: MLP("m", C, 2, tensor=t), "stream", "stream"),
-    "block": (lambda t: Block("h", C, HEADS, 2, tensor=t), "stream", "stream"),
+    "attention": (lambda t: CausalSelfAttention("a", C, HEADS, 2, maker=t or WHOLE), "stream", "stream"),
+    "mlp": (lambda t: MLP("m", C, 2, maker=t or WHOLE), "stream", "stream"),
+    "block": (lambda t: Block("h", C, HEADS, 2, maker=t or WHOLE), "stream", "stream"),
 }
 
 
@@ -169,17 +222,19 @@ def test_each_tensor_parallel_layer_equals_its_unsharded_twin(name, size, sp, ea
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("used", [256, 200, 100])
+@pytest.mark.parametrize("rows,used", [(256, 256), (256, 200), (256, 100), (255, 255), (254, 250)])
 @pytest.mark.parametrize("sp", [False, True])
-def test_vocabulary_parallel_embedding_and_cross_entropy_equal_the_whole_ones(used, sp):
+def test_vocabulary_parallel_embedding_and_cross_entropy_equal_the_whole_ones(rows, used, sp):
     """The embedding and the head (tied wte, padded vocabulary masked) as one chain;
-    with used=100 of 256 rows and tp=4, two ranks hold only padding."""
+    with used=100 of 256 rows and tp=4, two ranks hold only padding; with 255 or 254
+    rows the group does not divide them: the last rank holds zero rows in memory only."""
     from ringpipe.engine.model.chain import LayerChain
     size = 4 if world.size % 4 == 0 else 2
     tensor = _group(size, sp)
     try:
         def chain(t):
-            return LayerChain([Embedding(256, T, C, tensor=t), LMHead(256, C, used=used, tensor=t)], dtype=np.float64)
+            maker = t or WHOLE
+            return LayerChain([maker.embedding(rows, T, C), maker.head(rows, C, used=used)], dtype=np.float64)
         whole, part = chain(None), chain(tensor)
         whole.params.init(9)
         part.params.init(9)
@@ -338,9 +393,10 @@ def test_heads_that_do_not_split_are_refused_on_every_rank(shared_dir):
 
 # ---- a tp that does not divide the padding multiple (3 ranks, launched from a serial test) ----------
 
-def test_tp3_pads_the_vocabulary_further_and_its_checkpoint_continues_at_tp1(tmp_path):
-    """tp 3 (3 heads) pads 256 rows to 384. It equals one process, and its checkpoint
-    continues at tp 1 (the padding rows cut off) on the same trajectory, and loads for sampling."""
+def test_tp3_pads_the_vocabulary_in_memory_and_its_checkpoint_continues_at_tp1(tmp_path):
+    """tp 3 (3 heads) pads 256 rows to 258 in memory. It equals one process, and its
+    checkpoint holds wte at 256 rows, as every layout's does: it continues at tp 1 on
+    the same trajectory as it is, and loads for sampling."""
     import subprocess
     import sys
 
@@ -363,7 +419,7 @@ def test_tp3_pads_the_vocabulary_further_and_its_checkpoint_continues_at_tp1(tmp
     run(Config(out=str(ref), **common), world=MPI.COMM_SELF)
     np.testing.assert_allclose([m["loss"] for m in metrics(out)], [m["loss"] for m in metrics(ref)], rtol=TOL)
     arrays, _ = checkpoint.load(str(out / "checkpoints"))
-    assert arrays["param/wte"].shape == (384, 12)
+    assert arrays["param/wte"].shape == arrays["opt/m/wte"].shape == (256, 12)
     resumed = tmp_path / "resumed"
     run(Config(out=str(resumed), resume=str(out / "checkpoints" / "ckpt_00000002.json"), **common),
         world=MPI.COMM_SELF)
@@ -373,3 +429,44 @@ def test_tp3_pads_the_vocabulary_further_and_its_checkpoint_continues_at_tp1(tmp
         np.testing.assert_allclose(final[k], ref_final[k], rtol=TOL, atol=TOL, err_msg=k)
     model, _, _ = load_run(str(out))
     assert model.params.view("wte").shape == (256, 12)
+
+
+def test_a_checkpoint_written_at_tp2_continues_at_tp1_and_tp3_as_it_is(tmp_path):
+    """tp 2 holds wte's 256 rows as 2 x 128, tp 3 as 3 x 86 (2 zero rows in memory), tp 1
+    whole: the tp-2 checkpoint (wte at 256 rows) is read with the model's own shapes at
+    tp 1 and at tp 3, nothing fitted, and both continue to one process's final weights."""
+    import subprocess
+    import sys
+
+    from tests.support import ROOT
+    from tests.support.bench_cli import bench_env
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        pytest.skip("no mpiexec next to this python")
+    shape = dict(layers=2, d_model=12, heads=6, context=8, batch_size=3, steps=4, dtype="float64")
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()] + ["--data", "synthetic", "--sample-tokens", "0"]
+
+    def train(ranks, out, *more):
+        r = subprocess.run([mpiexec, "-n", str(ranks), sys.executable, "-m", "ringpipe.cli", "train", *flags,
+                            "--tp", str(ranks), "--out", str(out), *more],
+                           cwd=ROOT, env=bench_env(), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+
+    written = tmp_path / "tp2"
+    train(2, written, "--checkpoint-every", "2")
+    step2 = written / "checkpoints" / "ckpt_00000002.json"
+    arrays, manifest = checkpoint.load(str(step2))
+    assert manifest["layout"]["tp"] == 2 and arrays["param/wte"].shape == arrays["opt/v/wte"].shape == (256, 12)
+    common = dict(data="synthetic", sample_tokens=0, quiet=True, eval_every=4, eval_batches=4, **shape)
+    ref = tmp_path / "ref"
+    run(Config(out=str(ref), **common), world=MPI.COMM_SELF)
+    at_tp1 = tmp_path / "tp1"
+    run(Config(out=str(at_tp1), resume=str(step2), **common), world=MPI.COMM_SELF)
+    at_tp3 = tmp_path / "tp3"
+    train(3, at_tp3, "--resume", str(step2))
+    ref_final, _ = checkpoint.load(str(ref / "checkpoints"))
+    for out in (written, at_tp1, at_tp3):
+        final, _ = checkpoint.load(str(out / "checkpoints"))
+        assert final.keys() == ref_final.keys()
+        for k in ref_final:
+            np.testing.assert_allclose(final[k], ref_final[k], rtol=TOL, atol=TOL, err_msg=f"{out.name}: {k}")
