@@ -93,6 +93,10 @@ class Backend(NamedTuple):
 DEVICES = ("any", "cpu", "gpu")
 # The backend a non-"numpy" name resolves to when it does not fit the arrays' device.
 CPU_DEFAULT = "numba"
+# The production GPU path, named here only: the CUDA C kernels (kernels/cuda/cupy_kernels.py)
+# register under this name, the other GPU backends fall back to it, and cupy arrays run
+# on it unless a GPU backend is asked for by name (tests/kernels/gpu_op_table.py checks
+# every GPU backend against the reference, op by op).
 GPU_DEFAULT = "cuda"
 
 _BACKENDS = {}  # name -> Backend

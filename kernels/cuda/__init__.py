@@ -11,7 +11,8 @@ Backends registered (kernels.set_backend / backend=), for cupy inputs:
                 wmma_gemm.cu, fused.cu): float32 SGEMM, bf16 tensor-core GEMM, fused
                 layernorm / softmax / cross-entropy / GELU / AdamW; float64 GEMMs go
                 to cuBLAS. Every op of the table. THE production GPU path: the default
-                for cupy arrays, what ringpipe train --device cuda runs.
+                for cupy arrays, what ringpipe train --device cuda runs
+                (kernels.backend.GPU_DEFAULT names it, the one place that does).
   "cublas"      cublas.py: matmul through cupy.matmul (cuBLAS), linear_forward as
                 cuBLAS + bias + our GELU kernel, every other op as "cuda": the
                 yardstick for the hand-written GEMM in a training run
@@ -67,7 +68,8 @@ def register():
     from .. import backend as kb
     from ..ops import OP_NAMES
 
-    kb.register_backend("cuda", f"{__name__}.cupy_kernels", device="gpu")
-    kb.register_backend("cublas", f"{__name__}.cublas", device="gpu", ops=CUBLAS_OPS, fallback="cuda")
+    production = kb.GPU_DEFAULT         # "cuda": the CUDA C kernels
+    kb.register_backend(production, f"{__name__}.cupy_kernels", device="gpu")
+    kb.register_backend("cublas", f"{__name__}.cublas", device="gpu", ops=CUBLAS_OPS, fallback=production)
     kb.register_backend("numba_cuda", f"{__name__}.numba_kernels", device="gpu",
-                        ops=[op for op in OP_NAMES if op not in NUMBA_CUDA_LEAVES_OUT], fallback="cuda")
+                        ops=[op for op in OP_NAMES if op not in NUMBA_CUDA_LEAVES_OUT], fallback=production)

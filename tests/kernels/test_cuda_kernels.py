@@ -18,6 +18,9 @@ kernels/cuda: GPU kernels checked against kernels/reference.py, with or without 
     emulation of CUDA (tests/support/cuda_emu.h), under AddressSanitizer when available. The
     same emulation runs benchmarks/gemm.py --smoke and a 3-step ringpipe train
     --device cuda (losses must match the CPU run).
+(f) The test table (tests/kernels/op_table.py): one call of every op of kernels/ops.py, run
+    on each GPU backend (cuda, the production path; cublas; numba_cuda) and compared with
+    the reference, outputs and in-place writes alike; its rows pass on the CPU kernels too.
 
 Run just the GPU tests on a GPU machine: pytest tests/kernels/test_cuda_kernels.py -k test_gpu_
 """
@@ -36,6 +39,7 @@ import numpy as np
 import pytest
 
 from ringpipe.kernels import reference as ref
+from ringpipe.kernels.ops import OP_NAMES
 
 from tests.support import ROOT
 CUDA_DIR = os.path.join(ROOT, "kernels", "cuda")
@@ -738,6 +742,59 @@ def test_gpu_linear_forward(cp, api, rng, backend, dtype, bias, gelu):
         else:
             assert pre is None
             assert_close(cp.asnumpy(y), pre_exp, tol, label)
+
+
+# ---------------------------------------------------------------------------
+# the test table: every op of kernels/ops.py, one call each (tests/kernels/op_table.py), on
+# every GPU backend against the reference
+
+
+GPU_BACKENDS = ("cuda", "cublas", "numba_cuda")
+TABLE_TOL = {np.float32: 2e-5, np.float64: 1e-10}
+
+
+def assert_same_outputs(expected, got, tol, label):
+    assert len(got) == len(expected), f"{label}: {len(got)} outputs, the reference gives {len(expected)}"
+    for i, (e, g) in enumerate(zip(expected, got)):
+        assert_close(g, e, tol, f"{label} output {i}")
+
+
+def test_the_op_table_has_a_row_for_every_op_and_every_gpu_backend(restore_dispatch):
+    from ringpipe.kernels import backend as kb
+    from ringpipe.kernels import cuda as kc
+    from tests.kernels.op_table import CASES
+
+    assert sorted(CASES) == sorted(OP_NAMES)
+    kc.register()
+    assert {name for name, b in kb._BACKENDS.items() if b.device == "gpu"} == set(GPU_BACKENDS)
+    assert kb.GPU_DEFAULT == GPU_BACKENDS[0]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("op", OP_NAMES)
+def test_the_op_table_on_the_cpu_kernels(op, dtype):
+    # the table's rows themselves, checked where every machine can: the CPU kernels ("numba")
+    from ringpipe import kernels
+    from tests.kernels.op_table import CASES, outputs
+
+    args, kwargs = CASES[op](np.random.default_rng(7), dtype)
+    expected = outputs(kernels, op, args, kwargs, "numpy", np.asarray, np.asarray)
+    got = outputs(kernels, op, args, kwargs, "numba", np.asarray, np.asarray)
+    assert_same_outputs(expected, got, TABLE_TOL[dtype], f"{op} numba {np.dtype(dtype).name}")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("op", OP_NAMES)
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_op_table(cp, api, backend, op, dtype):
+    from tests.kernels.op_table import CASES, outputs
+
+    if backend == "numba_cuda" and EMULATED:
+        pytest.skip("numba.cuda cannot run on the CPU emulation (cuda_sim_check.py runs its kernels in the simulator)")
+    args, kwargs = CASES[op](np.random.default_rng(7), dtype)
+    expected = outputs(api, op, args, kwargs, "numpy", np.asarray, np.asarray)
+    got = outputs(api, op, args, kwargs, backend, cp.asarray, cp.asnumpy)
+    assert_same_outputs(expected, got, TABLE_TOL[dtype], f"{op} {backend} {np.dtype(dtype).name}")
 
 
 def test_gpu_linear_and_column_sum_dispatch(cp, ck, api):
