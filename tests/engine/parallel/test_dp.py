@@ -3,41 +3,33 @@
 Run with `mpiexec -n 2|4 python tests/support/mpi_pytest.py -m mpi --with-mpi tests/engine/parallel/test_dp.py`.
 Every rank first trains the single-process reference on COMM_SELF, then all ranks
 train together, both through the library entry point run(Config(...), world);
-losses and final weights must agree (float64 ~1e-10, float32 ~1e-5).
+losses, gradients and final weights must agree (float64 ~1e-10, float32 ~1e-5): the
+parity harness, tests/support/parity.py.
 """
-import json
 import os
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ringpipe.engine.job import checkpoint
 from ringpipe.engine.train.config import Config
 from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.train.run import run
+
+from tests.support.parity import assert_same_run, losses, reference, train
 
 world = MPI.COMM_WORLD
 BASE = dict(data="synthetic", layers=2, d_model=16, heads=2, context=16, batch_size=8, steps=4, sample_tokens=0,
             quiet=True, overwrite=True)
 
 
-def result(out):
-    with open(os.path.join(out, "metrics.jsonl")) as fh:
-        losses = [json.loads(line)["loss"] for line in fh]
-    arrays, _ = checkpoint.load(os.path.join(out, "checkpoints"))
-    return losses, arrays
-
-
 def run_pair(shared_dir, extra, dtype, layout=None):
-    """One process with `extra`, then every rank with `extra` + `layout`."""
+    """One process with `extra`, then every rank with `extra` + `layout`: (parallel, reference)."""
     settings = dict(BASE, dtype=dtype, **extra)
-    ref_out = os.path.join(shared_dir, f"ref{world.rank}")
-    run(Config(**settings, out=ref_out), world=MPI.COMM_SELF)
-    dp_out = os.path.join(shared_dir, "dp")
-    run(Config(**settings, **(layout or {}), out=dp_out), world=world)
+    ref = reference(Config(**settings, out=os.path.join(shared_dir, f"ref{world.rank}")))
+    par = train(Config(**settings, **(layout or {}), out=os.path.join(shared_dir, "dp")), world)
     world.Barrier()
-    return result(ref_out), result(dp_out)
+    return par, ref
 
 
 @pytest.mark.mpi(min_size=2)
@@ -49,11 +41,7 @@ def run_pair(shared_dir, extra, dtype, layout=None):
 def test_dp_equals_single_process(shared_dir, extra, dtype, tol):
     if 8 % world.size:
         pytest.skip("global batch 8 must divide among the ranks")
-    (ref_losses, ref_arrays), (dp_losses, dp_arrays) = run_pair(shared_dir, extra, dtype)
-    np.testing.assert_allclose(dp_losses, ref_losses, rtol=tol, atol=tol)
-    assert ref_arrays.keys() == dp_arrays.keys()
-    for k in ref_arrays:                    # parameters and optimizer state
-        np.testing.assert_allclose(dp_arrays[k], ref_arrays[k], rtol=tol, atol=tol, err_msg=k)
+    assert_same_run(*run_pair(shared_dir, extra, dtype), tol)     # parameters and optimizer state too
 
 
 @pytest.mark.mpi(min_size=2)
@@ -67,22 +55,18 @@ def test_bf16_matmuls_under_parallelism_equal_single_process(shared_dir, layout,
     # bf16 rounding is deterministic, so mixed precision keeps invariant 1 at float32 tolerance.
     if 8 % world.size:
         pytest.skip("global batch 8 must divide among the ranks")
-    (ref_losses, ref_arrays), (par_losses, par_arrays) = run_pair(
-        shared_dir, dict(precision="bf16", optimizer=optimizer), "float32", layout)
-    np.testing.assert_allclose(par_losses, ref_losses, rtol=1e-5, atol=1e-5)
-    for k in ref_arrays:
-        np.testing.assert_allclose(par_arrays[k], ref_arrays[k], rtol=1e-5, atol=1e-5, err_msg=k)
+    par, ref = run_pair(shared_dir, dict(precision="bf16", optimizer=optimizer), "float32", layout)
+    assert_same_run(par, ref, 1e-5, holdings=False)
 
 
 @pytest.mark.mpi(min_size=2)
 def test_mlp_dp_equals_single_process(shared_dir):
     settings = dict(model="mlp", data="synthetic", batch_size=8, steps=3, dtype="float64", quiet=True,
                     overwrite=True)
-    run(Config(**settings, out=os.path.join(shared_dir, f"ref{world.rank}")), world=MPI.COMM_SELF)
-    run(Config(**settings, out=os.path.join(shared_dir, "dp")), world=world)
+    ref = reference(Config(**settings, out=os.path.join(shared_dir, f"ref{world.rank}")))
+    par = train(Config(**settings, out=os.path.join(shared_dir, "dp")), world)
     world.Barrier()
-    ref, dp = result(os.path.join(shared_dir, f"ref{world.rank}")), result(os.path.join(shared_dir, "dp"))
-    np.testing.assert_allclose(dp[0], ref[0], rtol=1e-10)
+    np.testing.assert_allclose(losses(par.out), losses(ref.out), rtol=1e-10)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -2,7 +2,8 @@
 
 Run with `mpiexec -n 2|4 python tests/support/mpi_pytest.py -m mpi --with-mpi tests/engine/parallel/test_pipeline.py`.
 Every rank first trains the single-process reference on COMM_SELF, then the grid, both
-through the library entry point run(Config(...), world).
+through the library entry point run(Config(...), world): the parity harness,
+tests/support/parity.py.
 """
 import json
 import os
@@ -16,6 +17,8 @@ from ringpipe.engine.train.config import Config
 from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.train.run import run
 
+from tests.support.parity import assert_same_arrays, assert_same_run, final_arrays, layouts, losses, reference, train
+
 world = MPI.COMM_WORLD
 TOL = 1e-10
 
@@ -26,18 +29,8 @@ def base(layers, batch, **more):
                             eval_batches=1), **more})
 
 
-def metrics(out):
-    with open(os.path.join(out, "metrics.jsonl")) as fh:
-        return [json.loads(line) for line in fh]
-
-
-def layouts():
-    size = world.Get_size()
-    return [(pp, size // pp) for pp in (2, 4) if size % pp == 0 and size // pp in (1, 2)]
-
-
-CASES = [(sched, pp, dp, m) for pp, dp in layouts() for sched in ("gpipe", "1f1b", "interleaved", "zbh1")
-         for m in sorted({1, pp, 2 * pp + 1})]
+CASES = [(sched, pp, dp, m) for dp, pp, _ in layouts(world.size, pp=(2, 4), dp=(1, 2))
+         for sched in ("gpipe", "1f1b", "interleaved", "zbh1") for m in sorted({1, pp, 2 * pp + 1})]
 
 
 @pytest.mark.mpi(min_size=2)
@@ -48,32 +41,19 @@ def test_pipeline_equals_single_process(shared_dir, schedule, pp, dp, m):
     chunks = 2 if schedule == "interleaved" else 1
     layers = max(2, pp * chunks)
     tag = f"{schedule}-{pp}-{dp}-{m}"
-    ref_out = os.path.join(shared_dir, f"ref-{tag}-{world.rank}")
-    ref = run(base(layers, dp * m * 2, out=ref_out), world=MPI.COMM_SELF).model
+    ref = reference(base(layers, dp * m * 2, out=os.path.join(shared_dir, f"ref-{tag}-{world.rank}")))
     try:
-        grid = run(base(layers, dp * m * 2, pp=pp, dp=dp, schedule=schedule, microbatches=m, chunks=chunks,
-                        out=os.path.join(shared_dir, f"grid-{tag}")), world=world).model
+        grid = train(base(layers, dp * m * 2, pp=pp, dp=dp, schedule=schedule, microbatches=m, chunks=chunks,
+                          out=os.path.join(shared_dir, f"grid-{tag}")), world)
     except ConfigError as e:      # a schedule that cannot support this m must say so clearly
         assert schedule == "interleaved" and "micro" in str(e), e
         return
     world.Barrier()
-    ref_m, grid_m = metrics(ref_out), metrics(os.path.join(shared_dir, f"grid-{tag}"))
-    np.testing.assert_allclose([r["loss"] for r in grid_m], [r["loss"] for r in ref_m], rtol=TOL, atol=TOL)
-    np.testing.assert_allclose(grid_m[-1]["val_loss"], ref_m[-1]["val_loss"], rtol=TOL)
-    # gradients (of the last step, after clipping) and weights of every parameter this rank holds
-    for name in grid.params.names():
-        np.testing.assert_allclose(grid.params.grad_view(name), ref.params.grad_view(name), rtol=TOL, atol=TOL,
-                                   err_msg=f"grad {name}")
-        np.testing.assert_allclose(grid.params.view(name), ref.params.view(name), rtol=TOL, atol=TOL,
-                                   err_msg=f"weight {name}")
-    # the gathered checkpoint holds the whole model, equal to the reference's
-    ref_arrays, _ = checkpoint.load(os.path.join(ref_out, "checkpoints"))
-    grid_arrays, _ = checkpoint.load(os.path.join(shared_dir, f"grid-{tag}", "checkpoints"))
-    assert ref_arrays.keys() == grid_arrays.keys()
-    for k in ref_arrays:
-        np.testing.assert_allclose(grid_arrays[k], ref_arrays[k], rtol=TOL, atol=TOL, err_msg=k)
+    # losses, validation, the gradients (of the last step, after clipping) and weights of every
+    # parameter this rank holds, and the gathered checkpoint: the whole model, equal to the reference's
+    assert_same_run(grid, ref, TOL)
     # activation memory, from the executor's own accounting
-    s, peak = world.rank // dp, grid.inner.executor.peak_in_flight
+    s, peak = world.rank // dp, grid.model.inner.executor.peak_in_flight
     if schedule == "gpipe":
         assert peak == m
     elif schedule == "1f1b":
@@ -101,14 +81,12 @@ def test_microbatches_that_do_not_divide_the_batch_are_refused(shared_dir):
 @pytest.mark.mpi(min_size=2)
 def test_trace_and_balanced_partition(shared_dir):
     out = os.path.join(shared_dir, "traced")
-    ref_out = os.path.join(shared_dir, f"traced-ref{world.rank}")
-    run(base(world.size, 4, out=ref_out), world=MPI.COMM_SELF)
-    run(base(world.size, 4, pp=world.size, microbatches=4, partition="balanced", trace=os.path.join(out, "trace"),
-             out=out), world=world)
+    ref = reference(base(world.size, 4, out=os.path.join(shared_dir, f"traced-ref{world.rank}")))
+    train(base(world.size, 4, pp=world.size, microbatches=4, partition="balanced", trace=os.path.join(out, "trace"),
+               out=out), world)
     world.Barrier()
     # balanced partition changes where layers run, never the math
-    np.testing.assert_allclose([r["loss"] for r in metrics(out)], [r["loss"] for r in metrics(ref_out)],
-                               rtol=TOL)
+    np.testing.assert_allclose(losses(out), losses(ref.out), rtol=TOL)
     with open(os.path.join(out, "trace", "trace.json")) as fh:
         events = json.load(fh)["traceEvents"]
     ranks = {e["tid"] for e in events if e.get("ph") == "X"}
@@ -125,19 +103,16 @@ def test_checkpoint_from_one_layout_resumes_in_another(shared_dir):
     all reach the uninterrupted single-process trajectory."""
     if world.size != 4:
         pytest.skip("written for 4 ranks")
-    ref_out = os.path.join(shared_dir, f"relayout-ref{world.rank}")
-    run(base(4, 8, steps=6, out=ref_out), world=MPI.COMM_SELF)
+    ref = reference(base(4, 8, steps=6, out=os.path.join(shared_dir, f"relayout-ref{world.rank}")))
     first = os.path.join(shared_dir, "relayout-22")
     run(base(4, 8, steps=6, pp=2, dp=2, microbatches=2, checkpoint_every=3, out=first), world=world)
     world.Barrier()
     ckpt = os.path.join(first, "checkpoints", "ckpt_00000003.json")
-    ref_arrays, _ = checkpoint.load(os.path.join(ref_out, "checkpoints"))
     for name, layout, comm_ in (("41", dict(dp=4), world), ("14", dict(pp=4, microbatches=4), world),
                                 (f"11-{world.rank}", {}, MPI.COMM_SELF)):
         out = os.path.join(shared_dir, f"relayout-{name}")
-        run(base(4, 8, steps=6, resume=ckpt, out=out, **layout), world=comm_)
+        train(base(4, 8, steps=6, resume=ckpt, out=out, **layout), comm_)
         world.Barrier()
         arrays, manifest = checkpoint.load(os.path.join(out, "checkpoints"))
         assert manifest["step"] == 6
-        for k in ref_arrays:
-            np.testing.assert_allclose(arrays[k], ref_arrays[k], rtol=TOL, atol=TOL, err_msg=f"{name} {k}")
+        assert_same_arrays(arrays, final_arrays(ref.out), TOL, name)
