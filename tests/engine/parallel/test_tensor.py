@@ -255,7 +255,7 @@ def test_vocabulary_parallel_embedding_and_cross_entropy_equal_the_whole_ones(ro
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_tensor_group_across_nodes_is_warned_about(monkeypatch):
+def test_a_tensor_group_across_nodes_is_warned_about(monkeypatch, shared_dir, capsys):
     from ringpipe.engine.parallel.tensor import tensor_notes
     monkeypatch.setenv("RINGPIPE_NODES", ",".join("ab"[r * 2 // world.size] for r in range(world.size)))
     tensor = _group(world.size, False, overlap=False)
@@ -264,6 +264,11 @@ def test_a_tensor_group_across_nodes_is_warned_about(monkeypatch):
         assert "spans 2 nodes" in tensor_notes(tensor)[0]
     finally:
         tensor.comm.Free()
+    # A run hears of it through the rank model's own notes(), not by reaching inside it.
+    model = run(base(out=os.path.join(shared_dir, "nodes"), tp=world.size, quiet=False, steps=1), world=world).model
+    assert any("spans 2 nodes" in note for note in model.notes())
+    if world.rank == 0:
+        assert "spans 2 nodes" in capsys.readouterr().out
 
 
 # ---- whole runs -------------------------------------------------------------------------------
