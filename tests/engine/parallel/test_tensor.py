@@ -8,7 +8,6 @@ Run with `mpiexec -n 2|4 python tests/support/mpi_pytest.py -m mpi --with-mpi te
 - a checkpoint written at (dp, pp, tp) = (1, 2, 2) continues at (2, 1, 2), (4, 1, 1) and (1, 1, 1);
 - the layouts and shapes TP cannot split are refused, with what would work.
 """
-import json
 import os
 
 import numpy as np
@@ -22,6 +21,8 @@ from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.model.layers import MLP, WHOLE, Block, CausalSelfAttention, Linear
 from ringpipe.engine.model.params import ParamBuffer, ParamSpec, Split
 from ringpipe.engine.train.run import run
+
+from tests.support.parity import assert_same_arrays, assert_same_run, final_arrays, layouts, metrics, reference, train
 
 world = MPI.COMM_WORLD
 TOL = 1e-10
@@ -280,51 +281,18 @@ def base(**more):
                             eval_batches=1), **more})
 
 
-def metrics(out):
-    with open(os.path.join(out, "metrics.jsonl")) as fh:
-        return [json.loads(line) for line in fh]
-
-
-def layouts():
-    """(dp, pp, tp) with tp in {2, 4}, dp and pp in {1, 2}, that fill the ranks."""
-    return [(dp, pp, tp) for tp in (2, 4) for pp in (1, 2) for dp in (1, 2) if dp * pp * tp == world.size]
-
-
-RUN_CASES = [(dp, pp, tp, sp, schedule) for dp, pp, tp in layouts() for sp in (False, True)
+# (dp, pp, tp) with tp in {2, 4}, dp and pp in {1, 2}, that fill the ranks
+LAYOUTS = layouts(world.size, tp=(2, 4), pp=(1, 2), dp=(1, 2))
+RUN_CASES = [(dp, pp, tp, sp, schedule) for dp, pp, tp in LAYOUTS for sp in (False, True)
              for schedule in (("1f1b", "zbh1") if pp > 1 else (None,))]
-RUN_CASES += [(dp, pp, tp, False, "interleaved") for dp, pp, tp in layouts() if pp > 1]
-_references = {}
+RUN_CASES += [(dp, pp, tp, False, "interleaved") for dp, pp, tp in LAYOUTS if pp > 1]
 
 
-def reference(tmp_path_factory, dtype, m, layers=2):
-    """The one-process run (on COMM_SELF, on every rank) a layout must equal; made once
-    per dtype and micro-batch count, in this rank's own folder for the session."""
-    key = (dtype, m, layers)
-    if key not in _references:
-        out = str(tmp_path_factory.mktemp(f"ref-{dtype}-{m}-{layers}"))
-        _references[key] = (run(base(out=out, dtype=dtype, microbatches=m, layers=layers), world=MPI.COMM_SELF).model,
-                            out)
-    return _references[key]
-
-
-def assert_same_run(grid, grid_out, ref, ref_out, tol):
-    ref_m, grid_m = metrics(ref_out), metrics(grid_out)
-    np.testing.assert_allclose([r["loss"] for r in grid_m], [r["loss"] for r in ref_m], rtol=tol, atol=tol)
-    # every parameter counted once in the norm (it sets the clipping)
-    np.testing.assert_allclose([r["grad_norm"] for r in grid_m], [r["grad_norm"] for r in ref_m], rtol=tol)
-    np.testing.assert_allclose(grid_m[-1]["val_loss"], ref_m[-1]["val_loss"], rtol=tol)
-    for spec in grid.params.specs:       # this rank's part of every parameter it holds
-        for view in ("grad_view", "view"):
-            whole = getattr(ref.params, view)(spec.name)
-            np.testing.assert_allclose(getattr(grid.params, view)(spec.name),
-                                       spec.split.take(whole) if spec.split else whole, rtol=tol, atol=tol,
-                                       err_msg=f"{view} {spec.name}")
-    ref_arrays, _ = checkpoint.load(os.path.join(ref_out, "checkpoints"))
-    grid_arrays, manifest = checkpoint.load(os.path.join(grid_out, "checkpoints"))
-    assert ref_arrays.keys() == grid_arrays.keys()      # saved by full name, whole
-    for k in ref_arrays:
-        np.testing.assert_allclose(grid_arrays[k], ref_arrays[k], rtol=tol, atol=tol, err_msg=k)
-    return manifest
+def one_process(tmp_path_factory, dtype, m, layers=2):
+    """The one-process run a layout must equal (tests/support/parity.py keeps it for the
+    session), in this rank's own folder."""
+    out = str(tmp_path_factory.mktemp(f"ref-{dtype}-{m}-{layers}"))
+    return reference(base(out=out, dtype=dtype, microbatches=m, layers=layers))
 
 
 @pytest.mark.mpi(min_size=2)
@@ -335,15 +303,17 @@ def test_every_layout_with_tensor_parallelism_equals_one_process(shared_dir, tmp
         pytest.skip("no dp x pp x tp layout with tp in {2, 4} fits this many ranks")
     m = 2 * pp if pp > 1 else 2
     layers = 4 if schedule == "interleaved" else 2           # 2 chunks a rank need a layer each
-    ref, ref_out = reference(tmp_path_factory, "float64", m, layers)
+    ref = one_process(tmp_path_factory, "float64", m, layers)
     out = os.path.join(shared_dir, f"tp-{dp}{pp}{tp}-{sp}-{schedule}")
     # The reductions on the communication thread with sequence parallelism, on the caller's without.
-    grid = run(base(out=out, layers=layers, dp=dp, pp=pp, tp=tp, sequence_parallel=sp, schedule=schedule, microbatches=m,
-                    chunks=2 if schedule == "interleaved" else 1, zero=int(dp > 1),
-                    tp_overlap="on" if sp else "auto"), world=world).model
+    trained = train(base(out=out, layers=layers, dp=dp, pp=pp, tp=tp, sequence_parallel=sp, schedule=schedule,
+                         microbatches=m, chunks=2 if schedule == "interleaved" else 1, zero=int(dp > 1),
+                         tp_overlap="on" if sp else "auto"), world)
     world.Barrier()
-    manifest = assert_same_run(grid, out, ref, ref_out, TOL)
+    # every parameter counted once in the norm (it sets the clipping); the checkpoint saved by full name, whole
+    manifest = assert_same_run(trained, ref, TOL, grad_norm=True)
     assert manifest["layout"] == {"dp": dp, "pp": pp, "tp": tp, "chunks": 2 if schedule == "interleaved" else 1}
+    grid = trained.model
     stats = grid.inner.tensor.stats
     if sp:
         assert stats["all-gather"][0] and stats["reduce-scatter"][0]
@@ -354,12 +324,12 @@ def test_every_layout_with_tensor_parallelism_equals_one_process(shared_dir, tmp
 @pytest.mark.mpi(min_size=2)
 def test_float32_with_tensor_parallelism_equals_one_process(shared_dir, tmp_path_factory):
     tp = 2
-    ref, ref_out = reference(tmp_path_factory, "float32", 2)
+    ref = one_process(tmp_path_factory, "float32", 2)
     out = os.path.join(shared_dir, "tp-float32")
-    grid = run(base(out=out, dtype="float32", tp=tp, dp=world.size // tp, microbatches=2, sequence_parallel=True),
-               world=world).model
+    trained = train(base(out=out, dtype="float32", tp=tp, dp=world.size // tp, microbatches=2, sequence_parallel=True),
+                    world)
     world.Barrier()
-    assert_same_run(grid, out, ref, ref_out, 1e-5)
+    assert_same_run(trained, ref, 1e-5, grad_norm=True)
 
 
 @pytest.mark.mpi(min_size=4)
@@ -369,22 +339,18 @@ def test_a_tensor_parallel_checkpoint_continues_in_any_layout(shared_dir):
     if world.size != 4:
         pytest.skip("written for 4 ranks")
     six = dict(steps=6, microbatches=2, batch_size=8)
-    ref_out = os.path.join(shared_dir, f"relayout-ref{world.rank}")
-    run(base(out=ref_out, **six), world=MPI.COMM_SELF)
+    ref = reference(base(out=os.path.join(shared_dir, f"relayout-ref{world.rank}"), **six))
     first = os.path.join(shared_dir, "relayout-122")
-    run(base(out=first, pp=2, tp=2, checkpoint_every=3, **six), world=world)
+    train(base(out=first, pp=2, tp=2, checkpoint_every=3, **six), world)
     world.Barrier()
     ckpt = os.path.join(first, "checkpoints", "ckpt_00000003.json")
-    ref_arrays, _ = checkpoint.load(os.path.join(ref_out, "checkpoints"))
-    ref_losses = [r["loss"] for r in metrics(ref_out)]
+    ref_losses = [r["loss"] for r in metrics(ref.out)]
     for name, layout, comm_ in (("212", dict(dp=2, tp=2, sequence_parallel=True), world), ("411", dict(dp=4), world),
                                 (f"111-{world.rank}", {}, MPI.COMM_SELF)):
         out = os.path.join(shared_dir, f"relayout-{name}")
-        run(base(out=out, resume=ckpt, **six, **layout), world=comm_)
+        train(base(out=out, resume=ckpt, **six, **layout), comm_)
         world.Barrier()
-        arrays, _ = checkpoint.load(os.path.join(out, "checkpoints"))
-        for k in ref_arrays:
-            np.testing.assert_allclose(arrays[k], ref_arrays[k], rtol=TOL, atol=TOL, err_msg=f"{name}: {k}")
+        assert_same_arrays(final_arrays(out), final_arrays(ref.out), TOL, name)
         np.testing.assert_allclose([r["loss"] for r in metrics(out)], ref_losses[3:], rtol=TOL, err_msg=name)
 
 
