@@ -183,15 +183,12 @@ def test_every_layout_on_shards_equals_one_process(shared_dir, layout):
     if world.size != RANKS[layout]:
         pytest.skip(f"{layout} runs on {RANKS[layout]} ranks")
     data = prepared(shared_dir, world=world)           # prepared by every rank together
-    settings = dict(dtype="float64", steps=4)
-    ref = single(shared_dir, data, f"ref{world.rank}", **settings)
-    par = single(shared_dir, data, "parallel", world=world, **settings, **LAYOUTS[layout])
+    from tests.support.parity import assert_same_run, reference, train
+    settings = dict(TINY, data=data, dtype="float64", steps=4)
+    ref = reference(Config(**settings, out=os.path.join(shared_dir, f"ref{world.rank}")))
+    par = train(Config(**settings, **LAYOUTS[layout], out=os.path.join(shared_dir, "parallel")), world)
     world.Barrier()
-    np.testing.assert_allclose(losses(par), losses(ref), rtol=1e-10, atol=1e-10)
-    a, b = weights(ref), weights(par)
-    assert a.keys() == b.keys()
-    for k in a:
-        np.testing.assert_allclose(b[k], a[k], rtol=1e-10, atol=1e-10, err_msg=k)
+    assert_same_run(par, ref, 1e-10)        # losses, validation, gradients, weights, checkpoint
 
 
 @pytest.mark.mpi(min_size=2)
