@@ -7,7 +7,7 @@ One training step = forward + loss + backward + global-norm clip (1.0) + AdamW u
 (betas 0.9/0.95, weight decay 0.1 on the matrices only, constant lr), float32, on one
 fixed batch of random GPT-2 token ids (batch x seq).
   * ringpipe: the trainer's own pieces (engine.parallel.local.LocalModel over
-    engine.model.gpt.gpt_layers, engine.model.optim.make_optimizer("adamw"), clip_scale), with the
+    engine.model.gpt.gpt_layers, engine.model.optim.make_optimizer("adamw"), optim.clip), with the
     trainer's process settings (runtime.set_thread_defaults, reuse_freed_memory);
     vocabulary 50257 padded to 50304 rows, the padding's logits masked.
   * PyTorch: transformers.GPT2LMHeadModel of the same shape (n_positions = the preset's
@@ -135,7 +135,7 @@ def child_ringpipe(spec):
     from ringpipe import kernels as K
     from ringpipe.engine.train.config import Config, memory_floor
     from ringpipe.engine.model.gpt import GPTConfig, flops_per_token, gpt_layers
-    from ringpipe.engine.model.optim import clip_scale, make_optimizer
+    from ringpipe.engine.model.optim import clip, make_optimizer
     from ringpipe.engine.parallel.local import LocalModel
     import_rss = _rss_bytes()
 
@@ -154,9 +154,7 @@ def child_ringpipe(spec):
         params.zero_grad()
         loss = model.forward_backward(x, y, 1.0 / tokens) / tokens
         t1 = time.perf_counter()
-        scale = clip_scale(model.grad_norm_sq(), 1.0)
-        if scale != 1.0:
-            params.grad *= scale
+        clip(params, model.grad_norm_sq(), 1.0)      # the trainer's own clipping and update
         opt.step(params.data, params.grad, LR)
         return float(loss), t1 - t0, time.perf_counter() - t1
 

@@ -66,6 +66,14 @@ def clip_scale(norm_sq: float, max_norm: float) -> float:
     return max_norm / (norm + 1e-6)
 
 
+def clip(params, norm_sq: float, max_norm: float) -> None:
+    """Scale the gradients in place so that their global norm is at most max_norm: the
+    trainer's clipping (engine/train/run.py), which the benchmarks call as it is."""
+    scale = clip_scale(norm_sq, max_norm)
+    if scale != 1.0:
+        params.grad *= scale
+
+
 def lr_at(step, base_lr, warmup, total, min_ratio=0.1):
     """Linear warmup for `warmup` steps, then cosine decay to min_ratio*base_lr at `total`. step is 0-based."""
     if warmup > 0 and step < warmup:

@@ -30,7 +30,7 @@ from ringpipe.engine.train.agreement import BadBatch, agree_batch, batch_error, 
 from ringpipe.engine.train.assemble import Run, assemble
 from ringpipe.engine.train.config import Config
 from ringpipe.engine.job.errors import Diverged, JobFailure
-from ringpipe.engine.model.optim import clip_scale, lr_at
+from ringpipe.engine.model.optim import clip, lr_at
 from ringpipe.engine.train.reporting import hms, step_record
 from ringpipe.engine.data.shards import Prefetcher
 
@@ -171,12 +171,6 @@ def diverged(r: Run, value, step: int, what: str) -> Diverged:
             "resume from it with <resume> auto." if last else
             "No checkpoint was written yet: lower <lr> or raise <warmup> and start again.")
     return Diverged(f"{what} is {value} at step {step}: training diverged. {then}")
-
-
-def clip(params, norm_sq: float, max_norm: float) -> None:
-    scale = clip_scale(norm_sq, max_norm)
-    if scale != 1.0:
-        params.grad *= scale
 
 
 def evaluate(r: Run) -> dict:
