@@ -692,9 +692,9 @@ def _legacy_vocab_rows(manifest, members):
     logits, no gradient), so such a file's wte arrays are read without them and load
     like one written today. Every other member, and every newer file, is unchanged."""
     tp = manifest.get("layout", {}).get("tp", 1)
-    if manifest["model"] != "gpt" or _GPT_VOCAB_PAD % tp == 0:
+    vocab = manifest["model_config"].get("vocab")       # only a model with a vocabulary pads rows
+    if vocab is None or _GPT_VOCAB_PAD % tp == 0:
         return members
-    vocab = manifest["model_config"]["vocab"]
     multiple = math.lcm(_GPT_VOCAB_PAD, tp)
     written, rows = -(-vocab // multiple) * multiple, -(-vocab // _GPT_VOCAB_PAD) * _GPT_VOCAB_PAD
     out = dict(members)
