@@ -4,7 +4,7 @@ resume from, the model's shape, the device, the data, the rank's model and
 its optimizer, and the reporting. Every step that depends on one rank's own
 state goes through engine/job/agreement.py, so all ranks reach the same verdict.
 
-    r = assemble(cfg, world, stop, cleanup, render)    # a Run: the parts, by name
+    training = assemble(cfg, world, stop, cleanup, render)    # a Run: the parts, by name
 """
 from __future__ import annotations
 
@@ -83,18 +83,18 @@ def assemble(cfg: Config, world, stop, cleanup, render=None) -> Run:
     cleanup.callback(grid.free)
     report = Reporter(world.Get_rank() == 0, cfg.quiet, cfg.steps, cfg.log_every, render)
     cleanup.callback(report.close)
-    r = Run(cfg, world, grid, stop, report, ckpt_dir=os.path.join(cfg.out_dir, "checkpoints"))
+    training = Run(cfg, world, grid, stop, report, ckpt_dir=os.path.join(cfg.out_dir, "checkpoints"))
     for note in notes:
         report.say(note)
-    own_run_directory(r, cleanup)
-    find_checkpoint(r)
-    shape_data_device(r)
+    own_run_directory(training, cleanup)
+    find_checkpoint(training)
+    shape_data_device(training)
     # The shards' descriptors and the data folder's shared lock are let go when the run
     # ends, not whenever the dataset is collected (a prepare may wait for them).
-    cleanup.callback(lambda: getattr(r.dataset, "close", lambda: None)())
-    build_model(r, cleanup)
-    start_reporting(r, cleanup)
-    return r
+    cleanup.callback(lambda: getattr(training.dataset, "close", lambda: None)())
+    build_model(training, cleanup)
+    start_reporting(training, cleanup)
+    return training
 
 
 # ---- the run directory ------------------------------------------------------------------
@@ -111,22 +111,23 @@ def make_writable_dir(field_name, path):
                           "you can write to")
 
 
-def own_run_directory(r: Run, cleanup) -> None:
+def own_run_directory(training: Run, cleanup) -> None:
     """Before the data is loaded and the model built (a bad --out costs nothing yet):
     create it, take its lock for the run's life (rank 0), start it clean."""
-    cfg = r.cfg
+    cfg = training.cfg
 
     def make_output_dirs():
         make_writable_dir("out", cfg.out_dir)
         if cfg.trace:
             make_writable_dir("trace", cfg.trace)
 
-    agree(r.world, make_output_dirs, "output directory")
+    agree(training.world, make_output_dirs, "output directory")
     run_dir = rundir.RunDir(cfg.out_dir)
-    if r.world.Get_rank() == 0:
+    if training.world.Get_rank() == 0:
         cleanup.callback(run_dir.unlock)
-    for note in agree_on_rank0(r.world, lambda: prepare_run_dir(run_dir, cfg, r.ckpt_dir), "run directory"):
-        r.report.say(note)
+    for note in agree_on_rank0(training.world, lambda: prepare_run_dir(run_dir, cfg, training.ckpt_dir),
+                               "run directory"):
+        training.report.say(note)
 
 
 def prepare_run_dir(run_dir: rundir.RunDir, cfg: Config, ckpt_dir: str) -> list[str]:
@@ -154,18 +155,18 @@ def prepare_run_dir(run_dir: rundir.RunDir, cfg: Config, ckpt_dir: str) -> list[
 
 # ---- resume ------------------------------------------------------------------------------
 
-def find_checkpoint(r: Run) -> None:
+def find_checkpoint(training: Run) -> None:
     """Every rank resolves and reads the checkpoint itself; they must all find the
     same one (a run directory on node-local disk would not)."""
-    r.resume_path, notes = agree(r.world, lambda: _find_resume(r.cfg, r.ckpt_dir), "checkpoint to resume from",
-                                 same_result=True, compared=lambda found: found[0])
+    training.resume_path, notes = agree(training.world, lambda: _find_resume(training.cfg, training.ckpt_dir),
+                                        "checkpoint to resume from", same_result=True, compared=lambda found: found[0])
     for note in notes:
-        r.report.say(note)
-    if r.resume_path:
-        r.manifest = agree(r.world, lambda: checkpoint.read_manifest(r.resume_path), "checkpoint")
-        if r.manifest.get("model") != r.cfg.model:
-            raise ConfigError(f"checkpoint {r.resume_path} holds a {r.manifest.get('model')} model, "
-                              f"not <model> {r.cfg.model}")
+        training.report.say(note)
+    if training.resume_path:
+        training.manifest = agree(training.world, lambda: checkpoint.read_manifest(training.resume_path), "checkpoint")
+        if training.manifest.get("model") != training.cfg.model:
+            raise ConfigError(f"checkpoint {training.resume_path} holds a {training.manifest.get('model')} model, "
+                              f"not <model> {training.cfg.model}")
 
 
 def _find_resume(cfg: Config, ckpt_dir: str):
@@ -190,116 +191,118 @@ def _find_resume(cfg: Config, ckpt_dir: str):
 
 # ---- shape, data, device ---------------------------------------------------------------------
 
-def shape_data_device(r: Run) -> None:
+def shape_data_device(training: Run) -> None:
     """The model's shape, the data it trains on (whose tokenizer sets the vocabulary),
     and the device; every rank decides for itself, and all must agree."""
-    cfg = r.cfg
+    cfg = training.cfg
     if cfg.hf_dir:
         from ringpipe.engine.interop import hf
-        r.init = agree(r.world, lambda: hf.import_hf(cfg.hf_dir), "Hugging Face model of --init-from")
-    init_shape = r.init[0].to_dict() if r.init else None
-    saved = r.manifest.get("model_config")
-    r.dtype = K.resolve_dtype(cfg.dtype)
-    if r.recipe.data == "tokens":
+        training.init = agree(training.world, lambda: hf.import_hf(cfg.hf_dir), "Hugging Face model of --init-from")
+    init_shape = training.init[0].to_dict() if training.init else None
+    saved = training.manifest.get("model_config")
+    training.dtype = K.resolve_dtype(cfg.dtype)
+    if training.recipe.data == "tokens":
         # The sequence length comes from the shape, the vocabulary from the data: the shape
         # without the data's vocabulary first (only its context matters here), then with it.
-        r.seq_len = cfg.seq_len or model_config(cfg, saved, init=init_shape).context
+        training.seq_len = cfg.seq_len or model_config(cfg, saved, init=init_shape).context
     stdlib_dir = None
-    if cfg.dataset == "stdlib" and r.recipe.data == "tokens":
+    if cfg.dataset == "stdlib" and training.recipe.data == "tokens":
         # Token shards in a cache, written once by rank 0: no rank holds the corpus in memory.
         from ringpipe.engine.data.prepare import prepare_stdlib
-        stdlib_dir = agree_on_rank0(r.world, lambda: prepare_stdlib(int(cfg.max_data_mb * 2**20)),
+        stdlib_dir = agree_on_rank0(training.world, lambda: prepare_stdlib(int(cfg.max_data_mb * 2**20)),
                                     "preparing the stdlib corpus")
-    r.dataset = agree(r.world, lambda: open_dataset(cfg, r.seq_len, stdlib_dir), "dataset",
-                      hint="is RINGPIPE_CACHE (where the stdlib corpus is prepared) on a filesystem every node sees?"
-                      if stdlib_dir else "is the path on a filesystem every node sees?")
-    r.tokenizer = getattr(r.dataset, "tokenizer", None)
-    check_assumed_vocab(r)
-    r.shape = model_config(cfg, saved, vocab=getattr(r.dataset, "vocab_size", None), init=init_shape)
-    if r.recipe.data == "tokens" and r.seq_len > r.shape.context:
-        raise ConfigError(f"<seq_len> {r.seq_len} exceeds the model's context {r.shape.context}; lower "
-                          f"<seq_len> or raise <context> (at least {r.seq_len})")
-    check_tokenizer(r)
-    check_tensor_parallel(cfg, r.shape, r.seq_len)
+    training.dataset = agree(training.world, lambda: open_dataset(cfg, training.seq_len, stdlib_dir), "dataset",
+                             hint="is RINGPIPE_CACHE (where the stdlib corpus is prepared) on a filesystem every node "
+                                  "sees?"
+                             if stdlib_dir else "is the path on a filesystem every node sees?")
+    training.tokenizer = getattr(training.dataset, "tokenizer", None)
+    check_assumed_vocab(training)
+    training.shape = model_config(cfg, saved, vocab=getattr(training.dataset, "vocab_size", None), init=init_shape)
+    if training.recipe.data == "tokens" and training.seq_len > training.shape.context:
+        raise ConfigError(f"<seq_len> {training.seq_len} exceeds the model's context {training.shape.context}; lower "
+                          f"<seq_len> or raise <context> (at least {training.seq_len})")
+    check_tokenizer(training)
+    check_tensor_parallel(cfg, training.shape, training.seq_len)
     # Nodes may differ in memory: every rank checks its own node, all agree.
-    dp = r.grid.size("data")
-    agree(r.world, lambda: check_memory(cfg, r.shape, dp, runtime.local_rank_count()), "memory check",
+    dp = training.grid.size("data")
+    agree(training.world, lambda: check_memory(cfg, training.shape, dp, runtime.local_rank_count()), "memory check",
           hint="do the nodes differ in memory?")
 
     def pick_device():
         from ringpipe.comm.device import Transport
         from ringpipe.engine.job.array_module import select
-        xp = select(cfg.device, r.grid.local_rank)
+        xp = select(cfg.device, training.grid.local_rank)
         return xp, Transport(xp)     # how device buffers reach MPI (direct or pinned staging)
 
     # A node without CuPy or a GPU must stop every rank, not only its own.
-    r.xp, r.transport = agree(r.world, pick_device, "device setup",
-                              hint="does every node have CuPy and a visible GPU?")
-    describe_data(r)
+    training.xp, training.transport = agree(training.world, pick_device, "device setup",
+                                            hint="does every node have CuPy and a visible GPU?")
+    describe_data(training)
 
 
-def check_assumed_vocab(r: Run) -> None:
+def check_assumed_vocab(training: Run) -> None:
     """A peer's data without a tokenizer.json (nanoGPT's, llm.c's) has an assumed vocabulary
     (engine/data/shards.py: the largest id + 1, or the one llm.c's shard format implies). Starting
     from a model, or resuming one, of another size: say that and what to do, rather than
     blame a tokenizer the data does not have."""
-    assumed = getattr(r.dataset, "assumed_vocab", None)
-    saved = (r.manifest.get("model_config") or {}).get("vocab")
-    if r.init:
-        model, whose, tokenizer = r.init[0].vocab, "the model of <init_from>", r.init[2]
-        missing = f"the model's folder has none at {os.path.join(r.cfg.hf_dir, 'tokenizer.json')}"
+    assumed = getattr(training.dataset, "assumed_vocab", None)
+    saved = (training.manifest.get("model_config") or {}).get("vocab")
+    if training.init:
+        model, whose, tokenizer = training.init[0].vocab, "the model of <init_from>", training.init[2]
+        missing = f"the model's folder has none at {os.path.join(training.cfg.hf_dir, 'tokenizer.json')}"
     else:
         model, whose, tokenizer = saved, "the checkpoint's model", None
         missing = "the run directory's tokenizer.json, where it has one"
-    if not assumed or model is None or r.dataset.vocab_size == model:
+    if not assumed or model is None or training.dataset.vocab_size == model:
         return
-    fix = (f"copy the model's tokenizer into it (cp {tokenizer} {r.cfg.data}/)" if tokenizer else
+    fix = (f"copy the model's tokenizer into it (cp {tokenizer} {training.cfg.data}/)" if tokenizer else
            f"put the tokenizer.json the data was made with in it ({missing})")
-    raise ConfigError(f"<data> {r.cfg.data} has no tokenizer.json, so its vocabulary was assumed to be "
-                      f"{r.dataset.vocab_size} ({assumed}), but {whose} has {model} tokens. If the data was made "
-                      f"with the model's tokenizer (GPT-2's for nanoGPT's and llm.c's GPT-2 data), {fix}: its "
+    raise ConfigError(f"<data> {training.cfg.data} has no tokenizer.json, so its vocabulary was assumed to be "
+                      f"{training.dataset.vocab_size} ({assumed}), but {whose} has {model} tokens. If the data was "
+                      f"made with the model's tokenizer (GPT-2's for nanoGPT's and llm.c's GPT-2 data), {fix}: its "
                       "vocabulary is then the data's, and it is checked to be the model's")
 
 
-def check_tokenizer(r: Run) -> None:
+def check_tokenizer(training: Run) -> None:
     """A run continues (or starts from a model) with the tokenizer its data was prepared with.
     Tokenizers are compared by identity (engine/data/tokenizer.py: what decides the ids), so a
     tokenizer.json that `transformers` re-saved is the same tokenizer."""
-    mine = r.tokenizer.identity if r.tokenizer is not None else None
-    saved = r.manifest.get("tokenizer")
-    kept = _saved_tokenizer(r, saved) if saved and mine and saved["sha256"] != r.tokenizer.sha256 else None
+    mine = training.tokenizer.identity if training.tokenizer is not None else None
+    saved = training.manifest.get("tokenizer")
+    differs = saved and mine and saved["sha256"] != training.tokenizer.sha256
+    kept = _saved_tokenizer(training, saved) if differs else None
     if kept is not None and kept.identity == mine:
         # The same tokenizer in another file (re-saved): the run keeps its own, which its
         # checkpoints' sha256 names (`ringpipe export` and `sample` check it by that).
-        r.tokenizer = kept
-    elif saved and mine and saved["sha256"] != r.tokenizer.sha256:
+        training.tokenizer = kept
+    elif saved and mine and saved["sha256"] != training.tokenizer.sha256:
         raise ConfigError(f"the data was prepared with another tokenizer (identity {mine[:12]}...) than the "
                           f"checkpoint's run ({saved['file']} in its run directory, sha256 {saved['sha256'][:12]}"
                           "...): train on data prepared with that tokenizer (`ringpipe prepare ... --tokenizer "
                           "RUN_DIR/tokenizer.json`)")
-    if r.init:
+    if training.init:
         # Without the model's tokenizer.json only the vocabulary's size can be checked (and a
         # larger one refused): say so rather than train silently on ids of another tokenizer.
         from ringpipe.engine.interop import hf
-        for note in hf.check_init_data(r.cfg.hf_dir, r.init, getattr(r.dataset, "vocab_size", None),
-                                       data_has_tokenizer=mine is not None):
-            r.report.say(note)
-    if r.init and r.init[2] and mine:
+        vocab = getattr(training.dataset, "vocab_size", None)
+        for note in hf.check_init_data(training.cfg.hf_dir, training.init, vocab, data_has_tokenizer=mine is not None):
+            training.report.say(note)
+    if training.init and training.init[2] and mine:
         from ringpipe.engine.data.tokenizer import load_tokenizer
-        theirs = load_tokenizer(r.init[2]).identity
+        theirs = load_tokenizer(training.init[2]).identity
         if theirs != mine:
             raise ConfigError(f"the data was prepared with another tokenizer than the model of <init_from> "
-                              f"({r.init[2]}; they give different ids: their vocabularies, merges, normalizers, "
+                              f"({training.init[2]}; they give different ids: their vocabularies, merges, normalizers, "
                               "pre-tokenizers or special tokens differ): prepare it with "
-                              f"`ringpipe prepare ... --tokenizer {r.init[2]}`")
+                              f"`ringpipe prepare ... --tokenizer {training.init[2]}`")
 
 
-def _saved_tokenizer(r: Run, saved: dict):
+def _saved_tokenizer(training: Run, saved: dict):
     """The tokenizer a checkpoint's run saved (RUN_DIR/FILE) when it is the file the checkpoint
     records, or None (missing, unreadable, or another file: then the sha256 decides alone)."""
     from ringpipe.engine.data.tokenizer import load_tokenizer
     try:
-        tokenizer = load_tokenizer(os.path.join(r.cfg.out_dir, saved["file"]))
+        tokenizer = load_tokenizer(os.path.join(training.cfg.out_dir, saved["file"]))
     except (ValueError, OSError):
         return None
     return tokenizer if tokenizer.sha256 == saved["sha256"] else None
@@ -340,71 +343,72 @@ def _open_classes(cfg: Config):
     return data.synthetic_classification(cfg.seed, dtype=dtype)
 
 
-def describe_data(r: Run) -> None:
-    r.report.say(f"data: {r.dataset.describe()}")
-    r.recipe.fit_to_data(r.shape, r.dataset)           # the MLP's features and classes
-    if r.recipe.data == "tokens":
-        r.items_per_example = r.seq_len
-    r.flops_per_item = r.recipe.flops_per_item(r.shape, r.seq_len)
-    local_batch = r.cfg.batch_size // r.grid.size("data")
-    first = r.grid.index("data") * local_batch
-    r.rows = (first, first + local_batch)
+def describe_data(training: Run) -> None:
+    training.report.say(f"data: {training.dataset.describe()}")
+    training.recipe.fit_to_data(training.shape, training.dataset)           # the MLP's features and classes
+    if training.recipe.data == "tokens":
+        training.items_per_example = training.seq_len
+    training.flops_per_item = training.recipe.flops_per_item(training.shape, training.seq_len)
+    local_batch = training.cfg.batch_size // training.grid.size("data")
+    first = training.grid.index("data") * local_batch
+    training.rows = (first, first + local_batch)
 
 
 # ---- the model and its optimizer --------------------------------------------------------
 
-def build_model(r: Run, cleanup) -> None:
+def build_model(training: Run, cleanup) -> None:
     from ringpipe.engine.parallel.compose import build_rank_model
     from ringpipe.engine.schedules import ScheduleError
-    cfg = r.cfg
+    cfg = training.cfg
     # layers_fn(tensor): whole layers, or a tensor group's parts of them (a family with the tensor axis)
     def layers_fn(tensor=None):
-        return r.recipe.layers(r.shape, tensor)
-    micro = (r.rows[1] - r.rows[0]) // cfg.microbatches
-    r.tracer = None
+        return training.recipe.layers(training.shape, tensor)
+    micro = (training.rows[1] - training.rows[0]) // cfg.microbatches
+    training.tracer = None
     if cfg.trace:
         from ringpipe.engine.train.trace import Tracer
-        r.tracer = Tracer(cfg.trace, r.world)
+        training.tracer = Tracer(cfg.trace, training.world)
     try:
-        r.model = build_rank_model(r.grid, layers_fn, cfg, r.dtype, r.xp,
-                                   micro_shape=(micro, r.seq_len or 1, getattr(r.shape, "d_model", 1)),
-                                   cost_batch=lambda: r.dataset.batch(0, cfg.batch_size, 0, micro),
-                                   trace=r.tracer.events if r.tracer else None)
+        training.model = build_rank_model(training.grid, layers_fn, cfg, training.dtype, training.xp,
+                                          micro_shape=(micro, training.seq_len or 1,
+                                                       getattr(training.shape, "d_model", 1)),
+                                          cost_batch=lambda: training.dataset.batch(0, cfg.batch_size, 0, micro),
+                                          trace=training.tracer.events if training.tracer else None)
     except (ScheduleError, ValueError) as e:     # a layout the schedule or the partition cannot make
         raise ConfigError(str(e)) from None
-    cleanup.callback(r.model.close)
-    for note in r.model.notes():
-        r.report.say(note)
-    r.opt = r.model.make_optimizer(cfg.optimizer, cfg.weight_decay)
-    if r.init:
+    cleanup.callback(training.model.close)
+    for note in training.model.notes():
+        training.report.say(note)
+    training.opt = training.model.make_optimizer(cfg.optimizer, cfg.weight_decay)
+    if training.init:
         # Every rank takes the arrays of the parameters it holds (any layout).
-        r.model.params.load_flat(r.model.params.data, r.init[1])
-        r.report.say(f"initialised from the Hugging Face model in {cfg.hf_dir}")
-        r.init = (r.init[0], None, r.init[2])           # the arrays are loaded: let them go
-    if not r.resume_path:
-        r.model.start_identical()
+        training.model.params.load_flat(training.model.params.data, training.init[1])
+        training.report.say(f"initialised from the Hugging Face model in {cfg.hf_dir}")
+        training.init = (training.init[0], None, training.init[2])           # the arrays are loaded: let them go
+    if not training.resume_path:
+        training.model.start_identical()
         return
-    if r.manifest.get("optimizer") != cfg.optimizer:
-        raise ConfigError(f"the checkpoint was trained with <optimizer> {r.manifest.get('optimizer')}, "
+    if training.manifest.get("optimizer") != cfg.optimizer:
+        raise ConfigError(f"the checkpoint was trained with <optimizer> {training.manifest.get('optimizer')}, "
                           f"not {cfg.optimizer}")
     # Only the arrays this rank holds, each checked against the model's shape
     # before its bytes are read (a damaged or hostile file costs nothing).
     # Whole arrays, the same for every layout: any layout's checkpoint loads as it is.
-    expected = r.model.state_shapes(r.opt)
-    arrays, _ = agree(r.world, lambda: checkpoint.load(r.resume_path, expected=expected), "checkpoint")
-    r.model.restore_state(arrays, r.opt)
-    r.opt.step_count = r.manifest["opt_step_count"]
-    r.start_step = r.manifest["step"]
-    r.report.say(f"resumed from {r.resume_path} at step {r.start_step}")
-    saved = dict(r.manifest.get("args", {}))
-    resolved = {"seq_len": r.seq_len, "data": cfg.dataset}      # as checkpoint_meta records them
+    expected = training.model.state_shapes(training.opt)
+    arrays, _ = agree(training.world, lambda: checkpoint.load(training.resume_path, expected=expected), "checkpoint")
+    training.model.restore_state(arrays, training.opt)
+    training.opt.step_count = training.manifest["opt_step_count"]
+    training.start_step = training.manifest["step"]
+    training.report.say(f"resumed from {training.resume_path} at step {training.start_step}")
+    saved = dict(training.manifest.get("args", {}))
+    resolved = {"seq_len": training.seq_len, "data": cfg.dataset}      # as checkpoint_meta records them
     if cfg.dataset == "prepared" and saved.get("data") is not None:
         # checkpoint_meta records a prepared folder by its real path; older checkpoints
         # recorded "prepared" alone, which says nothing of which folder: no note either way.
         if saved["data"] == "prepared" or saved["data"] == os.path.realpath(cfg.data):
             saved["data"] = cfg.data
-    for note in resume_differences(saved, cfg, resolved) + schedule_change(saved, cfg, r.start_step):
-        r.report.say(note)
+    for note in resume_differences(saved, cfg, resolved) + schedule_change(saved, cfg, training.start_step):
+        training.report.say(note)
 
 
 def schedule_change(saved: dict, cfg: Config, start_step: int) -> list[str]:
@@ -428,45 +432,45 @@ def schedule_change(saved: dict, cfg: Config, start_step: int) -> list[str]:
 
 # ---- reporting --------------------------------------------------------------------------------
 
-def start_reporting(r: Run, cleanup) -> None:
-    cfg, report, world = r.cfg, r.report, r.world
-    report.say(f"ringpipe | {cfg.model} {r.shape.to_dict()} | {r.model.params.size:,} parameters on rank 0 | "
-               f"{cfg.dtype}{', bf16 matmuls' if cfg.precision == 'bf16' else ''}")
-    layout = f"dp {r.grid.size('data')} x pp {r.grid.size('pipe')}" + \
-        (f" x tp {r.grid.size('tensor')}" if r.grid.size("tensor") > 1 else "")
-    described = r.model.describe()
-    report.say(f"data {r.dataset.name} | global batch {cfg.batch_size} x {r.items_per_example} = "
-               f"{r.items_per_step} {r.recipe.unit}/step | {world.Get_size()} "
+def start_reporting(training: Run, cleanup) -> None:
+    cfg, report, world = training.cfg, training.report, training.world
+    report.say(f"ringpipe | {cfg.model} {training.shape.to_dict()} | {training.model.params.size:,} parameters on "
+               f"rank 0 | {cfg.dtype}{', bf16 matmuls' if cfg.precision == 'bf16' else ''}")
+    layout = f"dp {training.grid.size('data')} x pp {training.grid.size('pipe')}" + \
+        (f" x tp {training.grid.size('tensor')}" if training.grid.size("tensor") > 1 else "")
+    described = training.model.describe()
+    report.say(f"data {training.dataset.name} | global batch {cfg.batch_size} x {training.items_per_example} = "
+               f"{training.items_per_step} {training.recipe.unit}/step | {world.Get_size()} "
                f"ranks: {layout}{f' | {described}' if described else ''}")
     if comm.launcher.prepared:
         report.say(f"MPI: {comm.launcher.prepared}")
     for line in runtime.thread_report():     # threads per rank and why; a warning if they oversubscribe
         report.say(line)
-    if r.xp is not np:
+    if training.xp is not np:
         from ringpipe.engine.job.array_module import describe as describe_device
-        report.say(f"device: {describe_device(r.xp)} on rank 0")
+        report.say(f"device: {describe_device(training.xp)} on rank 0")
         if world.Get_size() > 1:
-            report.say(f"GPU buffers and MPI: {r.transport.describe()}")
-    if r.recipe.data == "tokens":
+            report.say(f"GPU buffers and MPI: {training.transport.describe()}")
+    if training.recipe.data == "tokens":
         # Reads each split's first 256 MiB (and refuses a token id outside the vocabulary
         # there): a read error on one rank must stop every rank alike.
-        nats = agree(world, r.dataset.unigram_entropy, "unigram baseline of the data")
-        per_token = r.dataset.bytes_per_token("val")
+        nats = agree(world, training.dataset.unigram_entropy, "unigram baseline of the data")
+        per_token = training.dataset.bytes_per_token("val")
         bpb = f" = {nats / math.log(2) / per_token:.3f} bits/byte" if per_token else ""
         report.say(f"unigram baseline (val): {nats:.4f} nats/token{bpb} (a model must beat it to have learned)")
-    pp = r.grid.size("pipe")
+    pp = training.grid.size("pipe")
     if pp > 1 and cfg.microbatches < 2 * pp:
         report.say(f"note: {cfg.microbatches} micro-batch(es) on {pp} stages leaves the pipeline mostly idle "
                    f"(bubble {(pp - 1) / (cfg.microbatches + pp - 1):.0%}); use <microbatches> >= {4 * pp} "
                    "to fill it")
     report.log = lifecycle.setup_rank_logging(cfg.out_dir, world.Get_rank(), world.Get_size())
     report.log.info("start: %s", " ".join(sys.argv) or "(in-process)")
-    r.dog = lifecycle.Watchdog(world, cfg.watchdog, run_dir=cfg.out_dir, abort=cfg.watchdog_abort)
-    cleanup.callback(r.dog.stop)
+    training.dog = lifecycle.Watchdog(world, cfg.watchdog, run_dir=cfg.out_dir, abort=cfg.watchdog_abort)
+    cleanup.callback(training.dog.stop)
     if report.is_main:
-        if r.tokenizer is not None:
-            r.tokenizer.save(cfg.out_dir)          # OUT/tokenizer.json: `ringpipe sample` and `export` read it
+        if training.tokenizer is not None:
+            training.tokenizer.save(cfg.out_dir)          # OUT/tokenizer.json: `ringpipe sample` and `export` read it
         report.metrics = rundir.MetricsLog(os.path.join(cfg.out_dir, rundir.METRICS_NAME),
-                                           append=bool(r.resume_path))
+                                           append=bool(training.resume_path))
         for note in report.metrics.notes:
             report.say(note)

@@ -9,8 +9,9 @@ backward (gradients reduced along every parallel axis while backward runs),
 the global gradient norm and clip, the optimizer update, then log, evaluate,
 checkpoint, and the one small all-reduce per step that lets every rank agree
 on a stop signal (and on the next batch: a rank whose rows of it cannot be used,
-a token id outside the vocabulary, stops every rank there, before any uses it). Everything before the first step is engine/train/assemble.py;
-everything parallel is the rank model's (engine/parallel/).
+a token id outside the vocabulary, stops every rank there, before any uses it).
+Everything before the first step is engine/train/assemble.py; everything parallel
+is the rank model's (engine/parallel/).
 """
 from __future__ import annotations
 
@@ -60,10 +61,10 @@ def run(cfg: Config, world=None, stop=None, render=None) -> RunResult:
         # The precision is the kernels' module-wide GEMM default: the layers never pass one.
         cleanup.callback(K.set_matmul_precision, K.get_matmul_precision())
         K.set_matmul_precision(cfg.precision)
-        r = assemble(cfg, world, stop, cleanup, render)
-        best = Best.from_manifest(r.manifest) if cfg.best_kept else None
-        loss, stopped_at = train(r, best)
-        return finish(r, loss, stopped_at, best)
+        training = assemble(cfg, world, stop, cleanup, render)
+        best = Best.from_manifest(training.manifest) if cfg.best_kept else None
+        loss, stopped_at = train(training, best)
+        return finish(training, loss, stopped_at, best)
 
 
 @dataclass
@@ -82,136 +83,136 @@ class Best:
         return self.val_loss is None or val_loss < self.val_loss
 
 
-def train(r: Run, best: Best | None = None) -> tuple[float, int | None]:
+def train(training: Run, best: Best | None = None) -> tuple[float, int | None]:
     """The step loop. Returns (last loss, the step it stopped at on a signal, or None)."""
     # The next step's rows are read in a background thread while this step computes.
-    with Prefetcher(r.dataset, r.cfg.batch_size, *r.rows) as batches:
-        if r.start_step < r.cfg.steps:
+    with Prefetcher(training.dataset, training.cfg.batch_size, *training.rows) as batches:
+        if training.start_step < training.cfg.steps:
             # The first batch is agreed on before the loop (one tiny all-reduce, once);
             # each later one inside the step before it (next_batch_problem).
-            agree_batch(r.world, read_error(batches.error_of(r.start_step)))
-        say_epochs(r)
-        if r.cfg.fine_tuning and r.start_step == 0:
-            validate_before_training(r, best)
-        r.t_start = time.perf_counter()
-        r.report.first_step_starts()
-        return steps(r, batches, best)
+            agree_batch(training.world, read_error(batches.error_of(training.start_step)))
+        say_epochs(training)
+        if training.cfg.fine_tuning and training.start_step == 0:
+            validate_before_training(training, best)
+        training.t_start = time.perf_counter()
+        training.report.first_step_starts()
+        return steps(training, batches, best)
 
 
-def steps(r: Run, batches: Prefetcher, best: Best | None = None) -> tuple[float, int | None]:
-    cfg, model = r.cfg, r.model
+def steps(training: Run, batches: Prefetcher, best: Best | None = None) -> tuple[float, int | None]:
+    cfg, model = training.cfg, training.model
     loss = float("nan")
-    for step in range(r.start_step, cfg.steps):
+    for step in range(training.start_step, cfg.steps):
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.peak_lr, cfg.warmup_steps, cfg.schedule_steps, cfg.min_lr_ratio)
         x, y = batches.get(step)
         model.params.zero_grad()
-        loss = sum_over_ranks(r, model.forward_backward(x, y, r.grad_scale)) / r.items_per_step
+        loss = sum_over_ranks(training, model.forward_backward(x, y, training.grad_scale)) / training.items_per_step
         norm_sq = model.grad_norm_sq()
-        refuse_non_finite(r, step + 1, loss=loss, grad_norm=math.sqrt(norm_sq) if norm_sq >= 0 else norm_sq)
+        refuse_non_finite(training, step + 1, loss=loss, grad_norm=math.sqrt(norm_sq) if norm_sq >= 0 else norm_sq)
         clip(model.params, norm_sq, cfg.grad_clip)
-        model.update(r.opt, lr)
+        model.update(training.opt, lr)
 
         done = step + 1
-        record = step_record(done, loss, lr, norm_sq, time.perf_counter() - t0, r.items_per_step,
-                             r.flops_per_item, r.recipe.unit, model.comm_hidden_fraction(),
-                             epochs_at(r, done))
+        record = step_record(done, loss, lr, norm_sq, time.perf_counter() - t0, training.items_per_step,
+                             training.flops_per_item, training.recipe.unit, model.comm_hidden_fraction(),
+                             epochs_at(training, done))
         reported = saved_now = False
         try:
             if done % cfg.eval_period == 0 or done == cfg.steps:
-                record.update(evaluate(r))
-                refuse_non_finite(r, done, validation_loss=record["val_loss"])
-            report_step(r, record)
+                record.update(evaluate(training))
+                refuse_non_finite(training, done, validation_loss=record["val_loss"])
+            report_step(training, record)
             reported = True
             if "val_loss" in record:
-                keep_if_best(r, best, done, record["val_loss"], loss)
+                keep_if_best(training, best, done, record["val_loss"], loss)
             saved_now = bool(cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done != cfg.steps)
             if saved_now:
-                save(r, done, loss, best)
-            r.dog.beat(done)
-            stopping = agree_to_stop(r, next_batch_problem(r, batches, done))
+                save(training, done, loss, best)
+            training.dog.beat(done)
+            stopping = agree_to_stop(training, next_batch_problem(training, batches, done))
         except BadBatch as e:
             # Every rank is here alike (the verdict was agreed): keep the steps done so far.
             if not reported:
-                report_step(r, record)
+                report_step(training, record)
             if not saved_now:
-                save(r, done, loss, best)
+                save(training, done, loss, best)
             raise BadBatch(f"{e.message} (stopped after step {done}, before any rank used the batch; the "
                            f"checkpoint of step {done} holds the training so far)") from None
         if stopping and done != cfg.steps:
             if not saved_now:
-                save(r, done, loss, best)
+                save(training, done, loss, best)
             return loss, done
     return loss, None
 
 
 # ---- the pieces of a step -------------------------------------------------------------------
 
-def sum_over_ranks(r: Run, local: float) -> float:
+def sum_over_ranks(training: Run, local: float) -> float:
     """The loss summed over every rank (only the ranks that compute a loss add to it)."""
     buf = np.array([local])
-    comm.allreduce(buf, r.world, op="sum")
+    comm.allreduce(buf, training.world, op="sum")
     return float(buf[0])
 
 
-def refuse_non_finite(r: Run, step: int, **values) -> None:
+def refuse_non_finite(training: Run, step: int, **values) -> None:
     """A NaN/inf loss can be followed by a finite one; a NaN gradient norm with a finite
     loss (an overflow in backward) would poison every weight: stop before the update.
     The values are the same on every rank, so every rank stops here alike."""
     for what, value in values.items():
         if not math.isfinite(value):
-            raise diverged(r, value, step, what.replace("_", " ").replace("grad ", "the gradient "))
+            raise diverged(training, value, step, what.replace("_", " ").replace("grad ", "the gradient "))
 
 
-def diverged(r: Run, value, step: int, what: str) -> Diverged:
+def diverged(training: Run, value, step: int, what: str) -> Diverged:
     # Every checkpoint on disk is finite (save() refuses anything else), so the
     # newest valid one is a safe place to go back to.
-    last = checkpoint.find_latest(r.ckpt_dir)
+    last = checkpoint.find_latest(training.ckpt_dir)
     then = (f"Nothing was saved after the last good checkpoint ({last}): lower <lr> or raise <warmup>, then "
             "resume from it with <resume> auto." if last else
             "No checkpoint was written yet: lower <lr> or raise <warmup> and start again.")
     return Diverged(f"{what} is {value} at step {step}: training diverged. {then}")
 
 
-def evaluate(r: Run) -> dict:
+def evaluate(training: Run) -> dict:
     """Validation loss (nats per item) and, for text, bits per byte: comparable across
     tokenizers, since a token covers bytes_per_token bytes of the text on average."""
     total = 0.0
-    for i in range(r.cfg.eval_batches):
+    for i in range(training.cfg.eval_batches):
         try:
-            batch, error = r.dataset.batch(i, r.cfg.batch_size, *r.rows, split="val"), None
+            batch, error = training.dataset.batch(i, training.cfg.batch_size, *training.rows, split="val"), None
         except (ValueError, OSError) as e:
             batch, error = None, e
         # Agreed before any rank uses it: one 8-byte all-reduce per validation batch,
         # next to the forward pass it guards (evaluation is not every step).
-        agree_batch(r.world, error)
-        total += r.model.forward_loss(*batch)
-    val = {"val_loss": sum_over_ranks(r, total) / (r.cfg.eval_batches * r.items_per_step)}
-    per_token = getattr(r.dataset, "bytes_per_token", lambda split: None)("val")
+        agree_batch(training.world, error)
+        total += training.model.forward_loss(*batch)
+    val = {"val_loss": sum_over_ranks(training, total) / (training.cfg.eval_batches * training.items_per_step)}
+    per_token = getattr(training.dataset, "bytes_per_token", lambda split: None)("val")
     if per_token:
         val["val_bpb"] = val["val_loss"] / math.log(2) / per_token
     return val
 
 
-def report_step(r: Run, record: dict) -> None:
+def report_step(training: Run, record: dict) -> None:
     try:
-        r.report.step_done(record, r.start_step, r.recipe.rate_unit)
+        training.report.step_done(record, training.start_step, training.recipe.rate_unit)
     except rundir.RunDirError as e:
-        r.stop.fail(str(e))                  # every rank stops at the next boundary
+        training.stop.fail(str(e))                  # every rank stops at the next boundary
 
 
 # ---- what a fine-tune shows: the model as given, the epochs, the best step -------------------
 
-def validate_before_training(r: Run, best: Best | None) -> None:
+def validate_before_training(training: Run, best: Best | None) -> None:
     """Step 0: validation of the weights as given (init_from), recorded like any step's,
     so a fine-tune that makes validation worse shows it against where it began."""
-    record = {"step": 0, **({"epoch": 0.0} if epochs_at(r, 0) is not None else {}), **evaluate(r)}
-    refuse_non_finite(r, 0, validation_loss=record["val_loss"])
+    record = {"step": 0, **({"epoch": 0.0} if epochs_at(training, 0) is not None else {}), **evaluate(training)}
+    refuse_non_finite(training, 0, validation_loss=record["val_loss"])
     try:
-        r.report.validation_before_training(record)
+        training.report.validation_before_training(record)
     except rundir.RunDirError as e:
-        r.stop.fail(str(e))                  # every rank stops at the first step's boundary
-    keep_if_best(r, best, 0, record["val_loss"], None)
+        training.stop.fail(str(e))                  # every rank stops at the first step's boundary
+    keep_if_best(training, best, 0, record["val_loss"], None)
 
 
 def train_items(dataset) -> int | None:
@@ -222,11 +223,11 @@ def train_items(dataset) -> int | None:
     return len(train[0]) if isinstance(train, tuple) else len(train)     # (x, y) of a classification set
 
 
-def epochs_at(r: Run, step: int) -> float | None:
+def epochs_at(training: Run, step: int) -> float | None:
     """Passes over the training split after `step` steps (a batch draws its windows at random,
     so an epoch is as many items as the split holds, not each item once)."""
-    items = train_items(r.dataset)
-    return step * r.items_per_step / items if items else None
+    items = train_items(training.dataset)
+    return step * training.items_per_step / items if items else None
 
 
 # More passes than these over the training data: validation often gets worse (the model
@@ -235,52 +236,54 @@ def epochs_at(r: Run, step: int) -> float | None:
 EPOCHS_NOTED = {"fine-tune": 3, "scratch": 10}
 
 
-def say_epochs(r: Run) -> None:
-    total, items = epochs_at(r, r.cfg.steps), train_items(r.dataset)
+def say_epochs(training: Run) -> None:
+    total, items = epochs_at(training, training.cfg.steps), train_items(training.dataset)
     if total is None:
         return
-    unit = r.recipe.unit
-    per_epoch = items / r.items_per_step
-    resumed = f"; resuming at epoch {epochs_at(r, r.start_step):.2f}" if r.start_step else ""
-    r.report.say(f"epochs: <steps> {r.cfg.steps} x {r.items_per_step:,} {unit} = {total:.2f} epoch(s) of the "
-                 f"training split ({items:,} {unit}; one epoch is {per_epoch:,.1f} steps){resumed}")
-    kind = "fine-tune" if r.cfg.fine_tuning else "scratch"
+    unit = training.recipe.unit
+    per_epoch = items / training.items_per_step
+    resumed = f"; resuming at epoch {epochs_at(training, training.start_step):.2f}" if training.start_step else ""
+    training.report.say(f"epochs: <steps> {training.cfg.steps} x {training.items_per_step:,} {unit} = {total:.2f} "
+                        f"epoch(s) of the training split ({items:,} {unit}; one epoch is {per_epoch:,.1f} "
+                        f"steps){resumed}")
+    kind = "fine-tune" if training.cfg.fine_tuning else "scratch"
     if total > EPOCHS_NOTED[kind]:
         fewer = max(1, int(EPOCHS_NOTED[kind] * per_epoch))
-        r.report.say(f"note: {total:.1f} epochs: the run sees its training data {total:.0f} times over; past about "
-                     f"{EPOCHS_NOTED[kind]} a {'fine-tune' if kind == 'fine-tune' else 'model'} often learns the "
-                     "text by heart and validation gets worse" + (" than at step 0" if kind == "fine-tune" else "")
-                     + f". Watch the val column; <keep_best> keeps the best checkpoint; for at most "
-                     f"{EPOCHS_NOTED[kind]} epochs pass <steps> {fewer}, or train on more data")
+        training.report.say(f"note: {total:.1f} epochs: the run sees its training data {total:.0f} times over; "
+                            f"past about {EPOCHS_NOTED[kind]} a {'fine-tune' if kind == 'fine-tune' else 'model'} "
+                            "often learns the text by heart and validation gets worse"
+                            + (" than at step 0" if kind == "fine-tune" else "")
+                            + f". Watch the val column; <keep_best> keeps the best checkpoint; for at most "
+                            f"{EPOCHS_NOTED[kind]} epochs pass <steps> {fewer}, or train on more data")
 
 
-def keep_if_best(r: Run, best: Best | None, step: int, val_loss: float, loss: float | None) -> None:
+def keep_if_best(training: Run, best: Best | None, step: int, val_loss: float, loss: float | None) -> None:
     """With <keep_best>: a validation loss lower than any before makes this step's
     checkpoint OUT/best/'s one (written as every checkpoint is, any layout)."""
     if best is None or not best.improved_by(val_loss):
         return
     best.step, best.val_loss = step, val_loss
-    save(r, step, loss, best, directory=rundir.best_path(r.cfg.out_dir), alone=True)
+    save(training, step, loss, best, directory=rundir.best_path(training.cfg.out_dir), alone=True)
 
 
-def say_best(r: Run, best: Best) -> None:
+def say_best(training: Run, best: Best) -> None:
     if best.step is None:
         return
-    folder = rundir.best_path(r.cfg.out_dir)
+    folder = rundir.best_path(training.cfg.out_dir)
     path = checkpoint.manifest_path(folder, best.step)
-    per_token = getattr(r.dataset, "bytes_per_token", lambda split: None)("val")
+    per_token = getattr(training.dataset, "bytes_per_token", lambda split: None)("val")
     bpb = f" ({best.val_loss / math.log(2) / per_token:.3f} bits/byte)" if per_token else ""
     worse = (": no step improved on the model as given (lower <lr> or fewer <steps>)"
-             if best.step == 0 and r.cfg.fine_tuning else "")
-    if not r.report.is_main or os.path.exists(path):
+             if best.step == 0 and training.cfg.fine_tuning else "")
+    if not training.report.is_main or os.path.exists(path):
         kept = f"its checkpoint is {path} (ringpipe export {folder} ..., ringpipe sample {folder} ...)"
     else:
         # Resumed from before a better step that this run, with other settings, did not reach
         # again: the folder holds that step's checkpoint, which is not this run's best.
         held = ", ".join(os.path.basename(p) for p in checkpoint.list_checkpoints(folder)) or "nothing"
         kept = (f"its checkpoint is not kept: {folder} holds {held}, written before this run resumed from step "
-                f"{r.start_step}, by a trajectory this one left")
-    r.report.say(f"best validation: step {best.step}, val {best.val_loss:.4f}{bpb}{worse}; {kept}")
+                f"{training.start_step}, by a trajectory this one left")
+    training.report.say(f"best validation: step {best.step}, val {best.val_loss:.4f}{bpb}{worse}; {kept}")
 
 
 # What stop.fail() is given when this rank's rows of the next batch cannot be used:
@@ -296,7 +299,7 @@ def read_error(error):
     raise error
 
 
-def next_batch_problem(r: Run, batches: Prefetcher, done: int):
+def next_batch_problem(training: Run, batches: Prefetcher, done: int):
     """Check this rank's rows of the next step's batch (read ahead while this step
     computed) before any rank uses them. Each rank reads only its rows (and every
     rank of a tensor group or pipeline the same ones), so a bad id one replica holds
@@ -305,38 +308,38 @@ def next_batch_problem(r: Run, batches: Prefetcher, done: int):
     every rank would need no agreement, but multiplies each rank's reads by the
     data-parallel size: 64 rows of 1025 tokens take 190 us of preads, so dp 64 would
     spend 12 ms a step per rank and put 64x the reads on a shared filesystem.)"""
-    if done >= r.cfg.steps:
+    if done >= training.cfg.steps:
         return None                              # the batch read ahead past the last step is never used
-    problem = batch_problem(read_error(batches.error_of(done)), r.world.Get_rank())
+    problem = batch_problem(read_error(batches.error_of(done)), training.world.Get_rank())
     if problem is not None:
-        r.stop.fail(_BAD_BATCH)
+        training.stop.fail(_BAD_BATCH)
     return problem
 
 
-def agree_to_stop(r: Run, problem=None) -> bool:
+def agree_to_stop(training: Run, problem=None) -> bool:
     """A collective every step: all ranks see the same answer, so none is left behind.
     `problem`: this rank's with the next batch (next_batch_problem), raised as
     BadBatch on every rank when any rank has one."""
     try:
-        return r.stop.should_stop(r.world)
+        return training.stop.should_stop(training.world)
     except lifecycle.StopError as e:
         # Every rank holds the same StopError (the first failing rank's message), so
         # all take the same branch here, and the gather below is collective.
         if str(e).startswith(_BAD_BATCH):
-            raise batch_error(r.world, problem) from None
+            raise batch_error(training.world, problem) from None
         raise JobFailure(str(e)) from None
 
 
 # ---- checkpoints ---------------------------------------------------------------------------
 
-def save(r: Run, step: int, loss: float | None, best: Best | None = None, directory: str | None = None,
+def save(training: Run, step: int, loss: float | None, best: Best | None = None, directory: str | None = None,
          alone: bool = False) -> dict:
     """Write checkpoint `step` (gathered on rank 0) into `directory` (the run's checkpoints;
     `alone`: as the only one there, OUT/best/'s); every rank learns whether it was
     written, so a full disk ends the job cleanly instead of with an abort."""
-    arrays = r.model.gather_state(r.opt)
+    arrays = training.model.gather_state(training.opt)
     failure = None
-    if r.world.Get_rank() == 0:
+    if training.world.Get_rank() == 0:
         bad = next((k for k, v in arrays.items() if k.startswith("param/") and not np.isfinite(v).all()), None)
         if bad:
             failure = ("diverged", f"{bad} holds NaN or inf after step {step}")
@@ -344,34 +347,35 @@ def save(r: Run, step: int, loss: float | None, best: Best | None = None, direct
             try:
                 if alone:        # rank 0 holds the run's lock: temp files there are a killed run's
                     checkpoint.remove_stale_temp_files(directory)
-                checkpoint.save(directory or r.ckpt_dir, step, arrays, checkpoint_meta(r, loss, best),
-                                keep=r.cfg.keep, alone=alone)
+                checkpoint.save(directory or training.ckpt_dir, step, arrays, checkpoint_meta(training, loss, best),
+                                keep=training.cfg.keep, alone=alone)
             except checkpoint.CheckpointError as e:
                 failure = ("write", str(e))
-    failure = r.world.bcast(failure, root=0) if r.world.Get_size() > 1 else failure
+    failure = training.world.bcast(failure, root=0) if training.world.Get_size() > 1 else failure
     if failure and failure[0] == "diverged":
-        raise diverged(r, failure[1], step, "a weight")
+        raise diverged(training, failure[1], step, "a weight")
     if failure:
         raise JobFailure(failure[1])
     return arrays
 
 
-def checkpoint_meta(r: Run, loss: float | None, best: Best | None = None) -> dict:
-    settings = r.cfg.to_dict()
+def checkpoint_meta(training: Run, loss: float | None, best: Best | None = None) -> dict:
+    settings = training.cfg.to_dict()
     # The settings as they were resolved, as older checkpoints recorded them.
     # A prepared folder is recorded by its real path (a resume from another directory, or
     # through a link, still names it so); older checkpoints say only "prepared".
-    data = os.path.realpath(r.cfg.data) if r.cfg.dataset == "prepared" else r.cfg.dataset
-    settings.update(data=data, seq_len=r.seq_len, schedule=r.cfg.schedule_name,
-                    partition=r.cfg.partition_name)
-    meta = {"model": r.cfg.model, "model_config": r.shape.to_dict(), "optimizer": r.cfg.optimizer,
-            "opt_step_count": r.opt.step_count, "loss": loss, "dtype": r.cfg.dtype, "precision": r.cfg.precision,
-            "layout": {"dp": r.grid.size("data"), "pp": r.grid.size("pipe"), "tp": r.grid.size("tensor"),
-                       "chunks": r.cfg.chunks},
+    data = os.path.realpath(training.cfg.data) if training.cfg.dataset == "prepared" else training.cfg.dataset
+    settings.update(data=data, seq_len=training.seq_len, schedule=training.cfg.schedule_name,
+                    partition=training.cfg.partition_name)
+    cfg, grid = training.cfg, training.grid
+    meta = {"model": cfg.model, "model_config": training.shape.to_dict(), "optimizer": cfg.optimizer,
+            "opt_step_count": training.opt.step_count, "loss": loss, "dtype": cfg.dtype, "precision": cfg.precision,
+            "layout": {"dp": grid.size("data"), "pp": grid.size("pipe"), "tp": grid.size("tensor"),
+                       "chunks": cfg.chunks},
             "args": settings}
-    if r.tokenizer is not None:
-        meta["tokenizer"] = {"kind": r.tokenizer.kind, "sha256": r.tokenizer.sha256,
-                             "vocab_size": r.tokenizer.vocab_size, "file": "tokenizer.json"}
+    if training.tokenizer is not None:
+        meta["tokenizer"] = {"kind": training.tokenizer.kind, "sha256": training.tokenizer.sha256,
+                             "vocab_size": training.tokenizer.vocab_size, "file": "tokenizer.json"}
     if best is not None and best.step is not None:
         meta["best"] = {"step": best.step, "val_loss": best.val_loss}
     return meta
@@ -379,67 +383,73 @@ def checkpoint_meta(r: Run, loss: float | None, best: Best | None = None) -> dic
 
 # ---- the end ---------------------------------------------------------------------------------
 
-def finish(r: Run, loss: float, stopped_at: int | None, best: Best | None = None) -> RunResult:
-    cfg, report = r.cfg, r.report
+def finish(training: Run, loss: float, stopped_at: int | None, best: Best | None = None) -> RunResult:
+    cfg, report = training.cfg, training.report
     if stopped_at is not None:
-        code = lifecycle.INTERRUPT_EXIT_CODE if r.stop.signum == signal.SIGINT else lifecycle.REQUEUE_EXIT_CODE
+        code = lifecycle.INTERRUPT_EXIT_CODE if training.stop.signum == signal.SIGINT else lifecycle.REQUEUE_EXIT_CODE
         # A second signal from here on must not turn this into "killed": the checkpoint is on disk.
-        r.stop.forced_exit_code, r.stop.forced_note = code, f"the checkpoint of step {stopped_at} is written"
+        stop = training.stop
+        stop.forced_exit_code, stop.forced_note = code, f"the checkpoint of step {stopped_at} is written"
         # Every rank holds the code before rank 0 announces it. Without this, a second
         # signal could end another rank (still on its way here) as "killed" after rank 0
         # had announced this code: the job's exit code would contradict what it said.
         # A second signal before this point ends the job as killed, with nothing announced.
-        if r.world.Get_size() > 1:
-            r.world.Barrier()
+        if training.world.Get_size() > 1:
+            training.world.Barrier()
         then = ("so the batch script requeues the job (--resume auto continues)" if code == lifecycle.REQUEUE_EXIT_CODE
                 else f"(interrupted); continue with <resume> auto <out> {cfg.out_dir}")
-        report.say(f"{r.stop.signal_name} received: checkpoint at step {stopped_at} written; exiting with code "
+        report.say(f"{training.stop.signal_name} received: checkpoint at step {stopped_at} written; exiting with code "
                    f"{code} {then}")
-        report.log.warning("stopped by %s at step %d (checkpointed)", r.stop.signal_name, stopped_at)
-        return RunResult(stopped_at, loss, code, r.stop.signal_name, checkpoint.manifest_path(r.ckpt_dir, stopped_at),
-                         r.model)
-    if r.tracer:
-        r.tracer.write()
-        report.say(f"trace: {r.tracer.merged_path} (open in https://ui.perfetto.dev or chrome://tracing)")
-    summary = r.model.summary()
+        report.log.warning("stopped by %s at step %d (checkpointed)", training.stop.signal_name, stopped_at)
+        return RunResult(stopped_at, loss, code, training.stop.signal_name,
+                         checkpoint.manifest_path(training.ckpt_dir, stopped_at), training.model)
+    if training.tracer:
+        training.tracer.write()
+        report.say(f"trace: {training.tracer.merged_path} (open in https://ui.perfetto.dev or chrome://tracing)")
+    summary = training.model.summary()
     if summary:
         report.say(summary)
-    arrays = save(r, cfg.steps, loss, best) if r.start_step < cfg.steps else None
-    r.stop.forced_exit_code, r.stop.forced_note = 0, "the run is complete and its final checkpoint written"
-    if r.start_step >= cfg.steps:
-        report.say(f"nothing to do: the checkpoint is already at step {r.start_step} of <steps> {cfg.steps}")
-    if r.stop.requested:
-        report.say(f"note: {r.stop.signal_name} arrived during the final checkpoint; the run is complete")
-    final = checkpoint.manifest_path(r.ckpt_dir, max(cfg.steps, r.start_step))
-    report.say(f"done: {max(0, cfg.steps - r.start_step)} steps in {hms(time.perf_counter() - r.t_start)}; "
-               f"checkpoint {final}, metrics {rundir.metrics_path(cfg.out_dir)}")
+    arrays = save(training, cfg.steps, loss, best) if training.start_step < cfg.steps else None
+    stop = training.stop
+    stop.forced_exit_code, stop.forced_note = 0, "the run is complete and its final checkpoint written"
+    if training.start_step >= cfg.steps:
+        report.say(f"nothing to do: the checkpoint is already at step {training.start_step} of <steps> {cfg.steps}")
+    if training.stop.requested:
+        report.say(f"note: {training.stop.signal_name} arrived during the final checkpoint; the run is complete")
+    final = checkpoint.manifest_path(training.ckpt_dir, max(cfg.steps, training.start_step))
+    report.say(f"done: {max(0, cfg.steps - training.start_step)} steps in "
+               f"{hms(time.perf_counter() - training.t_start)}; checkpoint {final}, "
+               f"metrics {rundir.metrics_path(cfg.out_dir)}")
     if best is not None:
-        say_best(r, best)
-    if r.xp is not np and r.world.Get_size() > 1:
+        say_best(training, best)
+    if training.xp is not np and training.world.Get_size() > 1:
         from ringpipe.comm.device import stats
         report.say(f"GPU buffers and MPI on rank 0: {stats['staged_bytes'] / 2**20:.1f} MiB copied through host "
-                   f"memory ({r.transport.describe()})")
-    if r.recipe.generate is not None and cfg.sample_tokens > 0 and arrays is not None and report.is_main:
-        sample(r, arrays)
+                   f"memory ({training.transport.describe()})")
+    if training.recipe.generate is not None and cfg.sample_tokens > 0 and arrays is not None and report.is_main:
+        sample(training, arrays)
     # The last thing every rank does: what `ringpipe finished RUN_DIR` counts.
-    rundir.mark_finished(cfg.out_dir, r.world.Get_rank(), r.world.Get_size(), max(cfg.steps, r.start_step))
-    return RunResult(max(cfg.steps, r.start_step), loss, 0, None, final, r.model)
+    world = training.world
+    rundir.mark_finished(cfg.out_dir, world.Get_rank(), world.Get_size(), max(cfg.steps, training.start_step))
+    return RunResult(max(cfg.steps, training.start_step), loss, 0, None, final, training.model)
 
 
-def sample(r: Run, arrays: dict) -> None:
+def sample(training: Run, arrays: dict) -> None:
     """Rank 0 may hold only the first pipeline stage: sample from a full copy."""
-    if r.tokenizer is None:
+    if training.tokenizer is None:
         # Token ids without a tokenizer say nothing to a reader; a silent skip looked like a bug.
-        r.report.say("no sample at the end: the data has no tokenizer (token shards, nanoGPT's or llm.c's, without "
-                     "a tokenizer.json beside them), so nothing can turn token ids into text; put the tokenizer.json "
-                     "the data was made with beside the shards, or prepare the text with `ringpipe prepare`; "
-                     "<sample_tokens> 0 skips the sample")
+        training.report.say("no sample at the end: the data has no tokenizer (token shards, nanoGPT's or llm.c's, "
+                            "without a tokenizer.json beside them), so nothing can turn token ids into text; put the "
+                            "tokenizer.json the data was made with beside the shards, or prepare the text with "
+                            "`ringpipe prepare`; "
+                            "<sample_tokens> 0 skips the sample")
         return
-    full = r.recipe.build(r.shape, dtype=r.dtype)
+    full = training.recipe.build(training.shape, dtype=training.dtype)
     full.params.load_flat(full.params.data, {k[6:]: v for k, v in arrays.items() if k.startswith("param/")})
     # Python source for the byte model of the stdlib; a document's start for other tokenizers.
-    prompt = "def " if r.tokenizer.kind == "bytes" else ""
-    ids = list(r.tokenizer.encode(prompt)) if prompt else list(r.tokenizer.separator)
-    new = r.recipe.generate(full, ids, r.cfg.sample_tokens, min(r.seq_len, r.shape.context), temperature=0.8,
-                            seed=r.cfg.seed)
-    r.report.sample(prompt + r.tokenizer.decode(new))
+    prompt = "def " if training.tokenizer.kind == "bytes" else ""
+    ids = list(training.tokenizer.encode(prompt)) if prompt else list(training.tokenizer.separator)
+    context = min(training.seq_len, training.shape.context)
+    new = training.recipe.generate(full, ids, training.cfg.sample_tokens, context, temperature=0.8,
+                                   seed=training.cfg.seed)
+    training.report.sample(prompt + training.tokenizer.decode(new))
