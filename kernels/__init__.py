@@ -77,6 +77,7 @@ from .backend import (  # noqa: F401
     set_num_threads,
 )
 from .reference import round_to_bf16  # noqa: F401
+from .rope import rope_tables  # noqa: F401
 
 # Importing ringpipe set the thread defaults before numpy loaded (ringpipe/threads.py). A
 # user's own code hears once, on rank 0, when its ranks and threads outnumber the cores;
@@ -93,6 +94,8 @@ __all__ = [
     "softmax_causal_forward", "softmax_causal_backward",
     "cross_entropy_forward_backward",
     "adamw_update", "sgd_momentum_update", "sum_of_squares",
+    "rmsnorm_forward", "rmsnorm_backward", "rope_forward", "rope_backward", "rope_tables",
+    "swiglu_forward", "swiglu_backward",
 ]
 
 _FLOAT_KINDS = ("float32", "float64")
@@ -458,3 +461,95 @@ def sum_of_squares(x, *, backend=None):
     _float_dtype(op, "x", x)
     impl = _dispatch(op, (x,), backend)
     return impl(_c(x))
+
+
+# ---------------------------------------------------------------------------
+# Llama-family ops: RMSNorm, rotary position embedding (RoPE), SwiGLU
+
+
+def _last_dim(op, name, a):
+    _array(op, name, a)
+    if a.ndim < 1:
+        raise ValueError(f"kernels.{op}: {name} must have at least 1 dim (..., C), got a scalar")
+    return a.shape[-1]
+
+
+def rmsnorm_forward(x, w, eps=1e-5, *, backend=None):
+    """RMSNorm over the last dim: x (..., C), w (C,) -> (y (..., C), rstd (...,)),
+    y = x * rstd * w with rstd = 1/sqrt(mean(x^2) + eps), as transformers' LlamaRMSNorm.
+    Both new arrays in x's dtype; rstd is what rmsnorm_backward needs."""
+    op = "rmsnorm_forward"
+    C = _last_dim(op, "x", x)
+    dt = _float_dtype(op, "x", x)
+    _same_dtype(op, dt, w=w)
+    _shape(op, "w", w, (C,))
+    impl = _dispatch(op, (x, w), backend)
+    return impl(_c(x), _c(w), float(eps))
+
+
+def rmsnorm_backward(dy, x, w, rstd, *, backend=None):
+    """-> (dx (..., C), dw (C,)), both new; dw is summed over every row of x."""
+    op = "rmsnorm_backward"
+    C = _last_dim(op, "x", x)
+    dt = _float_dtype(op, "x", x)
+    _same_dtype(op, dt, dy=dy, w=w, rstd=rstd)
+    _shape(op, "dy", dy, x.shape)
+    _shape(op, "w", w, (C,))
+    _shape(op, "rstd", rstd, x.shape[:-1])
+    impl = _dispatch(op, (dy, x, w, rstd), backend)
+    return impl(_c(dy), _c(x), _c(w), _c(rstd))
+
+
+def _check_rope(op, name, a, cos, sin):
+    _ndim(op, name, a, 4)
+    B, T, H, hd = a.shape
+    if hd % 2:
+        raise ValueError(f"kernels.{op}: the head size (last dim of {name}, shape {tuple(a.shape)}) must be even: "
+                         "RoPE rotates its two halves against each other")
+    dt = _float_dtype(op, name, a)
+    _same_dtype(op, dt, cos=cos, sin=sin)
+    for tname, tab in (("cos", cos), ("sin", sin)):
+        _array(op, tname, tab)
+        if tuple(tab.shape) != (T, hd):
+            raise ValueError(f"kernels.{op}: {tname} has shape {tuple(tab.shape)}, expected ({T}, {hd}) = "
+                             f"(positions, head size) of {name} {tuple(a.shape)}; slice the table built by "
+                             "kernels.rope_tables to the positions in use")
+
+
+def rope_forward(x, cos, sin, *, backend=None):
+    """Rotary position embedding in transformers' half-split layout: x (B, T, H, hd),
+    cos/sin (T, hd) (kernels.rope_tables) -> y = x * cos + rotate_half(x) * sin, new,
+    with rotate_half(x) = cat(-x[..., hd/2:], x[..., :hd/2]) within each head."""
+    op = "rope_forward"
+    _check_rope(op, "x", x, cos, sin)
+    impl = _dispatch(op, (x, cos, sin), backend)
+    return impl(_c(x), _c(cos), _c(sin))
+
+
+def rope_backward(dy, cos, sin, *, backend=None):
+    """dx of rope_forward (it is linear in x: the transpose), dy (B, T, H, hd) -> new dx."""
+    op = "rope_backward"
+    _check_rope(op, "dy", dy, cos, sin)
+    impl = _dispatch(op, (dy, cos, sin), backend)
+    return impl(_c(dy), _c(cos), _c(sin))
+
+
+def swiglu_forward(gate, up, *, backend=None):
+    """h = silu(gate) * up (silu(g) = g * sigmoid(g)), elementwise on any shape, new."""
+    op = "swiglu_forward"
+    dt = _float_dtype(op, "gate", gate)
+    _same_dtype(op, dt, up=up)
+    _shape(op, "up", up, gate.shape)
+    impl = _dispatch(op, (gate, up), backend)
+    return impl(_c(gate), _c(up))
+
+
+def swiglu_backward(dh, gate, up, *, backend=None):
+    """-> (dgate, dup) of h = silu(gate) * up, both new."""
+    op = "swiglu_backward"
+    dt = _float_dtype(op, "gate", gate)
+    _same_dtype(op, dt, dh=dh, up=up)
+    _shape(op, "up", up, gate.shape)
+    _shape(op, "dh", dh, gate.shape)
+    impl = _dispatch(op, (dh, gate, up), backend)
+    return impl(_c(dh), _c(gate), _c(up))

@@ -395,6 +395,92 @@ def _sum_of_squares(x, block):
 
 
 # ---------------------------------------------------------------------------
+# Llama-family ops: RMSNorm over rows, RoPE over (position, head) rows, SwiGLU flat
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def _rmsnorm_forward(x, w, eps, y, rstd):
+    # x, y (N, C); w (C,); rstd (N,)
+    N, C = x.shape
+    for n in prange(N):
+        xr = x[n]
+        yr = y[n]
+        # rounded to the dtype before use, as the reference: y agrees with the saved rstd
+        r = x.dtype.type(1.0 / math.sqrt(_row_dot64(xr, xr, C) / C + eps))
+        for c in range(C):
+            yr[c] = (xr[c] * r) * w[c]
+        rstd[n] = r
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def _rmsnorm_backward(dy, x, w, rstd, dx, dw_part, rows_per_chunk):
+    # dy, x, dx (N, C); w (C,); rstd (N,); dw_part (chunks, C) float64, chunk k owns row k
+    N, C = x.shape
+    f = x.dtype.type
+    nchunks = (N + rows_per_chunk - 1) // rows_per_chunk
+    for k in prange(nchunks):
+        dwp = dw_part[k]
+        for n in range(k * rows_per_chunk, min(N, (k + 1) * rows_per_chunk)):
+            xr = x[n]
+            g = dy[n]
+            d = dx[n]
+            r = rstd[n]
+            dot = 0.0
+            for c in range(C):
+                dot += (w[c] * g[c]) * np.float64(xr[c] * r)
+            m = f(dot / C)
+            # no reduction below: these loops vectorize
+            for c in range(C):
+                d[c] = (w[c] * g[c] - (xr[c] * r) * m) * r
+            for c in range(C):
+                dwp[c] += g[c] * (xr[c] * r)
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def _rope(x, cos, sin, y, T, sign):
+    # x, y (B*T, H, hd) rows of one position; cos/sin (T, hd). sign +1: forward,
+    #   y1 = x1*cos1 - x2*sin1,  y2 = x2*cos2 + x1*sin2;
+    # sign -1: the transpose (backward), dx1 = dy1*cos1 + dy2*sin2, dx2 = dy2*cos2 - dy1*sin1
+    R, H, hd = x.shape
+    h = hd // 2
+    for rt in prange(R):
+        t = rt % T
+        c = cos[t]
+        s = sin[t]
+        for head in range(H):
+            xr = x[rt, head]
+            yr = y[rt, head]
+            for i in range(h):
+                a = xr[i]
+                b = xr[i + h]
+                if sign > 0:
+                    yr[i] = a * c[i] - b * s[i]
+                    yr[i + h] = b * c[i + h] + a * s[i + h]
+                else:
+                    yr[i] = a * c[i] + b * s[i + h]
+                    yr[i + h] = b * c[i + h] - a * s[i]
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def _swiglu_forward(gate, up, h):
+    one = gate.dtype.type(1.0)
+    for i in prange(gate.shape[0]):
+        g = gate[i]
+        h[i] = g / (one + _exp(-g)) * up[i]
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def _swiglu_backward(dh, gate, up, dgate, dup):
+    one = gate.dtype.type(1.0)
+    for i in prange(gate.shape[0]):
+        g = gate[i]
+        sig = one / (one + _exp(-g))
+        d = dh[i]
+        dgate[i] = d * up[i] * sig * (one + g * (one - sig))
+        dup[i] = d * g * sig
+
+
+# ---------------------------------------------------------------------------
 # python wrappers: the "numba" backend's implementations of the op table
 # (kernels/ops.py), same arguments as reference.py
 
@@ -506,3 +592,52 @@ def sgd_momentum_update(param, grad, buf, *, lr, momentum, weight_decay=0.0, wd_
 
 def sum_of_squares(x):
     return float(_sum_of_squares(x.reshape(-1), _FLAT_BLOCK))
+
+
+def _rows(a):
+    # (..., C) -> (N, C) view (inputs are C-contiguous, so no copy)
+    return a.reshape(-1, a.shape[-1])
+
+
+def rmsnorm_forward(x, w, eps=1e-5):
+    y = np.empty_like(x)
+    rstd = np.empty(x.shape[:-1], dtype=x.dtype)
+    _rmsnorm_forward(_rows(x), w, float(eps), _rows(y), rstd.reshape(-1))
+    return y, rstd
+
+
+def rmsnorm_backward(dy, x, w, rstd):
+    x2 = _rows(x)
+    N, C = x2.shape
+    dx = np.empty_like(x)
+    dw_part = np.zeros(((N + _LN_ROWS_PER_CHUNK - 1) // _LN_ROWS_PER_CHUNK, C), dtype=np.float64)
+    _rmsnorm_backward(_rows(dy), x2, w, rstd.reshape(-1), _rows(dx), dw_part, _LN_ROWS_PER_CHUNK)
+    # chunks fixed by N, summed in order: reproducible for any thread count
+    return dx, dw_part.sum(axis=0).astype(x.dtype)
+
+
+def _rope_call(a, cos, sin, sign):
+    B, T, H, hd = a.shape
+    out = np.empty_like(a)
+    _rope(a.reshape(B * T, H, hd), cos, sin, out.reshape(B * T, H, hd), T, sign)
+    return out
+
+
+def rope_forward(x, cos, sin):
+    return _rope_call(x, cos, sin, 1)
+
+
+def rope_backward(dy, cos, sin):
+    return _rope_call(dy, cos, sin, -1)
+
+
+def swiglu_forward(gate, up):
+    h = np.empty_like(gate)
+    _swiglu_forward(gate.reshape(-1), up.reshape(-1), h.reshape(-1))
+    return h
+
+
+def swiglu_backward(dh, gate, up):
+    dgate, dup = np.empty_like(gate), np.empty_like(gate)
+    _swiglu_backward(dh.reshape(-1), gate.reshape(-1), up.reshape(-1), dgate.reshape(-1), dup.reshape(-1))
+    return dgate, dup

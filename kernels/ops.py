@@ -63,6 +63,18 @@ OPS = (
        "one SGD-with-momentum step in place (PyTorch convention, no dampening)"),
     Op("sum_of_squares", "x",
        "sum(x**2) as a python float, accumulated in float64"),
+    Op("rmsnorm_forward", "x, w, eps=1e-05",
+       "(y, rstd): y = x * rstd * w over the last dim of x (..., C), rstd = 1/sqrt(mean(x^2) + eps) (...,)"),
+    Op("rmsnorm_backward", "dy, x, w, rstd",
+       "(dx, dw): dx new (..., C); dw (C,) new, summed over every row"),
+    Op("rope_forward", "x, cos, sin",
+       "y = x * cos + rotate_half(x) * sin, x (B, T, H, hd), cos/sin (T, hd), rotate_half(x) = cat(-x2, x1)"),
+    Op("rope_backward", "dy, cos, sin",
+       "dx = dy * cos - rotate_half(dy * sin): the transpose of rope_forward"),
+    Op("swiglu_forward", "gate, up",
+       "h = silu(gate) * up, elementwise"),
+    Op("swiglu_backward", "dh, gate, up",
+       "(dgate, dup) of h = silu(gate) * up, both new"),
 )
 
 OP_NAMES = tuple(op.name for op in OPS)

@@ -12,6 +12,8 @@ that the float32 reference is at least as accurate as the kernels it checks.
 
 import math
 
+import numpy as np
+
 from .backend import get_array_module
 
 # ---------------------------------------------------------------------------
@@ -238,3 +240,73 @@ def sgd_momentum_update(param, grad, buf, *, lr, momentum, weight_decay=0.0, wd_
 def sum_of_squares(x):
     xp = get_array_module(x)
     return float(xp.sum(xp.square(x, dtype=xp.float64)))
+
+
+# ---------------------------------------------------------------------------
+# Llama-family ops: RMSNorm, rotary position embedding, SwiGLU
+
+
+def rmsnorm_forward(x, w, eps=1e-5):
+    # x (..., C), w (C,) -> y (..., C), rstd (...,). Order as transformers' LlamaRMSNorm:
+    # (x * rstd) * w, so float64 agrees with it to the last bits
+    xp = get_array_module(x)
+    ms = (x * x).mean(axis=-1, dtype=xp.float64)
+    rstd = (1.0 / xp.sqrt(ms + eps)).astype(x.dtype)
+    return (x * rstd[..., None]) * w, rstd
+
+
+def rmsnorm_backward(dy, x, w, rstd):
+    # y = w * xhat with xhat = x * rstd, rstd = (mean_c(x^2) + eps)^-1/2. Through rstd:
+    #   dx = rstd * (g - xhat * mean_c(g * xhat)),  g = dy * w;   dw = sum_rows dy * xhat
+    xp = get_array_module(x)
+    C = x.shape[-1]
+    xhat = x * rstd[..., None]
+    g = dy * w
+    dot = (g * xhat).mean(axis=-1, keepdims=True, dtype=xp.float64)
+    dx = ((g - xhat * dot) * rstd[..., None]).astype(x.dtype)
+    dw = (dy * xhat).reshape(-1, C).sum(axis=0, dtype=xp.float64).astype(x.dtype)
+    return dx, dw
+
+
+def _rotate_half(xp, x):
+    # transformers' rotate_half: (x1, x2) -> (-x2, x1) over the two halves of the last dim
+    h = x.shape[-1] // 2
+    return xp.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+
+
+def rope_forward(x, cos, sin):
+    # x (B, T, H, hd), cos/sin (T, hd): y = x * cos + rotate_half(x) * sin, per head
+    xp = get_array_module(x)
+    c, s = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    return x * c + _rotate_half(xp, x) * s
+
+
+def rope_backward(dy, cos, sin):
+    # the transpose of y = x*cos + R x*sin, R = rotate_half (R^T = -R):
+    #   dx = dy * cos - R(dy * sin)
+    xp = get_array_module(dy)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return dy * c - _rotate_half(xp, dy * s)
+
+
+def _sigmoid(gate):
+    # 1 / (1 + exp(-g)): exp overflows to inf for g << 0 and gives exactly 0, the right
+    # limit; numpy would warn about that overflow on every such call (cupy does not)
+    xp = get_array_module(gate)
+    if xp is np:
+        with np.errstate(over="ignore"):
+            return 1.0 / (1.0 + np.exp(-gate))
+    return 1.0 / (1.0 + xp.exp(-gate))
+
+
+def swiglu_forward(gate, up):
+    # h = silu(gate) * up, silu(g) = g * sigmoid(g)
+    return gate * _sigmoid(gate) * up
+
+
+def swiglu_backward(dh, gate, up):
+    # dgate = dh * up * sigmoid(g) * (1 + g * (1 - sigmoid(g))),  dup = dh * silu(g)
+    sig = _sigmoid(gate)
+    dgate = dh * up * sig * (1.0 + gate * (1.0 - sig))
+    dup = dh * gate * sig
+    return dgate.astype(gate.dtype, copy=False), dup.astype(gate.dtype, copy=False)

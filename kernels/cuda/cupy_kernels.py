@@ -6,7 +6,8 @@ CuPy host side of the CUDA C kernels in kernels/cuda/*.cu.
   wmma_gemm.cu  bf16/fp16 tensor-core GEMM (WMMA) with float32 accumulation, and
                 float32 <-> bf16 conversions
   fused.cu      layernorm fwd/bwd, GELU fwd/bwd, causal softmax fwd/bwd, softmax
-                cross-entropy fwd+bwd, AdamW, SGD, column sums, sum of squares
+                cross-entropy fwd+bwd, AdamW, SGD, column sums, sum of squares; RMSNorm,
+                RoPE, SwiGLU fwd/bwd (the Llama family)
 
 This module is the "cuda" backend, the production GPU path: it implements every op of
 the table in kernels/ops.py, each as a function of the op's name taking the table's
@@ -509,3 +510,65 @@ def sum_of_squares(x):
     partial = cupy.empty((grid,), dtype=np.float64)
     _fused("sum_of_squares_partial", x.dtype)((grid,), (ELT_BLOCK,), (x, np.int64(n), partial))
     return float(math.fsum(cupy.asnumpy(partial).tolist()))
+
+
+# ---------------------------------------------------------------------------
+# Llama-family ops: RMSNorm, RoPE, SwiGLU
+
+
+def rmsnorm_forward(x, w, eps=1e-5):
+    C = x.shape[-1]
+    N = x.size // C if C else 0
+    y = cupy.empty_like(x)
+    rstd = cupy.empty(x.shape[:-1], dtype=x.dtype)
+    if N and C:
+        _fused("rmsnorm_forward", x.dtype)((N,), (_pow2_block(C, ROW_BLOCK_MAX),), (
+            x, w, y, rstd, np.int32(C), np.float64(eps)))
+    return y, rstd
+
+
+def rmsnorm_backward(dy, x, w, rstd):
+    C = x.shape[-1]
+    N = x.size // C if C else 0
+    dx = cupy.empty_like(x)
+    dw = cupy.zeros((C,), dtype=x.dtype)
+    if N and C:
+        _fused("rmsnorm_backward_dx", x.dtype)((N,), (_pow2_block(C, ROW_BLOCK_MAX),), (
+            dy, x, w, rstd, dx, np.int32(C)))
+        _chunked_column_sums(N, C, x.dtype, _fused("rmsnorm_backward_dw_partial", x.dtype), (dy, x, rstd),
+                             [(dw, 0)])
+    return dx, dw
+
+
+def _rope(a, cos, sin, sign):
+    B, T, H, hd = a.shape
+    out = cupy.empty_like(a)
+    pairs = a.size // 2
+    if pairs:
+        _fused("rope", a.dtype)((_elt_grid(pairs),), (ELT_BLOCK,), (
+            a, cos, sin, out, np.int64(pairs), np.int32(T), np.int32(H), np.int32(hd), np.int32(sign)))
+    return out
+
+
+def rope_forward(x, cos, sin):
+    return _rope(x, cos, sin, 1)
+
+
+def rope_backward(dy, cos, sin):
+    return _rope(dy, cos, sin, -1)
+
+
+def swiglu_forward(gate, up):
+    h = cupy.empty_like(gate)
+    n = gate.size
+    if n:
+        _fused("swiglu_forward", gate.dtype)((_elt_grid(n),), (ELT_BLOCK,), (gate, up, h, np.int64(n)))
+    return h
+
+
+def swiglu_backward(dh, gate, up):
+    dgate, dup = cupy.empty_like(gate), cupy.empty_like(gate)
+    n = gate.size
+    if n:
+        _fused("swiglu_backward", gate.dtype)((_elt_grid(n),), (ELT_BLOCK,), (dh, gate, up, dgate, dup, np.int64(n)))
+    return dgate, dup

@@ -1,5 +1,5 @@
 // Fused memory-bound kernels for ringpipe (layernorm, GELU, causal softmax,
-// softmax cross-entropy, AdamW / SGD, column sums, sum of squares), loaded by
+// softmax cross-entropy, AdamW / SGD, column sums, sum of squares; RMSNorm, RoPE, SwiGLU), loaded by
 // kernels/cuda/cupy_kernels.py through cupy.RawModule (NVRTC); compile-checked with
 // nvcc by tests/test_cuda_kernels.py. NVRTC has no host headers: builtins only.
 //
@@ -324,6 +324,105 @@ __device__ __forceinline__ void sum_of_squares_partial(const T* __restrict__ x, 
 }
 
 // ---------------------------------------------------------------------------
+// Llama-family ops. RMSNorm: x (N, C), w (C,) -> y (N, C), rstd (N,); grid N.
+
+template <typename T>
+__device__ __forceinline__ void rmsnorm_forward(const T* __restrict__ x, const T* __restrict__ w,
+                                                T* __restrict__ y, T* __restrict__ rstd, int C, double eps) {
+    __shared__ double sh[32];
+    const long long row = blockIdx.x;
+    const T* xr = x + row * C;
+    T* yr = y + row * C;
+    double s = 0.0;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) s += (double)xr[c] * (double)xr[c];
+    // rounded to T before use, as the reference: y agrees with the saved rstd
+    const T r = (T)(1.0 / sqrt(rp_block_sum(s, sh) / C + eps));
+    if (threadIdx.x == 0) rstd[row] = r;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) yr[c] = (xr[c] * r) * w[c];
+}
+
+// dx = rstd * (g - xhat * mean_c(g * xhat)), g = dy * w, xhat = x * rstd
+template <typename T>
+__device__ __forceinline__ void rmsnorm_backward_dx(const T* __restrict__ dy, const T* __restrict__ x,
+                                                    const T* __restrict__ w, const T* __restrict__ rstd,
+                                                    T* __restrict__ dx, int C) {
+    __shared__ double sh[32];
+    const long long row = blockIdx.x;
+    const T* gr = dy + row * C;
+    const T* xr = x + row * C;
+    T* dr = dx + row * C;
+    const T r = rstd[row];
+    double s = 0.0;
+    for (int c = threadIdx.x; c < C; c += blockDim.x) s += (double)(gr[c] * w[c]) * (double)(xr[c] * r);
+    const T m = (T)(rp_block_sum(s, sh) / C);
+    for (int c = threadIdx.x; c < C; c += blockDim.x) dr[c] = (gr[c] * w[c] - (xr[c] * r) * m) * r;
+}
+
+// Per-chunk column sums of dy * xhat: pw (chunks, C) double; grid (ceil(C/blockDim), chunks)
+template <typename T>
+__device__ __forceinline__ void rmsnorm_backward_dw_partial(const T* __restrict__ dy, const T* __restrict__ x,
+                                                            const T* __restrict__ rstd, double* pw, int N, int C,
+                                                            int rows_per_chunk) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    const long long chunk = blockIdx.y;
+    if (c >= C) return;
+    const long long r0 = chunk * rows_per_chunk;
+    long long r1 = r0 + rows_per_chunk;
+    if (r1 > N) r1 = N;
+    double s = 0.0;
+    for (long long r = r0; r < r1; ++r) s += (double)dy[r * C + c] * (double)(x[r * C + c] * rstd[r]);
+    pw[chunk * C + c] = s;
+}
+
+// RoPE, half-split: x, y (rows, H, hd) with row = b * Tn + t; cos/sin (Tn, hd). One thread
+// per (row, head, i < hd/2) pair, grid-stride. sign > 0 forward:
+//   y1 = x1*cos1 - x2*sin1, y2 = x2*cos2 + x1*sin2;
+// sign < 0 the transpose (backward): dx1 = dy1*cos1 + dy2*sin2, dx2 = dy2*cos2 - dy1*sin1.
+template <typename T>
+__device__ __forceinline__ void rope(const T* __restrict__ x, const T* __restrict__ cs, const T* __restrict__ sn,
+                                     T* __restrict__ y, long long pairs, int Tn, int H, int hd, int sign) {
+    const int h = hd / 2;
+    for (long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x; p < pairs; p += (long long)gridDim.x * blockDim.x) {
+        const int i = (int)(p % h);
+        const long long rowhead = p / h;  // row * H + head
+        const int t = (int)((rowhead / H) % Tn);
+        const long long base = rowhead * hd;
+        const T a = x[base + i], b = x[base + i + h];
+        const T* c = cs + (long long)t * hd;
+        const T* s = sn + (long long)t * hd;
+        if (sign > 0) {
+            y[base + i] = a * c[i] - b * s[i];
+            y[base + i + h] = b * c[i + h] + a * s[i + h];
+        } else {
+            y[base + i] = a * c[i] + b * s[i + h];
+            y[base + i + h] = b * c[i + h] - a * s[i];
+        }
+    }
+}
+
+// SwiGLU, elementwise, grid-stride: h = silu(g) * u
+template <typename T>
+__device__ __forceinline__ void swiglu_forward(const T* gate, const T* up, T* out, long long n) {
+    const T one = (T)1;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const T g = gate[i];
+        out[i] = g / (one + rp_exp(-g)) * up[i];  // exp overflow for g << 0 gives -0, no NaN
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void swiglu_backward(const T* dh, const T* gate, const T* up, T* dgate, T* dup,
+                                                long long n) {
+    const T one = (T)1;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const T g = gate[i], d = dh[i];
+        const T sig = one / (one + rp_exp(-g));
+        dgate[i] = d * up[i] * sig * (one + g * (one - sig));
+        dup[i] = d * g * sig;
+    }
+}
+
+// ---------------------------------------------------------------------------
 // extern "C" instantiations
 
 #define RP_INSTANTIATE(SUF, T)                                                                                     \
@@ -384,3 +483,30 @@ RP_INSTANTIATE_OPT(f32, float, f64, double)
 RP_INSTANTIATE_OPT(f64, double, u8, unsigned char)
 RP_INSTANTIATE_OPT(f64, double, f32, float)
 RP_INSTANTIATE_OPT(f64, double, f64, double)
+
+#define RP_INSTANTIATE_LLAMA(SUF, T)                                                                               \
+    extern "C" __global__ void rmsnorm_forward_##SUF(const T* x, const T* w, T* y, T* rstd, int C, double eps) {   \
+        rmsnorm_forward<T>(x, w, y, rstd, C, eps);                                                                 \
+    }                                                                                                              \
+    extern "C" __global__ void rmsnorm_backward_dx_##SUF(const T* dy, const T* x, const T* w, const T* rstd,       \
+                                                         T* dx, int C) {                                           \
+        rmsnorm_backward_dx<T>(dy, x, w, rstd, dx, C);                                                             \
+    }                                                                                                              \
+    extern "C" __global__ void rmsnorm_backward_dw_partial_##SUF(const T* dy, const T* x, const T* rstd,           \
+                                                                 double* pw, int N, int C, int rows_per_chunk) {   \
+        rmsnorm_backward_dw_partial<T>(dy, x, rstd, pw, N, C, rows_per_chunk);                                     \
+    }                                                                                                              \
+    extern "C" __global__ void rope_##SUF(const T* x, const T* cs, const T* sn, T* y, long long pairs, int Tn,      \
+                                          int H, int hd, int sign) {                                               \
+        rope<T>(x, cs, sn, y, pairs, Tn, H, hd, sign);                                                             \
+    }                                                                                                              \
+    extern "C" __global__ void swiglu_forward_##SUF(const T* gate, const T* up, T* out, long long n) {             \
+        swiglu_forward<T>(gate, up, out, n);                                                                       \
+    }                                                                                                              \
+    extern "C" __global__ void swiglu_backward_##SUF(const T* dh, const T* gate, const T* up, T* dgate, T* dup,    \
+                                                     long long n) {                                                \
+        swiglu_backward<T>(dh, gate, up, dgate, dup, n);                                                           \
+    }
+
+RP_INSTANTIATE_LLAMA(f32, float)
+RP_INSTANTIATE_LLAMA(f64, double)

@@ -30,6 +30,18 @@ def _softmax_backward(rng, dtype):
     return (_n(rng, (2, 1, 5, 5), dtype), probs, 0.5), {}
 
 
+def _rmsnorm_backward(rng, dtype):
+    from ringpipe.kernels import reference as ref
+    x, w = _n(rng, (2, 3, 37), dtype), _n(rng, (37,), dtype)
+    _, rstd = ref.rmsnorm_forward(x, w, 1e-6)
+    return (_n(rng, (2, 3, 37), dtype), x, w, rstd), {}
+
+
+def _rope_tables(T, hd, dtype):
+    from ringpipe.kernels import rope_tables
+    return rope_tables(T, hd, 10000.0, dtype=dtype)
+
+
 def _update(rng, dtype, *state):
     return tuple(_n(rng, (37,), dtype) for _ in range(2 + len(state)))
 
@@ -53,6 +65,12 @@ CASES = {
     "sgd_momentum_update": lambda rng, dt: (_update(rng, dt, "buf"),
                                             dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
     "sum_of_squares": lambda rng, dt: ((_n(rng, (37,), dt),), {}),
+    "rmsnorm_forward": lambda rng, dt: ((_n(rng, (2, 3, 37), dt), _n(rng, (37,), dt), 1e-6), {}),
+    "rmsnorm_backward": _rmsnorm_backward,
+    "rope_forward": lambda rng, dt: ((_n(rng, (2, 5, 3, 6), dt),) + _rope_tables(5, 6, dt), {}),
+    "rope_backward": lambda rng, dt: ((_n(rng, (2, 5, 3, 6), dt),) + _rope_tables(5, 6, dt), {}),
+    "swiglu_forward": lambda rng, dt: ((_n(rng, (4, 37), dt, 3.0), _n(rng, (4, 37), dt)), {}),
+    "swiglu_backward": lambda rng, dt: ((_n(rng, (4, 37), dt), _n(rng, (4, 37), dt, 3.0), _n(rng, (4, 37), dt)), {}),
 }
 
 
