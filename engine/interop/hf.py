@@ -41,7 +41,7 @@ import numpy as np
 from ringpipe.engine.job import checkpoint, files
 from ringpipe.engine.model.gpt import GPTConfig, gpt_layers
 from ringpipe.engine.model.params import dedup_specs
-from ringpipe.engine.model.registry import RECIPES
+from ringpipe.engine.model.registry import RECIPES, names_of
 
 
 class HFError(ValueError):
@@ -236,8 +236,9 @@ def check_checkpoint_shapes(manifest: dict, declared: dict, path: str) -> GPTCon
 # ---- export --------------------------------------------------------------------------------
 
 def export_hf(arrays: dict, model_config: dict, out_dir: str, tokenizer_json: str | None = None,
-              overwrite=False, protect=()) -> str:
+              overwrite=False, protect=(), model: str = "gpt") -> str:
     """Write a GPT's parameters as a Hugging Face GPT-2 folder; returns its absolute path.
+    model: the checkpoint's family; a Llama's is written by hf_llama.export (LlamaForCausalLM).
 
     arrays: {"param/<name>": host array} as checkpoint.load returns them (other arrays, like
     "opt/m/<name>", are ignored), or {<name>: array}. model_config: a GPTConfig dict.
@@ -247,6 +248,9 @@ def export_hf(arrays: dict, model_config: dict, out_dir: str, tokenizer_json: st
     only with overwrite, and only if it is a model folder (see _check_out_dir): never a run
     directory, a dataset, a folder holding other files, nor one that is, holds or lies in
     one of the paths in `protect` (the checkpoint being exported)."""
+    other = _OTHER_FAMILIES.get(model)
+    if other is not None:
+        return other().export(arrays, model_config, out_dir, tokenizer_json, overwrite, protect)
     cfg = _gpt_config(model_config)
     given = _param_arrays(arrays)
     # The declared depth against the layers given, before _check_params builds the GPT's
@@ -271,9 +275,23 @@ def export_hf(arrays: dict, model_config: dict, out_dir: str, tokenizer_json: st
              "generation_config.json": _json_bytes({"bos_token_id": special_id, "eos_token_id": special_id})}
     if tokenizer is not None:
         files["tokenizer.json"] = tokenizer.text.encode()
-        files["tokenizer_config.json"] = _json_bytes(tokenizer.config(cfg.context, special_id))
-        files["special_tokens_map.json"] = _json_bytes(tokenizer.special_tokens_map(special_id))
+        files["tokenizer_config.json"] = _json_bytes(tokenizer.config(cfg.context, special_id, special_id))
+        files["special_tokens_map.json"] = _json_bytes(tokenizer.special_tokens_map(special_id, special_id))
+    return write_model_folder(tensors, files, out_dir, overwrite, protect)
 
+
+def _llama():
+    from ringpipe.engine.interop import hf_llama
+    return hf_llama
+
+
+# The families converted elsewhere, by the checkpoint's model name (the GPT's is this module's).
+_OTHER_FAMILIES = {"llama": _llama}
+
+
+def write_model_folder(tensors: dict, files: dict, out_dir: str, overwrite: bool, protect) -> str:
+    """model.safetensors of `tensors` and the files {name: bytes}, written into a temp folder
+    renamed into place (export_hf's contract); returns out_dir's absolute path."""
     out_dir = os.path.abspath(out_dir)
     _check_out_dir(out_dir, overwrite, protect)
     parent = os.path.dirname(out_dir)
@@ -553,15 +571,15 @@ class _Tokenizer:
     def _special_token(self, special_id):
         return next(t for t, i in self.ids.items() if i == special_id) if special_id is not None else None
 
-    def config(self, context: int, special_id) -> dict:
+    def config(self, context: int, bos_id, eos_id) -> dict:
         """tokenizer_config.json: AutoTokenizer builds a PreTrainedTokenizerFast over tokenizer.json."""
-        token = self._special_token(special_id)
         return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": context,
-                "bos_token": token, "eos_token": token, "clean_up_tokenization_spaces": False}
+                "bos_token": self._special_token(bos_id), "eos_token": self._special_token(eos_id),
+                "clean_up_tokenization_spaces": False}
 
-    def special_tokens_map(self, special_id) -> dict:
-        token = self._special_token(special_id)
-        return {"bos_token": token, "eos_token": token} if token is not None else {}
+    def special_tokens_map(self, bos_id, eos_id) -> dict:
+        tokens = {"bos_token": self._special_token(bos_id), "eos_token": self._special_token(eos_id)}
+        return {key: token for key, token in tokens.items() if token is not None}
 
 
 # ---- import --------------------------------------------------------------------------------
@@ -591,10 +609,13 @@ def import_hf(hf_dir: str) -> tuple[GPTConfig, dict, str | None]:
     """Read a Hugging Face GPT-2 folder: (GPTConfig, {our parameter name: float32 array}, the
     path of its tokenizer.json or None). wte is padded to cfg.padded_vocab rows. Anything
     ringpipe's GPT cannot represent exactly is refused with an HFError (a ValueError)
-    naming the config key or tensor."""
+    naming the config key or tensor. A Llama-style folder (hf_llama.MODEL_TYPES) gives a
+    LlamaConfig and the Llama's parameters instead (hf_llama.import_folder)."""
     if not os.path.isdir(hf_dir):
         raise HFError(f"{hf_dir} is not a folder (expected a Hugging Face model folder with config.json)")
     config = _read_config(hf_dir)
+    if config.get("model_type") in _llama().MODEL_TYPES:
+        return _llama().import_folder(config, hf_dir)
     cfg = _config_from_hf(config, hf_dir)
     headers = _read_headers(_weight_files(hf_dir), hf_dir)
     # config.json's sizes against the tensors' shapes (headers only), before any model is
@@ -639,13 +660,18 @@ def import_hf(hf_dir: str) -> tuple[GPTConfig, dict, str | None]:
     if leftover:
         raise HFError(f"{hf_dir}: tensors that GPT-2 with this config.json does not have: "
                       f"{', '.join(leftover[:5])}{', ...' if len(leftover) > 5 else ''}")
+    return cfg, arrays, tokenizer_of(hf_dir)
+
+
+def tokenizer_of(hf_dir: str) -> str | None:
+    """The path of the folder's tokenizer.json, or None where it has none."""
     tokenizer = os.path.join(hf_dir, "tokenizer.json")
     if os.path.lexists(tokenizer):
         # Something named tokenizer.json that is a FIFO, a device or not JSON is refused here,
         # naming it, rather than wherever it is read later.
         _read_json(tokenizer, "the model's tokenizer", MAX_TOKENIZER_BYTES)
-        return cfg, arrays, tokenizer
-    return cfg, arrays, None
+        return tokenizer
+    return None
 
 
 # Limits on the JSON files of a model folder: far above any real one, far below a problem.
@@ -699,6 +725,8 @@ def import_notes(hf_dir: str) -> list:
     print once: the dropout config.json sets (ringpipe trains without it, so fine-tuning
     here differs from fine-tuning the model in transformers). check_init_data includes them."""
     config = _read_config(hf_dir)
+    if config.get("model_type") in _llama().MODEL_TYPES:
+        return _llama().import_notes(config, hf_dir)
     rates = [(key, config.get(key, _GPT2_DROPOUT_DEFAULT)) for key in _DROPOUT_KEYS]
     rates = [(key, value) for key, value in rates if type(value) in (int, float) and value != 0]
     if not rates:
@@ -723,8 +751,8 @@ def _config_from_hf(config: dict, hf_dir: str) -> GPTConfig:
     where = f"{hf_dir}/config.json"
     model_type = config.get("model_type")
     if model_type != "gpt2":
-        raise HFError(f"{where}: model_type is {model_type!r}; ringpipe's GPT is GPT-2 and imports only "
-                      "model_type \"gpt2\"")
+        raise HFError(f"{where}: model_type is {model_type!r}; ringpipe imports model_type \"gpt2\" (its GPT) "
+                      f"and the Llama family ({', '.join(_llama().MODEL_TYPES)})")
 
     def get(key):
         return config.get(key, _GPT2_DEFAULTS[key])
@@ -990,8 +1018,10 @@ def _export_command(args) -> int:
     manifest, declared = checkpoint.declared_arrays(manifest_path)
     if not RECIPES[manifest["model"]].hf_format:            # the checkpoint's check knows every family
         raise HFError(f"{manifest_path} is a checkpoint of the {manifest['model']} model; only the GPT "
-                      "exports to the Hugging Face format")
-    check_checkpoint_shapes(manifest, declared, manifest_path)
+                      f"exports to the Hugging Face format (the families that do: "
+                      f"{names_of(lambda recipe: recipe.hf_format)})")
+    other = _OTHER_FAMILIES.get(manifest["model"])
+    (other().check_checkpoint_shapes if other else check_checkpoint_shapes)(manifest, declared, manifest_path)
     run_dir = _run_dir(args.source, manifest_path)
     npz_path = manifest_path[:-len(".json")] + ".npz"
     protect = (os.path.abspath(args.source), os.path.abspath(manifest_path), os.path.abspath(npz_path), run_dir)
@@ -1001,7 +1031,7 @@ def _export_command(args) -> int:
                                                          if name.startswith("param/")})
     tokenizer, about_tokenizer = _find_tokenizer(manifest, run_dir, manifest["model_config"]["vocab"])
     out = export_hf(params, manifest["model_config"], args.out, tokenizer_json=tokenizer, overwrite=args.overwrite,
-                    protect=protect)
+                    protect=protect, model=manifest["model"])
 
     # Counted from what was written, not from the checkpoint: its wte holds padding rows the
     # export trims (vocab 300 is stored as 384 rows), which the exported model does not have.

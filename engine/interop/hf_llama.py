@@ -1,0 +1,480 @@
+"""The Llama family in and out of the Hugging Face format (hf.py dispatches here).
+
+    export(arrays, model_config, out_dir, ...)   a Llama checkpoint -> a folder that
+                                                 LlamaForCausalLM.from_pretrained loads
+    import_folder(config, hf_dir)                a Llama-style folder (model_type llama, or a
+                                                 mistral/qwen2 config ringpipe can represent)
+                                                 -> (LlamaConfig, {our name: array}, tokenizer.json)
+
+A conversion is renaming and the vocabulary's padding only. ringpipe's Llama stores every
+Linear weight (out, in) like torch.nn.Linear, and its q/k rows in Hugging Face's order:
+heads contiguous, RoPE's half-split (rotate_half) pairs within each head. So no weight is
+transposed or permuted (Meta's original checkpoints, with interleaved pairs, would need HF's
+permutation: they are not a format read here).
+
+config.json is written in full rather than left to transformers' defaults, which differ
+from Llama 3's (rms_norm_eps 1e-6, tie_word_embeddings false). A model with q/k/v biases
+exports as Qwen2ForCausalLM: Llama's attention_bias would put one on o_proj as well.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+
+from ringpipe.engine.interop import hf
+
+# (our name, Hugging Face's name) per block, after "h.{i}." and "model.layers.{i}.".
+_BLOCK_NAMES = [
+    ("norm1.w", "input_layernorm.weight"),
+    ("attn.q.w", "self_attn.q_proj.weight"),
+    ("attn.k.w", "self_attn.k_proj.weight"),
+    ("attn.v.w", "self_attn.v_proj.weight"),
+    ("attn.o.w", "self_attn.o_proj.weight"),
+    ("norm2.w", "post_attention_layernorm.weight"),
+    ("mlp.gate.w", "mlp.gate_proj.weight"),
+    ("mlp.up.w", "mlp.up_proj.weight"),
+    ("mlp.down.w", "mlp.down_proj.weight"),
+]
+_BIAS_NAMES = [                          # qkv_bias only (Qwen2's)
+    ("attn.q.b", "self_attn.q_proj.bias"),
+    ("attn.k.b", "self_attn.k_proj.bias"),
+    ("attn.v.b", "self_attn.v_proj.bias"),
+]
+# Our parameters with a row per token: padded_vocab rows here, vocab_size rows in the file.
+_VOCAB_ROWS = ("wte", "lm_head.w")
+# Buffers older transformers saved with the weights (RoPE's inverse frequencies): not
+# parameters, recomputed from the config, never read.
+_BUFFER_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def _llama_module():
+    from ringpipe.engine.model import llama     # imported when a Llama is converted, not with hf.py
+    return llama
+
+
+def head_dim(cfg) -> int:
+    return cfg.head_dim if cfg.head_dim is not None else cfg.d_model // cfg.n_head
+
+
+def name_map(cfg) -> list:
+    """[(our name, Hugging Face's name)] of every parameter of the model `cfg`."""
+    block = _BLOCK_NAMES + (_BIAS_NAMES if cfg.qkv_bias else [])
+    names = [("wte", "model.embed_tokens.weight")]
+    for i in range(cfg.n_layer):
+        names += [(f"h.{i}.{ours}", f"model.layers.{i}.{theirs}") for ours, theirs in block]
+    names.append(("norm_f.w", "model.norm.weight"))
+    if not cfg.tie_embeddings:
+        names.append(("lm_head.w", "lm_head.weight"))
+    return names
+
+
+def block_shapes(cfg) -> dict:
+    """{our name after "h.{i}.": shape} of one block."""
+    C, F, hd = cfg.d_model, cfg.d_ff, head_dim(cfg)
+    q, kv = cfg.n_head * hd, cfg.n_kv_head * hd
+    shapes = {"norm1.w": (C,), "attn.q.w": (q, C), "attn.k.w": (kv, C), "attn.v.w": (kv, C),
+              "attn.o.w": (C, q), "norm2.w": (C,), "mlp.gate.w": (F, C), "mlp.up.w": (F, C), "mlp.down.w": (C, F)}
+    if cfg.qkv_bias:
+        shapes.update({"attn.q.b": (q,), "attn.k.b": (kv,), "attn.v.b": (kv,)})
+    return shapes
+
+
+def shape_of(cfg, ours: str, vocab_rows: int) -> tuple:
+    """The shape of our parameter `ours`, with `vocab_rows` rows for wte and lm_head.w."""
+    if ours in _VOCAB_ROWS:
+        return (vocab_rows, cfg.d_model)
+    if ours == "norm_f.w":
+        return (cfg.d_model,)
+    return block_shapes(cfg)[ours.split(".", 2)[2]]
+
+
+def count_params(cfg, vocab_rows: int) -> int:
+    heads = 1 if cfg.tie_embeddings else 2
+    return (heads * vocab_rows * cfg.d_model + cfg.d_model
+            + cfg.n_layer * sum(math.prod(s) for s in block_shapes(cfg).values()))
+
+
+def _check_memory(cfg, where: str) -> None:
+    n_params = count_params(cfg, cfg.padded_vocab)
+    need = hf._CONVERSION_COPIES * 4 * n_params
+    available = hf._available_memory()
+    if available is not None and need > available:
+        raise hf.HFError(f"{where} declares a model of {n_params:,} parameters: it needs about {need / 2**30:.1f} "
+                         f"GiB of memory here, and {available / 2**30:.1f} GiB are available; use a machine with "
+                         "more memory")
+
+
+def config_from_dict(model_config: dict):
+    """The LlamaConfig of a checkpoint's model_config, checked."""
+    llama = _llama_module()
+    import dataclasses
+    expected = {f.name for f in dataclasses.fields(llama.LlamaConfig)}
+    if not isinstance(model_config, dict) or set(model_config) != expected:
+        keys = sorted(model_config) if isinstance(model_config, dict) else type(model_config).__name__
+        raise hf.HFError(f"model_config has the keys {keys}, expected {sorted(expected)}: is it a Llama "
+                         "checkpoint's model_config?")
+    return _validated(llama.LlamaConfig(**model_config), "model_config")
+
+
+def _validated(cfg, where: str):
+    try:
+        cfg.validate()
+    except ValueError as e:                      # ConfigError is one
+        raise hf.HFError(f"{where}: {e}") from None
+    return cfg
+
+
+# ---- export --------------------------------------------------------------------------------
+
+def export(arrays: dict, model_config: dict, out_dir: str, tokenizer_json=None, overwrite=False,
+           protect=()) -> str:
+    """hf.export_hf for a Llama: the same contract (float32, atomic, out_dir rules)."""
+    cfg = config_from_dict(model_config)
+    params = hf._param_arrays(arrays)
+    layers = hf._layer_indices(params)
+    if cfg.n_layer > len(layers):                # before a table of n_layer entries is built
+        raise hf.HFError(f"model_config declares n_layer {cfg.n_layer}, but the parameters hold {len(layers)} "
+                         "layers: are they this Llama's?")
+    _check_params(cfg, params)
+    tokenizer = hf._Tokenizer.read(tokenizer_json, cfg.vocab) if tokenizer_json is not None else None
+    bos, eos = _special_ids(tokenizer)
+    tensors = {}
+    for ours, theirs in name_map(cfg):
+        array = params[ours][:cfg.vocab] if ours in _VOCAB_ROWS else params[ours]   # the padding is ours alone
+        tensors[theirs] = np.ascontiguousarray(array, dtype=np.float32)
+    written = {"config.json": hf._json_bytes(hf_config(cfg, bos, eos)),
+               "generation_config.json": hf._json_bytes({"bos_token_id": bos, "eos_token_id": eos})}
+    if tokenizer is not None:
+        written["tokenizer.json"] = tokenizer.text.encode()
+        written["tokenizer_config.json"] = hf._json_bytes(tokenizer.config(cfg.context, bos, eos))
+        written["special_tokens_map.json"] = hf._json_bytes(tokenizer.special_tokens_map(bos, eos))
+    return hf.write_model_folder(tensors, written, out_dir, overwrite, protect)
+
+
+def _check_params(cfg, params: dict) -> None:
+    mapped = {ours for ours, _ in name_map(cfg)}
+    unmapped = sorted(set(params) - mapped)
+    if unmapped:
+        raise hf.HFError(f"the parameters {unmapped[:5]} have no Hugging Face mapping in engine/interop/"
+                         "hf_llama.py (a bug: the model changed, its conversion did not), or are not this "
+                         f"Llama's ({cfg.to_dict()})")
+    for ours in sorted(mapped):
+        if ours not in params:
+            raise hf.HFError(f"the parameters lack {ours!r}: are they this Llama's ({cfg.to_dict()})?")
+        array = np.asarray(params[ours])
+        want = shape_of(cfg, ours, cfg.padded_vocab)
+        if array.shape != want:
+            raise hf.HFError(f"parameter {ours!r} has shape {array.shape}, the Llama {cfg.to_dict()} has {want}")
+        if array.dtype.kind != "f":
+            raise hf.HFError(f"parameter {ours!r} has dtype {array.dtype}, expected floating point")
+        if not np.isfinite(array).all():
+            raise hf.HFError(f"parameter {ours!r} holds NaN or inf: the model diverged; export an earlier "
+                             "checkpoint")
+
+
+# Tokens that begin a text, in the order we look for them: Llama 3's, SentencePiece's, Gemma's.
+_BEGIN_OF_TEXT_TOKENS = ("<|begin_of_text|>", "<s>", "<bos>")
+
+
+def _special_ids(tokenizer) -> tuple:
+    """(bos id, eos id) from the tokenizer's own tokens; a tokenizer without a begin token
+    (GPT-2's, SmolLM2's) begins with its end-of-text token, as those models do; none without one."""
+    if tokenizer is None:
+        return None, None
+    eos = tokenizer.end_of_text_id()
+    bos = next((tokenizer.ids[t] for t in _BEGIN_OF_TEXT_TOKENS if t in tokenizer.ids), eos)
+    return bos, eos
+
+
+def _rope_fields(cfg) -> dict:
+    """RoPE as both generations of transformers read it: rope_theta and rope_scaling (up to
+    4.x), rope_parameters (5.x, where rope_scaling, when set, takes precedence: so both agree)."""
+    if cfg.rope_scaling is None:
+        return {"rope_theta": cfg.rope_theta, "rope_scaling": None,
+                "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}}
+    scaling = {"rope_type": "llama3", **cfg.rope_scaling}
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling,
+            "rope_parameters": {**scaling, "rope_theta": cfg.rope_theta}}
+
+
+def hf_config(cfg, bos, eos) -> dict:
+    """config.json: every field that decides the math, written out."""
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab,                 # the tokenizer's size: the padding is not exported
+        "max_position_embeddings": cfg.context,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.n_kv_head,
+        "head_dim": head_dim(cfg),
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_eps,
+        **_rope_fields(cfg),
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,                # ringpipe trains without dropout
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "pad_token_id": None,
+        "dtype": "float32",                      # transformers >= 4.56 reads "dtype",
+        "torch_dtype": "float32",                # older versions "torch_dtype"
+    }
+    if cfg.qkv_bias:
+        # Qwen2: biases on q, k and v and none elsewhere, ringpipe's qkv_bias; no sliding window.
+        for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
+            del config[key]
+        config.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False,
+                      sliding_window=None, max_window_layers=cfg.n_layer,
+                      layer_types=["full_attention"] * cfg.n_layer)
+    return config
+
+
+def check_checkpoint_shapes(manifest: dict, declared: dict, path: str):
+    """hf.check_checkpoint_shapes for a Llama checkpoint: its model_config against the arrays
+    its npz declares, before anything is built or read."""
+    where = f"the manifest {path}'s model_config"
+    cfg = config_from_dict(manifest["model_config"])
+    params = {name[len("param/"):]: tuple(shape) for name, (shape, _) in declared.items()
+              if name.startswith("param/")}
+    if cfg.n_layer != len(hf._layer_indices(params)):
+        raise hf.HFError(f"{where} declares n_layer {cfg.n_layer}, but the checkpoint holds "
+                         f"{len(hf._layer_indices(params))} layers: the two disagree (was it edited?)")
+    for ours, _ in name_map(cfg):
+        want = shape_of(cfg, ours, cfg.padded_vocab)
+        if params.get(ours) != want:
+            have = "missing" if ours not in params else f"of shape {params[ours]}"
+            raise hf.HFError(f"the checkpoint's array param/{ours} is {have}, but {where} implies {want} "
+                             f"({_describe(cfg)}): the two disagree (was it edited?)")
+    _check_memory(cfg, where)
+    return cfg
+
+
+def _describe(cfg) -> str:
+    return ", ".join(f"{key} {value}" for key, value in cfg.to_dict().items())
+
+
+# ---- import: config.json -------------------------------------------------------------------
+
+# transformers' defaults for the keys a config.json may leave out, per model_type: what
+# transformers would build. (Mistral's window is on by default: 4096.)
+_DEFAULTS = {
+    "llama": {"num_key_value_heads": None, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+              "tie_word_embeddings": False, "hidden_act": "silu", "head_dim": None},
+    "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6,
+                "tie_word_embeddings": False, "hidden_act": "silu", "head_dim": None, "sliding_window": 4096},
+    "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+              "tie_word_embeddings": False, "hidden_act": "silu", "head_dim": None, "use_sliding_window": False,
+              "sliding_window": 4096, "max_window_layers": 28},
+}
+MODEL_TYPES = tuple(_DEFAULTS)
+_QKV_BIAS = {"llama": False, "mistral": False, "qwen2": True}     # Qwen2's q/k/v projections have biases
+# transformers' names of SiLU (ACT2FN): the gate's activation of ringpipe's SwiGLU.
+_SILUS = ("silu", "swish")
+# Keys that make a model a mixture of experts (a model_type we read, extended by hand).
+_MOE_KEYS = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+             "n_routed_experts")
+_SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+class _Config:
+    """config.json with transformers' defaults, and refusals that name the key."""
+
+    def __init__(self, config: dict, hf_dir: str):
+        self.config, self.where = config, f"{hf_dir}/config.json"
+        self.model_type = config["model_type"]
+
+    def get(self, key, default=None):
+        return self.config.get(key, _DEFAULTS[self.model_type].get(key, default))
+
+    def refuse(self, key, why):
+        shown = repr(self.get(key)) if key in self.config or key in _DEFAULTS[self.model_type] else "missing"
+        raise hf.HFError(f"{self.where}: {key} is {shown}; {why}")
+
+    def size(self, key, default=None):
+        value = self.get(key, default)
+        if value is None and key not in self.config:
+            raise hf.HFError(f"{self.where}: model_type is {self.model_type!r}, but {key} is missing: a "
+                             f"{self.model_type} config.json gives it (is the model_type right?)")
+        if type(value) is not int or value < 1:
+            self.refuse(key, "expected a positive integer")
+        return value
+
+
+def config_from_hf(config: dict, hf_dir: str):
+    """The LlamaConfig of a Llama-style config.json; HFError naming the key of anything
+    ringpipe's Llama would compute differently. Reads no tensor."""
+    c = _Config(config, hf_dir)
+    sizes = {key: c.size(key) for key in _SIZE_KEYS}
+    heads = sizes["num_attention_heads"]
+    kv_heads = c.size("num_key_value_heads", heads) if c.get("num_key_value_heads") is not None else heads
+    if heads % kv_heads:
+        c.refuse("num_key_value_heads", f"it must divide num_attention_heads {heads} (grouped-query attention)")
+    hd = c.get("head_dim")
+    if hd is None and sizes["hidden_size"] % heads:
+        c.refuse("num_attention_heads", f"it must divide hidden_size {sizes['hidden_size']} (or set head_dim)")
+    hd = c.size("head_dim") if hd is not None else sizes["hidden_size"] // heads
+    context = c.size("max_position_embeddings")
+    _refuse_unsupported(c, context)
+    theta, scaling = _rope_from_hf(c, context)
+    eps = c.get("rms_norm_eps")
+    if type(eps) not in (int, float) or not 0 < eps < 1:
+        c.refuse("rms_norm_eps", "expected a number between 0 and 1")
+    tie = c.get("tie_word_embeddings")
+    if type(tie) is not bool:
+        c.refuse("tie_word_embeddings", "expected true or false")
+    llama = _llama_module()
+    cfg = llama.LlamaConfig(n_layer=sizes["num_hidden_layers"], d_model=sizes["hidden_size"], n_head=heads,
+                            n_kv_head=kv_heads, d_ff=sizes["intermediate_size"], context=context,
+                            vocab=sizes["vocab_size"], head_dim=hd, rope_theta=theta, rope_scaling=scaling,
+                            rms_eps=eps, tie_embeddings=tie, qkv_bias=_QKV_BIAS[c.model_type])
+    return _validated(cfg, c.where)
+
+
+def _refuse_unsupported(c: _Config, context: int) -> None:
+    """Activations, biases, windows, experts and quantization ringpipe's Llama does not have."""
+    if c.get("hidden_act") not in _SILUS:
+        c.refuse("hidden_act", "ringpipe's Llama MLP is SwiGLU, whose gate uses silu")
+    if c.get("attention_bias", False) is not False:
+        c.refuse("attention_bias", "it puts a bias on o_proj too; ringpipe's Llama has biases on q, k and v only "
+                                   "(as Qwen2), or none")
+    if c.get("mlp_bias", False) is not False:
+        c.refuse("mlp_bias", "ringpipe's Llama MLP has no biases")
+    for key in _MOE_KEYS:
+        if c.get(key) not in (None, 0):
+            c.refuse(key, "a mixture of experts; ringpipe's Llama has one dense MLP per block")
+    if c.get("quantization_config") is not None:
+        c.refuse("quantization_config", "ringpipe reads float weights only (F32, F16, BF16, F64)")
+    if c.get("partial_rotary_factor", 1.0) != 1.0:
+        c.refuse("partial_rotary_factor", "ringpipe's RoPE rotates every dimension of a head (1.0)")
+    _refuse_windows(c, context)
+
+
+def _refuse_windows(c: _Config, context: int) -> None:
+    """A sliding window that binds (smaller than the context, on some layer) is refused: ringpipe's
+    attention is causal over the whole context. A window as long as the context changes nothing."""
+    window = c.get("sliding_window")
+    if c.model_type in _WINDOW_SWITCH and c.get(_WINDOW_SWITCH[c.model_type]) is not True:
+        window = None                            # Qwen2: the window is used only when switched on
+    layer_types = c.get("layer_types")
+    if layer_types is not None and (not isinstance(layer_types, list)
+                                    or any(t not in ("full_attention", "sliding_attention") for t in layer_types)):
+        c.refuse("layer_types", "ringpipe's Llama has full_attention layers only")
+    if layer_types is None and c.model_type in _WINDOW_SWITCH and window is not None:
+        # transformers' rule for a config without layer_types: layers from max_window_layers on slide.
+        first = c.get("max_window_layers")
+        layer_types = ["sliding_attention" if type(first) is int and i >= first else "full_attention"
+                       for i in range(c.size("num_hidden_layers"))]
+    slides = layer_types is None or "sliding_attention" in layer_types
+    if window is not None and slides and (type(window) is not int or window < context):
+        key = "sliding_window" if c.model_type not in _WINDOW_SWITCH else "use_sliding_window"
+        c.refuse(key, f"a sliding window of {window} tokens, smaller than the context {context} "
+                      "(max_position_embeddings); ringpipe's attention sees the whole context, so the model "
+                      "would compute differently")
+
+
+_WINDOW_SWITCH = {"qwen2": "use_sliding_window"}
+
+
+def _rope_from_hf(c: _Config, context: int) -> tuple:
+    """(theta, llama3 scaling dict or None), read as transformers 5 does: rope_scaling, when
+    set, replaces rope_parameters; rope_theta fills in a theta neither holds."""
+    key = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
+    params = c.get(key) or {}
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        c.refuse(key, "expected one RoPE setting for every layer (an object of numbers and a rope_type)")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", c.get("rope_theta", 10000.0))
+    if type(theta) not in (int, float) or not theta > 0:
+        c.refuse("rope_theta", "expected a positive number")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        c.refuse(key, "partial_rotary_factor: ringpipe's RoPE rotates every dimension of a head (1.0)")
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "llama3":
+        c.refuse(key, f"rope_type {rope_type!r}; ringpipe's RoPE is \"default\" or Llama 3's \"llama3\" scaling")
+    scaling = {"factor": params.get("factor"), "low_freq_factor": params.get("low_freq_factor"),
+               "high_freq_factor": params.get("high_freq_factor"),
+               "original_max_position_embeddings": params.get("original_max_position_embeddings", context)}
+    missing = [name for name, value in scaling.items() if type(value) not in (int, float)]
+    if missing:
+        c.refuse(key, f"llama3 scaling needs the numbers {', '.join(missing)}")
+    return float(theta), scaling
+
+
+# ---- import: the weights -------------------------------------------------------------------
+
+def import_folder(config: dict, hf_dir: str) -> tuple:
+    """hf.import_hf for a Llama-style folder: (LlamaConfig, {our name: float32 array}, the path
+    of its tokenizer.json or None). wte (and lm_head.w) padded to cfg.padded_vocab rows."""
+    cfg = config_from_hf(config, hf_dir)
+    headers = hf._read_headers(hf._weight_files(hf_dir), hf_dir)
+    wanted = _check_headers(cfg, headers, hf_dir)
+    tensors = hf._read_tensors({name: headers[name] for name in wanted})
+    arrays = {}
+    for ours, theirs in name_map(cfg):
+        array = tensors[theirs].astype(np.float32)
+        if ours in _VOCAB_ROWS:
+            # The padding rows never matter (no token id reaches them, the head masks their
+            # logits); zeros keep the import deterministic.
+            padded = np.zeros((cfg.padded_vocab, cfg.d_model), dtype=np.float32)
+            padded[:cfg.vocab] = array
+            array = padded
+        arrays[ours] = np.ascontiguousarray(array)
+    lm_head = tensors.get("lm_head.weight")
+    if cfg.tie_embeddings and lm_head is not None and not np.array_equal(lm_head.astype(np.float32),
+                                                                          arrays["wte"][:cfg.vocab]):
+        raise hf.HFError(f"{hf_dir}: lm_head.weight differs from model.embed_tokens.weight, but config.json says "
+                         "tie_word_embeddings true (transformers would use the embedding for both): set "
+                         "tie_word_embeddings false if the head is meant to be its own")
+    return cfg, arrays, hf.tokenizer_of(hf_dir)
+
+
+def _check_headers(cfg, headers: dict, hf_dir: str) -> list:
+    """The tensor names to read, once every tensor the config implies is present with its
+    shape and no other is: from the files' headers, before any tensor is read."""
+    where = f"{hf_dir}/config.json"
+    shapes = {name: shape for name, (_, shape, _) in headers.items()}
+    present = {int(m.group(1)) for m in map(re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.").match, shapes) if m}
+    if cfg.n_layer > len(present):               # before a table of n_layer entries is built
+        raise hf.HFError(f"{where} declares num_hidden_layers {cfg.n_layer}, but the weights hold {len(present)} "
+                         "layers: the weights are incomplete or do not match config.json")
+    _check_memory(cfg, where)
+    names = name_map(cfg)
+    for ours, theirs in names:
+        want = shape_of(cfg, ours, cfg.vocab)
+        if theirs not in shapes:
+            raise hf.HFError(f"{hf_dir}: the tensor {theirs} is missing (config.json declares {_describe(cfg)}): "
+                             "the weights are incomplete or do not match config.json")
+        if tuple(shapes[theirs]) != want:
+            raise hf.HFError(f"{hf_dir}: the tensor {theirs} has shape {tuple(shapes[theirs])}, but config.json "
+                             f"implies {want} ({_describe(cfg)}): the two disagree")
+    wanted = [theirs for _, theirs in names]
+    if cfg.tie_embeddings and "lm_head.weight" in shapes:
+        if tuple(shapes["lm_head.weight"]) != (cfg.vocab, cfg.d_model):
+            raise hf.HFError(f"{hf_dir}: lm_head.weight has shape {tuple(shapes['lm_head.weight'])}, not the "
+                             f"embedding's {(cfg.vocab, cfg.d_model)}, but config.json ties them")
+        wanted.append("lm_head.weight")          # read to check it is the embedding
+    leftover = sorted(set(shapes) - set(wanted))
+    leftover = [name for name in leftover if not name.endswith(_BUFFER_SUFFIXES)]
+    if leftover:
+        raise hf.HFError(f"{hf_dir}: tensors that ringpipe's Llama with this config.json does not have: "
+                         f"{', '.join(leftover[:5])}{', ...' if len(leftover) > 5 else ''} (biases on o_proj "
+                         "or the MLP, or more layers than num_hidden_layers, are not representable)")
+    return wanted
+
+
+def import_notes(config: dict, hf_dir: str) -> list:
+    rate = config.get("attention_dropout", 0.0)
+    if type(rate) in (int, float) and rate != 0:
+        return [f"note: {hf_dir}/config.json sets dropout (attention_dropout {rate}); ringpipe trains without "
+                "dropout, so fine-tuning here runs with none"]
+    return []

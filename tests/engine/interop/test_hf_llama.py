@@ -1,0 +1,398 @@
+"""engine/interop/hf_llama.py: the Llama family in and out of Hugging Face's format (issue 23).
+
+transformers (on torch) is the oracle, in float64: a LlamaForCausalLM saved with
+save_pretrained must give its logits in ringpipe after --init-from's import (max |diff|
+<= 1e-10), and ringpipe's export must give ringpipe's logits in LlamaForCausalLM. A
+deliberately wrong RoPE layout must fail the same comparison (a loose tolerance can hide
+a wrong permutation). Skipped where torch, transformers or safetensors are missing.
+"""
+import json
+import os
+import types
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the Hugging Face tests need torch (pip install torch==2.13.0)")
+transformers = pytest.importorskip("transformers", reason="the Hugging Face tests need transformers")
+pytest.importorskip("safetensors.numpy", reason="engine/interop/hf.py needs safetensors")
+
+from ringpipe.engine.interop import hf, hf_llama  # noqa: E402
+from ringpipe.engine.model.chain import LayerChain  # noqa: E402
+from ringpipe.engine.model.llama import PRESETS, LlamaConfig, llama_layers  # noqa: E402
+
+EXACT = 1e-10          # float64, the same weights: only summation order differs
+torch.set_num_threads(1)
+
+# transformers' own test shape (LlamaModelTester), as the preset hf-tiny; a context of 24
+# keeps the tests quick.
+HF_TINY = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=37, max_position_embeddings=24)
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8}
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+def randomize(model, seed):
+    """Every parameter random; the norms' weights near 1 (all 1 would hide a mix-up of the two)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, 0.2)
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p += 1.0
+    return model.eval()
+
+
+def random_hf_model(seed=0, kind="llama", **overrides):
+    settings = dict(HF_TINY, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True)
+    settings.update(overrides)
+    config_class, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                                 "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                                 "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[kind]
+    rope_scaling = settings.pop("rope_scaling", None)
+    config = config_class(**settings)
+    if rope_scaling is not None:
+        config.rope_parameters = dict(rope_scaling, rope_theta=settings["rope_theta"])
+    return randomize(model_class(config), seed)
+
+
+def save(model, folder, **kwargs):
+    model.save_pretrained(folder, **kwargs)
+    return str(folder)
+
+
+def hf_logits(folder, tokens):
+    """transformers' logits of the folder's model, in float64 throughout (see lift_to_float64)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa",
+                                                              dtype=torch.float64).eval()
+    lift_to_float64(model)
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens)).logits.numpy()
+
+
+def lift_to_float64(model):
+    """transformers computes RMSNorm and the RoPE tables in float32 even in a float64 model
+    (eager attention's softmax too, hence sdpa): lifted to float64, as tests/engine/model/
+    test_llama.py does, so the comparison sees the math, not float32 rounding. The
+    frequencies are ringpipe's, checked first against transformers' own to float32 precision."""
+    from ringpipe.engine.model.llama import inverse_frequencies
+    rope = model.config.rope_parameters
+    scaling = None
+    if rope["rope_type"] == "llama3":
+        scaling = {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                        "original_max_position_embeddings")}
+    rotary = model.model.rotary_emb
+    inv_freq = inverse_frequencies(rotary.inv_freq.numel() * 2, rope["rope_theta"], scaling)
+    np.testing.assert_allclose(rotary.inv_freq.double().numpy(), inv_freq, rtol=1e-6)
+    inv_freq = torch.from_numpy(inv_freq)
+
+    def float64_rope(x, position_ids):
+        angles = position_ids[..., None].double() * inv_freq
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+    def float64_rmsnorm(norm, h):
+        return norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+
+    rotary.forward = float64_rope
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.forward = types.MethodType(float64_rmsnorm, module)
+
+
+def ringpipe_model(cfg, arrays):
+    model = LayerChain(llama_layers(cfg), dtype=np.float64)
+    model.params.load_flat(model.params.data, arrays)
+    return model
+
+
+def ringpipe_logits(model, tokens, vocab):
+    logits, _ = model.forward(tokens, targets=None, need_grad=False)
+    return np.asarray(logits)[:, :, :vocab]
+
+
+def random_tokens(vocab, batch=2, length=24, seed=1):
+    return np.random.default_rng(seed).integers(0, vocab, size=(batch, length))
+
+
+def imported_diff(folder):
+    """max |ringpipe's logits - transformers'| for the folder's model, through import_hf."""
+    cfg, arrays, _ = hf.import_hf(folder)
+    tokens = random_tokens(cfg.vocab, length=min(24, cfg.context))
+    return np.abs(ringpipe_logits(ringpipe_model(cfg, arrays), tokens, cfg.vocab) - hf_logits(folder, tokens)).max()
+
+
+def checkpoint_arrays(cfg, seed=0):
+    """A ringpipe Llama's parameters as a checkpoint holds them ({"param/<name>": array}),
+    every one random and exactly a float32 (the export's dtype), norms near 1."""
+    model = LayerChain(llama_layers(cfg), dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    arrays = {}
+    for name in model.params.names():
+        shape = model.params.view(name).shape
+        values = rng.normal(0.0, 0.2, size=shape) + (1.0 if name.endswith(("norm1.w", "norm2.w", "norm_f.w")) else 0)
+        arrays[f"param/{name}"] = values.astype(np.float32).astype(np.float64)
+    return arrays
+
+
+def folder_bytes(folder):
+    return {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))}
+
+
+def edit_config(folder, **changes):
+    path = os.path.join(folder, "config.json")
+    config = json.load(open(path))
+    config.update(changes)
+    for key in [k for k, v in changes.items() if v is _DELETE]:
+        del config[key]
+    json.dump(config, open(path, "w"))
+
+
+_DELETE = object()
+
+
+def config_only(tmp_path, **config):
+    """A folder holding only config.json: a refusal from it happened before any weight was looked for."""
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    base = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_act="silu", rms_norm_eps=1e-5,
+                **HF_TINY)
+    base.update(config)
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in base.items() if v is not _DELETE}))
+    return str(folder)
+
+
+# ---- import: transformers -> ringpipe ----------------------------------------------------------
+
+SHAPES = {
+    "hf-tiny, tied": dict(),
+    "hf-tiny, untied": dict(tie_word_embeddings=False),
+    "multi-query": dict(num_key_value_heads=1),
+    "multi-head": dict(num_key_value_heads=4),
+    "theta and eps": dict(rope_theta=500000.0, rms_norm_eps=1e-6),
+    "head_dim set": dict(head_dim=16),
+    "llama3 scaling": dict(rope_scaling=LLAMA3_SCALING, rope_theta=500000.0),
+}
+
+
+@pytest.mark.parametrize("overrides", SHAPES.values(), ids=SHAPES.keys())
+def test_an_imported_llama_gives_transformers_logits(tmp_path, overrides):
+    folder = save(random_hf_model(**overrides), tmp_path / "hf")
+    diff = imported_diff(folder)
+    assert diff <= EXACT, diff
+
+
+def test_import_reads_the_shape_from_config_json(tmp_path):
+    folder = save(random_hf_model(tie_word_embeddings=False, rope_theta=500000.0), tmp_path / "hf")
+    cfg, arrays, tokenizer = hf.import_hf(folder)
+    assert isinstance(cfg, LlamaConfig) and tokenizer is None
+    assert cfg == LlamaConfig(**dict(PRESETS["hf-tiny"], context=24, rope_theta=500000.0, tie_embeddings=False,
+                                     rms_eps=1e-5)).validate()
+    assert arrays["wte"].shape == arrays["lm_head.w"].shape == (cfg.padded_vocab, 32) == (128, 32)
+    assert not arrays["wte"][99:].any() and not arrays["lm_head.w"][99:].any()      # the padding rows
+    assert all(a.dtype == np.float32 for a in arrays.values())
+
+
+def test_qwen2_and_mistral_folders_that_fit_are_imported_exactly(tmp_path):
+    qwen = save(random_hf_model(kind="qwen2", seed=3), tmp_path / "qwen2")
+    cfg, arrays, _ = hf.import_hf(qwen)
+    assert cfg.qkv_bias and arrays["h.1.attn.k.b"].any()
+    assert imported_diff(qwen) <= EXACT
+    # Mistral with its window switched off, or no shorter than the context.
+    for window in (None, 24):
+        mistral = save(random_hf_model(kind="mistral", seed=4, sliding_window=window), tmp_path / f"mistral-{window}")
+        assert imported_diff(mistral) <= EXACT
+
+
+def test_import_reads_sharded_and_bf16_folders(tmp_path):
+    model = random_hf_model(seed=5, tie_word_embeddings=False)
+    sharded = save(model, tmp_path / "sharded", max_shard_size="20KB")
+    assert os.path.exists(os.path.join(sharded, "model.safetensors.index.json"))
+    assert imported_diff(sharded) <= EXACT
+    bf16 = save(model.to(torch.bfloat16), tmp_path / "bf16")
+    assert imported_diff(bf16) <= EXACT
+
+
+def test_a_swapped_rope_layout_or_head_order_fails_the_comparison(tmp_path):
+    """The negative control: q/k rows in Meta's interleaved RoPE layout (or heads out of
+    order) give another model, and the comparison that passes at 1e-10 says so."""
+    folder = save(random_hf_model(seed=6), tmp_path / "hf")
+    cfg, arrays, _ = hf.import_hf(folder)
+    hd = cfg.head_dim
+    # Meta's order: the rotary pair (i, i + hd/2) of the half-split layout at rows (2i, 2i + 1).
+    interleaved = np.stack([np.arange(hd // 2), np.arange(hd // 2) + hd // 2], axis=1).reshape(-1)
+    tokens = random_tokens(cfg.vocab)
+    theirs = hf_logits(folder, tokens)
+    for swap in ("rope layout", "head order"):
+        wrong = dict(arrays)
+        for name in ("h.0.attn.q.w", "h.0.attn.k.w"):
+            heads = arrays[name].reshape(-1, hd, cfg.d_model)
+            heads = heads[:, interleaved] if swap == "rope layout" else heads[::-1]
+            wrong[name] = heads.reshape(-1, cfg.d_model)
+        diff = np.abs(ringpipe_logits(ringpipe_model(cfg, wrong), tokens, cfg.vocab) - theirs).max()
+        assert diff > 1e-3, (swap, diff)
+
+
+def test_import_notes_name_the_llamas_dropout_not_gpt2s(tmp_path):
+    folder = save(random_hf_model(), tmp_path / "hf")
+    assert hf.import_notes(folder) == []                # no GPT-2 dropout defaults for a Llama
+    edit_config(folder, attention_dropout=0.1)
+    assert "attention_dropout 0.1" in hf.import_notes(folder)[0]
+
+
+# ---- refusals: before any work, naming the key ---------------------------------------------
+
+REFUSED = {
+    "a mixture of experts": (dict(model_type="mixtral"), "model_type"),
+    "experts in a llama config": (dict(num_local_experts=8), "num_local_experts"),
+    "another activation": (dict(hidden_act="gelu"), "hidden_act"),
+    "a bias on o_proj": (dict(attention_bias=True), "attention_bias"),
+    "MLP biases": (dict(mlp_bias=True), "mlp_bias"),
+    "a mistral window that binds": (dict(model_type="mistral", sliding_window=16), "sliding_window"),
+    "mistral's default window": (dict(model_type="mistral", max_position_embeddings=8192), "sliding_window"),
+    "a qwen2 window that binds": (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16,
+                                       max_window_layers=0), "use_sliding_window"),
+    "sliding layer types": (dict(model_type="qwen2", use_sliding_window=True, sliding_window=8,
+                                 layer_types=["full_attention", "sliding_attention"]), "use_sliding_window"),
+    "an unknown layer type": (dict(layer_types=["full_attention", "chunked_attention"]), "layer_types"),
+    "a rope type": (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling"),
+    "a rope type, transformers 5": (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+                                    "rope_parameters"),
+    "llama3 without its numbers": (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope_scaling"),
+    "partial rotary": (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+    "quantized": (dict(quantization_config={"quant_method": "gptq"}), "quantization_config"),
+    "kv heads not dividing": (dict(num_key_value_heads=3), "num_key_value_heads"),
+    "a size missing": (dict(intermediate_size=_DELETE), "intermediate_size"),
+}
+
+
+@pytest.mark.parametrize("config, key", REFUSED.values(), ids=REFUSED.keys())
+def test_a_config_ringpipe_cannot_represent_is_refused_before_any_work_naming_the_key(tmp_path, config, key):
+    folder = config_only(tmp_path, **config)      # no weights: a refusal here read none
+    with pytest.raises(hf.HFError) as refused:
+        hf.import_hf(folder)
+    message = str(refused.value)
+    assert key in message and "config.json" in message, message
+    assert "safetensors" not in message, message
+
+
+def test_a_window_as_long_as_the_context_and_unswitched_windows_are_fine(tmp_path):
+    for config in (dict(model_type="mistral", sliding_window=24), dict(model_type="mistral", sliding_window=None),
+                   dict(model_type="qwen2", use_sliding_window=False, sliding_window=4),
+                   dict(model_type="qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=2)):
+        cfg = hf_llama.config_from_hf(dict(HF_TINY, hidden_act="silu", **config), "here")
+        assert cfg.n_layer == 2
+
+
+def test_tensors_the_config_does_not_have_are_refused_by_name(tmp_path):
+    folder = save(random_hf_model(seed=7, attention_bias=True), tmp_path / "hf")
+    edit_config(folder, attention_bias=False)         # the config hides the biases; the tensors do not
+    with pytest.raises(hf.HFError, match="o_proj.bias"):
+        hf.import_hf(folder)
+    folder = save(random_hf_model(seed=7), tmp_path / "short")
+    edit_config(folder, num_hidden_layers=3)
+    with pytest.raises(hf.HFError, match="num_hidden_layers 3.*2 layers"):
+        hf.import_hf(folder)
+    edit_config(folder, num_hidden_layers=2, intermediate_size=38)
+    with pytest.raises(hf.HFError, match="mlp.gate_proj.weight has shape"):
+        hf.import_hf(folder)
+
+
+def test_a_tied_config_with_a_different_head_is_refused(tmp_path):
+    folder = save(random_hf_model(seed=8, tie_word_embeddings=False), tmp_path / "hf")
+    edit_config(folder, tie_word_embeddings=True)
+    with pytest.raises(hf.HFError, match="lm_head.weight differs"):
+        hf.import_hf(folder)
+
+
+# ---- export: ringpipe -> transformers ----------------------------------------------------------
+
+EXPORTED = {
+    "hf-tiny": dict(PRESETS["hf-tiny"], context=24),
+    "untied, odd vocab": dict(PRESETS["hf-tiny"], context=24, vocab=300, tie_embeddings=False),
+    "multi-query": dict(PRESETS["hf-tiny"], context=24, n_kv_head=1),
+    "llama3 scaling": dict(PRESETS["hf-tiny"], context=24, rope_theta=500000.0, rms_eps=1e-6,
+                           rope_scaling={k: v for k, v in LLAMA3_SCALING.items() if k != "rope_type"}),
+    "q/k/v biases (qwen2)": dict(PRESETS["hf-tiny"], context=24, qkv_bias=True),
+}
+
+
+@pytest.mark.parametrize("shape", EXPORTED.values(), ids=EXPORTED.keys())
+def test_an_exported_llama_gives_ringpipes_logits_in_transformers(tmp_path, shape):
+    cfg = LlamaConfig(**shape).validate()
+    arrays = checkpoint_arrays(cfg)
+    out = hf.export_hf(arrays, cfg.to_dict(), str(tmp_path / "hf"), model="llama")
+    tokens = random_tokens(cfg.vocab)
+    ours = ringpipe_logits(ringpipe_model(cfg, {k[len("param/"):]: v for k, v in arrays.items()}), tokens, cfg.vocab)
+    diff = np.abs(hf_logits(out, tokens) - ours).max()
+    assert diff <= EXACT, diff
+
+
+def test_export_writes_every_config_key_and_hugging_faces_names(tmp_path):
+    cfg = LlamaConfig(**dict(PRESETS["hf-tiny"], context=24, tie_embeddings=False)).validate()
+    out = hf.export_hf(checkpoint_arrays(cfg), cfg.to_dict(), str(tmp_path / "hf"), model="llama")
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
+    assert {k: config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                   "num_key_value_heads", "head_dim", "max_position_embeddings", "vocab_size")} \
+        == dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=24, vocab_size=99)
+    # Written, not left to transformers' defaults (rms_norm_eps 1e-6, tied false in 5.x).
+    assert (config["hidden_act"], config["rms_norm_eps"], config["tie_word_embeddings"]) == ("silu", 1e-5, False)
+    assert (config["attention_bias"], config["mlp_bias"], config["rope_scaling"]) == (False, False, None)
+    assert config["rope_theta"] == 10000.0
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
+    assert config["dtype"] == config["torch_dtype"] == "float32"
+    loaded = transformers.AutoConfig.from_pretrained(out)
+    assert (loaded.rms_norm_eps, loaded.tie_word_embeddings, loaded.num_key_value_heads) == (1e-5, False, 2)
+    names = set(hf.__dict__["_safetensors"]("numpy").load_file(os.path.join(out, "model.safetensors")))
+    assert names == {theirs for _, theirs in hf_llama.name_map(cfg)}
+    assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+            "model.layers.1.self_attn.o_proj.weight", "model.layers.1.mlp.down_proj.weight"} <= names
+
+
+def test_export_import_export_is_bitwise(tmp_path):
+    shape = dict(PRESETS["hf-tiny"], context=24, vocab=300, tie_embeddings=False, rope_theta=500000.0,
+                 rope_scaling={k: v for k, v in LLAMA3_SCALING.items() if k != "rope_type"})
+    for name, extra in (("untied llama3", {}), ("qwen2", dict(qkv_bias=True, tie_embeddings=True))):
+        cfg = LlamaConfig(**dict(shape, **extra)).validate()
+        first = hf.export_hf(checkpoint_arrays(cfg, seed=9), cfg.to_dict(), str(tmp_path / name / "1"),
+                             model="llama")
+        cfg2, arrays, _ = hf.import_hf(first)
+        assert cfg2 == cfg, name
+        second = hf.export_hf(arrays, cfg2.to_dict(), str(tmp_path / name / "2"), model="llama")
+        assert folder_bytes(first) == folder_bytes(second), name
+
+
+def test_an_imported_folder_exports_to_the_same_model(tmp_path):
+    """A user's folder (save_pretrained) -> ringpipe -> export: transformers gives the same logits."""
+    folder = save(random_hf_model(seed=10, tie_word_embeddings=False, num_key_value_heads=1), tmp_path / "hf")
+    cfg, arrays, _ = hf.import_hf(folder)
+    out = hf.export_hf(arrays, cfg.to_dict(), str(tmp_path / "out"), model="llama")
+    tokens = random_tokens(cfg.vocab)
+    assert np.abs(hf_logits(out, tokens) - hf_logits(folder, tokens)).max() <= EXACT
+
+
+def test_export_refuses_parameters_of_another_shape_or_without_a_mapping(tmp_path):
+    cfg = LlamaConfig(**dict(PRESETS["hf-tiny"], context=24)).validate()
+    arrays = checkpoint_arrays(cfg)
+    with pytest.raises(hf.HFError, match="no Hugging Face mapping"):
+        hf.export_hf(dict(arrays, **{"param/h.0.attn.o.b": np.zeros(32)}), cfg.to_dict(), str(tmp_path / "a"),
+                     model="llama")
+    with pytest.raises(hf.HFError, match="h.1.mlp.up.w"):
+        hf.export_hf(dict(arrays, **{"param/h.1.mlp.up.w": np.zeros((38, 32))}), cfg.to_dict(),
+                     str(tmp_path / "b"), model="llama")
+    with pytest.raises(hf.HFError, match="model_config has the keys"):
+        hf.export_hf(arrays, dict(cfg.to_dict(), n_embd=3), str(tmp_path / "c"), model="llama")
+    assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
+
+
+def test_the_name_table_is_the_models_parameters():
+    """Every parameter the model has is mapped, and only those (the export checks it too)."""
+    for extra in ({}, dict(tie_embeddings=False), dict(qkv_bias=True)):
+        cfg = LlamaConfig(**dict(PRESETS["hf-tiny"], **extra)).validate()
+        model = LayerChain(llama_layers(cfg))
+        ours = {name: model.params.view(name).shape for name in model.params.names()}
+        assert ours == {name: hf_llama.shape_of(cfg, name, cfg.padded_vocab) for name, _ in hf_llama.name_map(cfg)}
