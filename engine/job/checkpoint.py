@@ -80,7 +80,12 @@ _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 # The keys of model_config for each model (engine.model.gpt.GPTConfig, engine.model.mlp.MLPConfig).
 _MODEL_CONFIG_KEYS = {"gpt": ("context", "d_model", "n_head", "n_layer", "vocab"),
+                      "llama": ("context", "d_ff", "d_model", "head_dim", "n_head", "n_kv_head", "n_layer",
+                                "qkv_bias", "rms_eps", "rope_scaling", "rope_theta", "tie_embeddings", "vocab"),
                       "mlp": ("hidden", "n_classes", "n_in", "n_layer")}
+# The model_config keys that are settings rather than counts: a number, a switch, or
+# (rope_scaling) null or an object of numbers and names.
+_MODEL_SETTINGS = ("qkv_bias", "rms_eps", "rope_scaling", "rope_theta", "tie_embeddings")
 _LAYOUT_KEYS = ("chunks", "dp", "pp", "tp")
 _OPTIONAL_LAYOUT_KEYS = ("tp",)          # checkpoints written before tensor parallelism have none
 _KEYS = ("args", "best", "checksum", "dtype", "format", "layout", "loss", "model", "model_config", "npz", "npz_bytes",
@@ -584,8 +589,18 @@ def _check_object(key, value, keys, optional=()):
         may = f" (optional: {', '.join(optional)})" if optional else ""
         raise _wrong(key, value, f"an object with exactly the keys {', '.join(keys)}{may}")
     for k in keys:
-        if k in value:
+        if k in value and k in _MODEL_SETTINGS:
+            _check_setting(f"{key}.{k}", value[k])
+        elif k in value:
             _check_int(f"{key}.{k}", value[k], 1, 2**31 - 1)
+
+
+def _check_setting(key, value):
+    def plain(v):
+        return (type(v) in (bool, int) or (type(v) is float and math.isfinite(v))
+                or (isinstance(v, str) and _SHORT_NAME.fullmatch(v)))
+    if not (plain(value) or value is None or (type(value) is dict and all(plain(v) for v in value.values()))):
+        raise _wrong(key, value, "a finite number, true or false, null, or an object of those")
 
 
 def _check_schema(m):

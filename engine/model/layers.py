@@ -134,11 +134,11 @@ class WholeLayers:
     size = 1                      # ranks a layer is split over
     sequence_parallel = False     # the stream between the regions holds this rank's positions only
 
-    def column(self, name, c_in, c_out, groups=1, gelu=False, std=0.02):
-        return Linear(name, c_in, c_out, std=std, gelu=gelu)
+    def column(self, name, c_in, c_out, groups=1, gelu=False, std=0.02, bias=True):
+        return Linear(name, c_in, c_out, bias=bias, std=std, gelu=gelu)
 
-    def row(self, name, c_in, c_out, std=0.02):
-        return Linear(name, c_in, c_out, std=std)
+    def row(self, name, c_in, c_out, std=0.02, bias=True):
+        return Linear(name, c_in, c_out, bias=bias, std=std)
 
     def embedding(self, vocab, context, c, wte="wte", wpe="wpe"):
         return Embedding(vocab, context, c, wte=wte, wpe=wpe)

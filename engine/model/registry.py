@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.model.gpt import GPT_RECIPE
+from ringpipe.engine.model.llama import LLAMA_RECIPE
 from ringpipe.engine.model.mlp import MLP_RECIPE
 from ringpipe.engine.model.recipe import ModelRecipe
 
-RECIPES: dict[str, ModelRecipe] = {recipe.name: recipe for recipe in (GPT_RECIPE, MLP_RECIPE)}
+RECIPES: dict[str, ModelRecipe] = {recipe.name: recipe for recipe in (GPT_RECIPE, LLAMA_RECIPE, MLP_RECIPE)}
 
 
 def recipe_named(name: str) -> ModelRecipe:

@@ -24,7 +24,6 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 
 from ringpipe.engine.train.config import Config  # noqa: E402
-from ringpipe.engine.model.gpt import PRESETS  # noqa: E402
 from ringpipe.engine.model.registry import RECIPES  # noqa: E402
 from ringpipe.engine.job.errors import ConfigError, Diverged, JobFailure, spell  # noqa: E402
 
@@ -74,9 +73,10 @@ def parse_args(argv=None, prog="ringpipe train"):
 def _model_flags(p):
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=sorted(RECIPES), default="gpt", help="model to train (default gpt)")
-    g.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="a standard GPT shape: sets --layers, --d-model, --heads and --context (gpt2-124m: 12, "
-                        "768, 12, 1024); flags given as well must agree with it")
+    g.add_argument("--preset", choices=sorted({name for r in RECIPES.values() for name in r.presets}), default=None,
+                   help="a standard shape of the --model's family: sets --layers, --d-model, --heads and --context "
+                        "(gpt2-124m: 12, 768, 12, 1024; the llama presets also the rest of the shape, and the real "
+                        "models' the vocabulary); flags given as well must agree with it")
     g.add_argument("--init-from", default=None, metavar="hf:HF_DIR",
                    help="start from the weights of a Hugging Face GPT-2 folder (ringpipe export's, or a local "
                         "GPT-2 download with model.safetensors): its shape replaces the shape flags, and --data "
@@ -85,6 +85,14 @@ def _model_flags(p):
     g.add_argument("--d-model", type=int, default=None, help="GPT width / MLP hidden width (default 128 / 256)")
     g.add_argument("--heads", type=int, default=None, help="GPT attention heads (default 4)")
     g.add_argument("--context", type=int, default=None, help="GPT maximum sequence length (default 128)")
+    g.add_argument("--kv-heads", type=int, default=None,
+                   help="llama: key/value heads, dividing --heads (default --heads: multi-head attention; "
+                        "1: multi-query; between: grouped-query)")
+    g.add_argument("--d-ff", type=int, default=None,
+                   help="llama: SwiGLU intermediate size (default 8/3 --d-model, rounded up to a multiple of 32)")
+    g.add_argument("--rope-theta", type=float, default=None, help="llama: rotary embedding base theta (default 10000)")
+    g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
+                   help="llama: the output head reuses the token embedding (default), or has its own (--no-...)")
     g.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="compute dtype (default float32)")
     g.add_argument("--precision", choices=["float32", "bf16"], default="float32",
                    help="matmul inputs: float32, or bf16 (rounded to bfloat16, float32 accumulation, "
@@ -225,7 +233,8 @@ def _cluster_flags(p):
 
 # Names that messages use (<field>) and the flag that sets each.
 _MODEL_FIELD_FLAGS = {"n_layer": "--layers", "n_head": "--heads", "hidden": "--d-model", "d_model": "--d-model",
-                      "context": "--context", "vocab": "the vocabulary"}
+                      "context": "--context", "vocab": "the vocabulary",
+                      "n_kv_head": "--kv-heads"}
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(Config)}
 
 

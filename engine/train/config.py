@@ -36,7 +36,7 @@ DATASET_NAMES = ("stdlib", "synthetic", "fashion-mnist", "text")
 DATASETS = {"tokens": ("prepared", "stdlib", "synthetic", "text"), "classes": ("fashion-mnist", "synthetic")}
 DATA_WORDS = {"tokens": "a text corpus", "classes": "a classification set"}
 # The Config fields that set a model's shape; a family takes those its recipe maps.
-SHAPE_FIELDS = ("layers", "d_model", "heads", "context")
+SHAPE_FIELDS = ("layers", "d_model", "heads", "context", "kv_heads", "d_ff", "rope_theta", "tie_embeddings")
 
 
 @dataclass
@@ -49,6 +49,10 @@ class Config:
     d_model: int | None = None         # GPT width / MLP hidden width (128 / 256)
     heads: int | None = None           # GPT attention heads (4)
     context: int | None = None         # GPT maximum sequence length (128)
+    kv_heads: int | None = None        # llama: key/value heads, dividing heads (heads)
+    d_ff: int | None = None            # llama: SwiGLU intermediate size (8/3 d_model, rounded up to 32s)
+    rope_theta: float | None = None    # llama: rotary embedding base (10000)
+    tie_embeddings: bool | None = None   # llama: the head reuses the token embedding (True)
     dtype: str = "float32"             # float32 | float64
     precision: str = "float32"         # float32 | bf16 (GEMM inputs; float32 master weights)
     device: str = "cpu"                # cpu | cuda
@@ -223,7 +227,7 @@ def _check_values(cfg: Config) -> None:
     for field, value in sorted(cfg.to_dict().items()):
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"<{field}> must be a finite number, got {value}")
-    for field in ("layers", "d_model", "heads", "context"):
+    for field in ("layers", "d_model", "heads", "context", "kv_heads", "d_ff"):
         value = getattr(cfg, field)
         if value is not None and value < 1:
             raise ConfigError(f"<{field}> must be >= 1, got {value}")

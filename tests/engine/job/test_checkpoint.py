@@ -234,7 +234,7 @@ def test_renamed_manifest_is_refused(tmp_path):
     ({"step": 12.0}, r"'step' holds 12.0 \(a number\), expected an integer"),
     ({"opt_step_count": -1}, r"'opt_step_count' holds -1 \(an integer\), expected an integer from 0"),
     ({"npz_crc32": 2**32}, r"'npz_crc32' holds 4294967296"),
-    ({"model": "transformer"}, r"'model' holds \"transformer\" \(a string\), expected 'gpt' or 'mlp'"),
+    ({"model": "transformer"}, r"'model' holds \"transformer\" \(a string\), expected 'gpt' or 'llama' or 'mlp'"),
     ({"model_config": {"n_layer": 1}}, r"'model_config' holds .*expected an object with exactly the keys"),
     ({"model_config": {"n_layer": 0, "d_model": 4, "n_head": 2, "context": 8, "vocab": 256}},
      r"'model_config.n_layer' holds 0 \(an integer\), expected an integer from 1"),

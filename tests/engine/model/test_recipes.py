@@ -53,7 +53,7 @@ def toy(monkeypatch):
 
 
 def test_every_family_is_registered_under_its_name():
-    assert set(RECIPES) == {"gpt", "mlp"}
+    assert set(RECIPES) == {"gpt", "llama", "mlp"}
     for name, recipe in RECIPES.items():
         assert recipe.name == name and recipe_named(name) is recipe
 
@@ -65,22 +65,22 @@ def test_the_checkpoint_format_knows_every_family_s_shape():
 
 
 def test_an_unknown_model_is_refused_naming_the_families():
-    with pytest.raises(ConfigError, match=r"unknown model 'transformer': use one of gpt, mlp"):
+    with pytest.raises(ConfigError, match=r"unknown model 'transformer': use one of gpt, llama, mlp"):
         config_checks.check(Config(model="transformer"), 1)
 
 
 def test_a_registered_family_is_offered_and_checked(toy):
     assert Config(model="toy").dataset == "synthetic" and Config(model="toy").out_dir.endswith("toy")
     assert config_checks.check(Config(model="toy"), 2) == []
-    with pytest.raises(ConfigError, match=r"unknown model 'x': use one of gpt, mlp, toy"):
+    with pytest.raises(ConfigError, match=r"unknown model 'x': use one of gpt, llama, mlp, toy"):
         config_checks.check(Config(model="x"), 1)
     # The shape settings it does not take, named with the families that do.
-    with pytest.raises(ConfigError, match=r"^layers applies to model gpt or mlp only$"):
+    with pytest.raises(ConfigError, match=r"^layers applies to model gpt or llama or mlp only$"):
         config_checks.check(Config(model="toy", layers=2), 1)
-    with pytest.raises(ConfigError, match=r"heads, seq_len apply to model gpt only"):
+    with pytest.raises(ConfigError, match=r"heads, seq_len apply to model gpt or llama only"):
         config_checks.check(Config(model="toy", heads=2, seq_len=8), 1)
     # The axes it does not offer, and what only the GPT's recipe offers.
-    with pytest.raises(ConfigError, match=r"pipeline stages .* implemented for model gpt only"):
+    with pytest.raises(ConfigError, match=r"pipeline stages .* implemented for model gpt or llama only"):
         config_checks.check(Config(model="toy", pp=2), 2)
     with pytest.raises(ConfigError, match=r"tensor parallelism .* implemented for model gpt only"):
         config_checks.check(Config(model="toy", tp=2), 2)
@@ -104,8 +104,8 @@ def test_the_shipped_recipes_keep_their_shapes_and_messages():
     assert config_checks.model_config(Config(model="mlp", layers=3, d_model=64)).to_dict() == \
         {"n_in": 784, "hidden": 64, "n_layer": 3, "n_classes": 10}
     assert (gpt.unit, gpt.rate_unit, mlp.unit, mlp.rate_unit) == ("tokens", "tok", "examples", "ex")
-    assert names_of(lambda r: "tensor" in r.axes) == "gpt" and names_of(lambda r: True) == "gpt or mlp"
-    with pytest.raises(ConfigError, match=r"^heads, context apply to model gpt only; the MLP takes "
+    assert names_of(lambda r: "tensor" in r.axes) == "gpt" and names_of(lambda r: True) == "gpt or llama or mlp"
+    with pytest.raises(ConfigError, match=r"^heads, context apply to model gpt or llama only; the MLP takes "
                                           r"layers and d_model \(hidden width\)$"):
         config_checks.check(Config(model="mlp", heads=2, context=8), 1)
     notes = config_checks.check(Config(data_path="corpus.txt"), 1)

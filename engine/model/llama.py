@@ -1,0 +1,453 @@
+"""A Llama-family language model (Llama 3, SmolLM2, TinyLlama, Mistral shapes), in one readable file.
+
+    tokens (B, T) -> TokenEmbedding -> n_layer x LlamaBlock -> LlamaHead (RMSNorm, logits, loss)
+    LlamaBlock:  x + attn(norm1(x)), then + mlp(norm2(x))
+    attn:        grouped-query causal attention, rotary positions on q and k
+    mlp:         down(silu(gate(x)) * up(x))   (SwiGLU)
+
+Parameters are laid out as Hugging Face's LlamaForCausalLM lays them out, so its weights
+copy by name with no permutation: every Linear weight is (out, in); q and k rows are
+heads in order, and within a head the rotary pairs are (i, i + hd/2) (`rotate_half`,
+the "half-split" layout), not neighbours. Names:
+
+    wte (V, C) · h.{i}.norm1.w · h.{i}.attn.{q,k,v,o}.w (+ q/k/v .b when qkv_bias) ·
+    h.{i}.norm2.w · h.{i}.mlp.{gate,up,down}.w · norm_f.w · lm_head.w (V, C) when untied
+
+Shapes: B batch, T time, C d_model, H query heads, Hkv key/value heads, G = H/Hkv query
+heads per key/value head, hd head_dim, F d_ff, V padded vocabulary.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ringpipe import kernels as K
+from ringpipe.engine.job.errors import ConfigError
+from ringpipe.engine.model.chain import LayerChain
+from ringpipe.engine.model.gpt import VOCAB_PAD_MULTIPLE, VOCAB_SIZE, _divisor_near, generate
+from ringpipe.engine.model.layers import WHOLE, Block, Layer, LMHead, scatter_add_rows
+from ringpipe.engine.model.params import ParamSpec
+from ringpipe.engine.model.recipe import ModelRecipe
+
+# Llama 3's frequency scaling (Hugging Face's rope_scaling with rope_type "llama3").
+ROPE_SCALING_KEYS = ("factor", "high_freq_factor", "low_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass
+class LlamaConfig:
+    n_layer: int = 4
+    d_model: int = 128
+    n_head: int = 4
+    n_kv_head: int | None = None     # None: n_head (multi-head attention); 1: multi-query
+    d_ff: int | None = None          # None: 8/3 d_model rounded up to a multiple of 32 (Llama's rule of thumb)
+    context: int = 128
+    vocab: int = VOCAB_SIZE
+    head_dim: int | None = None      # None: d_model // n_head
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None   # Llama 3: the ROPE_SCALING_KEYS (and rope_type "llama3")
+    rms_eps: float = 1e-5
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+
+    def validate(self):
+        """Check the shape and fill in the sizes left to their rule (n_kv_head, d_ff,
+        head_dim), so a checkpoint records them explicitly. Returns self."""
+        self.n_kv_head = self.n_head if self.n_kv_head is None else self.n_kv_head
+        self.d_ff = -(-8 * self.d_model // 3 // 32) * 32 if self.d_ff is None else self.d_ff
+        for name in ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "context", "vocab"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"Llama <{name}> must be >= 1, got {getattr(self, name)}")
+        if self.head_dim is None:
+            if self.d_model % self.n_head:
+                raise ConfigError(f"<d_model> {self.d_model} must be divisible by <heads> {self.n_head} "
+                                  f"(try <heads> {_divisor_near(self.d_model, self.n_head)})")
+            self.head_dim = self.d_model // self.n_head
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ConfigError(f"the head size {self.head_dim} must be even (rotary embedding turns pairs of "
+                              "channels): change <d_model> or <heads>")
+        if self.n_head % self.n_kv_head:
+            works = [d for d in range(1, self.n_head + 1) if self.n_head % d == 0]
+            raise ConfigError(f"<kv_heads> {self.n_kv_head} does not divide <heads> {self.n_head} (each key/value "
+                              f"head serves an equal group of query heads): use <kv_heads> "
+                              f"{', '.join(map(str, works))}")
+        if not self.rope_theta > 0 or not self.rms_eps > 0:
+            raise ConfigError(f"<rope_theta> ({self.rope_theta}) and the RMSNorm eps ({self.rms_eps}) must be > 0")
+        _check_rope_scaling(self.rope_scaling)
+        return self
+
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the embedding (and logits): the same rule as GPTConfig's."""
+        return -(-self.vocab // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
+
+    def to_dict(self):
+        return asdict(self)
+
+
+def _check_rope_scaling(scaling) -> None:
+    if scaling is None:
+        return
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"rope_scaling must be an object of {', '.join(ROPE_SCALING_KEYS)}, got {scaling!r}")
+    kind = scaling.get("rope_type", scaling.get("type", "llama3"))
+    if kind != "llama3":
+        raise ConfigError(f"rope_scaling of rope_type {kind!r} is not supported: ringpipe implements Llama 3's "
+                          "frequency scaling (rope_type llama3) only, or none")
+    missing = [k for k in ROPE_SCALING_KEYS if k not in scaling]
+    unknown = [k for k in scaling if k not in ROPE_SCALING_KEYS + ("rope_type", "type")]
+    if missing or unknown:
+        raise ConfigError(f"rope_scaling (llama3) takes exactly {', '.join(ROPE_SCALING_KEYS)}"
+                          + (f"; missing {', '.join(missing)}" if missing else "")
+                          + (f"; unknown {', '.join(unknown)}" if unknown else ""))
+    if scaling["high_freq_factor"] <= scaling["low_freq_factor"] or scaling["factor"] <= 0:
+        raise ConfigError(f"rope_scaling needs factor > 0 and high_freq_factor > low_freq_factor, got {scaling}")
+
+
+# Standard shapes, by name (<preset>). The real models' presets hold their vocabulary
+# too: they train on data prepared with that model's tokenizer.
+PRESETS = {
+    "llama-tiny": dict(n_layer=2, d_model=64, n_head=4, n_kv_head=2, d_ff=96, context=64),
+    # transformers' own test shape (LlamaModelTester)
+    "hf-tiny": dict(n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=37, context=512, vocab=99),
+    "smollm2-135m": dict(n_layer=30, d_model=576, n_head=9, n_kv_head=3, d_ff=1536, context=8192, vocab=49152,
+                         tie_embeddings=True, rope_theta=100000.0),
+    "llama3.2-1b": dict(n_layer=16, d_model=2048, n_head=32, n_kv_head=8, d_ff=8192, context=131072,
+                        vocab=128256, tie_embeddings=True, rope_theta=500000.0,
+                        rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                      "original_max_position_embeddings": 8192}),
+}
+
+
+# ---- the math of the three new ops (the kernels' interface; numpy or cupy) ----------
+# TODO kernels: use ringpipe.kernels' rmsnorm_*, rope_*, swiglu_* once they exist (same signatures).
+
+def rmsnorm_forward(x, w, eps):
+    """x (N, C) -> (y, rstd): y = x / sqrt(mean(x^2) + eps) * w; rstd (N, 1)."""
+    xp = K.get_array_module(x)
+    rstd = 1.0 / xp.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
+    return (x * rstd) * w, rstd
+
+
+def rmsnorm_backward(dy, x, w, rstd):
+    """-> (dx, dw). With xhat = x * rstd: dx = rstd * (dy w - xhat * mean(dy w xhat))."""
+    xhat = x * rstd
+    dxhat = dy * w
+    dx = rstd * (dxhat - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
+    return dx, (dy * xhat).sum(axis=0)
+
+
+def _rotate_half(x, sign):
+    """[-x2, x1] (sign -1: rotate_half) or [x2, -x1] (sign +1: its transpose), halves of the last axis."""
+    xp = K.get_array_module(x)
+    half = x.shape[-1] // 2
+    return xp.concatenate([sign * x[..., half:], -sign * x[..., :half]], axis=-1)
+
+
+def rope_forward(x, cos, sin):
+    """x (B, T, H, hd), cos/sin (T, hd) -> x cos + rotate_half(x) sin (Hugging Face's layout)."""
+    return x * cos[:, None, :] + _rotate_half(x, -1) * sin[:, None, :]
+
+
+def rope_backward(dy, cos, sin):
+    """The transpose of rope_forward: dy cos + rotate_half^T(dy sin)."""
+    return dy * cos[:, None, :] + _rotate_half(dy * sin[:, None, :], +1)
+
+
+def _sigmoid(g):
+    # The tanh form: no overflow warning for large |g|, unlike 1 / (1 + exp(-g)).
+    return 0.5 * (1.0 + K.get_array_module(g).tanh(0.5 * g))
+
+
+def swiglu_forward(gate, up):
+    """h = silu(gate) * up, silu(g) = g sigmoid(g)."""
+    return gate * _sigmoid(gate) * up
+
+
+def swiglu_backward(dh, gate, up):
+    """-> (dgate, dup); silu'(g) = s (1 + g (1 - s)), s = sigmoid(g)."""
+    s = _sigmoid(gate)
+    return dh * up * s * (1.0 + gate * (1.0 - s)), dh * gate * s
+
+
+# ---- rotary position tables --------------------------------------------------------
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> np.ndarray:
+    """(hd/2,) float64: theta^(-2i/hd), with Llama 3's scaling when given (as transformers'
+    _compute_llama3_parameters: long wavelengths slowed by `factor`, short ones kept,
+    a smooth blend between)."""
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is None:
+        return inv
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > old_context / low, inv / factor, inv)
+    smooth = (old_context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+    return np.where(medium, blended, scaled)
+
+
+class Rotary:
+    """The cos/sin tables (T, hd) of positions 0..T-1, shared by every attention layer of
+    a model, computed in float64 and kept for the last (T, dtype, array module) asked."""
+
+    def __init__(self, head_dim, theta, scaling=None):
+        self.inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        self._key, self._tables = None, None
+
+    def tables(self, T, like):
+        xp = K.get_array_module(like)
+        key = (T, like.dtype.str, xp.__name__)
+        if key != self._key:
+            angles = np.arange(T, dtype=np.float64)[:, None] * self.inv_freq[None, :]   # (T, hd/2)
+            angles = np.concatenate([angles, angles], axis=1)                           # (T, hd): half-split
+            self._tables = tuple(xp.asarray(f(angles).astype(like.dtype)) for f in (np.cos, np.sin))
+            self._key = key
+        return self._tables
+
+
+# ---- layers ------------------------------------------------------------------------
+
+class RMSNorm(Layer):
+    """y = x / rms(x) * w (no mean subtracted, no bias); x (..., C)."""
+
+    def __init__(self, name, c, eps=1e-5):
+        self.name, self.c, self.eps = name, c, eps
+
+    def specs(self):
+        return [ParamSpec(f"{self.name}.w", (self.c,), init="ones", decay=False)]
+
+    def bind(self, params):
+        self.w, self.dw = params.view(f"{self.name}.w"), params.grad_view(f"{self.name}.w")
+
+    def forward(self, x):
+        x2 = x.reshape(-1, self.c)
+        y, rstd = rmsnorm_forward(x2, self.w, self.eps)
+        return y.reshape(x.shape), (x2, rstd)
+
+    def backward_input(self, dy, ctx):
+        x2, rstd = ctx
+        dx, dw = rmsnorm_backward(dy.reshape(-1, self.c), x2, self.w, rstd)
+        self.dw += dw                    # cheap: accumulated here, as LayerNorm's are
+        return dx.reshape(dy.shape), None
+
+
+def _residual_std(n_layer):
+    return 0.02 / math.sqrt(2 * n_layer)     # as GPT-2's: the residual stream stays O(1)
+
+
+class GroupedQueryAttention(Layer):
+    """Causal self-attention with H query heads sharing Hkv key/value heads: query head h
+    reads key/value head h // G (transformers' repeat_kv). Rotary positions on q and k."""
+
+    def __init__(self, name, cfg: LlamaConfig, rotary: Rotary, maker=WHOLE):
+        C, hd = cfg.d_model, cfg.head_dim
+        self.h, self.h_kv, self.hd, self.rotary = cfg.n_head, cfg.n_kv_head, hd, rotary
+        self.q = maker.column(f"{name}.q", C, cfg.n_head * hd, bias=cfg.qkv_bias)
+        self.k = maker.column(f"{name}.k", C, cfg.n_kv_head * hd, bias=cfg.qkv_bias)
+        self.v = maker.column(f"{name}.v", C, cfg.n_kv_head * hd, bias=cfg.qkv_bias)
+        self.o = maker.row(f"{name}.o", cfg.n_head * hd, C, std=_residual_std(cfg.n_layer), bias=False)
+        self.parts = [self.q, self.k, self.v, self.o]
+
+    def specs(self):
+        return [s for part in self.parts for s in part.specs()]
+
+    def bind(self, params):
+        for part in self.parts:
+            part.bind(params)
+
+    def forward(self, x):
+        xp = K.get_array_module(x)
+        B, T, _ = x.shape
+        H, Hkv, hd, G = self.h, self.h_kv, self.hd, self.h // self.h_kv
+        cos, sin = self.rotary.tables(T, x)
+        q, q_ctx = self.q.forward(x)                                       # (B, T, H*hd)
+        k, k_ctx = self.k.forward(x)                                       # (B, T, Hkv*hd)
+        v, v_ctx = self.v.forward(x)
+        q = rope_forward(q.reshape(B, T, H, hd), cos, sin).transpose(0, 2, 1, 3)      # (B, H, T, hd)
+        k = rope_forward(k.reshape(B, T, Hkv, hd), cos, sin).transpose(0, 2, 1, 3)    # (B, Hkv, T, hd)
+        q = xp.ascontiguousarray(q)
+        k = xp.repeat(k, G, axis=1)                                        # (B, H, T, hd): head h reads h // G
+        v = xp.repeat(v.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3), G, axis=1)
+        scale = 1.0 / math.sqrt(hd)
+        att = K.matmul_nt(q, k)                                            # (B, H, T, T)
+        att = K.softmax_causal_forward(att, scale, out=att)
+        y = K.matmul(att, v)                                               # (B, H, T, hd)
+        y = xp.ascontiguousarray(y.transpose(0, 2, 1, 3)).reshape(B, T, H * hd)
+        out, o_ctx = self.o.forward(y)
+        return out, (q_ctx, k_ctx, v_ctx, o_ctx, q, k, v, att, scale)
+
+    def backward_input(self, dout, ctx):
+        q_ctx, k_ctx, v_ctx, o_ctx, q, k, v, att, scale = ctx
+        xp = K.get_array_module(dout)
+        B, H, T, hd = q.shape
+        Hkv, G = self.h_kv, self.h // self.h_kv
+        cos, sin = self.rotary.tables(T, dout)
+        dy, o_w = self.o.backward_input(dout, o_ctx)                       # (B, T, H*hd)
+        dy = xp.ascontiguousarray(dy.reshape(B, T, H, hd).transpose(0, 2, 1, 3))   # (B, H, T, hd)
+        dv = K.matmul_tn(att, dy)                                          # (B, H, T, hd), per query head
+        datt = K.matmul_nt(dy, v)                                          # (B, H, T, T)
+        datt = K.softmax_causal_backward(datt, att, scale, out=datt)
+        dq = K.matmul(datt, k)                                             # (B, H, T, hd)
+        dk = K.matmul_tn(datt, q)
+        # A key/value head's gradient is the sum over the G query heads that read it.
+        dk, dv = (d.reshape(B, Hkv, G, T, hd).sum(axis=2).transpose(0, 2, 1, 3) for d in (dk, dv))   # (B, T, Hkv, hd)
+        dq = rope_backward(dq.transpose(0, 2, 1, 3), cos, sin).reshape(B, T, H * hd)
+        dk = rope_backward(dk, cos, sin).reshape(B, T, Hkv * hd)
+        dx, q_w = self.q.backward_input(dq, q_ctx)
+        dx_k, k_w = self.k.backward_input(dk, k_ctx)
+        dx_v, v_w = self.v.backward_input(xp.ascontiguousarray(dv).reshape(B, T, Hkv * hd), v_ctx)
+        dx += dx_k
+        dx += dx_v
+        return dx, (q_w, k_w, v_w, o_w)
+
+    def backward_weight(self, wctx):
+        for part, w in zip(self.parts, wctx):
+            part.backward_weight(w)
+
+
+class SwiGLU(Layer):
+    """down(silu(gate(x)) * up(x)): x (B, T, C) -> (B, T, F) -> (B, T, C)."""
+
+    def __init__(self, name, cfg: LlamaConfig, maker=WHOLE):
+        C, F = cfg.d_model, cfg.d_ff
+        self.gate = maker.column(f"{name}.gate", C, F, bias=False)
+        self.up = maker.column(f"{name}.up", C, F, bias=False)
+        self.down = maker.row(f"{name}.down", F, C, std=_residual_std(cfg.n_layer), bias=False)
+        self.parts = [self.gate, self.up, self.down]
+
+    def specs(self):
+        return [s for part in self.parts for s in part.specs()]
+
+    def bind(self, params):
+        for part in self.parts:
+            part.bind(params)
+
+    def forward(self, x):
+        g, gate_ctx = self.gate.forward(x)                 # (B, T, F)
+        u, up_ctx = self.up.forward(x)
+        y, down_ctx = self.down.forward(swiglu_forward(g, u))
+        return y, (gate_ctx, up_ctx, down_ctx, g, u)
+
+    def backward_input(self, dy, ctx):
+        gate_ctx, up_ctx, down_ctx, g, u = ctx
+        dh, down_w = self.down.backward_input(dy, down_ctx)
+        dg, du = swiglu_backward(dh, g, u)
+        dx, gate_w = self.gate.backward_input(dg, gate_ctx)
+        dx_up, up_w = self.up.backward_input(du, up_ctx)
+        dx += dx_up
+        return dx, (gate_w, up_w, down_w)
+
+    def backward_weight(self, wctx):
+        for part, w in zip(self.parts, wctx):
+            part.backward_weight(w)
+
+
+class LlamaBlock(Block):
+    """Block's pre-norm residual wiring (its forward and backward), with Llama's parts:
+    its ln1/ln2 slots hold RMSNorms, attn grouped-query attention, mlp SwiGLU."""
+
+    def __init__(self, name, cfg: LlamaConfig, rotary: Rotary, maker=WHOLE):
+        self.name = name
+        self.ln1 = RMSNorm(f"{name}.norm1", cfg.d_model, cfg.rms_eps)
+        self.attn = GroupedQueryAttention(f"{name}.attn", cfg, rotary, maker=maker)
+        self.ln2 = RMSNorm(f"{name}.norm2", cfg.d_model, cfg.rms_eps)
+        self.mlp = SwiGLU(f"{name}.mlp", cfg, maker=maker)
+        self.parts = [self.ln1, self.attn, self.ln2, self.mlp]
+
+
+class TokenEmbedding(Layer):
+    """tokens (B, T) int -> wte[tokens] (B, T, C): no position table (rotary positions are in attention)."""
+
+    def __init__(self, vocab, c, context):
+        self.vocab, self.c, self.context = vocab, c, context
+
+    def specs(self):
+        return [ParamSpec("wte", (self.vocab, self.c))]
+
+    def bind(self, params):
+        self.wte, self.dwte = params.view("wte"), params.grad_view("wte")
+
+    def forward(self, tokens):
+        if tokens.shape[1] > self.context:
+            raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's context {self.context}")
+        return self.wte[tokens], tokens
+
+    def backward_input(self, dout, ctx):
+        tokens = ctx
+        scatter_add_rows(self.dwte, tokens.reshape(-1), dout.reshape(-1, self.c))
+        return None, None
+
+
+class LlamaHead(LMHead):
+    """LMHead (logits, padding rows masked, fused cross-entropy) with a final RMSNorm
+    (norm_f, in LMHead's ln_f slot), against wte when tied, else its own lm_head.w."""
+
+    def __init__(self, cfg: LlamaConfig):
+        weight = "wte" if cfg.tie_embeddings else "lm_head.w"
+        super().__init__(cfg.padded_vocab, cfg.d_model, wte=weight, used=cfg.vocab)
+        self.ln_f = RMSNorm("norm_f", cfg.d_model, cfg.rms_eps)
+
+
+def llama_layers(cfg: LlamaConfig, tensor=None):
+    """The model's layers. `tensor` is the layer maker's slot for the tensor axis,
+    which the family does not offer yet (its recipe's axes): whole layers only."""
+    cfg.validate()
+    if tensor is not None:
+        raise ConfigError("tensor parallelism is not implemented for <model> llama yet: drop <tp>")
+    rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    layers = [TokenEmbedding(cfg.padded_vocab, cfg.d_model, cfg.context)]
+    layers += [LlamaBlock(f"h.{i}", cfg, rotary) for i in range(cfg.n_layer)]
+    layers.append(LlamaHead(cfg))
+    return layers
+
+
+def build_llama(cfg: LlamaConfig, dtype=np.float32, xp=np, seed=0):
+    model = LayerChain(llama_layers(cfg), dtype=dtype, xp=xp)
+    model.params.init(seed)
+    return model
+
+
+def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
+    """Training FLOPs per token (3x forward), matmuls only. Per layer forward: q and o
+    2*2*C*H*hd, k and v 2*2*C*Hkv*hd, SwiGLU 3*2*C*F, scores and weighted sum 2*2*T*H*hd
+    (the full T x T product); the head 2*C*V."""
+    cfg.validate()
+    C, L, V, T, F = cfg.d_model, cfg.n_layer, cfg.padded_vocab, seq_len, cfg.d_ff
+    attn_width = cfg.n_head * cfg.head_dim
+    per_layer = 4 * C * attn_width + 4 * C * cfg.n_kv_head * cfg.head_dim + 6 * C * F + 4 * T * attn_width
+    return 3.0 * (L * per_layer + 2 * C * V)
+
+
+def parameter_count(cfg: LlamaConfig) -> int:
+    cfg.validate()
+    C, hd = cfg.d_model, cfg.head_dim
+    attn = 2 * C * cfg.n_head * hd + 2 * C * cfg.n_kv_head * hd
+    bias = (cfg.n_head + 2 * cfg.n_kv_head) * hd if cfg.qkv_bias else 0
+    per_layer = attn + bias + 3 * C * cfg.d_ff + 2 * C
+    return cfg.padded_vocab * C * (1 if cfg.tie_embeddings else 2) + cfg.n_layer * per_layer + C
+
+
+def memory(cfg: LlamaConfig, rows: int, microbatches: int, seq_len: int | None, pp: int) -> tuple[int, int]:
+    """(parameters, activation elements of one micro-batch on one pipeline rank): the
+    lower bound engine/train/config.py memory_floor refuses a run by."""
+    T = seq_len or cfg.context
+    micro = rows // microbatches
+    # Per token and block at least the residual, two norms, q, k, v (repeated to H heads),
+    # the attention output and the SwiGLU's gate, up and product (about 8 C + 3 F), and the
+    # attention probabilities (heads x T); plus the logits of the head.
+    per_block = 8 * cfg.d_model + 3 * cfg.d_ff + cfg.n_head * T
+    return parameter_count(cfg), micro * T * (max(1, cfg.n_layer // pp) * per_block + cfg.padded_vocab)
+
+
+LLAMA_RECIPE = ModelRecipe(
+    name="llama", shape=LlamaConfig,
+    fields={"layers": "n_layer", "d_model": "d_model", "heads": "n_head", "context": "context",
+            "kv_heads": "n_kv_head", "d_ff": "d_ff", "rope_theta": "rope_theta",
+            "tie_embeddings": "tie_embeddings"},
+    layers=llama_layers, flops_per_item=flops_per_token, memory=memory,
+    data="tokens", default_data="stdlib", data_path_data="text", unit="tokens", rate_unit="tok",
+    axes=("data", "pipe"), presets=PRESETS, generate=generate)

@@ -1,0 +1,290 @@
+"""The Llama family (engine/model/llama.py): finite-difference checks of every new layer
+and of whole models (float64), exactness against transformers' LlamaForCausalLM on the
+same weights (logits and first-step gradients), its shape checks, and training through
+the library entry point (learning, resume, refusals)."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from ringpipe.engine.job.errors import ConfigError
+from ringpipe.engine.model import llama as M
+from ringpipe.engine.model.chain import LayerChain
+from ringpipe.engine.train.cli import run_flags
+from tests.engine.model.test_gradients import TOL, check_layer, check_model, numeric_grad, rel_err
+
+rng = np.random.default_rng(0)
+
+
+def tiny(**shape):
+    base = dict(n_layer=1, d_model=8, n_head=4, n_kv_head=2, d_ff=5, context=8, vocab=11)
+    return M.LlamaConfig(**{**base, **shape}).validate()
+
+
+# ---- finite differences ------------------------------------------------------------
+
+def test_rmsnorm():
+    check_layer(M.RMSNorm("norm", 7), rng.normal(size=(2, 3, 7)))
+
+
+@pytest.mark.parametrize("scaling", [None, {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 64}])
+def test_rope(scaling):
+    x = rng.normal(size=(2, 5, 3, 8))                          # (B, T, H, hd)
+    cos, sin = M.Rotary(8, 10000.0, scaling).tables(5, x)
+    R = rng.normal(size=x.shape)
+    dx = M.rope_backward(R, cos, sin)
+    assert rel_err(dx, numeric_grad(lambda: float((M.rope_forward(x, cos, sin) * R).sum()), x)) < TOL
+
+
+@pytest.mark.parametrize("d_ff", [5, 37])
+def test_swiglu_mlp(d_ff):
+    check_layer(M.SwiGLU("mlp", tiny(d_model=6, n_head=1, n_kv_head=1, d_ff=d_ff)), rng.normal(size=(2, 3, 6)))
+
+
+@pytest.mark.parametrize("kv_heads,bias", [(4, False), (2, False), (1, False), (2, True)], ids=["mha", "gqa", "mqa",
+                                                                                          "gqa-bias"])
+def test_grouped_query_attention(kv_heads, bias):
+    cfg = tiny(n_kv_head=kv_heads, qkv_bias=bias)
+    layer = M.GroupedQueryAttention("attn", cfg, M.Rotary(cfg.head_dim, 100.0))
+    check_layer(layer, rng.normal(size=(2, 5, 8)))
+
+
+def test_llama_block():
+    cfg = tiny()
+    check_layer(M.LlamaBlock("h.0", cfg, M.Rotary(cfg.head_dim, 100.0)), rng.normal(size=(2, 5, 8)))
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_whole_llama_all_parameters(tied):
+    cfg = tiny(n_layer=2, tie_embeddings=tied, rope_theta=100.0)
+    stage = LayerChain(M.llama_layers(cfg), dtype=np.float64)
+    check_model(stage, rng.integers(0, 11, size=(2, 5)), rng.integers(0, 11, size=(2, 5)), check_input=False)
+
+
+def test_llama_blocks_and_head_input_gradient():
+    stage = LayerChain(M.llama_layers(tiny(n_layer=2))[1:], dtype=np.float64)
+    check_model(stage, rng.normal(size=(2, 5, 8)), rng.integers(0, 11, size=(2, 5)), check_input=True)
+
+
+# ---- the shape -------------------------------------------------------------------
+
+def test_defaults_are_filled_in_and_recorded():
+    cfg = M.LlamaConfig(d_model=96, n_head=6).validate()
+    assert (cfg.n_kv_head, cfg.head_dim, cfg.d_ff) == (6, 16, 256)
+    assert cfg.to_dict()["n_kv_head"] == 6 and cfg.padded_vocab == 256
+
+
+@pytest.mark.parametrize("shape,says", [
+    (dict(d_model=96, n_head=6, n_kv_head=4), "kv_heads 4 does not divide heads 6 .* use kv_heads 1, 2, 3, 6"),
+    (dict(d_model=30, n_head=4), "divisible by heads 4"),
+    (dict(d_model=12, n_head=4), "head size 3 must be even"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "rope_type 'yarn' is not supported"),
+    (dict(rope_scaling={"factor": 2.0}), "missing high_freq_factor"),
+    (dict(rope_theta=0.0), "must be > 0"),
+])
+def test_bad_shapes_are_refused_saying_what_works(shape, says):
+    with pytest.raises(ConfigError, match=says):
+        M.LlamaConfig(**shape).validate()
+
+
+def test_presets_are_the_real_shapes():
+    smol = M.LlamaConfig(**M.PRESETS["smollm2-135m"]).validate()
+    assert abs(M.parameter_count(smol) - 134_515_008) < 0.01 * 134_515_008      # SmolLM2-135M, as HF counts it
+    one_b = M.LlamaConfig(**M.PRESETS["llama3.2-1b"]).validate()
+    assert abs(M.parameter_count(one_b) - 1_235_814_400) < 0.01 * 1_235_814_400  # Llama 3.2 1B
+    assert M.flops_per_token(smol, 2048) > 6 * M.parameter_count(smol) * 0.5
+
+
+# ---- exactness against transformers ------------------------------------------------
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+HF_TINY = M.PRESETS["hf-tiny"]
+SHAPES = {
+    "hf-tiny": dict(HF_TINY),
+    "hf-tiny-untied": dict(HF_TINY, tie_embeddings=False),
+    "mha": dict(HF_TINY, n_kv_head=4, d_ff=40),
+    "mqa-untied": dict(HF_TINY, n_kv_head=1, tie_embeddings=False),
+    "llama3-rope": dict(HF_TINY, rope_scaling=LLAMA3, rope_theta=500000.0),
+}
+
+
+def _float64_rmsnorm(self, h):
+    return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def hf_model(cfg: M.LlamaConfig, monkeypatch):
+    """A random LlamaForCausalLM of cfg's shape in float64. transformers computes RMSNorm
+    and the RoPE tables in float32 even in a float64 model (for half-precision training);
+    the test lifts those two to float64 so that the comparison sees the math, not float32
+    rounding. Its llama3 frequencies are checked against ours at float32 precision first."""
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling:
+        rope = {**cfg.rope_scaling, "rope_type": "llama3", "rope_theta": cfg.rope_theta}
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head, head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.context, rms_norm_eps=cfg.rms_eps, rope_parameters=rope,
+        tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(hf_cfg).to(torch.float64).eval()
+    model.config._attn_implementation = "sdpa"            # eager's softmax is float32 too
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if p.ndim == 1 else 0.2 * torch.randn_like(p))
+    ours = M.inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    rotary = model.model.rotary_emb
+    np.testing.assert_allclose(rotary.inv_freq.double().numpy(), ours, rtol=1e-6)
+    inv_freq = torch.from_numpy(ours)
+
+    def float64_rope(x, position_ids):
+        angles = position_ids[..., None].double() * inv_freq
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    monkeypatch.setattr(rotary, "forward", float64_rope)
+    monkeypatch.setattr(transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", _float64_rmsnorm)
+    return model
+
+
+def hf_names(cfg: M.LlamaConfig) -> dict:
+    """ringpipe's name of each Hugging Face parameter (the interface's names; the copy needs no permutation)."""
+    names = {"model.embed_tokens.weight": "wte", "model.norm.weight": "norm_f.w"}
+    for i in range(cfg.n_layer):
+        hf, ours = f"model.layers.{i}.", f"h.{i}."
+        names[hf + "input_layernorm.weight"] = ours + "norm1.w"
+        names[hf + "post_attention_layernorm.weight"] = ours + "norm2.w"
+        for p in "qkvo":
+            names[hf + f"self_attn.{p}_proj.weight"] = ours + f"attn.{p}.w"
+        for p in ("gate", "up", "down"):
+            names[hf + f"mlp.{p}_proj.weight"] = ours + f"mlp.{p}.w"
+    if not cfg.tie_embeddings:
+        names["lm_head.weight"] = "lm_head.w"
+    return names
+
+
+def ours_from(hf, cfg: M.LlamaConfig, permute=None) -> LayerChain:
+    model = M.build_llama(cfg, np.float64)
+    hf_params = dict(hf.named_parameters())
+    for hf_name, name in hf_names(cfg).items():
+        weight = hf_params[hf_name].detach().numpy()
+        if permute is not None:
+            weight = permute(name, weight)
+        model.params.view(name)[:weight.shape[0]] = weight      # wte: the padding rows stay as they are
+    return model
+
+
+def compare(cfg, hf, model, tokens, targets):
+    """(max |Δ logits|, the largest of |Δ loss| and each parameter's relative gradient difference)."""
+    logits_hf = hf(torch.from_numpy(tokens)).logits
+    loss = torch.nn.functional.cross_entropy(logits_hf.reshape(-1, cfg.vocab), torch.from_numpy(targets).reshape(-1))
+    loss.backward()
+    ours, _ = model.forward(tokens, need_grad=False)
+    delta = np.abs(ours[..., :cfg.vocab] - logits_hf.detach().numpy()).max()
+    model.params.zero_grad()
+    ours_loss = model.loss_and_grad(tokens, targets, grad_scale=1.0 / targets.size) / targets.size
+    worst = abs(ours_loss - loss.item())
+    hf_params = dict(hf.named_parameters())
+    for hf_name, name in hf_names(cfg).items():
+        expected = hf_params[hf_name].grad.numpy()
+        got = model.params.grad_view(name)[:expected.shape[0]]
+        worst = max(worst, np.abs(got - expected).max() / np.abs(expected).max())
+    return delta, worst
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_logits_and_gradients_equal_transformers(shape, monkeypatch):
+    cfg = M.LlamaConfig(**SHAPES[shape]).validate()
+    hf = hf_model(cfg, monkeypatch)
+    tokens, targets = rng.integers(0, cfg.vocab, size=(2, 13)), rng.integers(0, cfg.vocab, size=(2, 13))
+    delta, worst = compare(cfg, hf, ours_from(hf, cfg), tokens, targets)
+    assert delta <= 1e-10 and worst <= 1e-10, (delta, worst)
+
+
+def _interleaved(cfg):
+    """Reorder q and k rows within each head to the interleaved RoPE layout (Meta's
+    original checkpoints): a model that is right up to this permutation must fail."""
+    def permute(name, w):
+        if name.endswith(("attn.q.w", "attn.k.w")):
+            heads = w.shape[0] // cfg.head_dim
+            return w.reshape(heads, 2, cfg.head_dim // 2, -1).transpose(0, 2, 1, 3).reshape(w.shape)
+        return w
+    return permute
+
+
+def _q_heads_swapped(cfg):
+    def permute(name, w):
+        if name.endswith("attn.q.w"):
+            hd = cfg.head_dim
+            return np.concatenate([w[hd:2 * hd], w[:hd], w[2 * hd:]])
+        return w
+    return permute
+
+
+@pytest.mark.parametrize("wrong", [_interleaved, _q_heads_swapped], ids=["interleaved-rope", "q-heads-swapped"])
+def test_a_wrong_layout_fails_the_exactness_test(wrong, monkeypatch):
+    """The negative control: the tolerance above is tight enough to see a permutation."""
+    cfg = M.LlamaConfig(**HF_TINY).validate()
+    hf = hf_model(cfg, monkeypatch)
+    tokens = rng.integers(0, cfg.vocab, size=(2, 13))
+    delta, worst = compare(cfg, hf, ours_from(hf, cfg, permute=wrong(cfg)), tokens, tokens)
+    assert delta > 1e-6 and worst > 1e-6, (delta, worst)
+
+
+# ---- training through the library ----------------------------------------------------
+
+TINY = ["--model", "llama", "--preset", "llama-tiny", "--batch-size", "4", "--seq-len", "32",
+        "--sample-tokens", "0", "--quiet", "--max-data-mb", "1"]
+
+
+def _records(out):
+    with open(os.path.join(out, "metrics.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def test_llama_learns_the_stdlib_bytes(tmp_path):
+    out = str(tmp_path / "run")
+    run_flags(TINY + ["--steps", "30", "--lr", "3e-3", "--out", out])
+    losses = [r["loss"] for r in _records(out)]
+    assert losses[-1] < losses[0] - 1.0, losses          # from ~ln 256 = 5.5 towards the byte statistics
+
+
+def test_llama_resume_is_bit_identical(tmp_path):
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    run_flags(TINY + ["--steps", "4", "--out", full])
+    run_flags(TINY + ["--steps", "4", "--checkpoint-every", "2", "--out", part])
+    for suffix in ("json", "npz"):
+        os.remove(os.path.join(part, "checkpoints", f"ckpt_00000004.{suffix}"))
+    run_flags(TINY + ["--steps", "4", "--out", part, "--resume", "auto"])
+    assert [r["loss"] for r in _records(part)][-2:] == [r["loss"] for r in _records(full)][-2:]
+    from tests.engine.train.test_train import final_params
+    a, b = final_params(full), final_params(part)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_the_other_family_s_checkpoint_is_refused(tmp_path):
+    out = str(tmp_path / "run")
+    run_flags(TINY + ["--steps", "1", "--out", out])
+    gpt = ["--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16", "--batch-size", "4",
+           "--sample-tokens", "0", "--quiet", "--max-data-mb", "1"]
+    with pytest.raises(SystemExit, match="llama"):
+        run_flags(gpt + ["--steps", "2", "--out", out, "--resume", "auto"])
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--model", "llama", "--kv-heads", "3"], "--kv-heads 3 does not divide --heads 4 .* use --kv-heads 1, 2, 4"),
+    (["--kv-heads", "2"], "--kv-heads applies to --model llama only"),
+    (["--model", "llama", "--no-tie-embeddings", "--tp", "2"], "tensor parallelism"),
+    (["--model", "llama", "--preset", "hf-tiny"], "the data's tokenizer has 256 tokens, but --preset hf-tiny has "
+                                                  "a vocabulary of 99"),
+])
+def test_bad_llama_flags_are_refused(tmp_path, flags, says):
+    shape = ["--layers", "1", "--d-model", "16", "--heads", "4", "--batch-size", "4", "--sample-tokens", "0",
+             "--quiet", "--max-data-mb", "1"]
+    if "--preset" in flags:
+        shape = shape[6:]
+    with pytest.raises(SystemExit, match=says):
+        run_flags(shape + ["--steps", "1", "--out", str(tmp_path / "run")] + flags)
