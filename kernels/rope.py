@@ -9,14 +9,12 @@ to inv_freq exactly as transformers' `_compute_llama3_parameters`: long waveleng
 (beyond original_max_position_embeddings / low_freq_factor) are divided by `factor`,
 short ones (below .../high_freq_factor) kept, and those between interpolated smoothly.
 
-Precision. transformers computes inv_freq, the phases t * inv_freq and their cos/sin
-in float32 whatever the model's dtype (and so did Meta's reference code the weights
-were trained with); a float32 phase at position 4096 is off by ~1e-4. phase_dtype=
-"float64" (the default) gives the exact tables. phase_dtype="float32" follows
-transformers' float32 steps (float32 inv_freq and phase; cos/sin of that phase
-rounded to float32), which lands within one float32 ulp of its tables: numpy's and
-torch's float32 pow/cos differ in the last bit on a few percent of entries, so
-nothing outside torch reproduces them bit for bit.
+Precision: the tables are computed in float64 and rounded to `dtype` once. transformers
+computes inv_freq, the phases t * inv_freq and their cos/sin in float32 whatever the
+model's dtype (a float32 phase at position 4096 is off by ~1e-4), and numpy's float32
+pow/cos differ from torch's in the last bit, so no numpy code reproduces those tables
+bit for bit; tests/kernels/test_llama_kernels.py compares against transformers' own
+code run in float64 instead.
 
 Host-side numpy only: a GPU run copies the (small) tables over once.
 """
@@ -26,7 +24,6 @@ import math
 import numpy as np
 
 LLAMA3_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-PHASE_DTYPES = {"float64": np.float64, "float32": np.float32}
 
 
 def llama3_inv_freq(inv_freq, scaling):
@@ -51,17 +48,13 @@ def llama3_inv_freq(inv_freq, scaling):
     return np.where(medium, smoothed, scaled).astype(inv_freq.dtype, copy=False)
 
 
-def rope_inv_freq(hd, theta, scaling=None, phase_dtype="float64"):
+def rope_inv_freq(hd, theta, scaling=None):
     """(hd/2,) inverse frequencies theta^(-2i/hd), Llama-3-scaled if scaling is given."""
     if not isinstance(hd, int) or hd < 2 or hd % 2:
         raise ValueError(f"rope: head size must be an even int >= 2, got {hd!r}")
     if not theta > 0:
         raise ValueError(f"rope: theta must be > 0, got {theta!r}")
-    if phase_dtype not in PHASE_DTYPES:
-        raise ValueError(f"rope: phase_dtype must be one of {', '.join(PHASE_DTYPES)}, got {phase_dtype!r}")
-    f = PHASE_DTYPES[phase_dtype]
-    exponents = np.arange(0, hd, 2).astype(f) / f(hd)
-    inv_freq = (f(1.0) / (f(theta) ** exponents)).astype(f)
+    inv_freq = 1.0 / (float(theta) ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
     if scaling is None:
         return inv_freq
     if not isinstance(scaling, dict):
@@ -69,21 +62,15 @@ def rope_inv_freq(hd, theta, scaling=None, phase_dtype="float64"):
     return llama3_inv_freq(inv_freq, scaling)
 
 
-def rope_tables(T, hd, theta, scaling=None, dtype=np.float64, *, phase_dtype="float64"):
+def rope_tables(T, hd, theta, scaling=None, dtype=np.float64):
     """(cos, sin), each (T, hd) in dtype, for positions 0..T-1 in the half-split layout.
 
     theta: the RoPE base (rope_theta). scaling: None, or Llama 3's rope_scaling dict
-    (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings).
-    phase_dtype: "float64" (exact), or "float32" to follow transformers' float32 steps
-    (see the module docstring)."""
+    (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings);
+    other keys (rope_type) are ignored."""
     if not isinstance(T, int) or T < 1:
         raise ValueError(f"rope_tables: T (positions) must be an int >= 1, got {T!r}")
-    inv_freq = rope_inv_freq(hd, theta, scaling, phase_dtype)
-    f = inv_freq.dtype.type
-    phase = np.arange(T).astype(f)[:, None] * inv_freq[None, :]
-    phase = np.concatenate([phase, phase], axis=1)
-    # cos/sin of the float32 phase taken in float64 and rounded: correctly rounded,
-    # which is the closest numpy gets to torch's float32 cos
-    cos = np.cos(phase.astype(np.float64)).astype(f)
-    sin = np.sin(phase.astype(np.float64)).astype(f)
-    return np.ascontiguousarray(cos, dtype=dtype), np.ascontiguousarray(sin, dtype=dtype)
+    inv_freq = rope_inv_freq(hd, theta, scaling)
+    phase = np.arange(T, dtype=np.float64)[:, None] * inv_freq[None, :]
+    phase = np.concatenate([phase, phase], axis=1)  # both halves of a head share a frequency
+    return np.ascontiguousarray(np.cos(phase), dtype=dtype), np.ascontiguousarray(np.sin(phase), dtype=dtype)
