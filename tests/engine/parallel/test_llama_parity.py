@@ -1,0 +1,70 @@
+"""The Llama family trains on every layout it offers exactly as one process does (float64
+~1e-10): data parallelism, ZeRO-1, the pipeline with every schedule, and a checkpoint
+continued in another layout, through the parity harness (tests/support/parity.py).
+
+Run with `mpiexec -n 2 python tests/support/mpi_pytest.py -m mpi --with-mpi tests/engine/parallel/test_llama_parity.py`.
+"""
+import os
+
+import pytest
+from mpi4py import MPI
+
+from ringpipe.engine.job import checkpoint
+from ringpipe.engine.train.config import Config
+
+from tests.support.parity import assert_same_arrays, assert_same_run, final_arrays, reference, train
+
+world = MPI.COMM_WORLD
+TOL = 1e-10
+
+
+def base(layers, batch, **more):
+    return Config(**{**dict(model="llama", data="synthetic", layers=layers, d_model=8, heads=4, kv_heads=2, d_ff=12,
+                            context=8, batch_size=batch, steps=3, dtype="float64", sample_tokens=0, quiet=True,
+                            overwrite=True, eval_every=3, eval_batches=1), **more})
+
+
+LAYOUTS = {
+    "dp2": dict(dp=2),
+    "dp2-zero1": dict(dp=2, zero=1),
+    "dp2-untied": dict(dp=2, tie_embeddings=False),
+    "pp2-gpipe": dict(pp=2, schedule="gpipe", microbatches=2),
+    "pp2-1f1b": dict(pp=2, schedule="1f1b", microbatches=4),
+    "pp2-zbh1": dict(pp=2, schedule="zbh1", microbatches=4),
+    "pp2-interleaved": dict(pp=2, schedule="interleaved", chunks=2, microbatches=2),
+    "pp2-1f1b-untied": dict(pp=2, schedule="1f1b", microbatches=2, tie_embeddings=False),
+}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_llama_layout_equals_single_process(shared_dir, name):
+    if world.size != 2:
+        pytest.skip("written for 2 ranks")
+    layout = dict(LAYOUTS[name])
+    shape = {k: layout.pop(k) for k in ("tie_embeddings",) if k in layout}
+    layers = 4 if layout.get("chunks") else 2
+    ref = reference(base(layers, 8, out=os.path.join(shared_dir, f"llama-ref-{name}-{world.rank}"), **shape))
+    grid = train(base(layers, 8, out=os.path.join(shared_dir, f"llama-{name}"), **shape, **layout), world)
+    world.Barrier()
+    assert_same_run(grid, ref, TOL, grad_norm=True)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_llama_checkpoint_continues_in_another_layout(shared_dir):
+    """Written by pp 2, continued by dp 2 and by one process: both reach the uninterrupted
+    single-process trajectory."""
+    if world.size != 2:
+        pytest.skip("written for 2 ranks")
+    ref = reference(base(2, 8, steps=4, out=os.path.join(shared_dir, f"llama-relayout-ref{world.rank}")))
+    first = os.path.join(shared_dir, "llama-relayout-pp")
+    train(base(2, 8, steps=4, pp=2, microbatches=2, checkpoint_every=2, out=first), world)
+    world.Barrier()
+    ckpt = os.path.join(first, "checkpoints", "ckpt_00000002.json")
+    for name, layout, comm in (("dp", dict(dp=2), world), (f"one-{world.rank}", {}, MPI.COMM_SELF)):
+        out = os.path.join(shared_dir, f"llama-relayout-{name}")
+        train(base(2, 8, steps=4, resume=ckpt, out=out, **layout), comm)
+        world.Barrier()
+        arrays, manifest = checkpoint.load(os.path.join(out, "checkpoints"))
+        assert manifest["step"] == 4 and manifest["model"] == "llama"
+        assert_same_arrays(arrays, final_arrays(ref.out), TOL, name)
