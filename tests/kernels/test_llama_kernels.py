@@ -319,3 +319,39 @@ def test_the_new_ops_are_in_the_table_and_public():
                  "swiglu_backward"):
         assert name in OP_NAMES and name in kernels.__all__
     assert "rope_tables" in kernels.__all__ and isinstance(kernels.rope_tables, types.FunctionType)
+
+
+# ---------------------------------------------------------------------------
+# the benchmark (benchmarks/llama_kernels.py) runs and refuses bad flags; no timing is judged
+
+
+def _bench(*args):
+    import os
+    import subprocess
+    import sys
+
+    from tests.support import ROOT
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+    return subprocess.run([sys.executable, os.path.join("benchmarks", "llama_kernels.py"), *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_benchmark_runs_every_op_on_tiny_shapes_and_writes_json(tmp_path):
+    import json
+
+    out = tmp_path / "llama_kernels.json"
+    r = _bench("--repeats", "1", "--B", "1", "--T", "3", "--C", "37", "--H", "2", "--hd", "4", "--ff", "37",
+               "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["op"] for row in rows] == ["rmsnorm_forward", "rmsnorm_backward", "rope_forward", "rope_backward",
+                                           "swiglu_forward", "swiglu_backward"]
+    assert all(row["numba_ms"] > 0 and row["numpy_ms"] > 0 for row in rows)
+
+
+@pytest.mark.parametrize("args,words", [(["--hd", "7"], "--hd 7 is odd"), (["--only", "rope_fwd"], "'rope_fwd'"),
+                                        (["--repeats", "0"], "--repeats")])
+def test_benchmark_refuses_bad_flags(args, words):
+    r = _bench(*args)
+    assert r.returncode == 2 and words in r.stderr, r.stderr
