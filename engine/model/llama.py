@@ -120,91 +120,23 @@ PRESETS = {
 }
 
 
-# ---- the math of the three new ops (the kernels' interface; numpy or cupy) ----------
-# TODO kernels: use ringpipe.kernels' rmsnorm_*, rope_*, swiglu_* once they exist (same signatures).
-
-def rmsnorm_forward(x, w, eps):
-    """x (N, C) -> (y, rstd): y = x / sqrt(mean(x^2) + eps) * w; rstd (N, 1)."""
-    xp = K.get_array_module(x)
-    rstd = 1.0 / xp.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
-    return (x * rstd) * w, rstd
-
-
-def rmsnorm_backward(dy, x, w, rstd):
-    """-> (dx, dw). With xhat = x * rstd: dx = rstd * (dy w - xhat * mean(dy w xhat))."""
-    xhat = x * rstd
-    dxhat = dy * w
-    dx = rstd * (dxhat - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
-    return dx, (dy * xhat).sum(axis=0)
-
-
-def _rotate_half(x, sign):
-    """[-x2, x1] (sign -1: rotate_half) or [x2, -x1] (sign +1: its transpose), halves of the last axis."""
-    xp = K.get_array_module(x)
-    half = x.shape[-1] // 2
-    return xp.concatenate([sign * x[..., half:], -sign * x[..., :half]], axis=-1)
-
-
-def rope_forward(x, cos, sin):
-    """x (B, T, H, hd), cos/sin (T, hd) -> x cos + rotate_half(x) sin (Hugging Face's layout)."""
-    return x * cos[:, None, :] + _rotate_half(x, -1) * sin[:, None, :]
-
-
-def rope_backward(dy, cos, sin):
-    """The transpose of rope_forward: dy cos + rotate_half^T(dy sin)."""
-    return dy * cos[:, None, :] + _rotate_half(dy * sin[:, None, :], +1)
-
-
-def _sigmoid(g):
-    # The tanh form: no overflow warning for large |g|, unlike 1 / (1 + exp(-g)).
-    return 0.5 * (1.0 + K.get_array_module(g).tanh(0.5 * g))
-
-
-def swiglu_forward(gate, up):
-    """h = silu(gate) * up, silu(g) = g sigmoid(g)."""
-    return gate * _sigmoid(gate) * up
-
-
-def swiglu_backward(dh, gate, up):
-    """-> (dgate, dup); silu'(g) = s (1 + g (1 - s)), s = sigmoid(g)."""
-    s = _sigmoid(gate)
-    return dh * up * s * (1.0 + gate * (1.0 - s)), dh * gate * s
-
-
 # ---- rotary position tables --------------------------------------------------------
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> np.ndarray:
-    """(hd/2,) float64: theta^(-2i/hd), with Llama 3's scaling when given (as transformers'
-    _compute_llama3_parameters: long wavelengths slowed by `factor`, short ones kept,
-    a smooth blend between)."""
-    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    if scaling is None:
-        return inv
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_context = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv
-    scaled = np.where(wavelen > old_context / low, inv / factor, inv)
-    smooth = (old_context / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
-    return np.where(medium, blended, scaled)
-
-
 class Rotary:
-    """The cos/sin tables (T, hd) of positions 0..T-1, shared by every attention layer of
-    a model, computed in float64 and kept for the last (T, dtype, array module) asked."""
+    """The cos/sin tables (T, hd) of positions 0..T-1 (kernels.rope_tables: computed in
+    float64, rounded once), shared by every attention layer of a model and kept for the
+    last (T, dtype, array module) asked."""
 
     def __init__(self, head_dim, theta, scaling=None):
-        self.inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self._key, self._tables = None, None
 
     def tables(self, T, like):
         xp = K.get_array_module(like)
         key = (T, like.dtype.str, xp.__name__)
         if key != self._key:
-            angles = np.arange(T, dtype=np.float64)[:, None] * self.inv_freq[None, :]   # (T, hd/2)
-            angles = np.concatenate([angles, angles], axis=1)                           # (T, hd): half-split
-            self._tables = tuple(xp.asarray(f(angles).astype(like.dtype)) for f in (np.cos, np.sin))
+            tables = K.rope_tables(T, self.head_dim, self.theta, self.scaling, dtype=like.dtype)
+            self._tables = tuple(xp.asarray(t) for t in tables)
             self._key = key
         return self._tables
 
@@ -225,12 +157,12 @@ class RMSNorm(Layer):
 
     def forward(self, x):
         x2 = x.reshape(-1, self.c)
-        y, rstd = rmsnorm_forward(x2, self.w, self.eps)
+        y, rstd = K.rmsnorm_forward(x2, self.w, self.eps)
         return y.reshape(x.shape), (x2, rstd)
 
     def backward_input(self, dy, ctx):
         x2, rstd = ctx
-        dx, dw = rmsnorm_backward(dy.reshape(-1, self.c), x2, self.w, rstd)
+        dx, dw = K.rmsnorm_backward(dy.reshape(-1, self.c), x2, self.w, rstd)
         self.dw += dw                    # cheap: accumulated here, as LayerNorm's are
         return dx.reshape(dy.shape), None
 
@@ -267,8 +199,8 @@ class GroupedQueryAttention(Layer):
         q, q_ctx = self.q.forward(x)                                       # (B, T, H*hd)
         k, k_ctx = self.k.forward(x)                                       # (B, T, Hkv*hd)
         v, v_ctx = self.v.forward(x)
-        q = rope_forward(q.reshape(B, T, H, hd), cos, sin).transpose(0, 2, 1, 3)      # (B, H, T, hd)
-        k = rope_forward(k.reshape(B, T, Hkv, hd), cos, sin).transpose(0, 2, 1, 3)    # (B, Hkv, T, hd)
+        q = K.rope_forward(q.reshape(B, T, H, hd), cos, sin).transpose(0, 2, 1, 3)      # (B, H, T, hd)
+        k = K.rope_forward(k.reshape(B, T, Hkv, hd), cos, sin).transpose(0, 2, 1, 3)    # (B, Hkv, T, hd)
         q = xp.ascontiguousarray(q)
         k = xp.repeat(k, G, axis=1)                                        # (B, H, T, hd): head h reads h // G
         v = xp.repeat(v.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3), G, axis=1)
@@ -295,8 +227,8 @@ class GroupedQueryAttention(Layer):
         dk = K.matmul_tn(datt, q)
         # A key/value head's gradient is the sum over the G query heads that read it.
         dk, dv = (d.reshape(B, Hkv, G, T, hd).sum(axis=2).transpose(0, 2, 1, 3) for d in (dk, dv))   # (B, T, Hkv, hd)
-        dq = rope_backward(dq.transpose(0, 2, 1, 3), cos, sin).reshape(B, T, H * hd)
-        dk = rope_backward(dk, cos, sin).reshape(B, T, Hkv * hd)
+        dq = K.rope_backward(dq.transpose(0, 2, 1, 3), cos, sin).reshape(B, T, H * hd)
+        dk = K.rope_backward(dk, cos, sin).reshape(B, T, Hkv * hd)
         dx, q_w = self.q.backward_input(dq, q_ctx)
         dx_k, k_w = self.k.backward_input(dk, k_ctx)
         dx_v, v_w = self.v.backward_input(xp.ascontiguousarray(dv).reshape(B, T, Hkv * hd), v_ctx)
@@ -329,13 +261,13 @@ class SwiGLU(Layer):
     def forward(self, x):
         g, gate_ctx = self.gate.forward(x)                 # (B, T, F)
         u, up_ctx = self.up.forward(x)
-        y, down_ctx = self.down.forward(swiglu_forward(g, u))
+        y, down_ctx = self.down.forward(K.swiglu_forward(g, u))
         return y, (gate_ctx, up_ctx, down_ctx, g, u)
 
     def backward_input(self, dy, ctx):
         gate_ctx, up_ctx, down_ctx, g, u = ctx
         dh, down_w = self.down.backward_input(dy, down_ctx)
-        dg, du = swiglu_backward(dh, g, u)
+        dg, du = K.swiglu_backward(dh, g, u)
         dx, gate_w = self.gate.backward_input(dg, gate_ctx)
         dx_up, up_w = self.up.backward_input(du, up_ctx)
         dx += dx_up
