@@ -290,3 +290,24 @@ def test_bad_llama_flags_are_refused(tmp_path, flags, says):
         shape = shape[6:]
     with pytest.raises(SystemExit, match=says):
         run_flags(shape + ["--steps", "1", "--out", str(tmp_path / "run")] + flags)
+
+
+@pytest.mark.parametrize("setting,value,ok", [
+    ("rope_theta", 500000.0, True), ("rope_scaling", dict(LLAMA3, rope_type="llama3"), True),
+    ("tie_embeddings", False, True), ("rope_theta", [1], False), ("rope_scaling", {"factor": {"x": 1}}, False),
+    ("rms_eps", float("inf"), False),
+])
+def test_a_llama_checkpoint_s_settings_are_checked(tmp_path, setting, value, ok):
+    """model_config holds numbers, switches and the rope_scaling object besides counts:
+    the checkpoint format takes those and refuses anything else, naming the key."""
+    from ringpipe.engine.job import checkpoint
+    from ringpipe.engine.job.checkpoint import CheckpointError
+    from tests.engine.job.test_checkpoint import edit_manifest, save
+    path = save(tmp_path, 3)
+    shape = M.LlamaConfig(**SHAPES["hf-tiny"]).validate().to_dict()
+    edit_manifest(path, model="llama", model_config={**shape, setting: value})
+    if ok:
+        assert checkpoint.load(path)[1]["model_config"][setting] == value
+    else:
+        with pytest.raises(CheckpointError, match=f"'model_config.{setting}' holds .*expected a finite number"):
+            checkpoint.load(path)
