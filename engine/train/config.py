@@ -430,7 +430,10 @@ def _fixed_shape(cfg: Config, saved, init) -> tuple[dict, str]:
         return init, f"the model of <init_from> {cfg.init_from}"
     if cfg.preset:
         if cfg.preset not in presets:
-            raise ConfigError(f"unknown <preset> {cfg.preset!r}: use one of {', '.join(sorted(presets))}")
+            owner = names_of(lambda r: cfg.preset in r.presets)      # a shape of another family: say which
+            raise ConfigError(f"unknown <preset> {cfg.preset!r} for <model> {cfg.model}"
+                              + (f" (it is a shape of <model> {owner}: add <model> {owner})" if owner else "")
+                              + f": use one of {', '.join(sorted(presets))}")
         return dict(presets[cfg.preset]), f"<preset> {cfg.preset}"
     return {}, ""
 

@@ -282,6 +282,7 @@ def test_the_other_family_s_checkpoint_is_refused(tmp_path):
     (["--model", "llama", "--no-tie-embeddings", "--tp", "2"], "tensor parallelism"),
     (["--model", "llama", "--preset", "hf-tiny"], "the data's tokenizer has 256 tokens, but --preset hf-tiny has "
                                                   "a vocabulary of 99"),
+    (["--preset", "llama-tiny"], "unknown --preset 'llama-tiny' for --model gpt .*add --model llama"),
 ])
 def test_bad_llama_flags_are_refused(tmp_path, flags, says):
     shape = ["--layers", "1", "--d-model", "16", "--heads", "4", "--batch-size", "4", "--sample-tokens", "0",
