@@ -207,7 +207,11 @@ def _describe_cfg(cfg: GPTConfig) -> str:
 def check_checkpoint_shapes(manifest: dict, declared: dict, path: str) -> GPTConfig:
     """The GPTConfig of a GPT checkpoint whose manifest's model_config agrees with the arrays
     its npz declares ({name: (shape, dtype)}, checkpoint.declared_arrays), else HFError naming
-    the key and the array. Call it before building the model or reading an array."""
+    the key and the array. Call it before building the model or reading an array. A Llama
+    checkpoint's is checked by hf_llama.check_checkpoint_shapes, and gives its LlamaConfig."""
+    other = _OTHER_FAMILIES.get(manifest["model"])
+    if other is not None:
+        return other().check_checkpoint_shapes(manifest, declared, path)
     where = f"the manifest {path}'s model_config"
     model_config = manifest["model_config"]
     cfg = GPTConfig(**model_config)
@@ -1020,8 +1024,7 @@ def _export_command(args) -> int:
         raise HFError(f"{manifest_path} is a checkpoint of the {manifest['model']} model; only the GPT "
                       f"exports to the Hugging Face format (the families that do: "
                       f"{names_of(lambda recipe: recipe.hf_format)})")
-    other = _OTHER_FAMILIES.get(manifest["model"])
-    (other().check_checkpoint_shapes if other else check_checkpoint_shapes)(manifest, declared, manifest_path)
+    check_checkpoint_shapes(manifest, declared, manifest_path)
     run_dir = _run_dir(args.source, manifest_path)
     npz_path = manifest_path[:-len(".json")] + ".npz"
     protect = (os.path.abspath(args.source), os.path.abspath(manifest_path), os.path.abspath(npz_path), run_dir)

@@ -25,10 +25,10 @@ import numpy as np
 
 
 def load_run(path: str, notes=None):
-    """(GPT LayerChain with the checkpoint's weights, its Tokenizer, checkpoint path).
+    """(LayerChain of the checkpoint's family with its weights, its Tokenizer, checkpoint path).
     notes: a list to which a note about skipped newer checkpoints is appended."""
     from ringpipe.engine.job import checkpoint
-    from ringpipe.engine.model.gpt import build_gpt
+    from ringpipe.engine.model.chain import LayerChain
     from ringpipe.engine.interop.hf import check_checkpoint_shapes
     from ringpipe.engine.model.registry import RECIPES
     resolved, note = checkpoint.resolve_with_note(path)
@@ -39,7 +39,8 @@ def load_run(path: str, notes=None):
         raise ValueError(f"{resolved} holds a {manifest['model']} model: only a GPT generates text")
     # model_config against the npz's declared shapes and the memory, before the model is built.
     cfg = check_checkpoint_shapes(manifest, declared, resolved)
-    model = build_gpt(cfg, dtype=np.float32)
+    # Not initialised: every parameter is loaded from the checkpoint just below.
+    model = LayerChain(RECIPES[manifest["model"]].layers(cfg), dtype=np.float32)
     wanted = {f"param/{s.name}": s.shape for s in model.params.specs}
     arrays, _ = checkpoint.load(resolved, expected=wanted)
     model.params.load_flat(model.params.data, {k[6:]: v for k, v in arrays.items()})
@@ -99,7 +100,7 @@ def main(argv=None, prog="ringpipe sample") -> int:
     if args.seed < 0:
         p.error(f"--seed must be a whole number >= 0 (got {args.seed}): numpy's generator takes no negative seed")
     from ringpipe.engine.job import checkpoint
-    from ringpipe.engine.model.gpt import generate
+    from ringpipe.engine.model.registry import RECIPES
     notes = []          # said whether the checkpoint then loads or not: it explains either outcome
     try:
         model, tokenizer, path = load_run(args.checkpoint, notes)
@@ -113,8 +114,10 @@ def main(argv=None, prog="ringpipe sample") -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    context = model.params.view("wpe").shape[0]
-    new = generate(model, ids, args.tokens, context, temperature=args.temperature, seed=args.seed)
+    manifest = checkpoint.read_manifest(path)           # load_run checked it: its family generates text
+    generate = RECIPES[manifest["model"]].generate
+    new = generate(model, ids, args.tokens, manifest["model_config"]["context"], temperature=args.temperature,
+                   seed=args.seed)
     print(shown + tokenizer.decode(new))
     return 0
 

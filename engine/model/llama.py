@@ -382,4 +382,5 @@ LLAMA_RECIPE = ModelRecipe(
             "tie_embeddings": "tie_embeddings"},
     layers=llama_layers, flops_per_item=flops_per_token, memory=memory,
     data="tokens", default_data="stdlib", data_path_data="text", unit="tokens", rate_unit="tok",
-    axes=("data", "pipe"), presets=PRESETS, generate=generate)
+    axes=("data", "pipe"), presets=PRESETS, generate=generate,
+    hf_format=True)       # engine/interop/hf_llama.py: LlamaForCausalLM folders both ways

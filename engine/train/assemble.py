@@ -198,6 +198,10 @@ def shape_data_device(training: Run) -> None:
     if cfg.hf_dir:
         from ringpipe.engine.interop import hf
         training.init = agree(training.world, lambda: hf.import_hf(cfg.hf_dir), "Hugging Face model of --init-from")
+        if not isinstance(training.init[0], training.recipe.shape):     # the folder's config.json decides
+            family = names_of(lambda recipe: recipe.shape is type(training.init[0]))
+            raise ConfigError(f"<init_from> {cfg.init_from} holds a model of the {family} family, not "
+                              f"{training.recipe.name}: pass <model> {family}")
     init_shape = training.init[0].to_dict() if training.init else None
     saved = training.manifest.get("model_config")
     training.dtype = K.resolve_dtype(cfg.dtype)

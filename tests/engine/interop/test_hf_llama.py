@@ -75,23 +75,26 @@ def hf_logits(folder, tokens):
 def lift_to_float64(model):
     """transformers computes RMSNorm and the RoPE tables in float32 even in a float64 model
     (eager attention's softmax too, hence sdpa): lifted to float64, as tests/engine/model/
-    test_llama.py does, so the comparison sees the math, not float32 rounding. The
-    frequencies are ringpipe's, checked first against transformers' own to float32 precision."""
-    from ringpipe.engine.model.llama import inverse_frequencies
+    test_llama.py does, so the comparison sees the math, not float32 rounding. The tables
+    are ringpipe's (the model's Rotary), checked first against transformers' own to float32
+    precision."""
+    from ringpipe.engine.model.llama import Rotary
     rope = model.config.rope_parameters
     scaling = None
     if rope["rope_type"] == "llama3":
         scaling = {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
                                         "original_max_position_embeddings")}
     rotary = model.model.rotary_emb
-    inv_freq = inverse_frequencies(rotary.inv_freq.numel() * 2, rope["rope_theta"], scaling)
-    np.testing.assert_allclose(rotary.inv_freq.double().numpy(), inv_freq, rtol=1e-6)
-    inv_freq = torch.from_numpy(inv_freq)
+    head_dim = rotary.inv_freq.numel() * 2
+    positions = torch.arange(model.config.max_position_embeddings)[None]
+    theirs = rotary(torch.zeros(1, dtype=torch.float64), positions)
+    ours = Rotary(head_dim, rope["rope_theta"], scaling).tables(positions.shape[1], np.zeros(1))
+    for table, their_table in zip(ours, theirs):
+        np.testing.assert_allclose(their_table[0].numpy(), table, atol=1e-5)
+    cos, sin = (torch.from_numpy(np.asarray(table, dtype=np.float64)) for table in ours)
 
     def float64_rope(x, position_ids):
-        angles = position_ids[..., None].double() * inv_freq
-        angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)
 
     def float64_rmsnorm(norm, h):
         return norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
@@ -396,3 +399,54 @@ def test_the_name_table_is_the_models_parameters():
         model = LayerChain(llama_layers(cfg))
         ours = {name: model.params.view(name).shape for name in model.params.names()}
         assert ours == {name: hf_llama.shape_of(cfg, name, cfg.padded_vocab) for name, _ in hf_llama.name_map(cfg)}
+
+
+# ---- the command lines: --init-from hf:DIR, ringpipe export, ringpipe sample ---------------------
+
+def test_a_llama_folder_fine_tunes_exports_and_samples(tmp_path, capsys):
+    """A user's folder (save_pretrained, with the byte tokenizer) -> --init-from -> two steps ->
+    ringpipe export -> transformers gives the checkpoint's logits; ringpipe sample reads the run."""
+    from ringpipe.engine.data.tokenizer import load_tokenizer
+    from ringpipe.engine.interop import sample
+    from ringpipe.engine.job import checkpoint
+    from ringpipe.engine.train.cli import run_flags
+    folder = save(random_hf_model(seed=11, vocab_size=256, tie_word_embeddings=False, max_position_embeddings=32),
+                  tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text(load_tokenizer("bytes").to_json())
+    run = tmp_path / "run"
+    run_flags(["--model", "llama", "--init-from", f"hf:{folder}", "--data", "synthetic", "--steps", "2",
+               "--batch-size", "4", "--seq-len", "32", "--quiet", "--out", str(run)])
+    assert hf.main([str(run), "--out", str(tmp_path / "out")]) == 0
+    config = json.load(open(tmp_path / "out" / "config.json"))
+    assert config["model_type"] == "llama" and config["tie_word_embeddings"] is False
+    assert open(tmp_path / "out" / "tokenizer.json").read() == load_tokenizer("bytes").to_json()
+
+    arrays, manifest = checkpoint.load(str(run))
+    cfg = LlamaConfig(**manifest["model_config"])
+    tokens = random_tokens(256, length=32)
+    ours = ringpipe_logits(ringpipe_model(cfg, {k[len("param/"):]: v.astype(np.float32)
+                                                for k, v in arrays.items() if k.startswith("param/")}), tokens, 256)
+    assert np.abs(hf_logits(str(tmp_path / "out"), tokens) - ours).max() <= EXACT
+    capsys.readouterr()
+    assert sample.main([str(run), "--prompt", "def ", "--tokens", "4", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+
+
+def test_init_from_a_llama_folder_with_another_model_is_refused_naming_the_family(tmp_path):
+    from ringpipe.engine.train.cli import run_flags
+    folder = save(random_hf_model(seed=12, vocab_size=256, max_position_embeddings=32), tmp_path / "hf")
+    with pytest.raises(SystemExit, match="holds a model of the llama family, not gpt: pass --model llama"):
+        run_flags(["--init-from", f"hf:{folder}", "--data", "synthetic", "--steps", "1", "--batch-size", "4",
+                   "--seq-len", "32", "--quiet", "--out", str(tmp_path / "run")])
+    assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
+def test_export_refuses_an_edited_llama_checkpoint_before_reading_it(tmp_path, capsys):
+    from ringpipe.engine.job import checkpoint
+    cfg = LlamaConfig(**dict(PRESETS["hf-tiny"], context=24)).validate()
+    meta = {"model": "llama", "model_config": dict(cfg.to_dict(), d_ff=38), "args": {}, "optimizer": "adamw",
+            "opt_step_count": 0, "loss": None, "dtype": "float32", "precision": "float32", "layout": {"dp": 1, "pp": 1, "tp": 1, "chunks": 1}}
+    checkpoint.save(str(tmp_path / "run" / "checkpoints"), 1, checkpoint_arrays(cfg), meta)
+    assert hf.main([str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 2
+    assert "param/h.0.mlp.gate.w" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "out")
