@@ -267,13 +267,17 @@ def test_llama_resume_is_bit_identical(tmp_path):
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
-def test_the_other_family_s_checkpoint_is_refused(tmp_path):
+GPT_TINY = ["--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16", "--batch-size", "4",
+            "--sample-tokens", "0", "--quiet", "--max-data-mb", "1"]
+
+
+@pytest.mark.parametrize("written,resumed", [(TINY, GPT_TINY), (GPT_TINY, TINY)], ids=["llama-as-gpt", "gpt-as-llama"])
+def test_the_other_family_s_checkpoint_is_refused(tmp_path, written, resumed):
     out = str(tmp_path / "run")
-    run_flags(TINY + ["--steps", "1", "--out", out])
-    gpt = ["--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16", "--batch-size", "4",
-           "--sample-tokens", "0", "--quiet", "--max-data-mb", "1"]
-    with pytest.raises(SystemExit, match="llama"):
-        run_flags(gpt + ["--steps", "2", "--out", out, "--resume", "auto"])
+    run_flags(written + ["--steps", "1", "--out", out])
+    kind = "llama" if written is TINY else "gpt"
+    with pytest.raises(SystemExit, match=f"{kind}.*not --model {'gpt' if kind == 'llama' else 'llama'}"):
+        run_flags(resumed + ["--steps", "2", "--out", out, "--resume", "auto"])
 
 
 @pytest.mark.parametrize("flags,says", [
