@@ -1,4 +1,6 @@
-"""Models in and out of the Hugging Face format: ringpipe's GPT is GPT-2.
+"""Models in and out of the Hugging Face format: ringpipe's GPT is GPT-2 (here), its Llama
+LlamaForCausalLM (hf_llama.py, which export_hf, import_hf and check_checkpoint_shapes hand a
+Llama to).
 
     export_hf(arrays, model_config, out_dir)   a checkpoint's parameters -> a folder that
                                                transformers.GPT2LMHeadModel.from_pretrained loads
@@ -987,15 +989,16 @@ def _strip_prefix(tensors: dict, hf_dir: str) -> dict:
 def main(argv=None, prog="ringpipe export") -> int:
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="Write a trained ringpipe GPT as a Hugging Face GPT-2 folder (config.json,\n"
-                    "model.safetensors, the tokenizer) that transformers loads with no conversion code.",
+        description="Write a trained ringpipe model as a Hugging Face folder (config.json,\n"
+                    "model.safetensors, the tokenizer) that transformers loads with no conversion code:\n"
+                    "a GPT as GPT2LMHeadModel, a Llama as LlamaForCausalLM (Qwen2ForCausalLM with q/k/v biases).",
         epilog="Example:\n  ringpipe export runs/gpt --format hf --out runs/gpt-hf\n"
                "  python -c \"from transformers import pipeline; "
                "print(pipeline('text-generation', 'runs/gpt-hf')('def ', max_new_tokens=40)[0])\"",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT",
                         help="a run directory (its latest valid checkpoint), a checkpoints folder or a ckpt_*.json")
-    parser.add_argument("--format", choices=["hf"], default="hf", help="output format (hf: Hugging Face GPT-2)")
+    parser.add_argument("--format", choices=["hf"], default="hf", help="output format (hf: Hugging Face, the checkpoint's family)")
     parser.add_argument("--out", required=True, metavar="HF_DIR", help="the folder to write (must be empty or new)")
     parser.add_argument("--overwrite", action="store_true", help="replace HF_DIR if it is not empty")
     try:
