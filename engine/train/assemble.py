@@ -166,7 +166,8 @@ def find_checkpoint(training: Run) -> None:
         training.manifest = agree(training.world, lambda: checkpoint.read_manifest(training.resume_path), "checkpoint")
         if training.manifest.get("model") != training.cfg.model:
             raise ConfigError(f"checkpoint {training.resume_path} holds a {training.manifest.get('model')} model, "
-                              f"not <model> {training.cfg.model}")
+                              f"not <model> {training.cfg.model}: pass <model> {training.manifest.get('model')} to "
+                              "continue it, or a new <out> to start another run")
 
 
 def _find_resume(cfg: Config, ckpt_dir: str):

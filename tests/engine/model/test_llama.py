@@ -276,7 +276,8 @@ def test_the_other_family_s_checkpoint_is_refused(tmp_path, written, resumed):
     out = str(tmp_path / "run")
     run_flags(written + ["--steps", "1", "--out", out])
     kind = "llama" if written is TINY else "gpt"
-    with pytest.raises(SystemExit, match=f"{kind}.*not --model {'gpt' if kind == 'llama' else 'llama'}"):
+    other = "gpt" if kind == "llama" else "llama"
+    with pytest.raises(SystemExit, match=f"{kind} model, not --model {other}: pass --model {kind} to continue it"):
         run_flags(resumed + ["--steps", "2", "--out", out, "--resume", "auto"])
 
 
