@@ -368,12 +368,14 @@ def _refuse_windows(c: _Config, context: int) -> None:
     if layer_types is not None and (not isinstance(layer_types, list)
                                     or any(t not in ("full_attention", "sliding_attention") for t in layer_types)):
         c.refuse("layer_types", "ringpipe's Llama has full_attention layers only")
-    if layer_types is None and c.model_type in _WINDOW_SWITCH and window is not None:
+    if layer_types is not None:
+        slides = "sliding_attention" in layer_types
+    elif c.model_type in _WINDOW_SWITCH:
         # transformers' rule for a config without layer_types: layers from max_window_layers on slide.
         first = c.get("max_window_layers")
-        layer_types = ["sliding_attention" if type(first) is int and i >= first else "full_attention"
-                       for i in range(c.size("num_hidden_layers"))]
-    slides = layer_types is None or "sliding_attention" in layer_types
+        slides = type(first) is not int or first < c.size("num_hidden_layers")
+    else:
+        slides = True                            # Mistral: every layer
     if window is not None and slides and (type(window) is not int or window < context):
         key = "sliding_window" if c.model_type not in _WINDOW_SWITCH else "use_sliding_window"
         c.refuse(key, f"a sliding window of {window} tokens, smaller than the context {context} "

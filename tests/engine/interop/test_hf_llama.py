@@ -378,6 +378,49 @@ def test_an_imported_folder_exports_to_the_same_model(tmp_path):
     assert np.abs(hf_logits(out, tokens) - hf_logits(folder, tokens)).max() <= EXACT
 
 
+def test_generate_on_an_export_gives_ringpipes_greedy_tokens(tmp_path):
+    from ringpipe.engine.model.registry import RECIPES
+    cfg = LlamaConfig(**dict(PRESETS["hf-tiny"], context=24, n_kv_head=1)).validate()
+    arrays = checkpoint_arrays(cfg, seed=13)
+    out = hf.export_hf(arrays, cfg.to_dict(), str(tmp_path / "hf"), model="llama")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa",
+                                                              dtype=torch.float64).eval()
+    lift_to_float64(model)
+    prompt = [5, 17, 42]
+    with torch.no_grad():
+        generated = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                   attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    ours = ringpipe_model(cfg, {k[len("param/"):]: v for k, v in arrays.items()})
+    assert generated[0, len(prompt):].tolist() == list(RECIPES["llama"].generate(ours, prompt, 8, cfg.context,
+                                                                                 temperature=0))
+
+
+def test_export_takes_bos_and_eos_from_the_tokenizer(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers", reason="the tokenizer test needs the tokenizers library")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=280, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["ringpipe trains llamas by hand. " * 50], trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    cfg = LlamaConfig(**dict(PRESETS["hf-tiny"], context=24, vocab=tok.get_vocab_size())).validate()
+    out = hf.export_hf(checkpoint_arrays(cfg), cfg.to_dict(), str(tmp_path / "hf"), tokenizer_json=str(tmp_path /
+                       "tokenizer.json"), model="llama")
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert (config["bos_token_id"], config["eos_token_id"]) == (0, 1)
+    loaded = transformers.AutoTokenizer.from_pretrained(out)
+    assert (loaded.bos_token, loaded.eos_token) == ("<|begin_of_text|>", "<|end_of_text|>")
+    assert hf.import_hf(out)[2] == os.path.join(out, "tokenizer.json")
+
+
+def test_a_huge_declared_depth_is_refused_before_anything_is_built(tmp_path):
+    folder = save(random_hf_model(seed=14, kind="qwen2"), tmp_path / "hf")
+    edit_config(folder, num_hidden_layers=10**9, use_sliding_window=True, sliding_window=4096,
+                max_window_layers=10**9)
+    with pytest.raises(hf.HFError, match="num_hidden_layers 1000000000, but the weights hold 2 layers"):
+        hf.import_hf(folder)
+
+
 def test_export_refuses_parameters_of_another_shape_or_without_a_mapping(tmp_path):
     cfg = LlamaConfig(**dict(PRESETS["hf-tiny"], context=24)).validate()
     arrays = checkpoint_arrays(cfg)
