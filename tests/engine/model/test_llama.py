@@ -112,6 +112,7 @@ SHAPES = {
     "mha": dict(HF_TINY, n_kv_head=4, d_ff=40),
     "mqa-untied": dict(HF_TINY, n_kv_head=1, tie_embeddings=False),
     "llama3-rope": dict(HF_TINY, rope_scaling=LLAMA3, rope_theta=500000.0),
+    "qwen2-qkv-bias": dict(HF_TINY, qkv_bias=True, rms_eps=1e-6),     # compared with Qwen2ForCausalLM
 }
 
 
@@ -120,20 +121,24 @@ def _float64_rmsnorm(self, h):
 
 
 def hf_model(cfg: M.LlamaConfig, monkeypatch):
-    """A random LlamaForCausalLM of cfg's shape in float64. transformers computes RMSNorm
+    """A random LlamaForCausalLM (Qwen2ForCausalLM with qkv_bias) of cfg's shape in float64. transformers computes RMSNorm
     and the RoPE tables in float32 even in a float64 model (for half-precision training);
     the test lifts those two to float64 so that the comparison sees the math, not float32
     rounding. Its llama3 frequencies are checked against ours at float32 precision first."""
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling:
         rope = {**cfg.rope_scaling, "rope_type": "llama3", "rope_theta": cfg.rope_theta}
-    hf_cfg = transformers.LlamaConfig(
+    qwen = cfg.qkv_bias          # Qwen2: Llama's block with q/k/v biases (Llama's attention_bias adds o's too)
+    family = (transformers.Qwen2Config, transformers.Qwen2ForCausalLM) if qwen else \
+        (transformers.LlamaConfig, transformers.LlamaForCausalLM)
+    extra = dict(use_sliding_window=False) if qwen else dict(attention_bias=False, mlp_bias=False)
+    hf_cfg = family[0](
         vocab_size=cfg.vocab, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layer,
         num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head, head_dim=cfg.head_dim,
         max_position_embeddings=cfg.context, rms_norm_eps=cfg.rms_eps, rope_parameters=rope,
-        tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False)
+        tie_word_embeddings=cfg.tie_embeddings, **extra)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(hf_cfg).to(torch.float64).eval()
+    model = family[1](hf_cfg).to(torch.float64).eval()
     model.config._attn_implementation = "sdpa"            # eager's softmax is float32 too
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -149,6 +154,7 @@ def hf_model(cfg: M.LlamaConfig, monkeypatch):
         return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     monkeypatch.setattr(rotary, "forward", float64_rope)
     monkeypatch.setattr(transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", _float64_rmsnorm)
+    monkeypatch.setattr(transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm, "forward", _float64_rmsnorm)
     return model
 
 
@@ -161,6 +167,8 @@ def hf_names(cfg: M.LlamaConfig) -> dict:
         names[hf + "post_attention_layernorm.weight"] = ours + "norm2.w"
         for p in "qkvo":
             names[hf + f"self_attn.{p}_proj.weight"] = ours + f"attn.{p}.w"
+            if cfg.qkv_bias and p != "o":
+                names[hf + f"self_attn.{p}_proj.bias"] = ours + f"attn.{p}.b"
         for p in ("gate", "up", "down"):
             names[hf + f"mlp.{p}_proj.weight"] = ours + f"mlp.{p}.w"
     if not cfg.tie_embeddings:
