@@ -17,8 +17,7 @@ Backends registered (kernels.set_backend / backend=), for cupy inputs:
                 cuBLAS + bias + our GELU kernel, every other op as "cuda": the
                 yardstick for the hand-written GEMM in a training run
   "numba_cuda"  numba_kernels.py: the Numba CUDA kernels, every op but linear_forward
-                and the Llama-family ones (NUMBA_CUDA_LEAVES_OUT, which fall back to
-                "cuda"). Opt-in only.
+                (which falls back to "cuda"). Opt-in only.
 numpy inputs keep running on the CPU kernels whatever the name (kernels/backend.py).
 
 Why the Numba CUDA twin stays, and stays opt-in. It duplicates the CUDA C kernels op
@@ -58,10 +57,7 @@ def available():
 # The ops the Numba CUDA backend leaves to "cuda": a Linear layer's forward is the
 # "cuda" one (its fused GEMM epilogues). A new op in the table is claimed by
 # numba_cuda unless listed here, so the twin cannot silently fall behind.
-# The Llama-family ops (RMSNorm, RoPE, SwiGLU) have no Numba CUDA twin yet: they run on
-# "cuda" for numba_cuda too.
-NUMBA_CUDA_LEAVES_OUT = ("linear_forward", "rmsnorm_forward", "rmsnorm_backward", "rope_forward", "rope_backward",
-                         "swiglu_forward", "swiglu_backward")
+NUMBA_CUDA_LEAVES_OUT = ("linear_forward",)
 # cublas swaps only the GEMMs
 CUBLAS_OPS = ("matmul", "linear_forward")
 

@@ -496,6 +496,121 @@ def row_kernels(dtype):
     }
 
 
+@lru_cache(maxsize=None)
+def llama_kernels(dtype):
+    """dict name -> kernel for one float dtype: RMSNorm, RoPE, SwiGLU (the Llama family)."""
+    DT = np.dtype(dtype).type
+    ONE = DT(1)
+    F64 = np.float64
+
+    @cuda.jit
+    def rmsnorm_forward(x, w, eps, y, rstd):
+        # one block per row of x (N, C): y = (x * rstd) * w, rstd = 1/sqrt(mean(x^2) + eps)
+        row = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        C = x.shape[1]
+        sh = cuda.shared.array(_MAX_BLOCK, F64)
+        s = 0.0
+        for c in range(tid, C, nt):
+            v = F64(x[row, c])
+            s += v * v
+        # rounded to the dtype before use, as the reference: y agrees with the saved rstd
+        r = DT(1.0 / math.sqrt(_block_sum(sh, s) / C + eps))
+        if tid == 0:
+            rstd[row] = r
+        for c in range(tid, C, nt):
+            y[row, c] = (x[row, c] * r) * w[c]
+
+    @cuda.jit
+    def rmsnorm_backward_dx(dy, x, w, rstd, dx):
+        # dx = rstd * (g - xhat * mean_c(g * xhat)), g = dy * w, xhat = x * rstd
+        row = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        C = x.shape[1]
+        sh = cuda.shared.array(_MAX_BLOCK, F64)
+        r = rstd[row]
+        s = 0.0
+        for c in range(tid, C, nt):
+            s += F64(dy[row, c] * w[c]) * F64(x[row, c] * r)
+        m = DT(_block_sum(sh, s) / C)
+        for c in range(tid, C, nt):
+            dx[row, c] = (dy[row, c] * w[c] - (x[row, c] * r) * m) * r
+
+    @cuda.jit
+    def rmsnorm_backward_dw_partial(dy, x, rstd, pw, rows_per_chunk):
+        # pw (chunks, C) float64: this chunk's column sums of dy * xhat
+        c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        chunk = cuda.blockIdx.y
+        N = x.shape[0]
+        C = x.shape[1]
+        if c < C:
+            r0 = chunk * rows_per_chunk
+            r1 = r0 + rows_per_chunk
+            if r1 > N:  # not min(): see layernorm_backward_params_partial
+                r1 = N
+            s = 0.0
+            for r in range(r0, r1):
+                s += F64(dy[r, c]) * F64(x[r, c] * rstd[r])
+            pw[chunk, c] = s
+
+    @cuda.jit
+    def rope(x, cos, sin, y, sign):
+        # x, y (B*T, H, hd), cos/sin (T, hd); one thread per (row, head, i < hd/2) pair.
+        # sign > 0: y1 = x1*cos1 - x2*sin1, y2 = x2*cos2 + x1*sin2; sign < 0 the transpose
+        H = x.shape[1]
+        h = x.shape[2] // 2
+        T = cos.shape[0]
+        pairs = x.shape[0] * H * h
+        p = cuda.grid(1)
+        stride = cuda.gridsize(1)
+        while p < pairs:
+            i = p % h
+            head = (p // h) % H
+            row = p // (h * H)
+            t = row % T
+            a = x[row, head, i]
+            b = x[row, head, i + h]
+            if sign > 0:
+                y[row, head, i] = a * cos[t, i] - b * sin[t, i]
+                y[row, head, i + h] = b * cos[t, i + h] + a * sin[t, i + h]
+            else:
+                y[row, head, i] = a * cos[t, i] + b * sin[t, i + h]
+                y[row, head, i + h] = b * cos[t, i + h] - a * sin[t, i]
+            p += stride
+
+    @cuda.jit
+    def swiglu_forward(gate, up, out):
+        i = cuda.grid(1)
+        stride = cuda.gridsize(1)
+        while i < gate.shape[0]:
+            g = gate[i]
+            out[i] = g / (ONE + math.exp(-g)) * up[i]  # exp overflow for g << 0: -0, no NaN
+            i += stride
+
+    @cuda.jit
+    def swiglu_backward(dh, gate, up, dgate, dup):
+        i = cuda.grid(1)
+        stride = cuda.gridsize(1)
+        while i < gate.shape[0]:
+            g = gate[i]
+            d = dh[i]
+            sig = ONE / (ONE + math.exp(-g))
+            dgate[i] = d * up[i] * sig * (ONE + g * (ONE - sig))
+            dup[i] = d * g * sig
+            i += stride
+
+    return {
+        "rmsnorm_forward": rmsnorm_forward,
+        "rmsnorm_backward_dx": rmsnorm_backward_dx,
+        "rmsnorm_backward_dw_partial": rmsnorm_backward_dw_partial,
+        "rope": rope,
+        "swiglu_forward": swiglu_forward,
+        "swiglu_backward": swiglu_backward,
+    }
+
+
 # ---------------------------------------------------------------------------
 # host side: numpy in -> device -> numpy out, or device arrays straight through
 
@@ -799,3 +914,92 @@ def sum_of_squares(x, *, block=ELT_BLOCK):
     row_kernels(x.dtype.name)["sum_of_squares_partial"][grid, block](_reshape(L.dev(x), (n,)), partial)
     host = partial.get() if is_gpu_array(partial) else partial.copy_to_host()
     return float(np.sum(host))
+
+
+# ---------------------------------------------------------------------------
+# Llama-family ops
+
+
+def _as_rows(a):
+    # (..., C) -> (N, C)
+    C = tuple(a.shape)[-1]
+    return _reshape(a, (a.size // C if C else 0, C))
+
+
+def rmsnorm_forward(x, w, eps=1e-5, *, block=None):
+    L = _Launch(x, w)
+    shape = tuple(x.shape)
+    d_y = L.out(None, shape, x.dtype)
+    d_rstd = L.out(None, (int(np.prod(shape[:-1], dtype=np.int64)),), x.dtype)
+    N, C = d_rstd.shape[0], shape[-1]
+    if N and C:
+        llama_kernels(x.dtype.name)["rmsnorm_forward"][N, _row_block(C, block)](
+            _as_rows(L.dev(x)), L.dev(w), float(eps), _as_rows(d_y), d_rstd)
+    L.finish()
+    return L.result(d_y), L.result(_reshape(d_rstd, shape[:-1]))
+
+
+def rmsnorm_backward(dy, x, w, rstd, *, block=None, rows_per_chunk=ROWS_PER_CHUNK):
+    L = _Launch(dy, x, w, rstd)
+    shape = tuple(x.shape)
+    C = shape[-1]
+    N = x.size // C if C else 0
+    d_dx = L.out(None, shape, x.dtype)
+    d_dw = L.out(None, (C,), x.dtype)
+    if C:
+        k = llama_kernels(x.dtype.name)
+        d_dy, d_x, d_rstd = _as_rows(L.dev(dy)), _as_rows(L.dev(x)), _reshape(L.dev(rstd), (N,))
+        if N:
+            k["rmsnorm_backward_dx"][N, _row_block(C, block)](d_dy, d_x, L.dev(w), d_rstd, _as_rows(d_dx))
+        # at least one chunk, so that dw is written (zeros) when there are no rows
+        chunks = max(1, _ceil_div(N, rows_per_chunk))
+        pw = L.out(None, (chunks, C), np.float64)
+        cb = 64
+        k["rmsnorm_backward_dw_partial"][(_ceil_div(C, cb), chunks), cb](d_dy, d_x, d_rstd, pw, rows_per_chunk)
+        row_kernels(x.dtype.name)["column_sum_finish"][_ceil_div(C, cb), cb](pw, d_dw, False)
+    L.finish()
+    return L.result(d_dx), L.result(d_dw)
+
+
+def _rope(a, cos, sin, sign, block):
+    L = _Launch(a, cos, sin)
+    B, T, H, hd = tuple(a.shape)
+    d_out = L.out(None, (B, T, H, hd), a.dtype)
+    pairs = a.size // 2
+    if pairs:
+        llama_kernels(a.dtype.name)["rope"][_elt_grid(pairs, block), block](
+            _reshape(L.dev(a), (B * T, H, hd)), L.dev(cos), L.dev(sin), _reshape(d_out, (B * T, H, hd)), sign)
+    L.finish()
+    return L.result(d_out)
+
+
+def rope_forward(x, cos, sin, *, block=ELT_BLOCK):
+    return _rope(x, cos, sin, 1, block)
+
+
+def rope_backward(dy, cos, sin, *, block=ELT_BLOCK):
+    return _rope(dy, cos, sin, -1, block)
+
+
+def swiglu_forward(gate, up, *, block=ELT_BLOCK):
+    L = _Launch(gate, up)
+    d_h = L.out(None, tuple(gate.shape), gate.dtype)
+    n = gate.size
+    if n:
+        llama_kernels(gate.dtype.name)["swiglu_forward"][_elt_grid(n, block), block](
+            _reshape(L.dev(gate), (n,)), _reshape(L.dev(up), (n,)), _reshape(d_h, (n,)))
+    L.finish()
+    return L.result(d_h)
+
+
+def swiglu_backward(dh, gate, up, *, block=ELT_BLOCK):
+    L = _Launch(dh, gate, up)
+    shape = tuple(gate.shape)
+    d_dg, d_du = L.out(None, shape, gate.dtype), L.out(None, shape, gate.dtype)
+    n = gate.size
+    if n:
+        llama_kernels(gate.dtype.name)["swiglu_backward"][_elt_grid(n, block), block](
+            _reshape(L.dev(dh), (n,)), _reshape(L.dev(gate), (n,)), _reshape(L.dev(up), (n,)),
+            _reshape(d_dg, (n,)), _reshape(d_du, (n,)))
+    L.finish()
+    return L.result(d_dg), L.result(d_du)

@@ -355,3 +355,81 @@ def test_benchmark_runs_every_op_on_tiny_shapes_and_writes_json(tmp_path):
 def test_benchmark_refuses_bad_flags(args, words):
     r = _bench(*args)
     assert r.returncode == 2 and words in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------------------
+# the Numba CUDA twins (kernels/cuda/numba_kernels.py) in Numba's CUDA simulator: no GPU
+# needed. Its own process, since the simulator must be on before numba is imported.
+# Tiny blocks and row chunks, so every kernel strides past its block and crosses chunks.
+# argv[1]: "" or a planted bug "old=>new" applied to the kernel source first.
+
+NUMBA_CUDA_SIM = r"""
+import sys, types
+import numpy as np
+from ringpipe.kernels import reference as ref, rope_tables
+
+path = "kernels/cuda/numba_kernels.py"
+src = open(path).read()
+if sys.argv[1]:
+    old, new = sys.argv[1].split("=>")
+    assert old in src, "planted mutation not found"
+    src = src.replace(old, new)
+nk = types.ModuleType("numba_kernels_checked")
+exec(compile(src, path, "exec"), nk.__dict__)
+rng = np.random.default_rng(5)
+worst = 0.0
+for dt, tol in ((np.float32, 5e-6), (np.float64, 1e-12)):
+    def check(label, got, exp, scale=1.0):
+        global worst
+        assert got.dtype == exp.dtype and got.shape == exp.shape, (label, got.dtype, got.shape, exp.shape)
+        err = float(np.max(np.abs(got.astype(np.float64) - exp))) / max(1.0, float(np.max(np.abs(exp))))
+        worst = max(worst, err / (tol * scale))
+        assert err <= tol * scale, f"FAIL {label} {dt.__name__}: err {err:.3g}"
+    x, w, dy = (rng.standard_normal(s).astype(dt) for s in ((2, 5, 13), (13,), (2, 5, 13)))
+    y, rstd = nk.rmsnorm_forward(x, w, 1e-6, block=4)
+    ye, rstde = ref.rmsnorm_forward(x, w, 1e-6)
+    check("rmsnorm y", y, ye)
+    check("rmsnorm rstd", rstd, rstde)
+    dx, dw = nk.rmsnorm_backward(dy, x, w, rstde, block=4, rows_per_chunk=3)
+    dxe, dwe = ref.rmsnorm_backward(dy, x, w, rstde)
+    check("rmsnorm dx", dx, dxe, 4)
+    check("rmsnorm dw", dw, dwe, 10)
+    q = rng.standard_normal((2, 3, 2, 6)).astype(dt)
+    cos, sin = rope_tables(3, 6, 10000.0, dtype=dt)
+    check("rope fwd", nk.rope_forward(q, cos, sin, block=8), ref.rope_forward(q, cos, sin))
+    check("rope bwd", nk.rope_backward(q, cos, sin, block=8), ref.rope_backward(q, cos, sin))
+    g, u, dh = (rng.standard_normal((3, 7)).astype(dt) * 3 for _ in range(3))
+    check("swiglu fwd", nk.swiglu_forward(g, u, block=8), ref.swiglu_forward(g, u), 4)
+    for lab, got, exp in zip(("dgate", "dup"), nk.swiglu_backward(dh, g, u, block=8), ref.swiglu_backward(dh, g, u)):
+        check("swiglu " + lab, got, exp, 4)
+print(f"ok, worst err/tol {worst:.2g}")
+"""
+
+
+def _numba_cuda_sim(mutation=""):
+    import os
+    import subprocess
+    import sys
+
+    from tests.support import ROOT
+
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-c", NUMBA_CUDA_SIM, mutation], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_numba_cuda_llama_kernels_match_reference_in_simulator():
+    r = _numba_cuda_sim()
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("mutation", [
+    "if r1 > N:  # not min(): see layernorm_backward_params_partial\n                r1 = N\n            s = 0.0\n"
+    "            for r in range(r0, r1):=>if r1 > N:\n                r1 = N\n            s = 0.0\n"
+    "            for r in range(r0, r1 - 1):",                                  # dw chunks drop a row
+    "y[row, head, i] = a * cos[t, i] - b * sin[t, i]=>y[row, head, i] = a * cos[t, i] + b * sin[t, i]",  # sign
+], ids=["rmsnorm-dw-chunk", "rope-sign"])
+def test_numba_cuda_simulator_check_catches_planted_bug(mutation):
+    r = _numba_cuda_sim(mutation)
+    assert r.returncode != 0 and "FAIL" in r.stderr and "planted mutation not found" not in r.stderr, \
+        r.stdout + r.stderr[-3000:]

@@ -410,6 +410,12 @@ def ptx_report():
                 "sum_of_squares_partial": (a1, arr(types.float64, 1)),
             }
             jobs = [(name, k[name].py_func, sig) for name, sig in sigs.items()]
+            # the Llama-family kernels (their simulator checks: tests/kernels/test_llama_kernels.py)
+            lk = nk.llama_kernels(dtname)
+            llama_sigs = {"rmsnorm_forward": (a2, a1, f8, a2, a1), "rmsnorm_backward_dx": (a2, a2, a1, a1, a2),
+                          "rmsnorm_backward_dw_partial": (a2, a2, a1, d2, i64), "rope": (a3, a2, a2, a3, i64),
+                          "swiglu_forward": (a1, a1, a1), "swiglu_backward": (a1, a1, a1, a1, a1)}
+            jobs += [(name, lk[name].py_func, sig) for name, sig in llama_sigs.items()]
             for ta, tb in ((False, False), (False, True), (True, False)):
                 g = nk.gemm_kernel(dtname, ta, tb, nk.GEMM_TILES)
                 v = ("T" if ta else "N") + ("T" if tb else "N")
