@@ -121,8 +121,8 @@ def _float64_rmsnorm(self, h):
 
 
 def hf_model(cfg: M.LlamaConfig, monkeypatch):
-    """A random LlamaForCausalLM (Qwen2ForCausalLM with qkv_bias) of cfg's shape in float64. transformers computes RMSNorm
-    and the RoPE tables in float32 even in a float64 model (for half-precision training);
+    """A random LlamaForCausalLM (Qwen2ForCausalLM with qkv_bias) of cfg's shape in float64.
+    transformers computes RMSNorm and the RoPE tables in float32 even in a float64 model (for half-precision training);
     the test lifts those two to float64 so that the comparison sees the math, not float32
     rounding. Its llama3 frequencies are checked against ours at float32 precision first."""
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
