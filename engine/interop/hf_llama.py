@@ -268,7 +268,8 @@ def _describe(cfg) -> str:
 # transformers would build. (Mistral's window is on by default: 4096.)
 _DEFAULTS = {
     "llama": {"num_key_value_heads": None, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-              "tie_word_embeddings": False, "hidden_act": "silu", "head_dim": None},
+              "tie_word_embeddings": False, "hidden_act": "silu", "head_dim": None, "attention_bias": False,
+              "mlp_bias": False},
     "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6,
                 "tie_word_embeddings": False, "hidden_act": "silu", "head_dim": None, "sliding_window": 4096},
     "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
@@ -343,10 +344,12 @@ def _refuse_unsupported(c: _Config, context: int) -> None:
     """Activations, biases, windows, experts and quantization ringpipe's Llama does not have."""
     if c.get("hidden_act") not in _SILUS:
         c.refuse("hidden_act", "ringpipe's Llama MLP is SwiGLU, whose gate uses silu")
-    if c.get("attention_bias", False) is not False:
+    # Only Llama reads these two (Mistral's and Qwen2's biases are fixed by the architecture).
+    reads = _DEFAULTS[c.model_type]
+    if "attention_bias" in reads and c.get("attention_bias") is not False:
         c.refuse("attention_bias", "it puts a bias on o_proj too; ringpipe's Llama has biases on q, k and v only "
                                    "(as Qwen2), or none")
-    if c.get("mlp_bias", False) is not False:
+    if "mlp_bias" in reads and c.get("mlp_bias") is not False:
         c.refuse("mlp_bias", "ringpipe's Llama MLP has no biases")
     for key in _MOE_KEYS:
         if c.get(key) not in (None, 0):
