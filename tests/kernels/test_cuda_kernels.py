@@ -313,6 +313,13 @@ PLANTED_CUDA_C = [
     # only the AddressSanitizer sees it
     ("sgemm-rowguard", "    if (row < nrows) {=>    if (true) {", "test_gpu_sgemm_matches_reference", True,
      "AddressSanitizer"),
+    # RoPE forward rotates the first half the wrong way -> wrong numbers
+    ("rope-sign", "y[base + i] = a * c[i] - b * s[i];=>y[base + i] = a * c[i] + b * s[i];", "test_gpu_rope", False,
+     "failed"),
+    # RMSNorm's dw partials drop each chunk's last row -> wrong dw
+    ("rmsnorm-dw-chunk", "s += (double)dy[r * C + c] * (double)(x[r * C + c] * rstd[r]);=>"
+     "if (r + 1 < r1) s += (double)dy[r * C + c] * (double)(x[r * C + c] * rstd[r]);", "test_gpu_rmsnorm", False,
+     "failed"),
 ]
 
 
