@@ -218,6 +218,20 @@ def test_import_reads_sharded_and_bf16_folders(tmp_path):
     assert imported_diff(bf16) <= EXACT
 
 
+def test_a_download_with_transformers_4_config_keys_is_read_as_transformers_reads_it(tmp_path):
+    """Llama 3.2's and SmolLM2's config.json on the Hub predate rope_parameters: theta in
+    rope_theta, Llama 3's scaling in rope_scaling, bf16 weights, eos a list."""
+    folder = save(random_hf_model(seed=15).to(torch.bfloat16), tmp_path / "hf")
+    config = json.load(open(os.path.join(folder, "config.json")))
+    del config["rope_parameters"]
+    config.update(rope_theta=500000.0, torch_dtype="bfloat16", eos_token_id=[1, 2],
+                  rope_scaling=dict(LLAMA3_SCALING, original_max_position_embeddings=16))
+    json.dump(config, open(os.path.join(folder, "config.json"), "w"))
+    cfg, _, _ = hf.import_hf(folder)
+    assert (cfg.rope_theta, cfg.rope_scaling["original_max_position_embeddings"]) == (500000.0, 16)
+    assert imported_diff(folder) <= EXACT
+
+
 def test_a_swapped_rope_layout_or_head_order_fails_the_comparison(tmp_path):
     """The negative control: q/k rows in Meta's interleaved RoPE layout (or heads out of
     order) give another model, and the comparison that passes at 1e-10 says so."""
