@@ -251,7 +251,7 @@ def rmsnorm_forward(x, w, eps=1e-5):
     # (x * rstd) * w, so float64 agrees with it to the last bits
     xp = get_array_module(x)
     ms = (x * x).mean(axis=-1, dtype=xp.float64)
-    rstd = (1.0 / xp.sqrt(ms + eps)).astype(x.dtype)
+    rstd = xp.asarray(1.0 / xp.sqrt(ms + eps), dtype=x.dtype)  # an array even for 1D x (shape ())
     return (x * rstd[..., None]) * w, rstd
 
 

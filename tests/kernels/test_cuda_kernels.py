@@ -707,7 +707,7 @@ def test_gpu_sum_of_squares(cp, ck, rng, dtype):
 # the Llama-family ops: odd widths (37), one row, T = 1, hd = 2, and more rows than one
 # dw chunk (ROWS_PER_CHUNK) so the chunked column sum is exercised
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("shape", [(1, 37), (3, 5, 37), (70, 2), (2, 1, 129)])
+@pytest.mark.parametrize("shape", [(1, 37), (3, 5, 37), (70, 2), (2, 1, 129), (37,), (0, 5)])
 def test_gpu_rmsnorm(cp, ck, rng, dtype, shape):
     x, w, dy = rnd(rng, shape, dtype, 2.0), rnd(rng, shape[-1:], dtype), rnd(rng, shape, dtype)
     y, rstd = ck.rmsnorm_forward(cp.asarray(x), cp.asarray(w), 1e-6)
