@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ringpipe.engine.model.layers import KVCache
 from ringpipe.engine.model.params import ParamBuffer
 
 
@@ -50,6 +51,26 @@ class LayerChain:
                 x, ctx = layer.forward(x)
             ctxs.append(ctx)
         return x, ctxs
+
+    # ---- incremental forward (sampling with a KV cache) ---------------------------
+    @property
+    def decodes(self) -> bool:
+        """Whether every layer offers decode (engine/model/layers.py): a whole text model."""
+        return self.has_head and all(hasattr(layer, "decode") for layer in self.layers)
+
+    def new_cache(self, capacity):
+        """An empty KV cache for positions 0..capacity-1: one KVCache per layer (only
+        the attention layers fill theirs)."""
+        return [KVCache(capacity) for _ in self.layers]
+
+    def decode(self, tokens, cache, start):
+        """tokens (B, T) at positions start..start+T-1, the positions before them already
+        in `cache` (new_cache; theirs are appended). Returns the logits (B, V) of the last
+        new position: what forward's logits at that position are, up to rounding."""
+        x = tokens
+        for layer, layer_cache in zip(self.layers, cache):
+            x = layer.decode(x, layer_cache, start)
+        return x
 
     # ---- backward --------------------------------------------------------------
     def backward(self, dout, ctxs, on_ready=None):

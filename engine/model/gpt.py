@@ -101,16 +101,21 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
     return 3.0 * forward
 
 
-def generate(model: LayerChain, prompt: list, n_new: int, context: int, temperature=1.0, seed=0) -> list:
-    """Sample n_new token ids after the `prompt` ids (runs the full model on the last
-    `context` tokens each step). The padding rows' logits are masked by the head."""
-    xp = model.params.xp
+def generate(model: LayerChain, prompt: list, n_new: int, context: int, temperature=1.0, seed=0,
+             cache=True) -> list:
+    """Sample n_new token ids after the `prompt` ids, each from the logits of the last
+    `context` tokens. The padding rows' logits are masked by the head.
+    cache=True (where the model decodes: LayerChain.decodes) keeps every layer's keys and
+    values, so a step runs the model on the one new token; cache=False runs it on the
+    whole window each step. Both give the same logits up to rounding, hence the same
+    tokens for a seed and temperature (a draw could differ only where rounding moves a
+    probability across the uniform number drawn)."""
     rng = np.random.default_rng(seed)
     tokens = [int(t) for t in prompt] or [10]
+    decoder = CachedDecoder(model, context) if cache and model.decodes else None
     for _ in range(n_new):
-        window = xp.asarray(np.array(tokens[-context:], dtype=np.int64)[None, :])
-        logits, _ = model.forward(window, targets=None, need_grad=False)
-        last = np.asarray(to_host(logits[0, -1]), dtype=np.float64)
+        logits = decoder.last_logits(tokens) if decoder else _window_logits(model, tokens, context)
+        last = np.asarray(to_host(logits), dtype=np.float64)
         if temperature <= 0:
             nxt = int(last.argmax())
         else:
@@ -118,6 +123,35 @@ def generate(model: LayerChain, prompt: list, n_new: int, context: int, temperat
             nxt = int(rng.choice(len(p), p=p / p.sum()))
         tokens.append(nxt)
     return tokens[len(prompt):]
+
+
+def _window_logits(model: LayerChain, tokens: list, context: int):
+    """(V,) logits after `tokens`: the full model on the last `context` of them."""
+    window = model.params.xp.asarray(np.array(tokens[-context:], dtype=np.int64)[None, :])
+    logits, _ = model.forward(window, targets=None, need_grad=False)
+    return logits[0, -1]
+
+
+class CachedDecoder:
+    """The logits after a growing token list, from a KV cache (LayerChain.decode) of the
+    window tokens[-context:] at positions 0... While the text fits the context the window
+    only grows: a step feeds the tokens not yet cached (the whole prompt first, then one).
+    Once it is full, the window slides by one each step and every kept token moves to
+    another position: the cache of the kept window is recomputed from scratch (correctness
+    over speed: the logits stay those of the uncached path)."""
+
+    def __init__(self, model: LayerChain, context: int):
+        self.model, self.context = model, context
+        self.cache, self.length = None, 0           # window positions 0..length-1 are cached
+
+    def last_logits(self, tokens: list):
+        window = tokens[-self.context:]
+        if self.cache is None or len(tokens) > self.context:
+            self.cache, self.length = self.model.new_cache(self.context), 0
+        new = np.array(window[self.length:], dtype=np.int64)[None, :]     # (1, T) not yet cached
+        logits = self.model.decode(self.model.params.xp.asarray(new), self.cache, self.length)   # (1, V)
+        self.length = len(window)
+        return logits[0]
 
 
 def memory(cfg: GPTConfig, rows: int, microbatches: int, seq_len: int | None, pp: int) -> tuple[int, int]:

@@ -9,6 +9,12 @@ contiguous run of them and the zero-bubble schedule can split backward in two:
     backward_input(dy, ctx) -> (dx, wctx)     activation gradient, overwritten
     backward_weight(wctx)                     parameter gradients, accumulated (+=)
 
+Layers of a text model also offer `decode(x, cache, start)` for sampling with a KV
+cache (LayerChain.decode): the forward of the T new positions start..start+T-1 only,
+attention reading the earlier positions' keys and values from `cache` (a KVCache)
+and appending its own; no ctx, no backward. Only whole layers decode: generate runs
+on a whole copy of the model (engine/interop/sample.py, engine/train/run.py).
+
 Only the matrix-weight gradients of Linear layers are deferred to
 backward_weight (they are the GEMMs the zero-bubble schedule moves into the
 bubbles); LayerNorm and embedding gradients are cheap and are accumulated in
@@ -191,6 +197,19 @@ class CausalSelfAttention(Layer):
         out, proj_ctx = self.proj.forward(y)
         return out, (qkv_ctx, q, k, v, att, scale, proj_ctx)
 
+    def decode(self, x, cache, start):
+        """x (B, T, C) of positions start..start+T-1 -> (B, T, C); appends their keys
+        and values to `cache` and attends to every position so far."""
+        H, hs = self.h, self.hs
+        xp = K.get_array_module(x)
+        qkv, _ = self.qkv.forward(x)                                        # (B, T, 3C)
+        B, T, _ = qkv.shape
+        qkv = xp.ascontiguousarray(qkv.reshape(B, T, 3, H, hs).transpose(2, 0, 3, 1, 4))  # (3, B, H, T, hs)
+        k, v = cache.append(qkv[1], qkv[2], start)                          # (B, H, start+T, hs)
+        y = attend_cached(qkv[0], k, v, start, 1.0 / math.sqrt(hs))         # (B, H, T, hs)
+        y = xp.ascontiguousarray(y.transpose(0, 2, 1, 3)).reshape(B, T, H * hs)
+        return self.proj.forward(y)[0]
+
     def backward_input(self, dout, ctx):
         qkv_ctx, q, k, v, att, scale, proj_ctx = ctx
         B, H, T, hs = q.shape
@@ -274,6 +293,11 @@ class Block(Layer):
         m, mlp_ctx = self.mlp.forward(m_in)
         return x1 + m, (ln1_ctx, attn_ctx, ln2_ctx, mlp_ctx)
 
+    def decode(self, x, cache, start):
+        # x (B, T, C) of positions start..start+T-1; cache: this block's KVCache
+        x1 = x + self.attn.decode(self.ln1.forward(x)[0], cache, start)
+        return x1 + self.mlp.forward(self.ln2.forward(x1)[0])[0]
+
     def backward_input(self, dx2, ctx):
         ln1_ctx, attn_ctx, ln2_ctx, mlp_ctx = ctx
         dm_in, mlp_w = self.mlp.backward_input(dx2, mlp_ctx)
@@ -288,6 +312,51 @@ class Block(Layer):
         attn_w, mlp_w = wctx
         self.mlp.backward_weight(mlp_w)
         self.attn.backward_weight(attn_w)
+
+
+class KVCache:
+    """One attention layer's keys and values of the positions decoded so far (sampling,
+    LayerChain.decode): (B, heads, capacity, hd) buffers, allocated at the first append
+    and filled from position 0 on. A grouped-query layer stores its key/value heads
+    once, not once per query head."""
+
+    def __init__(self, capacity):
+        self.capacity, self.k, self.v = capacity, None, None
+
+    def append(self, k, v, start):
+        """k, v (B, heads, T, hd) of positions start..start+T-1 -> the keys and values of
+        every position so far, (B, heads, start+T, hd) views of the buffers."""
+        B, heads, T, hd = k.shape
+        if start + T > self.capacity:
+            raise ValueError(f"positions up to {start + T} exceed the KV cache's capacity {self.capacity}")
+        if self.k is None:
+            xp = K.get_array_module(k)
+            self.k = xp.empty((B, heads, self.capacity, hd), dtype=k.dtype)
+            self.v = xp.empty_like(self.k)
+        self.k[:, :, start:start + T] = k
+        self.v[:, :, start:start + T] = v
+        return self.k[:, :, :start + T], self.v[:, :, :start + T]
+
+
+def attend_cached(q, k, v, start, scale):
+    """Causal attention of T new queries to every key so far: q (B, H, T, hd) at positions
+    start..start+T-1; k, v (B, Hkv, S, hd) at positions 0..S-1, S = start + T. Query head h
+    reads key/value head h // G, G = H / Hkv (transformers' repeat_kv; G = 1: multi-head).
+    Returns y (B, H, T, hd). The same softmax(scale q k^T) v as the forward's kernels, written
+    with plain array operations: the scores are (T, S), not the square the fused kernel takes."""
+    xp = K.get_array_module(q)
+    B, H, T, hd = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = H // Hkv
+    # The G query heads of one key/value head are rows of one product: keys are not repeated.
+    att = K.matmul_nt(q.reshape(B, Hkv, G * T, hd), k) * scale          # (B, Hkv, G*T, S)
+    att = att.reshape(B, Hkv, G, T, S)
+    future = xp.arange(S)[None, :] > start + xp.arange(T)[:, None]      # (T, S): a key after its query
+    att = xp.where(future, -xp.inf, att)
+    att = xp.exp(att - att.max(axis=-1, keepdims=True))                  # the own position is never masked
+    att /= att.sum(axis=-1, keepdims=True)
+    y = K.matmul(att.reshape(B, Hkv, G * T, S), v)                       # (B, Hkv, G*T, hd)
+    return y.reshape(B, H, T, hd)
 
 
 class Embedding(Layer):
@@ -314,6 +383,11 @@ class Embedding(Layer):
     def forward(self, tokens):
         self.check_length(tokens.shape[1])
         return self.wte[tokens] + self.wpe[:tokens.shape[1]], tokens
+
+    def decode(self, tokens, cache, start):
+        # tokens (B, T) at positions start..start+T-1 -> (B, T, C)
+        self.check_length(start + tokens.shape[1])
+        return self.wte[tokens] + self.wpe[start:start + tokens.shape[1]]
 
     def backward_input(self, dout, ctx):
         tokens = ctx
@@ -378,6 +452,11 @@ class LMHead(Layer):
         losses, dlogits = K.cross_entropy_forward_backward(
             logits, targets.reshape(-1), dlogits=logits if need_grad else None, grad_scale=grad_scale)
         return float(losses.sum()), (ln_ctx, h2, dlogits, (B, T, C))
+
+    def decode(self, x, cache, start):
+        """x (B, T, C) -> the logits (B, V) of the last position only: the one sampled from."""
+        h, _ = self.ln_f.forward(x[:, -1:])                      # (B, 1, C)
+        return self.logits(h.reshape(x.shape[0], self.c))
 
     def backward_input(self, dloss, ctx):
         # dloss is unused: the gradient scale was applied in forward.

@@ -27,7 +27,7 @@ from ringpipe import kernels as K
 from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.model.chain import LayerChain
 from ringpipe.engine.model.gpt import VOCAB_PAD_MULTIPLE, VOCAB_SIZE, _divisor_near, generate
-from ringpipe.engine.model.layers import WHOLE, Block, Layer, LMHead, scatter_add_rows
+from ringpipe.engine.model.layers import WHOLE, Block, Layer, LMHead, attend_cached, scatter_add_rows
 from ringpipe.engine.model.params import ParamSpec
 from ringpipe.engine.model.recipe import ModelRecipe
 
@@ -212,6 +212,23 @@ class GroupedQueryAttention(Layer):
         out, o_ctx = self.o.forward(y)
         return out, (q_ctx, k_ctx, v_ctx, o_ctx, q, k, v, att, scale)
 
+    def decode(self, x, cache, start):
+        """x (B, T, C) of positions start..start+T-1 -> (B, T, C) (sampling, LayerChain.decode):
+        rotary at those positions, their keys and values appended to `cache` once per
+        key/value head (not repeated per query head), attention to every position so far."""
+        xp = K.get_array_module(x)
+        B, T, _ = x.shape
+        H, Hkv, hd = self.h, self.h_kv, self.hd
+        cos, sin = self.rotary.tables(cache.capacity, x)
+        cos, sin = cos[start:start + T], sin[start:start + T]                      # (T, hd): these positions
+        q = K.rope_forward(self.q.forward(x)[0].reshape(B, T, H, hd), cos, sin)    # (B, T, H, hd)
+        k = K.rope_forward(self.k.forward(x)[0].reshape(B, T, Hkv, hd), cos, sin)  # (B, T, Hkv, hd)
+        v = self.v.forward(x)[0].reshape(B, T, Hkv, hd)
+        k, v = cache.append(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), start)   # (B, Hkv, start+T, hd)
+        y = attend_cached(xp.ascontiguousarray(q.transpose(0, 2, 1, 3)), k, v, start, 1.0 / math.sqrt(hd))
+        y = xp.ascontiguousarray(y.transpose(0, 2, 1, 3)).reshape(B, T, H * hd)    # (B, T, H*hd)
+        return self.o.forward(y)[0]
+
     def backward_input(self, dout, ctx):
         q_ctx, k_ctx, v_ctx, o_ctx, q, k, v, att, scale = ctx
         xp = K.get_array_module(dout)
@@ -307,6 +324,12 @@ class TokenEmbedding(Layer):
         if tokens.shape[1] > self.context:
             raise ValueError(f"sequence length {tokens.shape[1]} exceeds the model's context {self.context}")
         return self.wte[tokens], tokens
+
+    def decode(self, tokens, cache, start):
+        # tokens (B, T) at positions start..start+T-1 -> (B, T, C)
+        if start + tokens.shape[1] > self.context:
+            raise ValueError(f"position {start + tokens.shape[1] - 1} is past the model's context {self.context}")
+        return self.wte[tokens]
 
     def backward_input(self, dout, ctx):
         tokens = ctx
