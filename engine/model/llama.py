@@ -144,13 +144,15 @@ class Rotary:
 # ---- layers ------------------------------------------------------------------------
 
 class RMSNorm(Layer):
-    """y = x / rms(x) * w (no mean subtracted, no bias); x (..., C)."""
+    """y = x / rms(x) * w (no mean subtracted, no bias); x (..., C).
+    partial=True: under sequence parallelism this rank normalises only its positions,
+    so its weight gradient is its part of the sum (ParamSpec.partial), as LayerNorm's."""
 
-    def __init__(self, name, c, eps=1e-5):
-        self.name, self.c, self.eps = name, c, eps
+    def __init__(self, name, c, eps=1e-5, partial=False):
+        self.name, self.c, self.eps, self.partial = name, c, eps, partial
 
     def specs(self):
-        return [ParamSpec(f"{self.name}.w", (self.c,), init="ones", decay=False)]
+        return [ParamSpec(f"{self.name}.w", (self.c,), init="ones", decay=False, partial=self.partial)]
 
     def bind(self, params):
         self.w, self.dw = params.view(f"{self.name}.w"), params.grad_view(f"{self.name}.w")
@@ -173,11 +175,17 @@ def _residual_std(n_layer):
 
 class GroupedQueryAttention(Layer):
     """Causal self-attention with H query heads sharing Hkv key/value heads: query head h
-    reads key/value head h // G (transformers' repeat_kv). Rotary positions on q and k."""
+    reads key/value head h // G (transformers' repeat_kv). Rotary positions on q and k.
+    Split by a maker over `maker.size` ranks (tensor parallelism): rank r holds query heads
+    r*H/size ... and key/value heads r*Hkv/size ..., which are exactly the ones its query
+    heads read (H/size = G * Hkv/size), so attention needs no communication; o is row-parallel."""
 
     def __init__(self, name, cfg: LlamaConfig, rotary: Rotary, maker=WHOLE):
         C, hd = cfg.d_model, cfg.head_dim
-        self.h, self.h_kv, self.hd, self.rotary = cfg.n_head, cfg.n_kv_head, hd, rotary
+        if cfg.n_kv_head % maker.size:
+            raise ConfigError(f"<tp> {maker.size} does not divide the model's {cfg.n_kv_head} key/value heads")
+        # the heads on this rank
+        self.h, self.h_kv, self.hd, self.rotary = cfg.n_head // maker.size, cfg.n_kv_head // maker.size, hd, rotary
         self.q = maker.column(f"{name}.q", C, cfg.n_head * hd, bias=cfg.qkv_bias)
         self.k = maker.column(f"{name}.k", C, cfg.n_kv_head * hd, bias=cfg.qkv_bias)
         self.v = maker.column(f"{name}.v", C, cfg.n_kv_head * hd, bias=cfg.qkv_bias)
@@ -193,12 +201,12 @@ class GroupedQueryAttention(Layer):
 
     def forward(self, x):
         xp = K.get_array_module(x)
-        B, T, _ = x.shape
         H, Hkv, hd, G = self.h, self.h_kv, self.hd, self.h // self.h_kv
-        cos, sin = self.rotary.tables(T, x)
         q, q_ctx = self.q.forward(x)                                       # (B, T, H*hd)
         k, k_ctx = self.k.forward(x)                                       # (B, T, Hkv*hd)
         v, v_ctx = self.v.forward(x)
+        B, T, _ = q.shape          # the whole sequence, also when x is a sequence-parallel part
+        cos, sin = self.rotary.tables(T, x)
         q = K.rope_forward(q.reshape(B, T, H, hd), cos, sin).transpose(0, 2, 1, 3)      # (B, H, T, hd)
         k = K.rope_forward(k.reshape(B, T, Hkv, hd), cos, sin).transpose(0, 2, 1, 3)    # (B, Hkv, T, hd)
         q = xp.ascontiguousarray(q)
@@ -301,9 +309,9 @@ class LlamaBlock(Block):
 
     def __init__(self, name, cfg: LlamaConfig, rotary: Rotary, maker=WHOLE):
         self.name = name
-        self.ln1 = RMSNorm(f"{name}.norm1", cfg.d_model, cfg.rms_eps)
+        self.ln1 = RMSNorm(f"{name}.norm1", cfg.d_model, cfg.rms_eps, partial=maker.sequence_parallel)
         self.attn = GroupedQueryAttention(f"{name}.attn", cfg, rotary, maker=maker)
-        self.ln2 = RMSNorm(f"{name}.norm2", cfg.d_model, cfg.rms_eps)
+        self.ln2 = RMSNorm(f"{name}.norm2", cfg.d_model, cfg.rms_eps, partial=maker.sequence_parallel)
         self.mlp = SwiGLU(f"{name}.mlp", cfg, maker=maker)
         self.parts = [self.ln1, self.attn, self.ln2, self.mlp]
 
@@ -348,16 +356,21 @@ class LlamaHead(LMHead):
 
 
 def llama_layers(cfg: LlamaConfig, tensor=None):
-    """The model's layers. `tensor` is the layer maker's slot for the tensor axis,
-    which the family does not offer yet (its recipe's axes): whole layers only."""
+    """The model's layers; with a tensor group (engine/parallel/tensor.py), this rank's
+    parts of them: the group is then the layer maker (Megatron's split: q, k, v, gate and
+    up column-parallel, o and down row-parallel, the vocabulary-parallel embedding and
+    head; the RMSNorms replicated, on this rank's positions under sequence parallelism)."""
     cfg.validate()
-    if tensor is not None:
-        raise ConfigError("tensor parallelism is not implemented for <model> llama yet: drop <tp>")
     rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    layers = [TokenEmbedding(cfg.padded_vocab, cfg.d_model, cfg.context)]
-    layers += [LlamaBlock(f"h.{i}", cfg, rotary) for i in range(cfg.n_layer)]
-    layers.append(LlamaHead(cfg))
-    return layers
+    maker = WHOLE if tensor is None else tensor
+    blocks = [LlamaBlock(f"h.{i}", cfg, rotary, maker=maker) for i in range(cfg.n_layer)]
+    if tensor is None:
+        return [TokenEmbedding(cfg.padded_vocab, cfg.d_model, cfg.context), *blocks, LlamaHead(cfg)]
+    embedding = tensor.embedding(cfg.padded_vocab, cfg.context, cfg.d_model, wpe=None)
+    head = tensor.head(cfg.padded_vocab, cfg.d_model, wte="wte" if cfg.tie_embeddings else "lm_head.w",
+                       used=cfg.vocab)
+    head.ln_f = RMSNorm("norm_f", cfg.d_model, cfg.rms_eps, partial=tensor.sequence_parallel)
+    return [embedding, *blocks, head]
 
 
 def build_llama(cfg: LlamaConfig, dtype=np.float32, xp=np, seed=0):
@@ -405,5 +418,5 @@ LLAMA_RECIPE = ModelRecipe(
             "tie_embeddings": "tie_embeddings"},
     layers=llama_layers, flops_per_item=flops_per_token, memory=memory,
     data="tokens", default_data="stdlib", data_path_data="text", unit="tokens", rate_unit="tok",
-    axes=("data", "pipe"), presets=PRESETS, generate=generate,
+    axes=("data", "pipe", "tensor"), presets=PRESETS, generate=generate,
     hf_format=True)       # engine/interop/hf_llama.py: LlamaForCausalLM folders both ways

@@ -119,11 +119,11 @@ class TensorGroup:
         return self.index * part, (self.index + 1) * part, part * self.size - vocab
 
     # ---- the layers of a region (the layer maker: engine/model/layers.py WholeLayers) ------------
-    def column(self, name, c_in, c_out, groups=1, gelu=False, std=0.02):
-        return ColumnParallelLinear(self, name, c_in, c_out, groups=groups, gelu=gelu, std=std)
+    def column(self, name, c_in, c_out, groups=1, gelu=False, std=0.02, bias=True):
+        return ColumnParallelLinear(self, name, c_in, c_out, groups=groups, bias=bias, gelu=gelu, std=std)
 
-    def row(self, name, c_in, c_out, std=0.02):
-        return RowParallelLinear(self, name, c_in, c_out, std=std)
+    def row(self, name, c_in, c_out, std=0.02, bias=True):
+        return RowParallelLinear(self, name, c_in, c_out, bias=bias, std=std)
 
     def embedding(self, vocab, context, c, wte="wte", wpe="wpe"):
         return VocabParallelEmbedding(self, vocab, context, c, wte=wte, wpe=wpe)
@@ -261,18 +261,31 @@ class TensorGroup:
             self._thread = None
 
 
+def _features(name, n, tensor, groups=1):
+    """(features on each rank, zero features padded in memory) of n features split over
+    the group. Uneven splits (a SwiGLU's d_ff of 37 at tp 2) are padded like the
+    vocabulary: the last rank holds zero rows, whose outputs are 0 and stay 0 (their
+    gradients are 0: silu(0) * 0 and its derivatives vanish), so the math is unchanged.
+    A split in `groups` blocks (GPT's qkv) must be even."""
+    if groups == 1:
+        part = -(-n // tensor.size)
+        return part, part * tensor.size - n
+    if n % (groups * tensor.size):
+        raise ValueError(f"{name}: {n} features do not split into {groups} x {tensor.size} parts")
+    return n // tensor.size, 0
+
+
 class ColumnParallelLinear(Linear):
     """Rank r holds output features (rows of w, and of b) r of each of `groups`
     blocks: y_r = x @ w_r.T + b_r. Its input is the whole activation (f)."""
 
     def __init__(self, tensor, name, c_in, c_out, groups=1, bias=True, std=0.02, gelu=False):
-        if c_out % (groups * tensor.size):
-            raise ValueError(f"{name}: {c_out} output features do not split into {groups} x {tensor.size} parts")
-        super().__init__(name, c_in, c_out // tensor.size, bias=bias, std=std, gelu=gelu)
+        part, self.pad = _features(name, c_out, tensor, groups)
+        super().__init__(name, c_in, part, bias=bias, std=std, gelu=gelu)
         self.tensor, self.groups = tensor, groups
 
     def specs(self):
-        split = self.tensor.split(0, self.groups)
+        split = self.tensor.split(0, self.groups, pad=self.pad)
         return [_split(spec, split) for spec in super().specs()]
 
     def forward(self, x):
@@ -304,14 +317,13 @@ class RowParallelLinear(Linear):
     up (g). The bias is whole on every rank, added once after the sum."""
 
     def __init__(self, tensor, name, c_in, c_out, bias=True, std=0.02):
-        if c_in % tensor.size:
-            raise ValueError(f"{name}: {c_in} input features do not split into {tensor.size} parts")
-        super().__init__(name, c_in // tensor.size, c_out, bias=bias, std=std)
+        part, self.pad = _features(name, c_in, tensor)    # padded columns meet the column layer's zero outputs
+        super().__init__(name, part, c_out, bias=bias, std=std)
         self.tensor = tensor
 
     def specs(self):
         w, *bias = super().specs()
-        return [_split(w, self.tensor.split(1))] + bias
+        return [_split(w, self.tensor.split(1, pad=self.pad))] + bias
 
     def forward(self, x):
         # x (B, T, C_in/tp) -> y (B, T, C_out), or (B, T/tp, C_out) under sequence parallelism
@@ -338,7 +350,8 @@ def _split(spec, split):
 class VocabParallelEmbedding(Embedding):
     """This rank holds rows lo ... hi of wte, looks up the tokens among them (0 for
     the others), and the group sums the parts (g: an all-reduce, or under sequence
-    parallelism a reduce-scatter to this rank's positions)."""
+    parallelism a reduce-scatter to this rank's positions). wpe=None: no position
+    table (the Llama family's positions are rotary, inside attention)."""
 
     def __init__(self, tensor, vocab, context, c, wte="wte", wpe="wpe"):
         super().__init__(vocab, context, c, wte=wte, wpe=wpe)
@@ -347,7 +360,13 @@ class VocabParallelEmbedding(Embedding):
 
     def specs(self):
         wte = ParamSpec(self.wte_name, (self.hi - self.lo, self.c), split=self.tensor.split(0, pad=self.pad))
-        return [wte, self.wpe_spec()]
+        return [wte] + ([self.wpe_spec()] if self.wpe_name else [])
+
+    def bind(self, params):
+        if self.wpe_name:
+            super().bind(params)
+        else:
+            self.wte, self.dwte = params.view(self.wte_name), params.grad_view(self.wte_name)
 
     def forward(self, tokens):
         self.check_length(tokens.shape[1])
@@ -357,14 +376,17 @@ class VocabParallelEmbedding(Embedding):
         local = xp.where(inside, local, 0)
         part = self.wte[local] * inside[..., None]                           # (B, T, C): 0 for others' tokens
         x = self.tensor.out_of_region(part)                                 # (B, T, C), or (B, T/tp, C)
-        first = self.tensor.index * x.shape[1] if self.tensor.sequence_parallel else 0
-        return x + self.wpe[first:first + x.shape[1]], (tokens, local, inside)
+        if self.wpe_name:
+            first = self.tensor.index * x.shape[1] if self.tensor.sequence_parallel else 0
+            x = x + self.wpe[first:first + x.shape[1]]
+        return x, (tokens, local, inside)
 
     def backward_input(self, dout, ctx):
         tokens, local, inside = ctx
         dout = self.tensor.out_of_region_backward(dout)                     # (B, T, C): whole
         B, T = tokens.shape
-        self.dwpe[:T] += dout.sum(axis=0)            # from the whole dout: the same on every tensor rank
+        if self.wpe_name:
+            self.dwpe[:T] += dout.sum(axis=0)        # from the whole dout: the same on every tensor rank
         keep = inside.reshape(-1)
         scatter_add_rows(self.dwte, local.reshape(-1)[keep], dout.reshape(B * T, self.c)[keep])
         return None, None

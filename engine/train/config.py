@@ -78,7 +78,7 @@ class Config:
     no_overlap: bool = False           # all-reduce after backward instead of during it
     zero: int = 0                      # 1: ZeRO-1 (optimizer state split over the data axis, a slice a rank)
     pp: int = 1                        # pipeline stages
-    tp: int = 1                        # tensor-parallel ranks (GPT): heads, MLP features, vocabulary split
+    tp: int = 1                        # tensor-parallel ranks (GPT, Llama): heads, MLP features, vocabulary split
     sequence_parallel: bool = False    # with tp > 1: the stream between the TP regions split along T
     tp_overlap: str = "auto"           # auto | on | off: input-gradient reductions beside weight-gradient GEMMs
     schedule: str | None = None        # gpipe | 1f1b | interleaved | zbh1 (1f1b)
@@ -400,6 +400,13 @@ def check_tensor_parallel(cfg: Config, shape, seq_len) -> None:
     """Refuse a tensor-parallel size the model's shape cannot split."""
     if cfg.tp == 1 or "tensor" not in cfg.recipe.axes:
         return
+    kv_heads = getattr(shape, "n_kv_head", None)        # grouped-query attention (the Llama family)
+    if kv_heads is not None and kv_heads % cfg.tp:
+        from ringpipe.engine.parallel.tensor import valid_tp
+        raise ConfigError(f"<tp> {cfg.tp} does not divide the model's {kv_heads} key/value heads (each "
+                          f"tensor-parallel rank holds whole key/value heads and the query heads that read them); "
+                          f"<tp> can be {', '.join(map(str, valid_tp(kv_heads, kv_heads)))} for this model, or "
+                          "change <kv_heads>")
     if shape.n_head % cfg.tp:
         from ringpipe.engine.parallel.tensor import valid_tp
         raise ConfigError(f"<tp> {cfg.tp} does not divide the model's {shape.n_head} attention heads (each "

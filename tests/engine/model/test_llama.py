@@ -292,7 +292,6 @@ def test_the_other_family_s_checkpoint_is_refused(tmp_path, written, resumed):
 @pytest.mark.parametrize("flags,says", [
     (["--model", "llama", "--kv-heads", "3"], "--kv-heads 3 does not divide --heads 4 .* use --kv-heads 1, 2, 4"),
     (["--kv-heads", "2"], "--kv-heads applies to --model llama only"),
-    (["--model", "llama", "--no-tie-embeddings", "--tp", "2"], "tensor parallelism"),
     (["--model", "llama", "--preset", "hf-tiny"], "the data's tokenizer has 256 tokens, but --preset hf-tiny has "
                                                   "a vocabulary of 99"),
     (["--preset", "llama-tiny"], "unknown --preset 'llama-tiny' for --model gpt .*add --model llama"),

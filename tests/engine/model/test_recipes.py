@@ -82,7 +82,7 @@ def test_a_registered_family_is_offered_and_checked(toy):
     # The axes it does not offer, and what only the GPT's recipe offers.
     with pytest.raises(ConfigError, match=r"pipeline stages .* implemented for model gpt or llama only"):
         config_checks.check(Config(model="toy", pp=2), 2)
-    with pytest.raises(ConfigError, match=r"tensor parallelism .* implemented for model gpt only"):
+    with pytest.raises(ConfigError, match=r"tensor parallelism .* implemented for model gpt or llama only"):
         config_checks.check(Config(model="toy", tp=2), 2)
     with pytest.raises(ConfigError, match=r"preset and init_from are GPT shapes: use them with model gpt"):
         config_checks.check(Config(model="toy", preset="gpt2-124m"), 1)
@@ -104,7 +104,7 @@ def test_the_shipped_recipes_keep_their_shapes_and_messages():
     assert config_checks.model_config(Config(model="mlp", layers=3, d_model=64)).to_dict() == \
         {"n_in": 784, "hidden": 64, "n_layer": 3, "n_classes": 10}
     assert (gpt.unit, gpt.rate_unit, mlp.unit, mlp.rate_unit) == ("tokens", "tok", "examples", "ex")
-    assert names_of(lambda r: "tensor" in r.axes) == "gpt" and names_of(lambda r: True) == "gpt or llama or mlp"
+    assert names_of(lambda r: "tensor" in r.axes) == "gpt or llama" and names_of(lambda r: True) == "gpt or llama or mlp"
     with pytest.raises(ConfigError, match=r"^heads, context apply to model gpt or llama only; the MLP takes "
                                           r"layers and d_model \(hidden width\)$"):
         config_checks.check(Config(model="mlp", heads=2, context=8), 1)

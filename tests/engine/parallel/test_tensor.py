@@ -120,7 +120,7 @@ def test_layouts_tensor_parallelism_cannot_make_are_refused():
     _refused(r"3 ranks do not split into pp 1 pipeline stages x tp 2", 3, tp=2)
     _refused(r"tp must be >= 1", 1, tp=0)
     _refused(r"sequence_parallel .* needs tp >= 2", 1, sequence_parallel=True)
-    _refused(r"tensor parallelism .* model gpt only", 2, model="mlp", tp=2)
+    _refused(r"tensor parallelism .* model gpt or llama only", 2, model="mlp", tp=2)
     assert Config(tp=2, pp=2).data_parallel(8) == 2
 
 
