@@ -15,7 +15,7 @@ COMMANDS = {
     "prepare": ("ringpipe.engine.data.prepare", "tokenize text files (txt, jsonl, parquet) into token shards"),
     "train": ("ringpipe.engine.train.cli", "train a GPT or MLP on one or many MPI ranks"),
     "sample": ("ringpipe.engine.interop.sample", "generate text from a trained GPT (a run directory or checkpoint)"),
-    "export": ("ringpipe.engine.interop.hf", "write a trained GPT as a Hugging Face folder (transformers loads it)"),
+    "export": ("ringpipe.engine.interop.hf", "write a trained GPT or Llama as a Hugging Face folder (transformers loads it)"),
     "pipeline": ("ringpipe.engine.schedules.__main__", "print, validate and simulate a pipeline schedule"),
     "finished": ("ringpipe.engine.job.rundir", "did every rank of a run finish? (check it, not the launcher's exit code)"),
 }

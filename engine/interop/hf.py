@@ -742,6 +742,20 @@ def import_notes(hf_dir: str) -> list:
             "fine-tuning here runs with none"]
 
 
+def family_of(hf_dir: str) -> str | None:
+    """The model family (a registered recipe's name) a Hugging Face folder holds, from its
+    config.json's model_type: "gpt" for gpt2, "llama" for the Llama-style types; None when
+    the folder cannot tell (no readable config.json, another model_type): the import then
+    says what is wrong."""
+    try:
+        model_type = _read_config(hf_dir).get("model_type")
+    except (HFError, OSError, ValueError):
+        return None
+    if model_type == "gpt2":
+        return "gpt"
+    return "llama" if model_type in _llama().MODEL_TYPES else None
+
+
 def _read_config(hf_dir: str) -> dict:
     path = os.path.join(hf_dir, "config.json")
     if not os.path.lexists(path):

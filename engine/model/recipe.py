@@ -46,7 +46,7 @@ class ModelRecipe:
     fields_hint: str = ""         # what it takes, said when a shape setting of another family is given
     axes: tuple = ("data",)       # the parallel axes it runs on (AXES); data parallelism always
     presets: dict = field(default_factory=dict)   # <preset> name -> the shape fields it fixes
-    hf_format: bool = False       # its checkpoints export to, and <init_from> imports, Hugging Face's GPT-2
+    hf_format: bool = False       # its checkpoints export to, and <init_from> imports, a Hugging Face format
     fit_to_data: Callable = _nothing_from_data    # (shape, dataset): set the shape fields the data decides
     generate: Callable | None = None              # text sampling (engine/model/gpt.py generate); None: no text
 

@@ -72,15 +72,16 @@ def parse_args(argv=None, prog="ringpipe train"):
 
 def _model_flags(p):
     g = p.add_argument_group("model")
-    g.add_argument("--model", choices=sorted(RECIPES), default="gpt", help="model to train (default gpt)")
+    g.add_argument("--model", choices=sorted(RECIPES), default=None,
+                   help="model family to train (default: the family of --init-from's folder, else gpt)")
     g.add_argument("--preset", choices=sorted({name for r in RECIPES.values() for name in r.presets}), default=None,
                    help="a standard shape of the --model's family: sets --layers, --d-model, --heads and --context "
                         "(gpt2-124m: 12, 768, 12, 1024; the llama presets also the rest of the shape, and the real "
                         "models' the vocabulary); flags given as well must agree with it")
     g.add_argument("--init-from", default=None, metavar="hf:HF_DIR",
-                   help="start from the weights of a Hugging Face GPT-2 folder (ringpipe export's, or a local "
-                        "GPT-2 download with model.safetensors): its shape replaces the shape flags, and --data "
-                        "must use its tokenizer")
+                   help="start from the weights of a Hugging Face folder (ringpipe export's, or a local GPT-2 or "
+                        "Llama-style download with model.safetensors): its family and shape replace --model and the "
+                        "shape flags, and --data must use its tokenizer")
     g.add_argument("--layers", type=int, default=None, help="transformer blocks / MLP hidden layers (default 4 / 2)")
     g.add_argument("--d-model", type=int, default=None, help="GPT width / MLP hidden width (default 128 / 256)")
     g.add_argument("--heads", type=int, default=None, help="GPT attention heads (default 4)")
@@ -248,7 +249,19 @@ def flag_name(field: str) -> str | None:
 
 
 def config_from_args(args) -> Config:
-    return Config(**vars(args))
+    settings = vars(args)
+    if settings["model"] is None:
+        settings["model"] = _family_from_init(settings.get("init_from")) or "gpt"
+    return Config(**settings)
+
+
+def _family_from_init(init_from):
+    """--init-from hf:DIR without --model: the folder's config.json says the family (a
+    Llama-style folder trains as llama without the user repeating it)."""
+    if not init_from or not init_from.startswith("hf:"):
+        return None
+    from ringpipe.engine.interop.hf import family_of
+    return family_of(init_from[3:])
 
 
 def run_flags(argv, world=None, stop=None):

@@ -325,14 +325,14 @@ def _check_combinations(cfg: Config, dp: int) -> list[str]:
                           f"{names_of(lambda r: r.data == 'tokens')}")
     if cfg.init_from is not None:
         if not cfg.init_from.startswith("hf:") or not cfg.hf_dir:
-            raise ConfigError(f"<init_from> {cfg.init_from!r}: give hf:HF_DIR, a Hugging Face GPT-2 folder")
+            raise ConfigError(f"<init_from> {cfg.init_from!r}: give hf:HF_DIR, a Hugging Face model folder")
         if not os.path.isdir(cfg.hf_dir):
             raise ConfigError(f"<init_from>: the folder {cfg.hf_dir} does not exist")
         if cfg.preset:
             raise ConfigError("<init_from>'s model has its own shape; <preset> would be ignored: pass one of them")
     if (cfg.preset and not cfg.recipe.presets) or (cfg.init_from and not cfg.recipe.hf_format):
-        raise ConfigError(f"<preset> and <init_from> are GPT shapes: use them with <model> "
-                          f"{names_of(lambda r: r.presets and r.hf_format)}")
+        raise ConfigError(f"<model> {cfg.model} has no {'presets' if cfg.preset else 'Hugging Face format'}: "
+                          f"<preset> and <init_from> are for <model> {names_of(lambda r: r.presets and r.hf_format)}")
     if cfg.watchdog_abort and not cfg.watchdog:
         raise ConfigError("<watchdog_abort> needs <watchdog> SECONDS (the stall that triggers it)")
     notes = []

@@ -493,7 +493,7 @@ def test_init_from_a_llama_folder_with_another_model_is_refused_naming_the_famil
     from ringpipe.engine.train.cli import run_flags
     folder = save(random_hf_model(seed=12, vocab_size=256, max_position_embeddings=32), tmp_path / "hf")
     with pytest.raises(SystemExit, match="holds a model of the llama family, not gpt: pass --model llama"):
-        run_flags(["--init-from", f"hf:{folder}", "--data", "synthetic", "--steps", "1", "--batch-size", "4",
+        run_flags(["--model", "gpt", "--init-from", f"hf:{folder}", "--data", "synthetic", "--steps", "1", "--batch-size", "4",
                    "--seq-len", "32", "--quiet", "--out", str(tmp_path / "run")])
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
 
@@ -507,3 +507,21 @@ def test_export_refuses_an_edited_llama_checkpoint_before_reading_it(tmp_path, c
     assert hf.main([str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 2
     assert "param/h.0.mlp.gate.w" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_init_from_without_model_takes_the_family_from_the_folder(tmp_path):
+    """--init-from hf:DIR alone: the folder's config.json names the family (issue 23: it takes
+    the family and shape from config.json, as it does for GPT-2)."""
+    from ringpipe.engine.interop.hf import family_of
+    from ringpipe.engine.train.cli import config_from_args, parse_args
+    llama, gpt2, other = tmp_path / "llama", tmp_path / "gpt2", tmp_path / "other"
+    for folder, model_type in ((llama, "llama"), (gpt2, "gpt2"), (other, "bert")):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+    assert family_of(str(llama)) == "llama" and family_of(str(gpt2)) == "gpt" and family_of(str(other)) is None
+    assert family_of(str(tmp_path / "missing")) is None
+    assert config_from_args(parse_args(["--init-from", f"hf:{llama}"])).model == "llama"
+    assert config_from_args(parse_args(["--init-from", f"hf:{gpt2}"])).model == "gpt"
+    assert config_from_args(parse_args(["--init-from", f"hf:{other}"])).model == "gpt"     # the import says why
+    assert config_from_args(parse_args([])).model == "gpt"
+    assert config_from_args(parse_args(["--model", "gpt", "--init-from", f"hf:{llama}"])).model == "gpt"

@@ -84,7 +84,7 @@ def test_a_registered_family_is_offered_and_checked(toy):
         config_checks.check(Config(model="toy", pp=2), 2)
     with pytest.raises(ConfigError, match=r"tensor parallelism .* implemented for model gpt or llama only"):
         config_checks.check(Config(model="toy", tp=2), 2)
-    with pytest.raises(ConfigError, match=r"preset and init_from are GPT shapes: use them with model gpt"):
+    with pytest.raises(ConfigError, match=r"model toy has no presets: preset and init_from are for model gpt"):
         config_checks.check(Config(model="toy", preset="gpt2-124m"), 1)
 
 
