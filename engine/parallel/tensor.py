@@ -10,6 +10,13 @@ Megatron's split of a Transformer block, written out by hand like the layers:
     LM head     wte   the same rows, tied; logits (N, V/tp) never gathered: the fused
                       cross-entropy all-reduces each row's max and sum of exponentials
 
+The Llama family (engine/model/llama.py) asks the same maker for its parts: q, k and v
+column-parallel by heads (rank r: query heads r*H/tp ... and key/value heads r*Hkv/tp ...,
+the ones those query heads read), o row-parallel; gate and up column-parallel over d_ff,
+down row-parallel (a d_ff tp does not divide is padded with zero features, as the
+vocabulary is); the embedding without a position table (wpe=None); the head tied to wte
+or with its own lm_head.w, split alike.
+
 V is the model's padded vocabulary (GPTConfig.padded_vocab, the same for every
 layout). Where tp does not divide it, the last ranks hold a few more zero rows,
 in memory only (Split.pad): their logits are masked like any padding row's, and

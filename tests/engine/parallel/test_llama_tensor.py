@@ -192,7 +192,7 @@ def base(**more):
                             quiet=True, overwrite=True, eval_every=3, eval_batches=1), **more})
 
 
-SHAPE_KEYS = ("heads", "kv_heads", "d_model", "tie_embeddings", "d_ff")
+SHAPE_KEYS = ("layers", "heads", "kv_heads", "d_model", "tie_embeddings", "d_ff")
 RUNS_2 = {
     "tp2": dict(tp=2),
     "tp2-sp": dict(tp=2, sequence_parallel=True),
@@ -209,12 +209,15 @@ RUNS_4 = {
     "pp2-tp2-zbh1": dict(pp=2, tp=2, schedule="zbh1", microbatches=4),
     "pp2-tp2-sp-zbh1-untied": dict(pp=2, tp=2, schedule="zbh1", microbatches=4, sequence_parallel=True,
                                    tie_embeddings=False),
+    "pp2-tp2-interleaved": dict(pp=2, tp=2, schedule="interleaved", chunks=2, microbatches=2, layers=4),
     "tp4": dict(tp=4, heads=8, kv_heads=4),
     "tp4-sp": dict(tp=4, heads=8, kv_heads=4, sequence_parallel=True),
 }
 
 
-def _compare(shared_dir, name, layout):
+def compare_layout(shared_dir, name, layout):
+    """The run of `layout` (its shape settings and micro-batches shared by the one-process
+    reference) equals one process; also used by test_tensor.py's 8-rank layout."""
     layout = dict(layout)
     shape = {k: layout.pop(k) for k in SHAPE_KEYS if k in layout}
     m = dict(microbatches=layout.pop("microbatches", 2))
@@ -222,7 +225,7 @@ def _compare(shared_dir, name, layout):
     trained = train(base(out=os.path.join(shared_dir, f"llama-tp-{name}"), **shape, **m, **layout), world)
     world.Barrier()
     manifest = assert_same_run(trained, ref, TOL, grad_norm=True)
-    assert manifest["layout"]["tp"] == layout["tp"]
+    assert manifest["layout"]["tp"] == layout["tp"] and manifest["layout"]["pp"] == layout.get("pp", 1)
     if layout.get("sequence_parallel"):
         stats = trained.model.inner.tensor.stats
         assert stats["all-gather"][0] and stats["reduce-scatter"][0]
@@ -233,7 +236,7 @@ def _compare(shared_dir, name, layout):
 def test_llama_tensor_parallel_run_equals_one_process(shared_dir, name):
     if world.size != 2:
         pytest.skip("written for 2 ranks")
-    _compare(shared_dir, name, RUNS_2[name])
+    compare_layout(shared_dir, name, RUNS_2[name])
 
 
 @pytest.mark.mpi(min_size=4)
@@ -241,7 +244,7 @@ def test_llama_tensor_parallel_run_equals_one_process(shared_dir, name):
 def test_llama_tensor_parallel_layout_of_4_ranks_equals_one_process(shared_dir, name):
     if world.size != 4:
         pytest.skip("written for 4 ranks")
-    _compare(shared_dir, name, RUNS_4[name])
+    compare_layout(shared_dir, name, RUNS_4[name])
 
 
 @pytest.mark.mpi(min_size=2)
@@ -279,3 +282,24 @@ def test_the_split_specs_hold_the_hugging_face_row_order():
     assert specs["h.0.attn.q.w"].split == Split(0, 1, 2)
     assert specs["h.0.attn.o.w"].split == Split(1, 1, 2)
     assert specs["h.0.norm1.w"].split is None
+
+
+def test_the_command_line_refuses_key_value_heads_tp_cannot_split_with_exit_2(tmp_path):
+    """ringpipe train under 2 ranks, multi-query attention at --tp 2: exit 2 before any
+    step, the message naming the --tp that works."""
+    import subprocess
+    import sys
+
+    from tests.support import ROOT
+    from tests.support.bench_cli import bench_env
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        pytest.skip("no mpiexec next to this python")
+    out = tmp_path / "mqa"
+    r = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "ringpipe.cli", "train", "--model", "llama",
+                        "--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "4", "--kv-heads", "1",
+                        "--tp", "2", "--steps", "1", "--sample-tokens", "0", "--out", str(out)],
+                       cwd=ROOT, env=bench_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+    assert "--tp 2 does not divide the model's 1 key/value heads" in r.stderr and "--tp can be 1 " in r.stderr
+    assert not (out / "metrics.jsonl").exists()
