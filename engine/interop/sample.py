@@ -3,7 +3,9 @@
 The checkpoint (a run directory, its checkpoints folder or a ckpt_*.json) gives
 the weights and the model's shape; the run's tokenizer (OUT/tokenizer.json, as
 its manifest names it) encodes the prompt and decodes the continuation. One
-process, on the CPU: every layout's checkpoint holds the whole model.
+process, on the CPU: every layout's checkpoint holds the whole model. The recipe's
+generate keeps a KV cache, so each new token is one token's forward pass (the tokens
+are the full-window path's: engine/model/gpt.py generate).
 
 The model's shape is the manifest's model_config, checked against the shapes the
 npz declares before the model is built (a manifest can declare any size; the npz
