@@ -173,6 +173,43 @@ def _residual_std(n_layer):
     return 0.02 / math.sqrt(2 * n_layer)     # as GPT-2's: the residual stream stays O(1)
 
 
+class SharedInput(Layer):
+    """Linears reading one input (q, k and v; gate and up), run one after another; the input
+    gradient is the sum of theirs. Under tensor parallelism the group's SharedInputColumns
+    (engine/parallel/tensor.py) takes its place: the input gathered once and its gradient
+    reduced once for them all, not once per linear.
+    forward(x) -> ([y of each], ctx); backward_input([dy of each], ctx) -> (dx, wctx)."""
+
+    def __init__(self, linears):
+        self.linears = linears
+
+    def specs(self):
+        return [s for lin in self.linears for s in lin.specs()]
+
+    def bind(self, params):
+        for lin in self.linears:
+            lin.bind(params)
+
+    def forward(self, x):
+        outs, ctxs = zip(*(lin.forward(x) for lin in self.linears))
+        return list(outs), ctxs
+
+    def backward_input(self, dys, ctxs):
+        parts = [lin.backward_input(dy, ctx) for lin, dy, ctx in zip(self.linears, dys, ctxs)]
+        dx = parts[0][0]
+        for more, _ in parts[1:]:
+            dx += more
+        return dx, [w for _, w in parts]
+
+    def backward_weight(self, wctx):
+        for lin, w in zip(self.linears, wctx):
+            lin.backward_weight(w)
+
+
+def _shared_input(maker, linears):
+    return maker.shared_input(linears) if maker.size > 1 else SharedInput(linears)
+
+
 class GroupedQueryAttention(Layer):
     """Causal self-attention with H query heads sharing Hkv key/value heads: query head h
     reads key/value head h // G (transformers' repeat_kv). Rotary positions on q and k.
@@ -190,7 +227,8 @@ class GroupedQueryAttention(Layer):
         self.k = maker.column(f"{name}.k", C, cfg.n_kv_head * hd, bias=cfg.qkv_bias)
         self.v = maker.column(f"{name}.v", C, cfg.n_kv_head * hd, bias=cfg.qkv_bias)
         self.o = maker.row(f"{name}.o", cfg.n_head * hd, C, std=_residual_std(cfg.n_layer), bias=False)
-        self.parts = [self.q, self.k, self.v, self.o]
+        self.qkv = _shared_input(maker, [self.q, self.k, self.v])        # q, k and v read the same x
+        self.parts = [self.qkv, self.o]
 
     def specs(self):
         return [s for part in self.parts for s in part.specs()]
@@ -202,9 +240,7 @@ class GroupedQueryAttention(Layer):
     def forward(self, x):
         xp = K.get_array_module(x)
         H, Hkv, hd, G = self.h, self.h_kv, self.hd, self.h // self.h_kv
-        q, q_ctx = self.q.forward(x)                                       # (B, T, H*hd)
-        k, k_ctx = self.k.forward(x)                                       # (B, T, Hkv*hd)
-        v, v_ctx = self.v.forward(x)
+        (q, k, v), qkv_ctx = self.qkv.forward(x)                           # (B, T, H*hd), k and v (B, T, Hkv*hd)
         B, T, _ = q.shape          # the whole sequence, also when x is a sequence-parallel part
         cos, sin = self.rotary.tables(T, x)
         q = K.rope_forward(q.reshape(B, T, H, hd), cos, sin).transpose(0, 2, 1, 3)      # (B, H, T, hd)
@@ -218,7 +254,7 @@ class GroupedQueryAttention(Layer):
         y = K.matmul(att, v)                                               # (B, H, T, hd)
         y = xp.ascontiguousarray(y.transpose(0, 2, 1, 3)).reshape(B, T, H * hd)
         out, o_ctx = self.o.forward(y)
-        return out, (q_ctx, k_ctx, v_ctx, o_ctx, q, k, v, att, scale)
+        return out, (qkv_ctx, o_ctx, q, k, v, att, scale)
 
     def decode(self, x, cache, start):
         """x (B, T, C) of positions start..start+T-1 -> (B, T, C) (sampling, LayerChain.decode):
@@ -238,7 +274,7 @@ class GroupedQueryAttention(Layer):
         return self.o.forward(y)[0]
 
     def backward_input(self, dout, ctx):
-        q_ctx, k_ctx, v_ctx, o_ctx, q, k, v, att, scale = ctx
+        qkv_ctx, o_ctx, q, k, v, att, scale = ctx
         xp = K.get_array_module(dout)
         B, H, T, hd = q.shape
         Hkv, G = self.h_kv, self.h // self.h_kv
@@ -254,12 +290,8 @@ class GroupedQueryAttention(Layer):
         dk, dv = (d.reshape(B, Hkv, G, T, hd).sum(axis=2).transpose(0, 2, 1, 3) for d in (dk, dv))   # (B, T, Hkv, hd)
         dq = K.rope_backward(dq.transpose(0, 2, 1, 3), cos, sin).reshape(B, T, H * hd)
         dk = K.rope_backward(dk, cos, sin).reshape(B, T, Hkv * hd)
-        dx, q_w = self.q.backward_input(dq, q_ctx)
-        dx_k, k_w = self.k.backward_input(dk, k_ctx)
-        dx_v, v_w = self.v.backward_input(xp.ascontiguousarray(dv).reshape(B, T, Hkv * hd), v_ctx)
-        dx += dx_k
-        dx += dx_v
-        return dx, (q_w, k_w, v_w, o_w)
+        dx, qkv_w = self.qkv.backward_input([dq, dk, xp.ascontiguousarray(dv).reshape(B, T, Hkv * hd)], qkv_ctx)
+        return dx, (qkv_w, o_w)
 
     def backward_weight(self, wctx):
         for part, w in zip(self.parts, wctx):
@@ -274,7 +306,8 @@ class SwiGLU(Layer):
         self.gate = maker.column(f"{name}.gate", C, F, bias=False)
         self.up = maker.column(f"{name}.up", C, F, bias=False)
         self.down = maker.row(f"{name}.down", F, C, std=_residual_std(cfg.n_layer), bias=False)
-        self.parts = [self.gate, self.up, self.down]
+        self.gate_up = _shared_input(maker, [self.gate, self.up])     # gate and up read the same x
+        self.parts = [self.gate_up, self.down]
 
     def specs(self):
         return [s for part in self.parts for s in part.specs()]
@@ -284,19 +317,16 @@ class SwiGLU(Layer):
             part.bind(params)
 
     def forward(self, x):
-        g, gate_ctx = self.gate.forward(x)                 # (B, T, F)
-        u, up_ctx = self.up.forward(x)
+        (g, u), gate_up_ctx = self.gate_up.forward(x)     # (B, T, F) each
         y, down_ctx = self.down.forward(K.swiglu_forward(g, u))
-        return y, (gate_ctx, up_ctx, down_ctx, g, u)
+        return y, (gate_up_ctx, down_ctx, g, u)
 
     def backward_input(self, dy, ctx):
-        gate_ctx, up_ctx, down_ctx, g, u = ctx
+        gate_up_ctx, down_ctx, g, u = ctx
         dh, down_w = self.down.backward_input(dy, down_ctx)
         dg, du = K.swiglu_backward(dh, g, u)
-        dx, gate_w = self.gate.backward_input(dg, gate_ctx)
-        dx_up, up_w = self.up.backward_input(du, up_ctx)
-        dx += dx_up
-        return dx, (gate_w, up_w, down_w)
+        dx, gate_up_w = self.gate_up.backward_input([dg, du], gate_up_ctx)
+        return dx, (gate_up_w, down_w)
 
     def backward_weight(self, wctx):
         for part, w in zip(self.parts, wctx):

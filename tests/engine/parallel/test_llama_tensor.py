@@ -139,7 +139,14 @@ def test_each_llama_tensor_parallel_layer_equals_its_whole_twin(name, size, kv, 
         part.backward_weight(wctx)
         np.testing.assert_allclose(y_part, _seq(y, tensor), rtol=TOL, atol=TOL, err_msg="forward")
         np.testing.assert_allclose(dx_part, _seq(dx, tensor), rtol=TOL, atol=TOL, err_msg="dx")
-        _compare_grads(part_params, whole_params, tensor)
+        # q, k and v (gate and up) share f: one gather of x and one reduction of its gradient
+        # per sub-layer, as GPT's fused qkv; plus g (o's, down's) forward and backward.
+        subs = 2 if name == "block" else 1
+        calls = {kind: n for kind, (n, _) in ((k, tensor.stats[k]) for k in ("all-reduce", "all-gather",
+                                                                             "reduce-scatter"))}
+        assert calls == ({"all-reduce": 0, "all-gather": 3 * subs, "reduce-scatter": 2 * subs} if sp else
+                         {"all-reduce": 2 * subs, "all-gather": 0, "reduce-scatter": 0})
+        _compare_grads(part_params, whole_params, tensor)      # (its partial sums add all-reduces)
     finally:
         tensor.close()
         tensor.comm.Free()
