@@ -26,7 +26,7 @@ from ringpipe.engine.train import config as config_checks
 from ringpipe.engine.train.config import Config
 from ringpipe.engine.train.run import run
 
-from tests.support.parity import assert_same_arrays, assert_same_run, final_arrays, reference, train
+from tests.support.parity import assert_same_arrays, assert_same_run, final_arrays, metrics, reference, train
 
 world = MPI.COMM_WORLD
 TOL = 1e-10
@@ -310,3 +310,35 @@ def test_the_command_line_refuses_key_value_heads_tp_cannot_split_with_exit_2(tm
     assert r.returncode == 2, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
     assert "--tp 2 does not divide the model's 1 key/value heads" in r.stderr and "--tp can be 1 " in r.stderr
     assert not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_hugging_face_llama_fine_tunes_at_tp2_as_one_process(shared_dir):
+    """--init-from a save_pretrained folder of transformers' own test shape (2 key/value heads,
+    intermediate 37: padded to 2 x 19 at tp 2), untied, trained at tp 2 with sequence
+    parallelism: the same losses, gradients and weights as one process."""
+    if world.size != 2:
+        pytest.skip("written for 2 ranks")
+    transformers = pytest.importorskip("transformers")
+    import torch
+    folder = os.path.join(shared_dir, "llama-tp-hf")
+    if world.rank == 0:
+        torch.manual_seed(5)
+        config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, intermediate_size=37, max_position_embeddings=16,
+                                          tie_word_embeddings=False, rms_norm_eps=1e-5)
+        transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    world.Barrier()
+    common = dict(model="llama", init_from=f"hf:{folder}", data="synthetic", seq_len=16, batch_size=4, steps=3,
+                  dtype="float64", sample_tokens=0, quiet=True, overwrite=True, eval_every=3, eval_batches=1)
+    ref = reference(Config(out=os.path.join(shared_dir, f"llama-tp-hf-ref{world.rank}"), **common))
+    trained = train(Config(out=os.path.join(shared_dir, "llama-tp-hf-run"), tp=2, sequence_parallel=True,
+                           **common), world)
+    world.Barrier()
+    # (a fine-tuning run's first record is the validation before step 1, without a loss)
+    got, want = metrics(trained.out), metrics(ref.out)
+    for key in ("loss", "grad_norm", "val_loss"):
+        np.testing.assert_allclose([m.get(key, np.nan) for m in got], [m.get(key, np.nan) for m in want],
+                                   rtol=TOL, err_msg=key)
+    assert_same_arrays(final_arrays(trained.out), final_arrays(ref.out), TOL, "checkpoint")
+    assert trained.model.params.view("h.0.mlp.gate.w").shape == (19, 32)
