@@ -159,9 +159,9 @@ def _parallelism_flags(p):
                    help="1: split the optimizer state across data-parallel ranks, a slice each (ZeRO-1)")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1); ranks = dp x pp x tp")
     g.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel ranks per layer (default 1; GPT only): attention heads, MLP features "
+                   help="tensor-parallel ranks per layer (default 1; GPT and Llama): attention heads, MLP features "
                         "and the vocabulary split across tp ranks, 2 all-reduces per sub-layer. Must divide "
-                        "--heads. The innermost axis: keep tp within a node")
+                        "--heads (Llama: --kv-heads). The innermost axis: keep tp within a node")
     g.add_argument("--tp-overlap", choices=["auto", "on", "off"], default="auto",
                    help="with --tp: reduce a column-parallel layer's input gradient on a thread while its "
                         "weight gradient is computed. auto (default): on with --device cuda (the GPU computes "
