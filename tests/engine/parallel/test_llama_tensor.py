@@ -342,3 +342,23 @@ def test_a_hugging_face_llama_fine_tunes_at_tp2_as_one_process(shared_dir):
                                    rtol=TOL, err_msg=key)
     assert_same_arrays(final_arrays(trained.out), final_arrays(ref.out), TOL, "checkpoint")
     assert trained.model.params.view("h.0.mlp.gate.w").shape == (19, 32)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_a_llama_checkpoint_written_at_pp2_tp2_continues_at_dp2_tp2_and_one_process(shared_dir):
+    """Written at (dp, pp, tp) = (1, 2, 2), untied; continued at (2, 1, 2) with sequence
+    parallelism and by one process: both reach the uninterrupted one-process trajectory."""
+    if world.size != 4:
+        pytest.skip("written for 4 ranks")
+    six = dict(steps=6, eval_every=6, microbatches=2, tie_embeddings=False)
+    ref = reference(base(out=os.path.join(shared_dir, f"llama-tp-relayout4-ref{world.rank}"), **six))
+    first = os.path.join(shared_dir, "llama-tp-relayout4-122")
+    train(base(out=first, pp=2, tp=2, checkpoint_every=3, **six), world)
+    world.Barrier()
+    ckpt = os.path.join(first, "checkpoints", "ckpt_00000003.json")
+    for name, layout, comm_ in (("212", dict(dp=2, tp=2, sequence_parallel=True), world),
+                                (f"111-{world.rank}", {}, MPI.COMM_SELF)):
+        out = os.path.join(shared_dir, f"llama-tp-relayout4-{name}")
+        train(base(out=out, resume=ckpt, **six, **layout), comm_)
+        world.Barrier()
+        assert_same_arrays(final_arrays(out), final_arrays(ref.out), TOL, name)
