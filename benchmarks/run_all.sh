@@ -28,5 +28,6 @@ one tensor_parallel_2 "$MPIEXEC" -n 2 "$PY" benchmarks/tensor_parallel.py --json
 one tensor_parallel_4 "$MPIEXEC" -n 4 "$PY" benchmarks/tensor_parallel.py --json "$OUT/tensor_parallel_4.json"
 one scaling "$PY" benchmarks/scaling.py --json "$OUT/scaling.json"
 one gpt2_step "$PY" benchmarks/gpt2_step.py --json "$OUT/gpt2_step.json"
+one llama_step "$PY" benchmarks/llama_step.py --json "$OUT/llama_step.json"
 one data_pipeline "$PY" benchmarks/data_pipeline.py --json "$OUT/data_pipeline.json"
 echo "results in $OUT"
