@@ -268,8 +268,9 @@ MEDIAN_KEYS = ("step_s", "fwd_bwd_s", "update_s", "tokens_per_s", "model_gflops"
 
 
 def summary_row(rounds):
-    """One framework's row: the median over rounds of each timing and memory figure (every
-    round is in the JSON); the rest (losses, params, state) is the same in every round."""
+    """One framework's row: the median over rounds of each timing and memory figure; the
+    other fields (losses, params, state: alike in every round; step_times_s) are round 1's.
+    Every round is in the JSON's all_rounds."""
     row = dict(rounds[0])
     row.update({k: median([r[k] for r in rounds]) for k in MEDIAN_KEYS})
     row.update(rounds_step_s=[r["step_s"] for r in rounds], loss_ok=all(r["loss_ok"] for r in rounds))
