@@ -16,7 +16,7 @@
 #   3. the GPU tests: pytest tests/kernels/test_cuda_kernels.py -k test_gpu_
 #   4. benchmarks/gemm.py --quick --json
 #   5. short GPU training runs: python -m ringpipe.train --device cuda --steps 30, in
-#      float32 and with --precision bf16 (tokens/s and model FLOP/s of each)
+#      float32 and with --precision bf16 (tokens/s and model FLOP/s of each), and the Llama family
 #   6. device buffers and MPI on the GPU: tests/support/mpi_scripts/device_comm_check.py under
 #      mpiexec -n 2, staged through pinned memory and (if the MPI says it is
 #      CUDA-aware) direct
@@ -26,7 +26,7 @@
 #      overlap thread on, as --tp-overlap auto is for cuda; tokens/s in check.log)
 # Results go to ${OUT:-gpu_results}, at most 8 files (what a device run brings back):
 #   check.log (everything, in order), steps.tsv (step, exit code, seconds), env.txt,
-#   pytest_gpu.xml, gemm.json, train_metrics.jsonl, train_bf16_metrics.jsonl
+#   pytest_gpu.xml, gemm.json, train_metrics.jsonl, train_bf16_metrics.jsonl, train_llama_metrics.jsonl
 # Knobs: PYTHON (default python3), GPU_CHECK_BUDGET_S, GEMM_BENCH_ARGS (default --quick),
 # TRAIN_ARGS (extra ringpipe train arguments).
 # Exit code: 0 if every step that ran passed, 1 otherwise.
@@ -169,8 +169,9 @@ train() {
 }
 train train-cuda train_metrics.jsonl
 train train-cuda-bf16 train_bf16_metrics.jsonl --precision bf16
+train train-cuda-llama train_llama_metrics.jsonl --model llama --preset llama-tiny
 RINGPIPE_CUDA_AWARE_MPI=0 step "mpi-device-staged" 90 "$MPIEXEC" -n 2 "$PY" tests/support/mpi_scripts/device_comm_check.py
-if "$PY" -c "from comm.device import query_library as q; raise SystemExit(0 if q() else 1)" 2>/dev/null; then
+if "$PY" -c "from ringpipe.comm.device import query_library as q; raise SystemExit(0 if q() else 1)" 2>/dev/null; then
     RINGPIPE_CUDA_AWARE_MPI=1 step "mpi-device-direct" 90 "$MPIEXEC" -n 2 "$PY" tests/support/mpi_scripts/device_comm_check.py
 else
     say "=== [mpi-device-direct] SKIPPED: this MPI does not report CUDA support (MPIX_Query_cuda_support)"
