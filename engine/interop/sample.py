@@ -83,7 +83,7 @@ def run_tokenizer(checkpoint_path: str, manifest: dict):
 
 
 def main(argv=None, prog="ringpipe sample") -> int:
-    p = argparse.ArgumentParser(prog=prog, description="Generate text from a trained ringpipe GPT.",
+    p = argparse.ArgumentParser(prog=prog, description="Generate text from a trained ringpipe GPT or Llama-family model.",
                                 epilog="Example: ringpipe sample runs/gpt --prompt 'def main(' --tokens 200")
     p.add_argument("path", nargs="?", metavar="RUN_DIR_OR_CHECKPOINT",
                    help="a run directory (its latest valid checkpoint), a checkpoints folder or a ckpt_*.json")

@@ -53,13 +53,14 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv=None, prog="ringpipe train"):
     p = _Parser(
         prog=prog,
-        description="Train a hand-written GPT or MLP (numpy + Numba on the CPU, CuPy on a GPU) with MPI "
-                    "data parallelism (our ring all-reduce, ZeRO-1) and pipeline stages (GPipe, 1F1B, "
-                    "interleaved, zero-bubble), alone or as a DP x PP grid. "
+        description="Train a hand-written GPT, Llama-family model or MLP (numpy + Numba on the CPU, CuPy on a "
+                    "GPU) with MPI data parallelism (our ring all-reduce, ZeRO-1), pipeline stages (GPipe, 1F1B, "
+                    "interleaved, zero-bubble) and tensor parallelism, alone or as a DP x PP x TP grid. "
                     "Launch with plain python, `mpiexec -n N`, or `srun`.",
         epilog="Examples:\n"
                "  ringpipe train --steps 50                      # small GPT, stdlib corpus, 1 rank\n"
                "  mpiexec -n 4 ringpipe train --dp 4             # data-parallel over 4 ranks\n"
+               "  ringpipe train --model llama --preset llama-tiny   # a tiny Llama-family model\n"
                "  ringpipe train --model mlp --data synthetic\n"
                "  ringpipe train --resume auto --out runs/gpt    # continue from the latest checkpoint\n"
                "(python -m ringpipe.train ... is the same command)",
@@ -251,8 +252,25 @@ def flag_name(field: str) -> str | None:
 def config_from_args(args) -> Config:
     settings = vars(args)
     if settings["model"] is None:
-        settings["model"] = _family_from_init(settings.get("init_from")) or "gpt"
+        settings["model"] = (_family_from_checkpoint(settings.get("resume"), settings.get("out"))
+                             or _family_from_init(settings.get("init_from")) or "gpt")
     return Config(**settings)
+
+
+def _family_from_checkpoint(resume, out_dir):
+    """--resume without --model: the checkpoint it continues names its family (a Llama run
+    continues as one with `--resume auto --out RUN`, as its shape already does). None when
+    there is nothing to read yet; the run then says what is wrong with the checkpoint."""
+    if not resume or (resume == "auto" and not out_dir):       # the default --out depends on the family
+        return None
+    from ringpipe.engine.job import checkpoint
+    from ringpipe.engine.model.registry import RECIPES
+    try:
+        path = checkpoint.resolve(out_dir if resume == "auto" else resume)
+        family = checkpoint.read_manifest(path).get("model")
+    except (checkpoint.CheckpointError, OSError, ValueError, TypeError):
+        return None
+    return family if family in RECIPES else None
 
 
 def _family_from_init(init_from):

@@ -286,7 +286,15 @@ def test_the_other_family_s_checkpoint_is_refused(tmp_path, written, resumed):
     kind = "llama" if written is TINY else "gpt"
     other = "gpt" if kind == "llama" else "llama"
     with pytest.raises(SystemExit, match=f"{kind} model, not --model {other}: pass --model {kind} to continue it"):
-        run_flags(resumed + ["--steps", "2", "--out", out, "--resume", "auto"])
+        run_flags(["--model", other] + resumed + ["--steps", "2", "--out", out, "--resume", "auto"])
+
+
+def test_resume_without_model_continues_the_checkpoint_s_family(tmp_path):
+    """The user never typed --model gpt: `--resume auto --out RUN` continues a Llama run as one."""
+    out = str(tmp_path / "run")
+    run_flags(TINY + ["--steps", "1", "--out", out])
+    result = run_flags(["--steps", "2", "--out", out, "--resume", "auto", "--sample-tokens", "0", "--quiet"])
+    assert result.steps_done == 2 and _records(out)[-1]["step"] == 2
 
 
 @pytest.mark.parametrize("flags,says", [
