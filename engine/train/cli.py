@@ -253,8 +253,15 @@ def config_from_args(args) -> Config:
     settings = vars(args)
     if settings["model"] is None:
         settings["model"] = (_family_from_checkpoint(settings.get("resume"), settings.get("out"))
-                             or _family_from_init(settings.get("init_from")) or "gpt")
+                             or _family_from_init(settings.get("init_from"))
+                             or _family_of_preset(settings.get("preset")) or "gpt")
     return Config(**settings)
+
+
+def _family_of_preset(preset):
+    """--preset NAME without --model: the one family whose preset it is (llama-tiny is a Llama)."""
+    families = [name for name, recipe in RECIPES.items() if preset in recipe.presets]
+    return families[0] if len(families) == 1 else None
 
 
 def _family_from_checkpoint(resume, out_dir):

@@ -289,6 +289,13 @@ def test_the_other_family_s_checkpoint_is_refused(tmp_path, written, resumed):
         run_flags(["--model", other] + resumed + ["--steps", "2", "--out", out, "--resume", "auto"])
 
 
+def test_a_preset_without_model_names_its_family():
+    from ringpipe.engine.train.cli import config_from_args, parse_args
+    assert config_from_args(parse_args(["--preset", "llama-tiny"])).model == "llama"
+    assert config_from_args(parse_args(["--preset", "gpt2-124m"])).model == "gpt"
+    assert config_from_args(parse_args(["--model", "gpt", "--preset", "llama-tiny"])).model == "gpt"
+
+
 def test_resume_without_model_continues_the_checkpoint_s_family(tmp_path):
     """The user never typed --model gpt: `--resume auto --out RUN` continues a Llama run as one."""
     out = str(tmp_path / "run")
@@ -302,7 +309,7 @@ def test_resume_without_model_continues_the_checkpoint_s_family(tmp_path):
     (["--kv-heads", "2"], "--kv-heads applies to --model llama only"),
     (["--model", "llama", "--preset", "hf-tiny"], "the data's tokenizer has 256 tokens, but --preset hf-tiny has "
                                                   "a vocabulary of 99"),
-    (["--preset", "llama-tiny"], "unknown --preset 'llama-tiny' for --model gpt .*add --model llama"),
+    (["--model", "gpt", "--preset", "llama-tiny"], "unknown --preset 'llama-tiny' for --model gpt .*add --model llama"),
 ])
 def test_bad_llama_flags_are_refused(tmp_path, flags, says):
     shape = ["--layers", "1", "--d-model", "16", "--heads", "4", "--batch-size", "4", "--sample-tokens", "0",
