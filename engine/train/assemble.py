@@ -224,8 +224,11 @@ def shape_data_device(training: Run) -> None:
     check_assumed_vocab(training)
     training.shape = model_config(cfg, saved, vocab=getattr(training.dataset, "vocab_size", None), init=init_shape)
     if training.recipe.data == "tokens" and training.seq_len > training.shape.context:
+        fixed = next((f"<{name}> {value}" for name, value in (("resume", cfg.resume), ("init_from", cfg.init_from),
+                                                               ("preset", cfg.preset)) if value), None)
         raise ConfigError(f"<seq_len> {training.seq_len} exceeds the model's context {training.shape.context}; lower "
-                          f"<seq_len> or raise <context> (at least {training.seq_len})")
+                          + (f"<seq_len> (the context is {fixed}'s)" if fixed else
+                             f"<seq_len> or raise <context> (at least {training.seq_len})"))
     check_tokenizer(training)
     check_tensor_parallel(cfg, training.shape, training.seq_len)
     # Nodes may differ in memory: every rank checks its own node, all agree.

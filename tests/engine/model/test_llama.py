@@ -310,6 +310,8 @@ def test_resume_without_model_continues_the_checkpoint_s_family(tmp_path):
     (["--model", "llama", "--preset", "hf-tiny"], "the data's tokenizer has 256 tokens, but --preset hf-tiny has "
                                                   "a vocabulary of 99"),
     (["--model", "gpt", "--preset", "llama-tiny"], "unknown --preset 'llama-tiny' for --model gpt .*add --model llama"),
+    # the advice names what fixes the context, not a --context the next run would refuse
+    (["--preset", "llama-tiny", "--seq-len", "128"], r"lower --seq-len \(the context is --preset llama-tiny's\)$"),
 ])
 def test_bad_llama_flags_are_refused(tmp_path, flags, says):
     shape = ["--layers", "1", "--d-model", "16", "--heads", "4", "--batch-size", "4", "--sample-tokens", "0",
