@@ -406,7 +406,8 @@ def check_tensor_parallel(cfg: Config, shape, seq_len) -> None:
         raise ConfigError(f"<tp> {cfg.tp} does not divide the model's {kv_heads} key/value heads (each "
                           f"tensor-parallel rank holds whole key/value heads and the query heads that read them); "
                           f"<tp> can be {', '.join(map(str, valid_tp(kv_heads, kv_heads)))} for this model, or "
-                          "change <kv_heads>")
+                          + ("spread the other ranks over <dp> or <pp> (the model's shape is fixed)"
+                             if cfg.init_from or cfg.resume or cfg.preset else "change <kv_heads>"))
     if shape.n_head % cfg.tp:
         from ringpipe.engine.parallel.tensor import valid_tp
         raise ConfigError(f"<tp> {cfg.tp} does not divide the model's {shape.n_head} attention heads (each "
