@@ -2,8 +2,8 @@
 
     ringpipe prepare ...     tokenize text (txt, jsonl, parquet) into token shards for training
     ringpipe train ...       train a model (= python -m ringpipe.train; ringpipe-train)
-    ringpipe sample ...      generate text from a trained GPT
-    ringpipe export ...      write a trained GPT as a Hugging Face model folder
+    ringpipe sample ...      generate text from a trained GPT or Llama
+    ringpipe export ...      write a trained GPT or Llama as a Hugging Face model folder
     ringpipe pipeline ...    print, validate and simulate a pipeline schedule (= python -m ringpipe.pipeline)
     ringpipe finished RUN    did every rank finish? exit 0 yes, 1 no, 2 cannot tell (batch scripts: not the launcher's code)
 """
@@ -13,8 +13,8 @@ import sys
 
 COMMANDS = {
     "prepare": ("ringpipe.engine.data.prepare", "tokenize text files (txt, jsonl, parquet) into token shards"),
-    "train": ("ringpipe.engine.train.cli", "train a GPT or MLP on one or many MPI ranks"),
-    "sample": ("ringpipe.engine.interop.sample", "generate text from a trained GPT (a run directory or checkpoint)"),
+    "train": ("ringpipe.engine.train.cli", "train a GPT, Llama-family model or MLP on one or many MPI ranks"),
+    "sample": ("ringpipe.engine.interop.sample", "generate text from a trained GPT or Llama (a run directory or checkpoint)"),
     "export": ("ringpipe.engine.interop.hf", "write a trained GPT or Llama as a Hugging Face folder (transformers loads it)"),
     "pipeline": ("ringpipe.engine.schedules.__main__", "print, validate and simulate a pipeline schedule"),
     "finished": ("ringpipe.engine.job.rundir", "did every rank of a run finish? (check it, not the launcher's exit code)"),
