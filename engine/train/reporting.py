@@ -8,6 +8,8 @@ Messages may name settings as <field> (engine/job/errors.py); `render` spells th
 from __future__ import annotations
 
 import math
+import os
+import sys
 import threading
 import time
 
@@ -24,11 +26,26 @@ class Reporter:
         self.log = None                       # the rank's logger (lifecycle.setup_rank_logging)
         self._t_first_done = None
         self._jit_notice = None
+        self._stdout_gone = False
 
     def say(self, text: str) -> None:
         """Print on rank 0 (always, --quiet or not: start-up facts and warnings)."""
-        if self.is_main:
-            print(spell(text, self.render), flush=True)
+        if self.is_main and not self._stdout_gone:
+            try:
+                print(spell(text, self.render), flush=True)
+            except BrokenPipeError:
+                self._reader_went_away()
+
+    def _reader_went_away(self) -> None:
+        """Whoever read stdout stopped (`ringpipe train | head`). That must not end the run:
+        metrics.jsonl, the checkpoints and the rank log record everything. Later lines go to
+        /dev/null, so neither they nor Python's flush at exit raise again."""
+        self._stdout_gone = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        if self.log:
+            self.log.warning("stdout was closed by its reader; the run goes on (metrics.jsonl and this log record it)")
 
     # ---- the first step ---------------------------------------------------------------
     def first_step_starts(self) -> None:

@@ -320,3 +320,20 @@ def test_every_rank_leaves_a_completion_marker_that_ringpipe_finished_checks(tmp
     run_flags(TINY + ["--out", out, "--steps", "3", "--overwrite"])
     assert rundir.finished(out, 1)[0]
     assert not os.path.exists(os.path.join(out, "previous", "finished", "rank1.json"))
+
+
+def test_a_reader_that_stops_reading_does_not_end_the_run(tmp_path):
+    """`ringpipe train | head -2`: the pipe closes after two lines. The run goes on to its last
+    checkpoint and exits 0 (it died with a BrokenPipeError traceback and MPI_Abort before)."""
+    out = str(tmp_path / "run")
+    env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
+    child = subprocess.Popen([sys.executable, "-m", "ringpipe.train", "--steps", "20", "--layers", "1",
+                              "--d-model", "16", "--heads", "2", "--context", "16", "--batch-size", "4",
+                              "--log-every", "1", "--max-data-mb", "1", "--sample-tokens", "0", "--out", out],
+                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child.stdout.readline()
+    child.stdout.close()                       # the reader goes away while the run still prints
+    _, err = child.communicate(timeout=300)
+    assert child.returncode == 0, err.decode()[-2000:]
+    assert b"BrokenPipeError" not in err
+    assert checkpoint.find_latest(os.path.join(out, "checkpoints")).endswith("ckpt_00000020.json")
