@@ -108,9 +108,13 @@ def _check_rope_scaling(scaling) -> None:
 # Standard shapes, by name (<preset>). The real models' presets hold their vocabulary
 # too: they train on data prepared with that model's tokenizer.
 PRESETS = {
-    "llama-tiny": dict(n_layer=2, d_model=64, n_head=4, n_kv_head=2, d_ff=96, context=64),
+    # Every preset fixes the rope and the tying too: a --rope-theta or --no-tie-embeddings given with one
+    # is refused as any other disagreeing shape flag, not silently trained.
+    "llama-tiny": dict(n_layer=2, d_model=64, n_head=4, n_kv_head=2, d_ff=96, context=64,
+                       tie_embeddings=True, rope_theta=10000.0),
     # transformers' own test shape (LlamaModelTester)
-    "hf-tiny": dict(n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=37, context=512, vocab=99),
+    "hf-tiny": dict(n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=37, context=512, vocab=99,
+                    tie_embeddings=True, rope_theta=10000.0),
     "smollm2-135m": dict(n_layer=30, d_model=576, n_head=9, n_kv_head=3, d_ff=1536, context=8192, vocab=49152,
                          tie_embeddings=True, rope_theta=100000.0),
     "llama3.2-1b": dict(n_layer=16, d_model=2048, n_head=32, n_kv_head=8, d_ff=8192, context=131072,

@@ -382,7 +382,8 @@ def model_config(cfg: Config, saved: dict | None = None, vocab: int | None = Non
     fixed, source = _fixed_shape(cfg, saved, init)
     for key, value in fixed.items():
         if key in given and given[key] is not None and given[key] != value:
-            raise ConfigError(f"{source} has <{key}> {value}, but <{key}> {given[key]} was given; drop the setting"
+            raise ConfigError(f"{source} has <{key}> {_shown(value)}, but <{key}> {_shown(given[key])} was given; "
+                              "drop the setting"
                               + (" or use a new <out>" if saved else ""))
         setattr(shape, key, value)
     for key, value in given.items():
@@ -394,6 +395,11 @@ def model_config(cfg: Config, saved: dict | None = None, vocab: int | None = Non
                               f"{fixed['vocab']}: train on data prepared with the model's tokenizer")
         shape.vocab = vocab
     return shape.validate()
+
+
+def _shown(value):
+    """A shape value as a message shows it: on/off for a switch (--no-tie-embeddings is <tie_embeddings> off)."""
+    return ("on" if value else "off") if isinstance(value, bool) else value
 
 
 def check_tensor_parallel(cfg: Config, shape, seq_len) -> None:

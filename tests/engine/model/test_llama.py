@@ -311,6 +311,8 @@ def test_resume_without_model_continues_the_checkpoint_s_family(tmp_path):
                                                   "a vocabulary of 99"),
     (["--model", "gpt", "--preset", "llama-tiny"], "unknown --preset 'llama-tiny' for --model gpt .*add --model llama"),
     # the advice names what fixes the context, not a --context the next run would refuse
+    (["--preset", "llama-tiny", "--no-tie-embeddings"], "has --tie-embeddings on, but --tie-embeddings off was given"),
+    (["--preset", "llama-tiny", "--rope-theta", "5e5"], "has --rope-theta 10000.0, but --rope-theta 500000.0 was given"),
     (["--preset", "llama-tiny", "--seq-len", "128"], r"lower --seq-len \(the context is --preset llama-tiny's\)$"),
 ])
 def test_bad_llama_flags_are_refused(tmp_path, flags, says):
