@@ -190,10 +190,7 @@ class CausalSelfAttention(Layer):
         qkv = xp.ascontiguousarray(qkv.reshape(B, T, 3, H, hs).transpose(2, 0, 3, 1, 4))
         q, k, v = qkv[0], qkv[1], qkv[2]                                    # (B, H, T, hs) each
         scale = 1.0 / math.sqrt(hs)
-        att = K.matmul_nt(q, k)                                             # (B, H, T, T)
-        att = K.softmax_causal_forward(att, scale, out=att)
-        y = K.matmul(att, v)                                                # (B, H, T, hs)
-        y = xp.ascontiguousarray(y.transpose(0, 2, 1, 3)).reshape(B, T, H * hs)
+        y, att = causal_attention(q, k, v, scale)                           # (B, T, H*hs)
         out, proj_ctx = self.proj.forward(y)
         return out, (qkv_ctx, q, k, v, att, scale, proj_ctx)
 
@@ -215,13 +212,8 @@ class CausalSelfAttention(Layer):
         B, H, T, hs = q.shape
         xp = K.get_array_module(dout)
         dy, proj_w = self.proj.backward_input(dout, proj_ctx)               # (B, T, C)
-        dy = xp.ascontiguousarray(dy.reshape(B, T, H, hs).transpose(0, 2, 1, 3))  # (B, H, T, hs)
         dqkv = xp.empty((3, B, H, T, hs), dtype=dout.dtype)
-        K.matmul_tn(att, dy, out=dqkv[2])                                   # dv = att^T dy
-        datt = K.matmul_nt(dy, v)                                           # (B, H, T, T)
-        datt = K.softmax_causal_backward(datt, att, scale, out=datt)
-        K.matmul(datt, k, out=dqkv[0])                                      # dq = datt k
-        K.matmul_tn(datt, q, out=dqkv[1])                                   # dk = datt^T q
+        causal_attention_backward(dy, q, k, v, att, scale, dq=dqkv[0], dk=dqkv[1], dv=dqkv[2])
         dqkv = xp.ascontiguousarray(dqkv.transpose(1, 3, 0, 2, 4)).reshape(B, T, 3 * H * hs)
         dx, qkv_w = self.qkv.backward_input(dqkv, qkv_ctx)
         return dx, (qkv_w, proj_w)
@@ -336,6 +328,33 @@ class KVCache:
         self.k[:, :, start:start + T] = k
         self.v[:, :, start:start + T] = v
         return self.k[:, :, :start + T], self.v[:, :, :start + T]
+
+
+def causal_attention(q, k, v, scale):
+    """softmax(scale q k^T, causal) v over whole sequences: q, k, v (B, H, T, hd) ->
+    (y (B, T, H*hd), heads merged for the output projection; att (B, H, T, T), kept for
+    the backward). GPT's and the Llama family's attention share it."""
+    xp = K.get_array_module(q)
+    B, H, T, hd = q.shape
+    att = K.matmul_nt(q, k)                                             # (B, H, T, T)
+    att = K.softmax_causal_forward(att, scale, out=att)
+    y = K.matmul(att, v)                                                # (B, H, T, hd)
+    return xp.ascontiguousarray(y.transpose(0, 2, 1, 3)).reshape(B, T, H * hd), att
+
+
+def causal_attention_backward(dy, q, k, v, att, scale, dq=None, dk=None, dv=None):
+    """causal_attention's backward: dy (B, T, H*hd), the merged heads' gradient -> (dq, dk,
+    dv) (B, H, T, hd) each, written into the given arrays when there are some (GPT's fused
+    qkv gradient takes them in one buffer)."""
+    xp = K.get_array_module(dy)
+    B, H, T, hd = q.shape
+    dy = xp.ascontiguousarray(dy.reshape(B, T, H, hd).transpose(0, 2, 1, 3))  # (B, H, T, hd)
+    dv = K.matmul_tn(att, dy, out=dv)                                   # dv = att^T dy
+    datt = K.matmul_nt(dy, v)                                           # (B, H, T, T)
+    datt = K.softmax_causal_backward(datt, att, scale, out=datt)
+    dq = K.matmul(datt, k, out=dq)                                      # dq = datt k
+    dk = K.matmul_tn(datt, q, out=dk)                                   # dk = datt^T q
+    return dq, dk, dv
 
 
 def attend_cached(q, k, v, start, scale):

@@ -27,7 +27,8 @@ from ringpipe import kernels as K
 from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.model.chain import LayerChain
 from ringpipe.engine.model.gpt import VOCAB_PAD_MULTIPLE, VOCAB_SIZE, _divisor_near, generate
-from ringpipe.engine.model.layers import WHOLE, Block, Layer, LMHead, attend_cached, scatter_add_rows
+from ringpipe.engine.model.layers import (WHOLE, Block, Layer, LMHead, attend_cached, causal_attention,
+                                          causal_attention_backward, scatter_add_rows)
 from ringpipe.engine.model.params import ParamSpec
 from ringpipe.engine.model.recipe import ModelRecipe
 
@@ -253,10 +254,7 @@ class GroupedQueryAttention(Layer):
         k = xp.repeat(k, G, axis=1)                                        # (B, H, T, hd): head h reads h // G
         v = xp.repeat(v.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3), G, axis=1)
         scale = 1.0 / math.sqrt(hd)
-        att = K.matmul_nt(q, k)                                            # (B, H, T, T)
-        att = K.softmax_causal_forward(att, scale, out=att)
-        y = K.matmul(att, v)                                               # (B, H, T, hd)
-        y = xp.ascontiguousarray(y.transpose(0, 2, 1, 3)).reshape(B, T, H * hd)
+        y, att = causal_attention(q, k, v, scale)                          # (B, T, H*hd)
         out, o_ctx = self.o.forward(y)
         return out, (qkv_ctx, o_ctx, q, k, v, att, scale)
 
@@ -284,12 +282,7 @@ class GroupedQueryAttention(Layer):
         Hkv, G = self.h_kv, self.h // self.h_kv
         cos, sin = self.rotary.tables(T, dout)
         dy, o_w = self.o.backward_input(dout, o_ctx)                       # (B, T, H*hd)
-        dy = xp.ascontiguousarray(dy.reshape(B, T, H, hd).transpose(0, 2, 1, 3))   # (B, H, T, hd)
-        dv = K.matmul_tn(att, dy)                                          # (B, H, T, hd), per query head
-        datt = K.matmul_nt(dy, v)                                          # (B, H, T, T)
-        datt = K.softmax_causal_backward(datt, att, scale, out=datt)
-        dq = K.matmul(datt, k)                                             # (B, H, T, hd)
-        dk = K.matmul_tn(datt, q)
+        dq, dk, dv = causal_attention_backward(dy, q, k, v, att, scale)    # (B, H, T, hd), per query head
         # A key/value head's gradient is the sum over the G query heads that read it.
         dk, dv = (d.reshape(B, Hkv, G, T, hd).sum(axis=2).transpose(0, 2, 1, 3) for d in (dk, dv))   # (B, T, Hkv, hd)
         dq = K.rope_backward(dq.transpose(0, 2, 1, 3), cos, sin).reshape(B, T, H * hd)
