@@ -8,7 +8,10 @@ import json
 import math
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
+import time
 
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20,
           "MIB": 2**20, "G": 2**30, "GB": 2**30, "GIB": 2**30}
@@ -185,3 +188,56 @@ def output_path(text: str) -> str:
         raise argparse.ArgumentTypeError(f"cannot write {text!r} ({e.strerror or e}): "
                                          "give a path in a folder you can write to") from None
     return text
+
+
+# ---- a training step timed in a child process of its own (gpt2_step.py, llama_step.py) ----
+
+def rss_bytes() -> int:
+    """This process's resident memory now."""
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure_steps(step, spec):
+    """Run spec's warmup + steps; step() -> (loss, fwd_bwd_s, update_s). Medians of the timed steps."""
+    losses, totals, fbs, updates = [], [], [], []
+    for i in range(spec["warmup"] + spec["steps"]):
+        t0 = time.perf_counter()
+        loss, fb, upd = step()
+        total = time.perf_counter() - t0
+        losses.append(loss)
+        if i == 0:
+            first = total
+        if i >= spec["warmup"]:
+            totals.append(total)
+            fbs.append(fb)
+            updates.append(upd)
+    return {"losses": losses, "step_times_s": totals, "first_step_s": first,
+            "step_s": median(totals), "fwd_bwd_s": median(fbs), "update_s": median(updates)}
+
+
+def run_child(script, framework, spec, thread_vars, cwd, what=""):
+    """`python SCRIPT --child FRAMEWORK SPEC RESULT` with spec["threads"] threads in each of
+    thread_vars; its JSON result plus what the parent saw of it: peak memory (wait4), wall
+    and CPU time, and how disturbed it was (the 1-minute load average around it, its own
+    threads included, and how often the kernel preempted it)."""
+    env = dict(os.environ, **{var: str(spec["threads"]) for var in thread_vars})
+    name = os.path.basename(script)
+    fd, result = tempfile.mkstemp(prefix=f"{name[:-3]}-{framework}-", suffix=".json")
+    os.close(fd)
+    load_before, t0 = os.getloadavg()[0], time.perf_counter()
+    try:
+        proc = subprocess.Popen([sys.executable, os.path.abspath(script), "--child", framework,
+                                 json.dumps(spec), result], cwd=cwd, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0:
+            raise SystemExit(f"{name}: the {framework} child{what} failed (exit {code})")
+        with open(result) as fh:
+            out = json.load(fh)
+    finally:
+        os.unlink(result)
+    out.update(peak_rss_bytes=usage.ru_maxrss * 1024, wall_s=time.perf_counter() - t0,
+               cpu_s=usage.ru_utime + usage.ru_stime, involuntary_switches=usage.ru_nivcsw,
+               load_before=load_before, load_after=os.getloadavg()[0])
+    return out

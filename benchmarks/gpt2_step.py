@@ -37,12 +37,12 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
-from _common import choice_list, median, nonneg_int, output_path, positive_int, table, write_json  # noqa: E402
+from _common import (choice_list, measure_steps, median, nonneg_int, output_path, positive_int, rss_bytes,  # noqa: E402
+                     table, write_json)
+from _common import run_child as common_run_child  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FRAMEWORKS = ("ringpipe", "torch")
@@ -59,11 +59,6 @@ THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NU
 
 # ---- the children: one framework each, in a fresh process ---------------------------------
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _peak_rss_bytes() -> int:
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # KiB on Linux
@@ -74,24 +69,6 @@ def _tokens(spec):
     rng = np.random.default_rng(0)
     shape = (spec["batch"], spec["seq"])
     return rng.integers(0, GPT2_VOCAB, size=shape), rng.integers(0, GPT2_VOCAB, size=shape)
-
-
-def _measure(step, spec):
-    """Run warmup + steps; step() -> (loss, fwd_bwd_s, update_s)."""
-    losses, totals, fbs, updates = [], [], [], []
-    for i in range(spec["warmup"] + spec["steps"]):
-        t0 = time.perf_counter()
-        loss, fb, upd = step()
-        total = time.perf_counter() - t0
-        losses.append(loss)
-        if i == 0:
-            first = total
-        if i >= spec["warmup"]:
-            totals.append(total)
-            fbs.append(fb)
-            updates.append(upd)
-    return {"losses": losses, "step_times_s": totals, "first_step_s": first,
-            "step_s": median(totals), "fwd_bwd_s": median(fbs), "update_s": median(updates)}
 
 
 def _gemm_peak(matmul, make, n=GEMM_N, repeats=5):
@@ -137,7 +114,7 @@ def child_ringpipe(spec):
     from ringpipe.engine.model.gpt import GPTConfig, flops_per_token, gpt_layers
     from ringpipe.engine.model.optim import clip, make_optimizer
     from ringpipe.engine.parallel.local import LocalModel
-    import_rss = _rss_bytes()
+    import_rss = rss_bytes()
 
     K.set_matmul_precision("float32")
     n_layer, d_model, n_head, context = spec["shape"]
@@ -158,7 +135,7 @@ def child_ringpipe(spec):
         opt.step(params.data, params.grad, LR)
         return float(loss), t1 - t0, time.perf_counter() - t1
 
-    out = _measure(step, spec)
+    out = measure_steps(step, spec)
     out["gemm_flops"] = _gemm_peak(np.matmul, lambda n, seed: np.random.default_rng(seed).standard_normal(
         (n, n)).astype(np.float32))
     state = params.data.nbytes + params.grad.nbytes + params.wd_mask.nbytes + opt.m.nbytes + opt.v.nbytes
@@ -178,7 +155,7 @@ def child_torch(spec):
     import torch.nn.functional as F
     import transformers
     from transformers import GPT2Config, GPT2LMHeadModel
-    import_rss = _rss_bytes()
+    import_rss = rss_bytes()
 
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)
@@ -209,7 +186,7 @@ def child_torch(spec):
         opt.step()
         return float(loss.item()), t1 - t0, time.perf_counter() - t1
 
-    out = _measure(step, spec)
+    out = measure_steps(step, spec)
     with torch.no_grad():
         out["gemm_flops"] = _gemm_peak(torch.mm, lambda n, seed: torch.randn(
             n, n, generator=torch.Generator().manual_seed(seed)))
@@ -237,29 +214,7 @@ def child_main(framework, spec_json, result_path):
 # ---- the parent: runs the children, prints and writes ---------------------------------------
 
 def run_child(framework, spec):
-    env = dict(os.environ)
-    for var in THREAD_VARS:
-        env[var] = str(spec["threads"])
-    fd, result = tempfile.mkstemp(prefix=f"gpt2_step-{framework}-", suffix=".json")
-    os.close(fd)
-    load_before, t0 = os.getloadavg()[0], time.perf_counter()
-    try:
-        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", framework,
-                                 json.dumps(spec), result], cwd=ROOT, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        if proc.returncode != 0:
-            raise SystemExit(f"gpt2_step.py: the {framework} child failed (exit {proc.returncode})")
-        with open(result) as fh:
-            out = json.load(fh)
-    finally:
-        os.unlink(result)
-    # How disturbed the child was: the 1-minute load average around it (its own threads
-    # count too) and how often the kernel preempted it (involuntary context switches).
-    out.update(peak_rss_bytes=usage.ru_maxrss * 1024, wall_s=time.perf_counter() - t0,
-               cpu_s=usage.ru_utime + usage.ru_stime, involuntary_switches=usage.ru_nivcsw,
-               load_before=load_before, load_after=os.getloadavg()[0])
-    return out
+    return common_run_child(__file__, framework, spec, THREAD_VARS, ROOT)
 
 
 def row(framework, r, spec, fpt):

@@ -43,12 +43,12 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
-from _common import choice_list, median, nonneg_int, output_path, positive_int, table, write_json  # noqa: E402
+from _common import (choice_list, measure_steps, median, nonneg_int, output_path, positive_int, rss_bytes,  # noqa: E402
+                     table, write_json)
+from _common import run_child as common_run_child  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FRAMEWORKS = ("ringpipe", "torch", "torch-bf16")
@@ -85,32 +85,11 @@ def cpu_has_bf16() -> bool:
 
 # ---- the children: one framework each, in a fresh process ---------------------------------
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _tokens(spec, vocab):
     import numpy as np
     rng = np.random.default_rng(0)
     shape = (spec["batch"], spec["seq"])
     return rng.integers(0, vocab, size=shape), rng.integers(0, vocab, size=shape)
-
-
-def _measure(step, spec):
-    """Run warmup + steps; step() -> (loss, fwd_bwd_s, update_s)."""
-    losses, totals, fbs, updates = [], [], [], []
-    for i in range(spec["warmup"] + spec["steps"]):
-        t0 = time.perf_counter()
-        loss, fb, upd = step()
-        total = time.perf_counter() - t0
-        losses.append(loss)
-        if i >= spec["warmup"]:
-            totals.append(total)
-            fbs.append(fb)
-            updates.append(upd)
-    return {"losses": losses, "step_times_s": totals, "step_s": median(totals), "fwd_bwd_s": median(fbs),
-            "update_s": median(updates)}
 
 
 def _threads(**own):
@@ -128,7 +107,7 @@ def child_ringpipe(spec):
     from ringpipe.engine.model.optim import clip, make_optimizer
     from ringpipe.engine.parallel.local import LocalModel
     from ringpipe.engine.train.config import Config, memory_floor
-    import_rss = _rss_bytes()
+    import_rss = rss_bytes()
 
     K.set_matmul_precision("float32")
     cfg = shape_config(spec["shape"])
@@ -148,7 +127,7 @@ def child_ringpipe(spec):
         opt.step(params.data, params.grad, LR)
         return float(loss), t1 - t0, time.perf_counter() - t1
 
-    out = _measure(step, spec)
+    out = measure_steps(step, spec)
     state = params.data.nbytes + params.grad.nbytes + params.wd_mask.nbytes + opt.m.nbytes + opt.v.nbytes
     floor, _ = memory_floor(Config(model="llama", batch_size=spec["batch"], seq_len=spec["seq"]), cfg, 1)
     out.update(params=int(params.size), vocab_rows=cfg.padded_vocab, loss_vocab=cfg.vocab, import_rss_bytes=import_rss,
@@ -177,7 +156,7 @@ def child_torch(spec, bf16):
     import torch
     import torch.nn.functional as F
     import transformers
-    import_rss = _rss_bytes()
+    import_rss = rss_bytes()
 
     torch.set_num_threads(spec["threads"])
     cfg = shape_config(spec["shape"])
@@ -203,7 +182,7 @@ def child_torch(spec, bf16):
         opt.step()
         return float(loss.item()), t1 - t0, time.perf_counter() - t1
 
-    out = _measure(step, spec)
+    out = measure_steps(step, spec)
     state = sum(p.numel() * p.element_size() for p in params)
     state += sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
     state += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
@@ -226,26 +205,7 @@ def child_main(framework, spec_json, result_path):
 # ---- the parent: runs the children, prints and writes ---------------------------------------
 
 def run_child(framework, spec):
-    env = dict(os.environ)
-    for var in THREAD_VARS:
-        env[var] = str(spec["threads"])
-    fd, result = tempfile.mkstemp(prefix=f"llama_step-{framework}-", suffix=".json")
-    os.close(fd)
-    load_before, t0 = os.getloadavg()[0], time.perf_counter()
-    try:
-        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", framework,
-                                 json.dumps(spec), result], cwd=ROOT, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
-        code = os.waitstatus_to_exitcode(status)
-        if code != 0:
-            raise SystemExit(f"llama_step.py: the {framework} child ({spec['shape']}) failed (exit {code})")
-        with open(result) as fh:
-            out = json.load(fh)
-    finally:
-        os.unlink(result)
-    out.update(peak_rss_bytes=usage.ru_maxrss * 1024, wall_s=time.perf_counter() - t0,
-               involuntary_switches=usage.ru_nivcsw, load_before=load_before, load_after=os.getloadavg()[0])
-    return out
+    return common_run_child(__file__, framework, spec, THREAD_VARS, ROOT, what=f" ({spec['shape']})")
 
 
 def round_row(framework, r, spec, fpt):
