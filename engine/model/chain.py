@@ -18,6 +18,11 @@ from ringpipe.engine.model.params import ParamBuffer
 
 
 class LayerChain:
+    # Set by an outer axis that shards the parameters (ZeRO-3, engine/parallel/zero.py):
+    # acquire(chain, i) before layer i reads its parameters, release(chain, i) after.
+    # None: every parameter is always in memory.
+    residency = None
+
     def __init__(self, layers, dtype=np.float32, xp=np, has_head=True, params=None):
         """`params`: an existing ParamBuffer to bind to (a pipeline rank's model
         chunks share one buffer); by default the stage gets its own."""
@@ -45,10 +50,12 @@ class LayerChain:
         the head and targets are given, else the activation (or logits)."""
         ctxs = []
         for i, layer in enumerate(self.layers):
+            self._acquire(i)
             if self.has_head and i == len(self.layers) - 1:
                 x, ctx = layer.forward(x, targets, grad_scale=grad_scale, need_grad=need_grad)
             else:
                 x, ctx = layer.forward(x)
+            self._release(i)
             ctxs.append(ctx)
         return x, ctxs
 
@@ -78,8 +85,10 @@ class LayerChain:
         called as soon as a parameter's gradient is final (gradient buckets start
         their all-reduce from it)."""
         for i in reversed(range(len(self.layers))):
+            self._acquire(i)
             dout, wctx = self.layers[i].backward_input(dout, ctxs[i])
-            self.layers[i].backward_weight(wctx)
+            self._release(i)
+            self.layers[i].backward_weight(wctx)      # reads activations only, never the parameters
             ctxs[i] = None                    # free activations as soon as possible
             if on_ready is not None:
                 for index in self._ready_by_layer[i]:
@@ -90,7 +99,9 @@ class LayerChain:
         """Zero-bubble split, part 1: activation gradients only. Returns (dx, wctxs)."""
         wctxs = [None] * len(self.layers)
         for i in reversed(range(len(self.layers))):
+            self._acquire(i)
             dout, wctxs[i] = self.layers[i].backward_input(dout, ctxs[i])
+            self._release(i)
             ctxs[i] = None
         return dout, wctxs
 
@@ -102,6 +113,15 @@ class LayerChain:
             if on_ready is not None:
                 for index in self._ready_by_layer[i]:
                     on_ready(index)
+
+    # ---- parameters sharded by an outer axis ----------------------------------------
+    def _acquire(self, i):
+        if self.residency is not None:
+            self.residency.acquire(self, i)
+
+    def _release(self, i):
+        if self.residency is not None:
+            self.residency.release(self, i)
 
     # ---- conveniences for a single-stage model -----------------------------------
     def loss_and_grad(self, x, targets, grad_scale, on_ready=None):
