@@ -18,8 +18,8 @@ from .schedule import (
     zero_bubble_h1,
 )
 from .simulate import (
-    DEFAULT_COSTS, SimResult, ascii_timeline, bubble_formula, plot_timeline, resolve_costs, simulate,
-    theoretical_bubble,
+    DEFAULT_COSTS, GATHER_MODES, ZERO_STAGES, SimResult, ZeroComm, ascii_timeline, bubble_formula, plot_timeline,
+    resolve_costs, simulate, theoretical_bubble, zero_bytes_formula,
 )
 from .validate import validate
 
@@ -28,6 +28,6 @@ __all__ = [
     "REDUCE_GRAD", "SCHEDULE_NAMES", "SEND_B", "SEND_F", "SEND_KINDS", "STEP_KINDS", "W", "Action", "Schedule",
     "ScheduleError", "forward_only", "gpipe", "interleaved_1f1b", "make_schedule", "one_f_one_b", "parse_actions",
     "parse_schedule", "schedule_from_compute_orders", "zero_bubble_h1",
-    "DEFAULT_COSTS", "SimResult", "ascii_timeline", "bubble_formula", "plot_timeline", "resolve_costs", "simulate",
-    "theoretical_bubble", "validate",
+    "DEFAULT_COSTS", "GATHER_MODES", "ZERO_STAGES", "SimResult", "ZeroComm", "ascii_timeline", "bubble_formula",
+    "plot_timeline", "resolve_costs", "simulate", "theoretical_bubble", "zero_bytes_formula", "validate",
 ]

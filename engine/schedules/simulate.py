@@ -20,13 +20,56 @@ on message arrival times.  The replay therefore advances every rank as far
 as its inputs allow, round-robin, until nothing moves: the times equal those
 of a global event queue, and "nothing moves but work remains" is exactly a
 deadlock.
+
+Data-parallel communication (optional: ``simulate(schedule, zero=ZeroComm(...))``)
+---------------------------------------------------------------------------------
+Each pipeline rank also belongs to a data-parallel group of ``dp`` ranks that
+share its chunks.  Their collectives run on the rank's *data lane*: one
+collective at a time, in the order they are issued (a reduction and a gather
+issued at the same instant: the gather first, it is on the critical path).
+A collective over S bytes (the full, unsharded size) costs the ring's
+``steps * latency + moved / bandwidth``: all-gather and reduce-scatter move
+S(N-1)/N bytes in N-1 steps per rank, all-reduce twice that.  Each chunk is
+split into ``units`` equal units (FSDP's unit: a block; the embedding and the
+head are units too), and a compute action's cost is split evenly over them.
+
+* ZeRO-3 gathers.  Before each unit's part of an F or a B/I (W reads only
+  activations and output gradients: no gather) the unit is all-gathered:
+  ``gather="use"`` before every such action of every micro-batch (dropped
+  after it: 2m gathers per unit per step); ``"step"`` only at its first use
+  in the step (kept to the end: one per unit); ``"auto"``: use with p == 1,
+  step with a pipeline.  Prefetch depth 1: a unit's gather is issued when
+  the compute of the unit before it on this rank starts (the previous action's
+  last unit, across action boundaries), so it hides behind that compute if
+  shorter and the lane is free; the first unit of a step is issued at 0.
+  A unit whose gather is not done stalls the rank (inside an action the stall
+  counts as exposed communication, not as busy time).
+* Gradient reduction.  After each unit's part of a chunk's last weight-
+  gradient action on this rank (its last B, or its last W when backward is
+  split), that unit's bucket is reduced: all-reduce for ZeRO-0/1,
+  reduce-scatter for ZeRO-2/3.  Later backwards overlap it; REDUCE_GRAD
+  waits until the lane has finished every reduction.
+* ZeRO-1/2 parameter all-gather.  The optimizer step follows the global
+  gradient norm, so it starts when every pipeline rank has passed
+  REDUCE_GRAD (optimizer time itself is not modelled); then each rank
+  all-gathers its updated parameters, exposed (the next step needs them).
+
+Bytes per rank per step, Psi = the parameter bytes of a pipeline rank's chunks,
+f = (N-1)/N:  ZeRO-0 2 Psi f (all-reduce); ZeRO-1 3 Psi f (all-reduce + gather);
+ZeRO-2 2 Psi f; ZeRO-3 "step" 2 Psi f; ZeRO-3 "use" (2m+1) Psi f (3 Psi f at m = 1).
+``zero_bytes_formula`` gives them; ``SimResult.comm_bytes`` counts what was
+simulated.  Not modelled: contention between the data lane and the pipeline's
+sends, the optimizer's compute, the global norm's own latency, and tensor
+parallelism (give the bytes of one tensor-parallel shard).  With ``zero=None``
+or ``dp == 1`` the replay is exactly the one without it.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from .schedule import (
     ALL_KINDS, B, F, I, RECV_B, RECV_F, REDUCE_GRAD, SEND_B, SEND_F, SHORT_NAMES, W, Action, Schedule,
@@ -76,6 +119,109 @@ def _cost(name, value) -> float:
     return value
 
 
+ZERO_STAGES = (0, 1, 2, 3)
+GATHER_MODES = ("auto", "use", "step")
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all-gather", "reduce-scatter", "all-reduce"
+
+
+@dataclass(frozen=True)
+class ZeroComm:
+    """The data-parallel communication to add to a replay (see the module docstring).
+
+    ``chunk_bytes``: parameter bytes of one chunk, the same for every chunk,
+    or one list per rank with one number per chunk (e.g. a heavier first stage
+    that holds the embedding).  ``bandwidth`` is in bytes per time unit of the
+    costs, ``latency`` (the ring's alpha per step) in time units.
+    """
+
+    stage: int
+    dp: int
+    chunk_bytes: float | Sequence[Sequence[float]]
+    bandwidth: float
+    latency: float = 0.0
+    units: int = 1
+    gather: str = "auto"
+
+    def __post_init__(self):
+        if self.stage not in ZERO_STAGES:
+            raise ValueError(f"ZeRO stage must be one of {ZERO_STAGES}, got {self.stage!r}")
+        if not isinstance(self.dp, int) or self.dp < 1:
+            raise ValueError(f"dp (data-parallel ranks) must be an integer >= 1, got {self.dp!r}")
+        if self.stage > 0 and self.dp == 1:
+            raise ValueError(f"ZeRO-{self.stage} shards over the data-parallel ranks: give dp >= 2")
+        if not (self.bandwidth > 0) or math.isinf(self.bandwidth):
+            raise ValueError(f"bandwidth must be a finite number > 0 (bytes per time unit), got {self.bandwidth!r}")
+        if not (self.latency >= 0):
+            raise ValueError(f"latency must be >= 0, got {self.latency!r}")
+        if not isinstance(self.units, int) or self.units < 1:
+            raise ValueError(f"units per chunk must be an integer >= 1, got {self.units!r}")
+        if self.gather not in GATHER_MODES:
+            raise ValueError(f"gather must be one of {GATHER_MODES}, got {self.gather!r}")
+
+    def bytes_of(self, p: int, v: int) -> list[list[float]]:
+        """Parameter bytes per [rank][chunk]."""
+        if isinstance(self.chunk_bytes, (int, float)):
+            table = [[float(self.chunk_bytes)] * v for _ in range(p)]
+        else:
+            table = [[float(b) for b in row] for row in self.chunk_bytes]
+            if len(table) != p or any(len(row) != v for row in table):
+                raise ValueError(f"chunk_bytes needs {p} ranks x {v} chunks, got "
+                                 f"{[len(row) for row in table]} chunks per rank")
+        if any(b < 0 or math.isnan(b) for row in table for b in row):
+            raise ValueError("chunk_bytes must be >= 0")
+        return table
+
+    def gather_mode(self, p: int) -> str:
+        """ZeRO-3's mode once "auto" is resolved: per use without a pipeline, per step with one."""
+        if self.gather != "auto":
+            return self.gather
+        return "use" if p == 1 else "step"
+
+    def collective(self, kind: str, nbytes: float) -> tuple[float, float]:
+        """(bytes this rank moves, time) of a ring collective over ``nbytes`` (the full size)."""
+        steps = (self.dp - 1) * (2 if kind == ALL_REDUCE else 1)
+        moved = nbytes * steps / self.dp
+        return moved, steps * self.latency + moved / self.bandwidth
+
+
+def zero_bytes_formula(stage: int, psi: float, dp: int, m: int, gather: str = "step") -> tuple[float, str]:
+    """Bytes a rank moves over the data axis per step, and the formula as text.
+
+    ``psi``: the parameter bytes of the rank's chunks; ``gather``: ZeRO-3's
+    resolved mode ("use" or "step").
+    """
+    factor, text = {0: (2, "2"), 1: (3, "3"), 2: (2, "2")}.get(stage, (None, None))
+    if stage == 3:
+        factor, text = (2 * m + 1, "(2m+1)") if gather == "use" else (2, "2")
+    if factor is None:
+        raise ValueError(f"ZeRO stage must be one of {ZERO_STAGES}, got {stage!r}")
+    return factor * psi * (dp - 1) / dp, f"{text}Ψ(N-1)/N"
+
+
+class _DataLane:
+    """One rank's data-parallel collectives: one at a time, in the order issued."""
+
+    def __init__(self, zero: ZeroComm):
+        self.zero = zero
+        self.free = 0.0
+        self.ops: list[tuple[tuple, float, float]] = []  # (label, start, end)
+        self.moved = 0.0
+        self.pending: deque = deque()  # reductions issued, not yet placed: (issue, label, kind, bytes)
+
+    def place(self, issue: float, label: tuple, kind: str, nbytes: float) -> float:
+        moved, duration = self.zero.collective(kind, nbytes)
+        start = max(self.free, issue)
+        self.free = start + duration
+        self.ops.append(((kind, *label), start, self.free))
+        self.moved += moved
+        return self.free
+
+    def flush(self, before: float = math.inf) -> None:
+        """Place the reductions issued before ``before`` (pending is in issue order)."""
+        while self.pending and self.pending[0][0] < before:
+            self.place(*self.pending.popleft())
+
+
 @dataclass
 class SimResult:
     schedule: Schedule
@@ -88,16 +234,26 @@ class SimResult:
     deadlock: str | None = None
     stuck: dict[int, str] = field(default_factory=dict)  # rank -> what it waits for
     comm_latency: float = 0.0
+    zero: ZeroComm | None = None
+    gather_mode: str | None = None  # ZeRO-3's resolved gather mode
+    # per rank, with ``zero`` only: the data lane's collectives ((kind, *what), start, end) and bytes moved
+    comm: list[list[tuple[tuple, float, float]]] = field(default_factory=list)
+    comm_bytes: list[float] = field(default_factory=list)
 
 
-def simulate(schedule: Schedule, costs: Mapping | None = None, comm_latency: float = 0.0) -> SimResult:
+def simulate(schedule: Schedule, costs: Mapping | None = None, comm_latency: float = 0.0,
+             zero: ZeroComm | None = None) -> SimResult:
     """Replay ``schedule``; never raises on a deadlock, reports it in the result.
 
     ``costs``: see ``resolve_costs`` (defaults F=1, B=2, I=1, W=1, rest 0).
     Bubble counts compute (F/B/I/W) only: 1 - busy / makespan per rank.
+    ``zero``: also replay the data-parallel communication (module docstring).
     """
     p = schedule.p
     tables = resolve_costs(costs, p)
+    if zero is not None and zero.dp == 1:
+        zero = None  # nothing crosses a data axis of one rank: exactly the replay without it
+    data = _DataParallel(schedule, zero) if zero is not None else None
     timeline: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
     position = [0] * p
     clock = [0.0] * p
@@ -134,7 +290,13 @@ def simulate(schedule: Schedule, costs: Mapping | None = None, comm_latency: flo
                 if ready is None:
                     break
                 start = max(clock[rank], ready)
-                end = start + tables[rank][action.kind]
+                if data is not None and action.is_compute:
+                    start, end = data.compute(rank, position[rank], action, start, tables[rank][action.kind])
+                elif data is not None and action.kind == REDUCE_GRAD:
+                    start = max(start, data.reductions_done(rank))
+                    end = start + tables[rank][action.kind]
+                else:
+                    end = start + tables[rank][action.kind]
                 timeline[rank].append((action, start, end))
                 clock[rank] = end
                 position[rank] += 1
@@ -153,11 +315,78 @@ def simulate(schedule: Schedule, costs: Mapping | None = None, comm_latency: flo
 
     makespan = max((end for row in timeline for _, _, end in row), default=0.0)
     busy = [sum(end - start for a, start, end in row if a.is_compute) for row in timeline]
+    extra = {}
+    if data is not None:
+        if not stuck:
+            data.after_step([max((end for _, _, end in row), default=0.0) for row in timeline])
+        makespan = max([makespan] + [lane.free for lane in data.lanes])
+        # A stall inside an action (a unit waiting for its gather) is exposed communication, not work.
+        busy = [sum(tables[r][a.kind] for a, _, _ in row if a.is_compute) for r, row in enumerate(timeline)]
+        extra = dict(zero=zero, gather_mode=data.mode, comm=[lane.ops for lane in data.lanes],
+                     comm_bytes=[lane.moved for lane in data.lanes])
     bubble = [1.0 - b / makespan if makespan > 0 else 0.0 for b in busy]
     return SimResult(
         schedule=schedule, timeline=timeline, makespan=makespan, busy=busy, bubble=bubble,
         mean_bubble=sum(bubble) / p, peak_in_flight=[schedule.micro_batches_in_flight(r) for r in range(p)],
-        deadlock=deadlock, stuck=stuck, comm_latency=comm_latency)
+        deadlock=deadlock, stuck=stuck, comm_latency=comm_latency, **extra)
+
+
+class _DataParallel:
+    """The data-parallel side of a replay: every rank's lane, gathers and reductions."""
+
+    def __init__(self, schedule: Schedule, zero: ZeroComm):
+        self.zero = zero
+        self.training = schedule.training  # evaluation: no reductions, no update
+        self.bytes = zero.bytes_of(schedule.p, schedule.v)
+        self.mode = zero.gather_mode(schedule.p) if zero.stage == 3 else None
+        self.lanes = [_DataLane(zero) for _ in range(schedule.p)]
+        self.gathered: list[set] = [set() for _ in range(schedule.p)]  # (chunk, unit) kept, "step" mode
+        self.prefetch_from = [0.0] * schedule.p  # start of the rank's latest unit of compute
+        # Per rank, the index of each chunk's last weight-gradient action: its buckets reduce after it.
+        last_kind = W if schedule.splits_backward else B
+        self.last_backward: list[set[int]] = []
+        for actions in schedule.ranks:
+            last = {}
+            for index, action in enumerate(actions):
+                if action.kind == last_kind:
+                    last[action.chunk] = index
+            self.last_backward.append(set(last.values()))
+
+    def compute(self, rank: int, index: int, action: Action, ready: float, cost: float) -> tuple[float, float]:
+        """Run a compute action unit by unit from ``ready``; return (start of its first unit, end)."""
+        zero, lane, k = self.zero, self.lanes[rank], self.zero.units
+        unit_bytes = self.bytes[rank][action.chunk] / k
+        needs_params = zero.stage == 3 and action.kind in (F, B, I)
+        reduce = ALL_REDUCE if zero.stage <= 1 else REDUCE_SCATTER
+        units = range(k) if action.kind == F else range(k - 1, -1, -1)
+        t, first = ready, None
+        for unit in units:
+            begin = t
+            if needs_params and (self.mode == "use" or (action.chunk, unit) not in self.gathered[rank]):
+                self.gathered[rank].add((action.chunk, unit))
+                issue = self.prefetch_from[rank]
+                lane.flush(before=issue)
+                begin = max(t, lane.place(issue, (action.compact(True), unit), ALL_GATHER, unit_bytes))
+            self.prefetch_from[rank] = begin
+            first = begin if first is None else first
+            t = begin + cost / k
+            if index in self.last_backward[rank]:
+                lane.pending.append((t, (action.chunk, unit), reduce, unit_bytes))
+        return first, t
+
+    def reductions_done(self, rank: int) -> float:
+        lane = self.lanes[rank]
+        lane.flush()
+        return lane.free
+
+    def after_step(self, rank_ends: list[float]) -> None:
+        """ZeRO-1/2: after the update (which waits for the global norm), gather the parameters."""
+        for lane in self.lanes:
+            lane.flush()
+        if self.training and self.zero.stage in (1, 2):
+            update = max(rank_ends)
+            for rank, lane in enumerate(self.lanes):
+                lane.place(update, ("params",), ALL_GATHER, sum(self.bytes[rank]))
 
 
 def _done_key(action: Action, stage: int) -> tuple:
