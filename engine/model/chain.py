@@ -8,6 +8,15 @@ model chunk (each chunk a virtual stage of the schedule), all on one buffer.
 Words with one meaning each: a *layer chain* is this container; a *pipeline
 rank* is a process of the pipeline axis; a *(virtual) stage* is a position in
 the pipeline's order of chunks (engine/schedules/schedule.py).
+
+Activation recomputation (set_recompute) trades compute for activation memory, per
+transformer block (a layer with set_recompute: engine/model/layers.py Block):
+    none       every layer keeps its ctx from forward to backward
+    full       a block keeps only its input (BlockInput); its backward runs the block's
+               forward again on it to rebuild the ctx (one more forward of every block)
+    selective  a block's attention does not keep its probabilities (B, H, T, T); its
+               backward computes them again from q and k (two kernels calls, Megatron's)
+The ops run again are the same ops on the same inputs: the gradients are the same bits.
 """
 from __future__ import annotations
 
@@ -17,11 +26,34 @@ from ringpipe.engine.model.layers import KVCache
 from ringpipe.engine.model.params import ParamBuffer
 
 
+RECOMPUTE = ("none", "full", "selective")
+
+# What each mode keeps and costs, in words (the start-up description, --help, docs/memory.md).
+RECOMPUTE_WORDS = {
+    "full": "each block keeps only its input and runs its forward again in backward",
+    "selective": "attention probabilities (B, H, T, T) computed again in backward from q and k",
+}
+
+
+class BlockInput:
+    """What a block recomputed in full keeps from forward to backward: its input.
+    nbytes: what the pipeline executor counts (executor.py nbytes)."""
+    __slots__ = ("x",)
+
+    def __init__(self, x):
+        self.x = x
+
+    @property
+    def nbytes(self):
+        return int(self.x.nbytes)
+
+
 class LayerChain:
     # Set by an outer axis that shards the parameters (ZeRO-3, engine/parallel/zero.py):
     # acquire(chain, i) before layer i reads its parameters, release(chain, i) after.
     # None: every parameter is always in memory.
     residency = None
+    recompute = "none"         # set_recompute
 
     def __init__(self, layers, dtype=np.float32, xp=np, has_head=True, params=None):
         """`params`: an existing ParamBuffer to bind to (a pipeline rank's model
@@ -43,6 +75,38 @@ class LayerChain:
         self._ready_by_layer = [[] for _ in self.layers]
         for name, i in self._ready_after.items():
             self._ready_by_layer[i].append(names.index(name))
+        self._recomputed = [False] * len(self.layers)    # layer i keeps only its input (full)
+
+    # ---- activation recomputation ---------------------------------------------------
+    @property
+    def blocks(self) -> int:
+        """How many layers activation recomputation applies to (transformer blocks)."""
+        return sum(hasattr(layer, "set_recompute") for layer in self.layers)
+
+    def set_recompute(self, mode):
+        """none | full | selective (the module's docstring); layers that are not blocks (the
+        embedding, the head, an MLP's layers) keep their ctx in every mode."""
+        if mode not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {mode!r}")
+        for layer in self.layers:
+            if hasattr(layer, "set_recompute"):
+                layer.set_recompute(mode)
+        self._recomputed = [mode == "full" and hasattr(layer, "set_recompute") for layer in self.layers]
+        self.recompute = mode
+
+    def describe(self):
+        """The recomputation in words for the start-up description; "" when none."""
+        if self.recompute == "none":
+            return ""
+        return f"recompute {self.recompute}: {RECOMPUTE_WORDS[self.recompute]}"
+
+    def _backward_ctx(self, i, ctx):
+        """Layer i's ctx for its backward: a block recomputed in full runs its forward again
+        on the kept input. Called between _acquire(i) and _release(i): the forward reads the
+        parameters."""
+        if isinstance(ctx, BlockInput):
+            return self.layers[i].forward(ctx.x)[1]
+        return ctx
 
     # ---- forward ---------------------------------------------------------------
     def forward(self, x, targets=None, grad_scale=1.0, need_grad=True):
@@ -54,7 +118,10 @@ class LayerChain:
             if self.has_head and i == len(self.layers) - 1:
                 x, ctx = layer.forward(x, targets, grad_scale=grad_scale, need_grad=need_grad)
             else:
-                x, ctx = layer.forward(x)
+                y, ctx = layer.forward(x)
+                if self._recomputed[i]:
+                    ctx = BlockInput(x)       # the block's ctx goes now; backward rebuilds it from x
+                x = y
             self._release(i)
             ctxs.append(ctx)
         return x, ctxs
@@ -86,7 +153,7 @@ class LayerChain:
         their all-reduce from it)."""
         for i in reversed(range(len(self.layers))):
             self._acquire(i)
-            dout, wctx = self.layers[i].backward_input(dout, ctxs[i])
+            dout, wctx = self.layers[i].backward_input(dout, self._backward_ctx(i, ctxs[i]))
             self._release(i)
             self.layers[i].backward_weight(wctx)      # reads activations only, never the parameters
             ctxs[i] = None                    # free activations as soon as possible
@@ -100,7 +167,7 @@ class LayerChain:
         wctxs = [None] * len(self.layers)
         for i in reversed(range(len(self.layers))):
             self._acquire(i)
-            dout, wctxs[i] = self.layers[i].backward_input(dout, ctxs[i])
+            dout, wctxs[i] = self.layers[i].backward_input(dout, self._backward_ctx(i, ctxs[i]))
             self._release(i)
             ctxs[i] = None
         return dout, wctxs

@@ -175,4 +175,4 @@ GPT_RECIPE = ModelRecipe(
     data="tokens", default_data="stdlib", data_path_data="text", unit="tokens", rate_unit="tok",
     axes=("data", "pipe", "tensor"),
     presets={name: dict(zip(("n_layer", "d_model", "n_head", "context"), shape)) for name, shape in PRESETS.items()},
-    hf_format=True, generate=generate)
+    hf_format=True, generate=generate, blocks=True)

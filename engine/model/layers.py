@@ -164,7 +164,11 @@ def _residual_std(n_layer):
 class CausalSelfAttention(Layer):
     """Multi-head causal self-attention: qkv projection, softmax(q k^T / sqrt(hs)) v, output projection.
     Split by a maker over `maker.size` ranks: this rank's H/size heads (qkv
-    column-parallel, proj row-parallel)."""
+    column-parallel, proj row-parallel).
+    keep_probs False (Block.set_recompute selective): the forward does not keep the attention
+    probabilities (B, H, T, T); the backward computes them again from q and k."""
+
+    keep_probs = True
 
     def __init__(self, name, c, n_head, n_layer_for_init, maker=WHOLE):
         if c % n_head:
@@ -192,7 +196,7 @@ class CausalSelfAttention(Layer):
         scale = 1.0 / math.sqrt(hs)
         y, att = causal_attention(q, k, v, scale)                           # (B, T, H*hs)
         out, proj_ctx = self.proj.forward(y)
-        return out, (qkv_ctx, q, k, v, att, scale, proj_ctx)
+        return out, (qkv_ctx, q, k, v, att if self.keep_probs else None, scale, proj_ctx)
 
     def decode(self, x, cache, start):
         """x (B, T, C) of positions start..start+T-1 -> (B, T, C); appends their keys
@@ -259,7 +263,11 @@ class MLP(Layer):
 class Block(Layer):
     """Pre-norm residual Transformer block: x + attn(ln1(x)), then + mlp(ln2(x)).
     Under sequence parallelism x, the LayerNorms and the residual adds are this
-    rank's T/tp positions; attention and MLP gather the sequence and scatter it back."""
+    rank's T/tp positions; attention and MLP gather the sequence and scatter it back.
+
+    A block is what activation recomputation works on (set_recompute; LayerChain's
+    set_recompute calls it): its forward never writes into its input x (the residual
+    adds make new arrays), so a chain may keep x alone and run forward again in backward."""
 
     def __init__(self, name, c, n_head, n_layer, maker=WHOLE):
         self.name = name
@@ -275,6 +283,13 @@ class Block(Layer):
     def bind(self, params):
         for part in self.parts:
             part.bind(params)
+
+    def set_recompute(self, mode):
+        """none | full | selective (engine/model/chain.py LayerChain.set_recompute). Selective
+        is this block's own: its attention forgets the probabilities (B, H, T, T) and its
+        backward recomputes them; full is the chain's (it keeps only the input), and the
+        forward it runs again in backward keeps everything, as without recomputation."""
+        self.attn.keep_probs = mode != "selective"
 
     def forward(self, x):
         # x (B, T, C)
@@ -330,14 +345,22 @@ class KVCache:
         return self.k[:, :, :start + T], self.v[:, :, :start + T]
 
 
+def causal_attention_probs(q, k, scale):
+    """softmax(scale q k^T, causal): q, k (B, H, T, hd) -> (B, H, T, T). The one place they
+    are computed, for the forward and for a backward whose forward did not keep them
+    (selective recomputation): the same kernels calls on the same q and k, the same bits."""
+    att = K.matmul_nt(q, k)                                             # (B, H, T, T)
+    return K.softmax_causal_forward(att, scale, out=att)
+
+
 def causal_attention(q, k, v, scale):
     """softmax(scale q k^T, causal) v over whole sequences: q, k, v (B, H, T, hd) ->
     (y (B, T, H*hd), heads merged for the output projection; att (B, H, T, T), kept for
-    the backward). GPT's and the Llama family's attention share it."""
+    the backward unless the caller recomputes it). GPT's and the Llama family's attention
+    share it."""
     xp = K.get_array_module(q)
     B, H, T, hd = q.shape
-    att = K.matmul_nt(q, k)                                             # (B, H, T, T)
-    att = K.softmax_causal_forward(att, scale, out=att)
+    att = causal_attention_probs(q, k, scale)                           # (B, H, T, T)
     y = K.matmul(att, v)                                                # (B, H, T, hd)
     return xp.ascontiguousarray(y.transpose(0, 2, 1, 3)).reshape(B, T, H * hd), att
 
@@ -345,9 +368,12 @@ def causal_attention(q, k, v, scale):
 def causal_attention_backward(dy, q, k, v, att, scale, dq=None, dk=None, dv=None):
     """causal_attention's backward: dy (B, T, H*hd), the merged heads' gradient -> (dq, dk,
     dv) (B, H, T, hd) each, written into the given arrays when there are some (GPT's fused
-    qkv gradient takes them in one buffer)."""
+    qkv gradient takes them in one buffer). att None: the forward did not keep the
+    probabilities (selective recomputation); they are computed again here, and dropped after."""
     xp = K.get_array_module(dy)
     B, H, T, hd = q.shape
+    if att is None:
+        att = causal_attention_probs(q, k, scale)
     dy = xp.ascontiguousarray(dy.reshape(B, T, H, hd).transpose(0, 2, 1, 3))  # (B, H, T, hd)
     dv = K.matmul_tn(att, dy, out=dv)                                   # dv = att^T dy
     datt = K.matmul_nt(dy, v)                                           # (B, H, T, T)

@@ -220,7 +220,11 @@ class GroupedQueryAttention(Layer):
     reads key/value head h // G (transformers' repeat_kv). Rotary positions on q and k.
     Split by a maker over `maker.size` ranks (tensor parallelism): rank r holds query heads
     r*H/size ... and key/value heads r*Hkv/size ..., which are exactly the ones its query
-    heads read (H/size = G * Hkv/size), so attention needs no communication; o is row-parallel."""
+    heads read (H/size = G * Hkv/size), so attention needs no communication; o is row-parallel.
+    keep_probs False (selective recomputation, Block.set_recompute): the probabilities
+    (B, H, T, T) are not kept; the backward computes them again from q and k."""
+
+    keep_probs = True
 
     def __init__(self, name, cfg: LlamaConfig, rotary: Rotary, maker=WHOLE):
         C, hd = cfg.d_model, cfg.head_dim
@@ -256,7 +260,7 @@ class GroupedQueryAttention(Layer):
         scale = 1.0 / math.sqrt(hd)
         y, att = causal_attention(q, k, v, scale)                          # (B, T, H*hd)
         out, o_ctx = self.o.forward(y)
-        return out, (qkv_ctx, o_ctx, q, k, v, att, scale)
+        return out, (qkv_ctx, o_ctx, q, k, v, att if self.keep_probs else None, scale)
 
     def decode(self, x, cache, start):
         """x (B, T, C) of positions start..start+T-1 -> (B, T, C) (sampling, LayerChain.decode):
@@ -445,5 +449,5 @@ LLAMA_RECIPE = ModelRecipe(
             "tie_embeddings": "tie_embeddings"},
     layers=llama_layers, flops_per_item=flops_per_token, memory=memory,
     data="tokens", default_data="stdlib", data_path_data="text", unit="tokens", rate_unit="tok",
-    axes=("data", "pipe", "tensor"), presets=PRESETS, generate=generate,
+    axes=("data", "pipe", "tensor"), presets=PRESETS, generate=generate, blocks=True,
     hf_format=True)       # engine/interop/hf_llama.py: LlamaForCausalLM folders both ways

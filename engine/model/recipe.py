@@ -49,6 +49,7 @@ class ModelRecipe:
     hf_format: bool = False       # its checkpoints export to, and <init_from> imports, a Hugging Face format
     fit_to_data: Callable = _nothing_from_data    # (shape, dataset): set the shape fields the data decides
     generate: Callable | None = None              # text sampling (engine/model/gpt.py generate); None: no text
+    blocks: bool = False          # built of transformer blocks (layers.py Block): <recompute> full/selective apply
 
     def __post_init__(self):
         # A recipe is checked once, where it is written: a typo here would otherwise

@@ -70,7 +70,8 @@ class LocalModel:
         return []
 
     def describe(self):
-        return f"{self.m} micro-batches (gradient accumulation)" if self.m > 1 else ""
+        parts = [f"{self.m} micro-batches (gradient accumulation)" if self.m > 1 else "", self.chain.describe()]
+        return " | ".join(p for p in parts if p)
 
     def summary(self):
         return ""

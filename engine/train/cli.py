@@ -172,6 +172,12 @@ def _parallelism_flags(p):
                    help="with --tp: LayerNorms and the residual stream split along the sequence between the "
                         "tensor-parallel regions (all-gather/reduce-scatter instead of all-reduce; activation "
                         "memory there / tp). --seq-len must be a multiple of --tp")
+    g.add_argument("--recompute", choices=["none", "full", "selective"], default="none",
+                   help="activation recomputation of transformer blocks (GPT, Llama): none (default) keeps every "
+                        "activation until backward; full keeps only each block's input and runs the block's "
+                        "forward again in backward (about a third more compute, activations ~1/L); selective "
+                        "drops only the attention probabilities (heads x T x T per sequence) and recomputes "
+                        "them from q and k (two kernel calls a block). Gradients are bit-identical")
     g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zbh1"], default=None,
                    help="pipeline schedule (default 1f1b; zbh1 = zero-bubble H1; interleaved needs --chunks "
                         ">= 2); needs --pp >= 2 or --chunks >= 2")

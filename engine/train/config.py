@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ringpipe.engine.job.errors import ConfigError
+from ringpipe.engine.model.chain import RECOMPUTE
 from ringpipe.engine.model.registry import names_of
 
 MAX_BUCKET_MB = 1 << 20        # 1 TiB: past the gradients' size a bucket is just one bucket
@@ -81,6 +82,7 @@ class Config:
     tp: int = 1                        # tensor-parallel ranks (GPT, Llama): heads, MLP features, vocabulary split
     sequence_parallel: bool = False    # with tp > 1: the stream between the TP regions split along T
     tp_overlap: str = "auto"           # auto | on | off: input-gradient reductions beside weight-gradient GEMMs
+    recompute: str = "none"            # none | full | selective: activations a block recomputes in backward
     schedule: str | None = None        # gpipe | 1f1b | interleaved | zbh1 (1f1b)
     microbatches: int = 1              # per step and data-parallel replica
     chunks: int = 1                    # model chunks per pipeline rank (interleaved)
@@ -313,6 +315,12 @@ def _check_combinations(cfg: Config, dp: int) -> list[str]:
     _check_recipe(cfg)
     if cfg.tp_overlap not in ("auto", "on", "off"):
         raise ConfigError(f"<tp_overlap> must be auto, on or off, got {cfg.tp_overlap!r}")
+    if cfg.recompute not in RECOMPUTE:
+        raise ConfigError(f"<recompute> must be {', '.join(RECOMPUTE)}, got {cfg.recompute!r}")
+    if cfg.recompute != "none" and not cfg.recipe.blocks:
+        raise ConfigError(f"<recompute> {cfg.recompute} recomputes transformer blocks in backward, and <model> "
+                          f"{cfg.model} has none: it works for <model> {names_of(lambda r: r.blocks)}; leave "
+                          f"<recompute> none for <model> {cfg.model}")
     if cfg.sequence_parallel and cfg.tp < 2:
         raise ConfigError("<sequence_parallel> splits the sequence across tensor-parallel ranks: it needs "
                           "<tp> >= 2")

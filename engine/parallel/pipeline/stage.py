@@ -119,8 +119,10 @@ class PipelineModel:
     def describe(self):
         s = self.schedule
         micro = self.executor.act_shape[0]
+        recompute = self.chunks[0].describe()          # every chunk has the same setting
         return (f"schedule {s.name}, {s.m} micro-batches of {micro}"
-                f"{f', {s.v} chunks/rank' if s.v > 1 else ''} | stages (layers) {self.bounds}")
+                f"{f', {s.v} chunks/rank' if s.v > 1 else ''} | stages (layers) {self.bounds}"
+                f"{f' | {recompute}' if recompute else ''}")
 
     def summary(self):
         """What the pipeline held, for the end of the run (rank 0's line is printed)."""
