@@ -35,10 +35,11 @@ import numpy as np
 from mpi4py import MPI
 
 from . import device
-from .collectives import allreduce_on_context, choose_algorithm
+from .collectives import _wire, allreduce_on_context, choose_algorithm
 from .consistency import check_consistent
 from .context import CommContext
-from .layout import LAYOUT_LEGEND, is_buffer, layout_record, op_name, semantics_hash, validate
+from .ring import reduce_scatter_ring
+from .layout import LAYOUT_LEGEND, REDUCE_UFUNCS, is_buffer, layout_record, op_name, semantics_hash, validate
 
 __all__ = ["GradBuckets"]
 
@@ -54,10 +55,14 @@ def _stop_all() -> None:
         gb._stop_thread()
 
 
-def _make_buckets(param_ranges, itemsize: int, bucket_bytes: int, first_bucket_bytes: int | None = None):
+def _make_buckets(param_ranges, itemsize: int, bucket_bytes: int, first_bucket_bytes: int | None = None,
+                  breaks=()):
     """[(lo, hi, first_param, last_param)] in reduction order (model end first).
     Greedy: a bucket takes parameters until the next would exceed its cap,
-    first_bucket_bytes (if given) for the first bucket, bucket_bytes after."""
+    first_bucket_bytes (if given) for the first bucket, bucket_bytes after.
+    breaks: parameter indices that begin a bucket whatever its size (a bucket
+    never holds parameter i - 1 and parameter i for i in breaks)."""
+    breaks = set(breaks)
     buckets = []
     cap = bucket_bytes if first_bucket_bytes is None else first_bucket_bytes
     cur_first = cur_last = None
@@ -65,7 +70,7 @@ def _make_buckets(param_ranges, itemsize: int, bucket_bytes: int, first_bucket_b
     for i in range(len(param_ranges) - 1, -1, -1):
         lo, hi = param_ranges[i]
         nbytes = (hi - lo) * itemsize
-        if cur_last is not None and cur_bytes + nbytes > cap:
+        if cur_last is not None and (cur_bytes + nbytes > cap or cur_first in breaks):
             buckets.append((param_ranges[cur_first][0], param_ranges[cur_last][1], cur_first, cur_last))
             cur_first = cur_last = None
             cur_bytes = 0
@@ -89,13 +94,26 @@ class GradBuckets:
     first bucket (the model's last parameters, reduced first) if smaller
     buckets should start the communication earlier in backward; default
     bucket_bytes.
+
+    collective="reduce_scatter" (ZeRO-2/3): each bucket is reduce-scattered
+    instead, rank r of `comm` keeping the reduced values of its chunk
+    (chunk_bounds(hi - lo, size)[r], offset by lo); the rest of the bucket is
+    scratch. breaks: parameter indices that begin a bucket whatever the sizes
+    (so that two ranks' buffers can be cut alike). on_reduced(k): called on
+    whichever thread reduced bucket k, once it is reduced (ZeRO releases the
+    memory of the chunks this rank does not keep).
     """
 
     def __init__(self, grad_flat, param_ranges, comm=None, bucket_bytes: int = 25 * 2**20,
                  op: str = "avg", overlap: bool = True, algorithm: str = "auto",
-                 first_bucket_bytes: int | None = None):
+                 first_bucket_bytes: int | None = None, collective: str = "allreduce", breaks=(),
+                 on_reduced=None):
         comm = MPI.COMM_WORLD if comm is None else comm
         op = op_name(op)
+        if collective not in ("allreduce", "reduce_scatter"):
+            raise ValueError(f"GradBuckets: collective must be 'allreduce' or 'reduce_scatter', got {collective!r}")
+        if collective == "reduce_scatter":
+            algorithm = "ring"          # the ring's first half is the reduce-scatter
         # First, and collectively: our private communicator (bucket messages
         # never meet the caller's). Creating it compares the comm settings
         # across the ranks, among them the crossover that picks the buckets'
@@ -103,7 +121,8 @@ class GradBuckets:
         self._ctx = CommContext(comm)
         try:
             ranges, buckets, algos, flat = self._agree_on_layout(
-                comm, grad_flat, param_ranges, bucket_bytes, first_bucket_bytes, op, algorithm, self._ctx)
+                comm, grad_flat, param_ranges, bucket_bytes, first_bucket_bytes, op, algorithm, self._ctx,
+                collective, breaks)
         except BaseException:
             self._ctx.free()
             raise
@@ -117,6 +136,8 @@ class GradBuckets:
         self._written = [None] * len(buckets)     # device: event per bucket, set by mark_ready
         self.param_ranges = ranges
         self.op = op
+        self.collective = collective
+        self._on_reduced = on_reduced
         self.algorithm = algorithm
         self.bucket_bytes = int(bucket_bytes)
         self.first_bucket_bytes = None if first_bucket_bytes is None else int(first_bucket_bytes)
@@ -158,7 +179,7 @@ class GradBuckets:
 
     @staticmethod
     def _agree_on_layout(comm, grad_flat, param_ranges, bucket_bytes, first_bucket_bytes, op: str,
-                         algorithm: str, ctx=None):
+                         algorithm: str, ctx=None, collective: str = "allreduce", breaks=()):
         """(ranges, buckets, per-bucket algorithms, flat buffer) once every rank
         passed the same layout and it is valid; else the same error on every rank."""
         ranges = [(int(lo), int(hi)) for lo, hi in param_ranges]
@@ -169,12 +190,13 @@ class GradBuckets:
             ranges[i][1] <= ranges[i + 1][0] for i in range(len(ranges) - 1)
         ) and (not ranges or ranges[-1][1] <= arr.size)
         first = None if first_bucket_bytes is None else int(first_bucket_bytes)
-        buckets = _make_buckets(ranges, arr.itemsize, int(bucket_bytes), first)
+        buckets = _make_buckets(ranges, arr.itemsize, int(bucket_bytes), first, breaks)
         # "auto" is resolved once per bucket, so every step runs the same
         # algorithm; the choice depends on the crossover, hence in the check.
         algos = [choose_algorithm(algorithm, (hi - lo) * arr.itemsize, ctx) for lo, hi, _, _ in buckets]
         layout_crc = zlib.crc32(np.asarray(ranges, dtype=np.int64).tobytes()
-                                + ",".join(map(str, algos)).encode())
+                                + np.asarray([lo for lo, _, _, _ in buckets], dtype=np.int64).tobytes()
+                                + ",".join([collective, *map(str, algos)]).encode())
         size, dtype_code, op_code, _, ok, _ = layout_record(arr, flat, op, "ring", is_array)
         codes = (size, dtype_code, op_code, ok, len(ranges), int(bucket_bytes),
                  0 if first is None else first, layout_crc)
@@ -326,10 +348,20 @@ class GradBuckets:
                 device.synchronize(seg)
         if self._staged:
             host = device.to_pinned(seg)
-            allreduce_on_context(self._ctx, host, host, self.op, self._algos[k], self._semantics[k], _BUCKET)
+            self._collective(k, host)
             device.copy_back(seg, host)
-            return
-        allreduce_on_context(self._ctx, seg, seg, self.op, self._algos[k], self._semantics[k], _BUCKET)
+        else:
+            self._collective(k, seg)
+        if self._on_reduced is not None:
+            self._on_reduced(k)
+
+    def _collective(self, k: int, seg) -> None:
+        if self.collective == "allreduce":
+            allreduce_on_context(self._ctx, seg, seg, self.op, self._algos[k], self._semantics[k], _BUCKET)
+        elif self._ctx.size > 1 and seg.size:
+            if reduce_scatter_ring(self._ctx, seg, _wire(seg), REDUCE_UFUNCS[self.op], self.op == "avg",
+                                   self._semantics[k]):
+                raise RuntimeError(f"{_BUCKET} (reduce-scatter): the ranks' bucket layouts differed")
 
     def _run(self) -> None:
         cond = self._cond
