@@ -12,6 +12,7 @@ checkpoints and imports hand it full arrays by name, which it slices itself.
 """
 from __future__ import annotations
 
+import mmap
 import zlib
 from dataclasses import dataclass
 
@@ -109,6 +110,20 @@ def dedup_specs(specs):
     return list(seen.values())
 
 
+_PAGE = mmap.PAGESIZE
+
+
+def _zeros(size, dtype, xp):
+    """A zeroed flat array. On the host, an anonymous memory map of its own, so that
+    ranges of it can be given back to the OS (ParamBuffer.release) while the rest
+    stays in place: a sharded optimizer (ZeRO-2/3) keeps views into one flat buffer
+    yet holds in memory only what it uses. Pages are only backed once written."""
+    if xp is not np or size == 0:
+        return xp.zeros(size, dtype=dtype)
+    pages = mmap.mmap(-1, size * np.dtype(dtype).itemsize, flags=mmap.MAP_PRIVATE)
+    return np.frombuffer(pages, dtype=dtype, count=size)
+
+
 class ParamBuffer:
     """Flat `data` and `grad` arrays plus per-name views, laid out in forward order."""
 
@@ -122,8 +137,8 @@ class ParamBuffer:
             self.offsets[spec.name] = (offset, offset + spec.size)
             offset += spec.size
         self.size = offset
-        self.data = xp.zeros(self.size, dtype=self.dtype)
-        self.grad = xp.zeros(self.size, dtype=self.dtype)
+        self.data = _zeros(self.size, self.dtype, xp)
+        self.grad = _zeros(self.size, self.dtype, xp)
         # Weight-decay mask: 1 where AdamW decays (2D weights), 0 elsewhere.
         mask = np.zeros(self.size, dtype=np.uint8)
         for spec in self.specs:
@@ -174,6 +189,27 @@ class ParamBuffer:
 
     def zero_grad(self):
         self.grad.fill(0)
+
+    def release(self, flat, lo, hi):
+        """Set flat[lo:hi] (flat: self.data or self.grad) to zeros and give the memory
+        of its whole pages back to the OS: they read as zeros and take memory again
+        only when written. A device array, or one without pages of its own, is only
+        zeroed (the device allocator keeps the memory)."""
+        if hi <= lo:
+            return
+        pages = getattr(flat.base, "obj", None) if isinstance(flat, np.ndarray) else None   # _zeros' map
+        if not isinstance(pages, mmap.mmap):
+            flat[lo:hi] = 0
+            return
+        item = flat.itemsize
+        first = -(-lo * item // _PAGE) * _PAGE          # the whole pages inside [lo, hi)
+        last = hi * item // _PAGE * _PAGE
+        if last <= first:
+            flat[lo:hi] = 0
+            return
+        flat[lo:first // item] = 0
+        flat[last // item:hi] = 0
+        pages.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def state_dict(self, flat):
         """Split a flat array laid out like `data` into {name: array} (host copies)."""
