@@ -50,7 +50,8 @@ class BlockInput:
 
 class LayerChain:
     # Set by an outer axis that shards the parameters (ZeRO-3, engine/parallel/zero.py):
-    # acquire(chain, i) before layer i reads its parameters, release(chain, i) after.
+    # acquire(chain, i, direction) before layer i reads its parameters (direction: +1
+    # in forward, -1 in backward: which layer comes next), release(chain, i) after.
     # None: every parameter is always in memory.
     residency = None
     recompute = "none"         # set_recompute
@@ -114,7 +115,7 @@ class LayerChain:
         the head and targets are given, else the activation (or logits)."""
         ctxs = []
         for i, layer in enumerate(self.layers):
-            self._acquire(i)
+            self._acquire(i, +1)
             if self.has_head and i == len(self.layers) - 1:
                 x, ctx = layer.forward(x, targets, grad_scale=grad_scale, need_grad=need_grad)
             else:
@@ -152,7 +153,7 @@ class LayerChain:
         called as soon as a parameter's gradient is final (gradient buckets start
         their all-reduce from it)."""
         for i in reversed(range(len(self.layers))):
-            self._acquire(i)
+            self._acquire(i, -1)
             dout, wctx = self.layers[i].backward_input(dout, self._backward_ctx(i, ctxs[i]))
             self._release(i)
             self.layers[i].backward_weight(wctx)      # reads activations only, never the parameters
@@ -166,7 +167,7 @@ class LayerChain:
         """Zero-bubble split, part 1: activation gradients only. Returns (dx, wctxs)."""
         wctxs = [None] * len(self.layers)
         for i in reversed(range(len(self.layers))):
-            self._acquire(i)
+            self._acquire(i, -1)
             dout, wctxs[i] = self.layers[i].backward_input(dout, self._backward_ctx(i, ctxs[i]))
             self._release(i)
             ctxs[i] = None
@@ -182,9 +183,13 @@ class LayerChain:
                     on_ready(index)
 
     # ---- parameters sharded by an outer axis ----------------------------------------
-    def _acquire(self, i):
+    def first_params_by_layer(self):
+        """For each layer, the indices (in params) of the parameters it is the first to use."""
+        return [list(indices) for indices in self._ready_by_layer]
+
+    def _acquire(self, i, direction):
         if self.residency is not None:
-            self.residency.acquire(self, i)
+            self.residency.acquire(self, i, direction)
 
     def _release(self, i):
         if self.residency is not None:

@@ -51,6 +51,11 @@ class GradSync:
     def finish(self) -> None:
         """Every gradient of this step is final: complete their reduction."""
 
+    def kept(self, lo: int, hi: int) -> list:
+        """After finish(): the (lo, hi) parts of [lo, hi) whose reduced gradients this rank
+        holds (all of it, unless the outer axis shards the gradients: ZeRO-2/3)."""
+        return [(lo, hi)]
+
 
 NO_SYNC = GradSync()
 
@@ -68,9 +73,15 @@ class RankModel(Protocol):
     def forward_loss(self, x, y) -> float:
         """Loss sum without gradients (evaluation)."""
 
+    def zero_grad(self) -> None:
+        """Gradients to zero before a step (and, where they are sharded, their memory freed)."""
+
     def grad_norm_sq(self) -> float:
         """The squared global gradient norm, every parameter counted once, the same on every rank.
         (The inner models take `exclude`: (lo, hi) ranges an outer axis counts elsewhere.)"""
+
+    def scale_grads(self, scale: float) -> None:
+        """Multiply the gradients this rank updates from by `scale` (clipping)."""
 
     def make_optimizer(self, name: str, weight_decay: float):
         """An optimizer for the part of the parameters this rank updates."""
@@ -114,6 +125,12 @@ class InnerModel(Protocol):
     """What an outer axis wraps: the tensor axis, the pipeline or the local model."""
 
     params: ParamBuffer          # this rank's flat parameters and gradients, with named views
+    chains: list                 # the LayerChains over params (an outer axis may hook into them: ZeRO-3)
+
+    def separate_ranges(self) -> list:
+        """(lo, hi) ranges of params another rank of this axis holds too and sums its
+        gradient with (the tied embedding): an outer axis that shards gradients must
+        cut them as pieces of their own."""
 
     def forward_backward(self, x, y, grad_scale: float, sync: GradSync = NO_SYNC) -> float:
         """One step's forward and backward; sync.on_ready(i) as each gradient is final,

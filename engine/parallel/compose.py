@@ -33,4 +33,5 @@ def build_rank_model(grid, layers_fn, cfg, dtype, xp, micro_shape, cost_batch, t
         chain.set_recompute(cfg.recompute)
     if tensor is not None:
         inner = TensorParallel(inner, tensor, [s for layer in layers_fn(tensor) for s in layer.specs()])
-    return DataParallel(inner, grid, zero=bool(cfg.zero), bucket_mb=cfg.bucket_mb, overlap=not cfg.no_overlap)
+    return DataParallel(inner, grid, zero=cfg.zero, bucket_mb=cfg.bucket_mb, overlap=not cfg.no_overlap,
+                        gather_mode=cfg.zero_gather_mode)

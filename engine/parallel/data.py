@@ -4,9 +4,11 @@ DataParallel wraps the local or the pipeline model and owns:
 - gradient reduction: GradBuckets all-reduce (average) buckets of gradients
   over the data axis while backward still runs (the inner model says when
   each gradient is final); done when the inner model's step says so;
+  under ZeRO-2/3 they reduce-scatter them instead (engine/parallel/zero.py);
 - the update: the whole buffer, or under ZeRO-1 this rank's slice of it
   (its optimizer state is that slice only), then an all-gather of the
-  parameters along the axis;
+  parameters along the axis; under ZeRO-2/3 this rank's chunk of each
+  bucket (zero.py), then (ZeRO-2 only) the all-gather;
 - checkpoint state: the ZeRO slices of the optimizer state gathered first; only
   the first replica's pipeline gathers the arrays for world rank 0;
 - identical replicas at a fresh start (a broadcast of the first replica).
@@ -21,6 +23,10 @@ from ringpipe.comm.device import Transport
 from ringpipe.engine.job.array_module import to_host
 from ringpipe.engine.model.optim import make_optimizer
 from ringpipe.engine.parallel import NO_SYNC, GradSync
+from ringpipe.engine.parallel.zero import ShardedParams, bucket_breaks, owned_ranges
+
+# ZeRO-3 cuts one bucket per unit (a layer's parameters), whatever its size.
+_UNBOUNDED = 2**62
 
 
 def bucket_sizes(bucket_mb, grad_bytes):
@@ -37,45 +43,120 @@ def bucket_sizes(bucket_mb, grad_bytes):
 
 
 class _BucketSync(GradSync):
-    def __init__(self, buckets):
+    def __init__(self, buckets, owned=None):
         self.on_ready = buckets.mark_ready
         self.finish = buckets.wait
+        self.owned = owned          # ZeRO-2/3: the (lo, hi) this rank keeps of each bucket
+
+    def kept(self, lo, hi):
+        if self.owned is None:
+            return [(lo, hi)]
+        return [(max(lo, a), min(hi, b)) for a, b in self.owned if max(lo, a) < min(hi, b)]
 
 
 class DataParallel:
-    def __init__(self, inner, grid, zero=False, bucket_mb=None, overlap=True):
+    def __init__(self, inner, grid, zero=0, bucket_mb=None, overlap=True, gather_mode="use"):
         self.inner, self.params = inner, inner.params
         self.data_comm = grid.comm("data")
         self.dp, self.index = grid.size("data"), grid.index("data")
-        self.zero = zero and self.dp > 1
-        # This rank updates (and keeps optimizer state for) this slice of the flat buffer.
+        self.stage = int(zero) if self.dp > 1 else 0        # the ZeRO stage (0: none)
+        self.zero = self.stage == 1
+        # ZeRO-1: this rank updates (and keeps optimizer state for) this slice of the flat buffer.
         self.update_slice = comm.chunk_bounds(self.params.size, self.dp)[self.index] if self.zero \
             else (0, self.params.size)
-        self.buckets, self.sync = None, NO_SYNC
+        self.buckets, self.sync, self.owned, self.sharded = None, NO_SYNC, None, None
+        self.gather_mode = gather_mode
         if self.dp > 1:
             bucket_bytes, first_bytes = bucket_sizes(bucket_mb, self.params.grad.nbytes)
+            sharding = self.stage >= 2
+            if self.stage == 3:
+                bucket_bytes, first_bytes = _UNBOUNDED, None
+            breaks = bucket_breaks(inner.chains, self.params, inner.separate_ranges(), units=self.stage == 3) \
+                if sharding else ()
             self.buckets = comm.GradBuckets(self.params.grad, self.params.ranges(), comm=self.data_comm,
                                             bucket_bytes=bucket_bytes, first_bucket_bytes=first_bytes,
-                                            op="avg", overlap=overlap)
-            self.sync = _BucketSync(self.buckets)
+                                            op="avg", overlap=overlap,
+                                            collective="reduce_scatter" if sharding else "allreduce",
+                                            breaks=breaks, on_reduced=self._keep_chunk if sharding else None)
+            if sharding:
+                self.owned = owned_ranges(self.buckets.buckets, self.dp, self.data_comm.Get_rank())
+            self.sync = _BucketSync(self.buckets, self.owned)
+            if self.stage == 3:
+                self.sharded = ShardedParams(self.params, self.buckets.buckets, self.data_comm, inner.chains,
+                                             gather_mode, overlap)
         self.auto_buckets = bucket_mb is None
 
+    def _keep_chunk(self, k):
+        """Bucket k is reduce-scattered: give back the memory of the chunks other ranks keep."""
+        lo, hi, _, _ = self.buckets.buckets[k]
+        own_lo, own_hi = self.owned[k]
+        self.params.release(self.params.grad, lo, own_lo)
+        self.params.release(self.params.grad, own_hi, hi)
+
+    def _pack(self, flat):
+        """This rank's chunks of `flat` (laid out like params.data), one after another."""
+        return self.params.xp.concatenate([flat[a:b] for a, b in self.owned])
+
+    def _unpack(self, packed, flat):
+        at = 0
+        for a, b in self.owned:
+            flat[a:b] = packed[at:at + b - a]
+            at += b - a
+
     # ---- a step ------------------------------------------------------------------------
+    def zero_grad(self):
+        if self.owned is not None:       # memory too: backward takes only what it writes
+            self.params.release(self.params.grad, 0, self.params.size)
+        else:
+            self.params.zero_grad()
+
     def forward_backward(self, x, y, grad_scale):
-        return self.inner.forward_backward(x, y, grad_scale, sync=self.sync)
+        loss = self.inner.forward_backward(x, y, grad_scale, sync=self.sync)
+        if self.sharded:
+            self.sharded.end_step()
+        return loss
 
     def forward_loss(self, x, y):
-        return self.inner.forward_loss(x, y)
+        loss = self.inner.forward_loss(x, y)
+        if self.sharded:
+            self.sharded.end_step()
+        return loss
 
     def grad_norm_sq(self):
-        return self.inner.grad_norm_sq()      # the gradients are the same on every replica now
+        if self.owned is None:
+            return self.inner.grad_norm_sq()      # the gradients are the same on every replica now
+        # Each rank holds its chunks of the reduced gradients, zeros elsewhere: the
+        # squares of its chunks, summed over the replicas, are the norm's.
+        part = np.array([self.inner.grad_norm_sq()])
+        comm.allreduce(part, self.data_comm, op="sum")
+        return float(part[0])
+
+    def scale_grads(self, scale):
+        """Multiply the gradients this rank updates from by `scale` (clipping)."""
+        if scale == 1.0:
+            return
+        for a, b in self.owned or [(0, self.params.size)]:
+            self.params.grad[a:b] *= scale
 
     def make_optimizer(self, name, weight_decay):
+        if self.owned is not None:
+            mask = self._pack(self.params.wd_mask)
+            return make_optimizer(name, len(mask), self.params.dtype, self.params.xp, mask, weight_decay)
         lo, hi = self.update_slice
         return make_optimizer(name, hi - lo, self.params.dtype, self.params.xp, self.params.wd_mask[lo:hi],
                               weight_decay)
 
     def update(self, opt, lr):
+        if self.owned is not None:
+            # The optimizer steps over this rank's chunks packed together (its state is
+            # packed so), then they go back into place.
+            param = self._pack(self.params.data)
+            opt.step(param, self._pack(self.params.grad), lr)
+            self._unpack(param, self.params.data)
+            if self.stage == 2:
+                for lo, hi, _, _ in self.buckets.buckets:
+                    comm.allgather(self.params.data[lo:hi], self.data_comm)
+            return
         lo, hi = self.update_slice
         opt.step(self.params.data[lo:hi], self.params.grad[lo:hi], lr)
         if self.zero:
@@ -86,29 +167,46 @@ class DataParallel:
         # one's copy makes that a guarantee rather than an assumption.
         if self.dp > 1:
             Transport(self.params.xp).in_place(self.params.data, lambda buf: self.data_comm.Bcast(buf, root=0))
+        if self.sharded:
+            self.sharded.drop_all()
 
     # ---- checkpoint state ----------------------------------------------------------------
     def gather_state(self, opt):
         full = {}
         for state_name, buf in opt.state().items():
-            if self.zero:
+            if self.owned is not None:
+                flat = np.zeros(self.params.size, dtype=self.params.dtype)
+                self._unpack(to_host(buf), flat)
+                for lo, hi, _, _ in self.buckets.buckets:
+                    comm.allgather(flat[lo:hi], self.data_comm)
+            elif self.zero:
                 flat = np.zeros(self.params.size, dtype=self.params.dtype)
                 flat[self.update_slice[0]:self.update_slice[1]] = to_host(buf)
                 comm.allgather(flat, self.data_comm)
             else:
                 flat = buf
             full[state_name] = flat
+        if self.sharded:
+            self.sharded.gather_all()
         # Every replica holds the same state: the first one's pipeline gathers it.
-        return self.inner.named_arrays(full) if self.index == 0 else {}
+        arrays = self.inner.named_arrays(full) if self.index == 0 else {}
+        if self.sharded:
+            self.sharded.end_step()
+        return arrays
 
     def state_shapes(self, opt):
         return self.inner.named_shapes(opt.state_names)
 
     def restore_state(self, arrays, opt):
         full = self.inner.load_named(arrays, opt.state_names)
+        if self.sharded:
+            self.sharded.drop_all()
         lo, hi = self.update_slice
         for state_name, buf in opt.state().items():
-            buf[...] = self.params.xp.asarray(full[state_name][lo:hi])
+            if self.owned is not None:
+                buf[...] = self.params.xp.asarray(np.concatenate([full[state_name][a:b] for a, b in self.owned]))
+            else:
+                buf[...] = self.params.xp.asarray(full[state_name][lo:hi])
 
     # ---- reporting and shutdown -------------------------------------------------------------
     def describe(self):
@@ -122,6 +220,12 @@ class DataParallel:
                 parts.append(self.buckets.cost_model.describe())
         if self.zero:
             parts.append("zero-1")
+        elif self.stage == 2:
+            parts.append("zero-2: gradients reduce-scattered, optimizer state 1/N")
+        elif self.stage == 3:
+            parts.append(f"zero-3: parameters sharded in {len(self.owned)} units, gathered per "
+                         f"{'use' if self.gather_mode == 'use' else 'step'}"
+                         f"{', prefetched' if self.sharded.overlap else ''}")
         return " | ".join(p for p in parts if p)
 
     def summary(self):
@@ -135,6 +239,8 @@ class DataParallel:
         return self.buckets.stats().get("hidden") if self.buckets else None
 
     def close(self):
+        if self.sharded:
+            self.sharded.close()
         if self.buckets:
             self.buckets.close()
         self.inner.close()

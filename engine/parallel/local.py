@@ -29,6 +29,7 @@ class LocalModel:
         self.chain = LayerChain(layers, dtype=dtype, xp=xp)
         self.chain.params.init(seed)
         self.params = self.chain.params
+        self.chains = [self.chain]
         self.m = microbatches
         self.trace = trace             # list to append (name, category, t0, t1), or None
 
@@ -52,6 +53,9 @@ class LocalModel:
         so one process and a pipeline evaluate to the same bits."""
         xs, ys = split_micro(self.xp.asarray(x), self.m), split_micro(self.xp.asarray(y), self.m)
         return sum((self.chain.loss(xs[i], ys[i]) for i in range(self.m)), 0.0)
+
+    def separate_ranges(self):
+        return []
 
     def grad_norm_sq(self, exclude=()):
         grad = self.params.grad

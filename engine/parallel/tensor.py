@@ -506,6 +506,9 @@ class _PartialSums(GradSync):
     def finish(self):
         self.outer.finish()
 
+    def kept(self, lo, hi):
+        return self.outer.kept(lo, hi)
+
 
 class TensorParallel:
     """An inner model (engine/parallel/__init__.py InnerModel) wrapping the local or
@@ -526,6 +529,10 @@ class TensorParallel:
         names = self.params.names()
         self._partial = {names.index(s.name): offsets[s.name] for s in self.params.specs if s.partial}
         self.steps = 0
+        self.chains = inner.chains
+
+    def separate_ranges(self):
+        return self.inner.separate_ranges()
 
     def forward_backward(self, x, y, grad_scale, sync=NO_SYNC):
         if self._partial:

@@ -156,8 +156,16 @@ def _parallelism_flags(p):
                         "0.25 and 25 MiB, so backward overlaps several all-reduces; the first bucket is "
                         "capped at 1 MiB like PyTorch DDP's)")
     g.add_argument("--no-overlap", action="store_true", help="all-reduce after backward instead of during it")
-    g.add_argument("--zero", type=int, choices=[0, 1], default=0,
-                   help="1: split the optimizer state across data-parallel ranks, a slice each (ZeRO-1)")
+    g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
+                   help="split training state across the data-parallel ranks (ZeRO), float32 AdamW bytes per "
+                        "parameter with N ranks: 0 none (16); 1 the optimizer state (8 + 8/N); 2 the gradients "
+                        "too, reduce-scattered as backward makes them (4 + 12/N); 3 the parameters too, each "
+                        "layer gathered just before it runs (16/N + the gathered layers; 1.5x the traffic). "
+                        "Composes with --pp and --tp. Same math at every stage")
+    g.add_argument("--zero-gather", choices=["auto", "use", "step"], default="auto",
+                   help="with --zero 3: when a gathered layer is dropped again. use: after each use (least "
+                        "memory; 2 gathers per micro-batch); step: at the end of the step (one gather per layer "
+                        "per step, all layers in memory by then). auto (default): step with --pp, else use")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1); ranks = dp x pp x tp")
     g.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel ranks per layer (default 1; GPT and Llama): attention heads, MLP features "
@@ -228,6 +236,10 @@ def _output_flags(p):
     g.add_argument("--sample-bytes", type=int, dest="sample_tokens", action=_OldName, new="--sample-tokens",
                    help=argparse.SUPPRESS)
     g.add_argument("--quiet", action="store_true", help="no progress lines (metrics.jsonl is still written)")
+    g.add_argument("--memory-report", action="store_true",
+                   help="print the predicted memory per rank item by item at start-up (parameters, gradients, "
+                        "optimizer state, activations, communication buffers; docs/memory.md), and after step 2 "
+                        "the measured peak (the largest rank's) next to it")
 
 
 def _cluster_flags(p):

@@ -77,7 +77,8 @@ class Config:
     dp: int | None = None              # data-parallel ranks (all ranks / pp)
     bucket_mb: float | None = None     # gradient bucket MiB (auto)
     no_overlap: bool = False           # all-reduce after backward instead of during it
-    zero: int = 0                      # 1: ZeRO-1 (optimizer state split over the data axis, a slice a rank)
+    zero: int = 0                      # ZeRO stage over the data axis: 1 optimizer state, 2 + gradients, 3 + parameters
+    zero_gather: str = "auto"          # ZeRO-3: use | step | auto (step with a pipeline, else use)
     pp: int = 1                        # pipeline stages
     tp: int = 1                        # tensor-parallel ranks (GPT, Llama): heads, MLP features, vocabulary split
     sequence_parallel: bool = False    # with tp > 1: the stream between the TP regions split along T
@@ -100,6 +101,7 @@ class Config:
     log_every: int | None = None       # steps between progress lines (steps/20)
     sample_tokens: int = 200           # GPT: tokens sampled at the end
     quiet: bool = False
+    memory_report: bool = False        # the predicted memory per rank item by item, and the measured peak
     # ---- cluster
     watchdog: float = 0.0              # seconds without progress before a report (0: off)
     watchdog_abort: bool = False
@@ -116,6 +118,14 @@ class Config:
     @property
     def pipelined(self) -> bool:
         return self.pp > 1 or self.chunks > 1
+
+    @property
+    def zero_gather_mode(self) -> str:
+        """ZeRO-3's gathers: auto is "step" with a pipeline (its many micro-batches would
+        multiply the per-use gathers: torchtitan's choice), "use" without (FSDP's default)."""
+        if self.zero_gather != "auto":
+            return self.zero_gather
+        return "step" if self.pipelined else "use"
 
     @property
     def dataset(self) -> str:
@@ -343,7 +353,17 @@ def _check_combinations(cfg: Config, dp: int) -> list[str]:
                           f"<preset> and <init_from> are for <model> {names_of(lambda r: r.presets and r.hf_format)}")
     if cfg.watchdog_abort and not cfg.watchdog:
         raise ConfigError("<watchdog_abort> needs <watchdog> SECONDS (the stall that triggers it)")
+    if cfg.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"<zero> {cfg.zero}: use 0 (none), 1 (optimizer state), 2 (+ gradients) or 3 (+ parameters)")
+    if cfg.zero_gather not in ("auto", "use", "step"):
+        raise ConfigError(f"<zero_gather> {cfg.zero_gather!r}: use auto, use or step")
+    if cfg.zero >= 2 and dp == 1:
+        raise ConfigError(f"<zero> {cfg.zero} shards over the data-parallel ranks, and this layout has one "
+                          "(all ranks are pipeline or tensor ranks): give more ranks (ranks = dp x pp x tp), "
+                          f"lower <pp> or <tp>, or use <zero> 0")
     notes = []
+    if cfg.zero_gather != "auto" and cfg.zero != 3:
+        notes.append(f"note: <zero_gather> {cfg.zero_gather} has no effect without <zero> 3")
     if dp == 1:
         unused = [flag for flag, on in (("<zero> 1", cfg.zero), ("<bucket_mb>", cfg.bucket_mb is not None),
                                         ("<no_overlap>", cfg.no_overlap)) if on]
@@ -476,7 +496,9 @@ def memory_floor(cfg: Config, shape, dp: int) -> tuple[float, str]:
     activations = elements * itemsize
     states = 2 if cfg.optimizer == "adamw" else 1
     # Tensor parallelism splits nearly all of both (a lower bound may divide all of it).
-    weights = n_params / cfg.pp / cfg.tp * itemsize * (2 + states / (dp if cfg.zero else 1))
+    # bytes per parameter, in itemsizes: ZeRO-1 splits the optimizer state, 2 the gradients too, 3 all.
+    shards = {0: (1, 1, 1), 1: (1, 1, dp), 2: (1, dp, dp), 3: (dp, dp, dp)}[cfg.zero if dp > 1 else 0]
+    weights = n_params / cfg.pp / cfg.tp * itemsize * (1 / shards[0] + 1 / shards[1] + states / shards[2])
     activations /= cfg.tp
     return weights + activations, (f"{n_params:.3g} parameters: {_gib(weights)} for weights, gradients and "
                                    f"optimizer state, {_gib(activations)} for one micro-batch's activations")
@@ -494,7 +516,7 @@ def check_memory(cfg: Config, shape, dp: int, ranks_on_node: int) -> None:
     if need > total / max(1, ranks_on_node):
         raise ConfigError(f"this run needs at least {_gib(need)} per rank ({what}), but this node has "
                           f"{_gib(total)} for {ranks_on_node} rank(s); use a smaller model (<d_model>, <layers>) "
-                          f"or batch (<batch_size>, <microbatches>), more ranks (<pp> splits the layers, <zero> 1 "
+                          f"or batch (<batch_size>, <microbatches>), more ranks (<pp> splits the layers, <zero> 1-3 "
                           "the optimizer state), or nodes with more memory")
 
 

@@ -29,9 +29,10 @@ from ringpipe import comm, kernels as K
 from ringpipe.engine.job import checkpoint, lifecycle, rundir
 from ringpipe.engine.train.agreement import BadBatch, agree_batch, batch_error, batch_problem
 from ringpipe.engine.train.assemble import Run, assemble
+from ringpipe.engine.train import memory
 from ringpipe.engine.train.config import Config
 from ringpipe.engine.job.errors import Diverged, JobFailure
-from ringpipe.engine.model.optim import clip, lr_at
+from ringpipe.engine.model.optim import clip_scale, lr_at
 from ringpipe.engine.train.reporting import hms, step_record
 from ringpipe.engine.data.shards import Prefetcher
 
@@ -106,14 +107,16 @@ def steps(training: Run, batches: Prefetcher, best: Best | None = None) -> tuple
         t0 = time.perf_counter()
         lr = lr_at(step, cfg.peak_lr, cfg.warmup_steps, cfg.schedule_steps, cfg.min_lr_ratio)
         x, y = batches.get(step)
-        model.params.zero_grad()
+        model.zero_grad()
         loss = sum_over_ranks(training, model.forward_backward(x, y, training.grad_scale)) / training.items_per_step
         norm_sq = model.grad_norm_sq()
         refuse_non_finite(training, step + 1, loss=loss, grad_norm=math.sqrt(norm_sq) if norm_sq >= 0 else norm_sq)
-        clip(model.params, norm_sq, cfg.grad_clip)
+        model.scale_grads(clip_scale(norm_sq, cfg.grad_clip))
         model.update(training.opt, lr)
 
         done = step + 1
+        if cfg.memory_report and done == min(cfg.steps, training.start_step + 2):
+            memory.report_measured(training, done)     # step 2: the first with the optimizer state in memory
         record = step_record(done, loss, lr, norm_sq, time.perf_counter() - t0, training.items_per_step,
                              training.flops_per_item, training.recipe.unit, model.comm_hidden_fraction(),
                              epochs_at(training, done))

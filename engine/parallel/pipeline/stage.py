@@ -81,7 +81,8 @@ class PipelineModel:
         def gradients_complete():          # the schedule's REDUCE_GRAD
             sync.finish()
             for a, b in self._tied:
-                comm.allreduce(self.params.grad[a:b], self._tied_comm, op="sum")
+                for lo, hi in sync.kept(a, b):     # (ZeRO-2/3: both ends keep the same chunk of it)
+                    comm.allreduce(self.params.grad[lo:hi], self._tied_comm, op="sum")
         x, y = self.xp.asarray(x), self.xp.asarray(y)
         return self.executor.run(split_micro(x, self.m), split_micro(y, self.m), grad_scale,
                                  on_ready=sync.on_ready, reduce_grad=gradients_complete)
@@ -89,6 +90,13 @@ class PipelineModel:
     def forward_loss(self, x, y):
         x, y = self.xp.asarray(x), self.xp.asarray(y)
         return self.evaluator.run(split_micro(x, self.m), split_micro(y, self.m))
+
+    @property
+    def chains(self):
+        return self.chunks
+
+    def separate_ranges(self):
+        return list(self._tied)
 
     def grad_norm_sq(self, exclude=()):
         # The last stage's copy of the tied embedding is the first stage's: count it once.

@@ -1,0 +1,235 @@
+"""ZeRO-2 and ZeRO-3 on the data axis: each replica keeps only its shard.
+
+The flat buffers stay whole in address space (every layer keeps its views
+into them), but on the host they are memory maps whose ranges are given back
+to the OS when the rank does not need them (ParamBuffer.release): what a rank
+holds in memory is what it keeps, not what the buffer could hold.
+
+Shards. The gradient buckets (comm.GradBuckets, reduction order: model end
+first) cut the flat buffer into pieces; each piece is split in N chunks
+(comm.chunk_bounds) and data-parallel rank r keeps chunk r of every piece. The
+same cut serves the gradients (a piece is reduce-scattered as soon as backward
+has finished it), the optimizer state (packed: the chunks one after another),
+and under ZeRO-3 the parameters (a piece is all-gathered before a layer that
+reads it runs). Under ZeRO-3 a piece is a unit (FSDP's word): the parameters a
+layer uses first, i.e. one transformer block, the embedding, the final norm and
+head. A parameter that two pipeline ranks hold (the tied embedding) is always a
+piece of its own, so both cut it alike and can sum their chunks of it.
+
+    ZeRO-2  gradients: reduce-scatter per piece, the other chunks released;
+            optimizer state 1/N; the update on the chunks kept, then each piece
+            all-gathered: every rank holds all parameters again.
+    ZeRO-3  as ZeRO-2, but the parameters stay sharded: ShardedParams gathers
+            a layer's pieces just before it reads them (LayerChain's acquire /
+            release hooks), prefetching the next layer's behind the compute.
+
+When a gathered piece is dropped again is the user's choice (gather_mode):
+    "use"   after each use (each micro-batch's forward, again for its backward):
+            the least memory, 2 x micro-batches all-gathers per unit per step
+            (FSDP's reshard-after-forward);
+    "step"  kept from its first use to the end of the step: one all-gather per
+            unit per step, but every unit is in memory by the end of the step
+            (torchtitan's choice with pipelines, whose many micro-batches would
+            otherwise multiply the gathers).
+Gradient accumulation keeps the gradients whole until the last micro-batch
+(one reduce-scatter per piece per step, not one per micro-batch).
+
+Every data-parallel rank issues the same collectives in the same order: the
+buckets in bucket order (comm.GradBuckets), the gathers in the order the layers
+ask for them, which the schedule makes the same on every replica.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from ringpipe import comm
+
+GATHER_MODES = ("use", "step")
+
+
+def owned_ranges(buckets, dp, index):
+    """(lo, hi) of the chunk this rank keeps of each bucket, in bucket order."""
+    out = []
+    for lo, hi, _, _ in buckets:
+        a, b = comm.chunk_bounds(hi - lo, dp)[index]
+        out.append((lo + a, lo + b))
+    return out
+
+
+def bucket_breaks(chains, params, separate, units):
+    """Parameter indices that begin a bucket. separate: (lo, hi) ranges that must be
+    pieces of their own (a parameter two pipeline ranks hold); units: also begin one
+    at each layer's first parameter (ZeRO-3: a piece is a layer's unit)."""
+    starts = [lo for lo, _ in params.ranges()]
+    breaks = set()
+    for lo, hi in separate:
+        breaks.add(starts.index(lo))
+        if hi in starts:
+            breaks.add(starts.index(hi))
+    if units:
+        for chain in chains:
+            for layer_params in chain.first_params_by_layer():
+                if layer_params:
+                    breaks.add(min(layer_params))
+    return breaks
+
+
+class ShardedParams:
+    """ZeRO-3's parameters: this rank keeps its chunk of each piece in memory; the
+    rest of a piece is gathered while a layer that reads it runs (LayerChain.residency)."""
+
+    def __init__(self, params, buckets, data_comm, chains, gather_mode="use", overlap=True):
+        if gather_mode not in GATHER_MODES:
+            raise ValueError(f"gather mode {gather_mode!r}: use one of {GATHER_MODES}")
+        self.params, self.mode = params, gather_mode
+        self.pieces = [(lo, hi) for lo, hi, _, _ in buckets]
+        self.owned = owned_ranges(buckets, data_comm.Get_size(), data_comm.Get_rank())
+        piece_of = np.empty(len(params.specs), dtype=np.int64)
+        for k, (_, _, first, last) in enumerate(buckets):
+            piece_of[first:last + 1] = k
+        # Which pieces each layer reads, per chain: every parameter it declares.
+        self._reads = {}
+        for chain in chains:
+            self._reads[id(chain)] = [sorted({int(piece_of[params.index_of(s.name)]) for s in layer.specs()})
+                                      for layer in chain.layers]
+            chain.residency = self
+        self._chains = list(chains)
+        self.users = [0] * len(self.pieces)
+        self.gathered = [False] * len(self.pieces)   # every chunk of the piece is in memory
+        self.queued = [False] * len(self.pieces)      # asked for, not gathered yet
+        self.gathers = 0                               # all-gathers this step (the cost of the mode)
+        self.gather_s = self.wait_s = 0.0
+        # Gathers run on a communicator of their own, on a thread when MPI allows it,
+        # so the next layer's pieces come while this layer computes.
+        self.comm = data_comm.Dup()
+        self.overlap = overlap and MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+        self._cond = threading.Condition()
+        self._queue, self._error, self._stopping = [], None, False
+        self._thread = None
+        if self.overlap:
+            self._thread = threading.Thread(target=self._run, name="ringpipe-zero3-gathers", daemon=True)
+            self._thread.start()
+
+    # ---- LayerChain's hooks -------------------------------------------------------------
+    def acquire(self, chain, i, direction=1):
+        """Layer i of `chain` is about to read its parameters: gather its pieces (if not
+        in memory) and wait for them; ask for the next layer's (i + direction) too."""
+        reads = self._reads[id(chain)]
+        for k in reads[i]:
+            self.users[k] += 1
+            self._ask(k)
+        if 0 <= i + direction < len(reads):
+            for k in reads[i + direction]:
+                self._ask(k)
+        self._wait(reads[i])
+
+    def release(self, chain, i):
+        for k in self._reads[id(chain)][i]:
+            self.users[k] -= 1
+            if self.mode == "use" and self.users[k] == 0 and not self.queued[k]:
+                self._drop(k)
+
+    # ---- the step -------------------------------------------------------------------------
+    def end_step(self):
+        """Every piece back to this rank's chunk (the update changes only those)."""
+        self._wait([k for k in range(len(self.pieces)) if self.queued[k]])
+        for k in range(len(self.pieces)):
+            if self.gathered[k]:
+                self._drop(k)
+
+    def gather_all(self):
+        """Every parameter in memory (a checkpoint, sampling); end_step() drops them."""
+        for k in range(len(self.pieces)):
+            self._ask(k)
+        self._wait(range(len(self.pieces)))
+
+    def drop_all(self):
+        """Keep only this rank's chunks (after a load or a broadcast wrote them all)."""
+        for k in range(len(self.pieces)):
+            self.gathered[k] = True
+        self.end_step()
+
+    def close(self):
+        if self._thread is not None:
+            with self._cond:
+                self._stopping = True
+                self._cond.notify_all()
+            self._thread.join(timeout=10)
+            self._thread = None
+        for chain in self._chains:
+            chain.residency = None
+        if self.comm != MPI.COMM_NULL:
+            self.comm.Free()
+
+    # ---- internals ------------------------------------------------------------------------
+    def _ask(self, k):
+        if self.gathered[k] or self.queued[k]:
+            return
+        self.queued[k] = True
+        self.gathers += 1
+        if self._thread is None:
+            self._gather(k)
+            return
+        with self._cond:
+            self._queue.append(k)
+            self._cond.notify_all()
+
+    def _wait(self, pieces):
+        pieces = [k for k in pieces if not self.gathered[k]]
+        if not pieces:
+            return
+        t0 = time.perf_counter()
+        with self._cond:
+            while self._error is None and not all(self._done(k) for k in pieces):
+                self._cond.wait()
+            if self._error is not None:
+                raise RuntimeError("ZeRO-3: a parameter all-gather failed") from self._error
+        for k in pieces:
+            self.queued[k], self.gathered[k] = False, True
+        self.wait_s += time.perf_counter() - t0
+
+    def _done(self, k):
+        return k not in self._queue and k not in self._busy_pieces()
+
+    def _busy_pieces(self):
+        return (self._busy,) if getattr(self, "_busy", None) is not None else ()
+
+    def _gather(self, k):
+        lo, hi = self.pieces[k]
+        t0 = time.perf_counter()
+        comm.allgather(self.params.data[lo:hi], self.comm)
+        self.gather_s += time.perf_counter() - t0
+        if self._thread is None:
+            self.queued[k], self.gathered[k] = False, True
+
+    def _drop(self, k):
+        lo, hi = self.pieces[k]
+        own_lo, own_hi = self.owned[k]
+        self.params.release(self.params.data, lo, own_lo)
+        self.params.release(self.params.data, own_hi, hi)
+        self.gathered[k] = False
+
+    def _run(self):
+        if self.params.xp is not np:
+            self.params.data.device.use()       # cupy's current device is per thread
+        try:
+            while True:
+                with self._cond:
+                    while not self._stopping and not self._queue:
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                    k = self._busy = self._queue.pop(0)
+                self._gather(k)
+                with self._cond:
+                    self._busy = None
+                    self._cond.notify_all()
+        except BaseException as e:
+            with self._cond:
+                self._error, self._busy = e, None
+                self._cond.notify_all()
+            raise
