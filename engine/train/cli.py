@@ -183,7 +183,7 @@ def _parallelism_flags(p):
     g.add_argument("--recompute", choices=["none", "full", "selective"], default="none",
                    help="activation recomputation of transformer blocks (GPT, Llama): none (default) keeps every "
                         "activation until backward; full keeps only each block's input and runs the block's "
-                        "forward again in backward (about a third more compute, activations ~1/L); selective "
+                        "forward again in backward (about a third more compute; a block keeps T x C numbers a sequence); selective "
                         "drops only the attention probabilities (heads x T x T per sequence) and recomputes "
                         "them from q and k (two kernel calls a block). Gradients are bit-identical")
     g.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved", "zbh1"], default=None,
