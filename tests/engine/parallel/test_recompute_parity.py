@@ -34,7 +34,9 @@ def _layouts(size):
     dp = size // 2
     cases = [(f"pp2-1f1b-dp{dp}", "gpt", dict(pp=2, dp=dp, schedule="1f1b", microbatches=2)),
              (f"pp2-zbh1-dp{dp}", "llama", dict(pp=2, dp=dp, schedule="zbh1", microbatches=2)),
-             (f"tp2-sp-dp{dp}", "gpt", dict(tp=2, dp=dp, sequence_parallel=True, microbatches=2)),
+             # the input-gradient reductions on the group's thread, beside the recomputing blocks
+             (f"tp2-sp-overlap-dp{dp}", "gpt", dict(tp=2, dp=dp, sequence_parallel=True, tp_overlap="on",
+                                                    microbatches=2)),
              (f"tp2-sp-dp{dp}", "llama", dict(tp=2, dp=dp, sequence_parallel=True, microbatches=2)),
              (f"dp{size}", "gpt", dict(dp=size, microbatches=2))]
     if size == 4:
