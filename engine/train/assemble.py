@@ -18,7 +18,7 @@ import numpy as np
 
 from ringpipe import comm, kernels as K
 from ringpipe.engine.job import checkpoint, lifecycle, rundir, runtime
-from ringpipe.engine.train import config as config_checks
+from ringpipe.engine.train import config as config_checks, memory
 from ringpipe.engine.job.agreement import agree, agree_on_rank0
 from ringpipe.engine.train.agreement import check_same_config
 from ringpipe.engine.train.config import (DATA_WORDS, DATASETS, Config, check_memory, check_tensor_parallel,
@@ -450,6 +450,7 @@ def start_reporting(training: Run, cleanup) -> None:
     report.say(f"data {training.dataset.name} | global batch {cfg.batch_size} x {training.items_per_example} = "
                f"{training.items_per_step} {training.recipe.unit}/step | {world.Get_size()} "
                f"ranks: {layout}{f' | {described}' if described else ''}")
+    memory.report_at_start(training)        # the predicted peak per rank; a warning if the node lacks it
     if comm.launcher.prepared:
         report.say(f"MPI: {comm.launcher.prepared}")
     for line in runtime.thread_report():     # threads per rank and why; a warning if they oversubscribe

@@ -493,6 +493,12 @@ def memory_floor(cfg: Config, shape, dp: int) -> tuple[float, str]:
     of failing with a MemoryError minutes in. Real use is higher."""
     itemsize = np.dtype(cfg.dtype).itemsize
     n_params, elements = cfg.recipe.memory(shape, cfg.batch_size // dp, cfg.microbatches, cfg.seq_len, cfg.pp)
+    if cfg.recompute != "none" and hasattr(shape, "n_layer"):
+        # Recomputation holds one block's activations whole at a time (full: the one it runs
+        # again; selective: the probabilities of the one in backward): count one block a stage.
+        one_block = dataclasses.replace(shape, n_layer=cfg.pp)
+        elements = min(elements, cfg.recipe.memory(one_block, cfg.batch_size // dp, cfg.microbatches,
+                                                   cfg.seq_len, cfg.pp)[1])
     activations = elements * itemsize
     states = 2 if cfg.optimizer == "adamw" else 1
     # Tensor parallelism splits nearly all of both (a lower bound may divide all of it).

@@ -1,0 +1,440 @@
+"""Memory per rank: predicted from the configuration before any work, measured after it.
+
+    b = predict(cfg, shape, seq_len, dp)      # a Breakdown: bytes per item, the peak and its phase
+    print(b.table())
+
+What a rank holds, in bytes, with s the dtype's size, P the parameters this rank's
+layers declare (after the pipeline and tensor splits), N the data-parallel size:
+
+    parameters         s P; ZeRO-3: s P / N (plus the gathered units below)
+    weight-decay mask  P (one byte a parameter: AdamW decays matrices only)
+    gradients          s P; ZeRO-2/3: s P / N once reduced (whole until the last
+                       micro-batch's backward when there are several)
+    optimizer state    2 s P (AdamW's m and v; SGD one buffer); ZeRO 1-3: / N
+    activations        what the layers keep in their ctx from forward to backward
+                       (engine/model/layers.py, llama.py; counted element by element
+                       below), per micro-batch, times the micro-batches in flight
+                       (the pipeline schedule's; one without a pipeline), plus one
+                       block's backward working set
+    gathered units     ZeRO-3: the parameters gathered for the layer in use and the
+                       next one (--zero-gather use), or all of them (step)
+    communication      the ring's receive slots: min(2, N - 1) x (largest bucket) / N
+    fixed overhead     the interpreter, numpy, Numba's compiled kernels, MPI: measured
+                       (FIXED_OVERHEAD_BYTES: how)
+
+These are not all held at once. The peak is the largest of three phases:
+    initialisation     parameters drawn one at a time in float64 (ParamBuffer.init)
+    forward/backward   parameters, gradients, optimizer state, activations, units
+    update             ZeRO-2/3 pack the owned gradients and parameters (2 s P / N)
+Each phase adds the fixed overhead and the communication buffers.
+
+The float32/AdamW per-parameter figures are the ZeRO paper's: 16 (ZeRO-0), 8 + 8/N
+(ZeRO-1), 4 + 12/N (ZeRO-2), 16/N (ZeRO-3), plus the mask's 1.
+
+Measured: VmHWM (/proc/self/status), the peak resident memory since the process
+started; measured_peak() takes its maximum over the ranks. benchmarks/memory.py
+compares the two for every ZeRO stage and recomputation mode.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# What a ringpipe rank holds before its model counts for anything: the interpreter,
+# numpy, Numba and the kernels it compiled (loaded from its on-disk cache), mpi4py and
+# MPICH's shared-memory buffers, the data loader. Measured 2026-12-02 on the 2-core VM
+# (benchmarks/memory.py --baseline: a 1-layer, 64-wide GPT trained 2 steps, VmHWM minus
+# that model's own prediction, 1, 2 and 4 ranks; the largest kept). A first run that
+# compiles the kernels (an empty Numba cache) holds more while LLVM works.
+FIXED_OVERHEAD_BYTES = 176 * 2**20
+
+# comm/ring.py: the ring receives into 2 chunk-sized slots while it reduces.
+RING_SLOTS = 2
+# engine/parallel/data.py bucket_sizes: auto buckets are ~1/8 of the gradients within these.
+AUTO_BUCKET_MIN, AUTO_BUCKET_MAX, AUTO_FIRST_BUCKET = 256 * 2**10, 25 * 2**20, 2**20
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+@dataclass
+class Breakdown:
+    """Predicted bytes of one rank (the rank that needs the most: pipeline ranks differ)."""
+    items: dict = field(default_factory=dict)      # name -> bytes (each item's largest value)
+    notes: dict = field(default_factory=dict)      # name -> how it was counted
+    phases: dict = field(default_factory=dict)     # phase -> bytes held then (fixed overhead included)
+    params: int = 0                                # P: parameters of that rank
+    pipe_rank: int = 0
+
+    @property
+    def total(self) -> int:
+        """The predicted peak: the largest phase."""
+        return max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.get)
+
+    def table(self) -> list[str]:
+        """The breakdown as lines: one per item, then the phases and the peak."""
+        width = max(len(name) for name in self.items)
+        lines = [f"  {name:<{width}}  {gib(nbytes):>10}  {self.notes.get(name, '')}"
+                 for name, nbytes in self.items.items()]
+        lines.append("  " + ", ".join(f"{phase} {gib(nbytes)}" for phase, nbytes in self.phases.items())
+                     + f": peak {gib(self.total)} ({self.peak_phase})")
+        return lines
+
+    def to_dict(self) -> dict:
+        return {"items": dict(self.items), "phases": dict(self.phases), "total": self.total,
+                "peak_phase": self.peak_phase, "params": self.params, "pipe_rank": self.pipe_rank}
+
+
+# ---- parameters: what each rank's layers declare ----------------------------------------
+
+def _split(name, size, shape_dims, tp):
+    """Elements of a parameter on one tensor-parallel rank: matrices (and the embedding
+    tables but the position one) are split tp ways, vectors kept whole (a bias of a
+    column-parallel linear is split too, and small: left whole, an upper bound)."""
+    if tp == 1 or shape_dims < 2 or name == "wpe":
+        return size
+    return -(-size // tp)
+
+
+def stage_bounds(cfg, n_layers):
+    """[(lo, hi)] of the layer list for each virtual stage (the uniform partition)."""
+    from ringpipe.engine.parallel.pipeline.partition import uniform
+    stages = cfg.pp * cfg.chunks
+    if stages == 1:
+        return [(0, n_layers)]
+    return uniform(n_layers, stages)
+
+
+# ---- activations: what the layers keep, element by element -------------------------------
+
+def block_activations(shape, rows, T, tp=1, sp=False, recompute="none"):
+    """(kept, working) bytes of one transformer block for `rows` sequences of T tokens:
+    kept from its forward to its backward, and its backward's own working set (the
+    gradients it makes, and under full recomputation the ctx it rebuilds). From what
+    the ctx holds (engine/model/layers.py Block, llama.py LlamaBlock), in elements:
+      GPT    x, ln1 out, x1, ln2 out: 4NC (+4N means/rstds), kept whole (/ tp under sp);
+             qkv 3NC, attention out NC, MLP pre-GELU 4NC and out 4NC: 12NC / tp;
+             the probabilities H T^2 a sequence / tp
+      Llama  x, norm1 out, x1, norm2 out: 4NC (+2N); q, k and v (repeated to the H query
+             heads) and the attention out: 4 N H hd; gate, up and their product 3NF; H T^2
+    N = rows x T. selective leaves out H T^2 (and adds it to the working set), full keeps
+    x alone and rebuilds the rest one block at a time."""
+    N, C, H = rows * T, shape.d_model, shape.n_head
+    s = 4                           # float32 bytes; the caller scales for float64
+    probs = rows * H * T * T / tp
+    if hasattr(shape, "d_ff"):      # the Llama family: grouped-query attention, SwiGLU
+        hd = getattr(shape, "head_dim", C // H)
+        stream, region = 4 * N * C + 2 * N, (4 * N * H * hd + 3 * N * shape.d_ff) / tp
+        grads = N * C + (2 * N * shape.d_ff + 4 * N * H * hd) / tp
+    else:
+        stream, region = 4 * N * C + 4 * N, 12 * N * C / tp
+        grads = N * C + 8 * N * C / tp
+    if sp:
+        stream /= tp
+    whole = stream + region + probs
+    working = grads + probs          # the probabilities' gradient (datt) is as large as they are
+    if recompute == "full":
+        return s * (N * C / (tp if sp else 1)), s * (whole + working)
+    if recompute == "selective":
+        return s * (whole - probs), s * (working + probs)
+    return s * whole, s * working
+
+
+def embedding_activations(rows, T):
+    return 8 * rows * T             # the token ids (int64) it keeps for its backward
+
+
+def head_activations(shape, rows, T, tp=1):
+    """LMHead: the final norm's input, statistics (LayerNorm's mean and rstd, RMSNorm's rstd)
+    and output, and the logits (their gradient, written over them): 2NC + 2N (N) + NV/tp
+    elements, float32."""
+    N = rows * T
+    stats = 1 if hasattr(shape, "d_ff") else 2
+    return 4 * (2 * N * shape.d_model + stats * N + N * shape.padded_vocab / tp)
+
+
+def in_flight(cfg, pipe_rank):
+    """{chunk: micro-batches whose activations this pipeline rank holds at once, at the
+    schedule's worst moment} (without a pipeline: one; micro-batches run one by one)."""
+    if not cfg.pipelined:
+        return {0: 1}
+    from ringpipe.engine.schedules import make_schedule
+    from ringpipe.engine.schedules.schedule import B, F, W
+    schedule = make_schedule(cfg.schedule_name, cfg.pp, cfg.microbatches, cfg.chunks)
+    held, worst = set(), {}
+    best = 0
+    for a in schedule.ranks[pipe_rank]:
+        if a.kind == F:
+            held.add((a.mb, a.chunk))
+        elif a.kind in (B, W):        # I keeps the weight gradients' inputs until W
+            held.discard((a.mb, a.chunk))
+        if len(held) > best:
+            best = len(held)
+            worst = {}
+            for _, chunk in held:
+                worst[chunk] = worst.get(chunk, 0) + 1
+    return worst or {0: 1}
+
+
+# ---- the prediction -------------------------------------------------------------------------
+
+def bucket_bytes(cfg, grad_bytes):
+    """The gradient buckets' size (engine/parallel/data.py bucket_sizes)."""
+    if cfg.bucket_mb is not None:
+        return int(cfg.bucket_mb * 2**20)
+    return int(min(AUTO_BUCKET_MAX, max(AUTO_BUCKET_MIN, grad_bytes / 8)))
+
+
+def _buckets(param_bytes, cap):
+    """Bucket sizes in bytes, greedy from the model's end (comm/buckets.py _make_buckets)."""
+    out, current = [], 0
+    for nbytes in reversed(param_bytes):
+        if current and current + nbytes > cap:
+            out.append(current)
+            current = 0
+        current += nbytes
+    if current:
+        out.append(current)
+    return out
+
+
+def predict(cfg, shape, seq_len, dp: int) -> Breakdown:
+    """The bytes one rank holds for `cfg` on `shape` (the recipe's), data-parallel size `dp`:
+    the pipeline rank that needs the most, each item at its largest."""
+    candidates = [_predict_rank(cfg, shape, seq_len, dp, r) for r in range(cfg.pp)]
+    return max(candidates, key=lambda b: b.total)
+
+
+def _predict_rank(cfg, shape, seq_len, dp, pipe_rank) -> Breakdown:
+    s = np.dtype(cfg.dtype).itemsize
+    zero = int(getattr(cfg, "zero", 0) or 0) if dp > 1 else 0
+    recompute = getattr(cfg, "recompute", "none") or "none"
+    gather = getattr(cfg, "zero_gather", None)
+    if gather in (None, "auto"):
+        gather = "step" if cfg.pipelined else "use"      # the default: --zero-gather auto
+    tp, sp = cfg.tp, bool(cfg.sequence_parallel)
+    states = 2 if cfg.optimizer == "adamw" else 1
+    layers = cfg.recipe.layers(shape, None)          # the layer objects only: no arrays are made
+    bounds = stage_bounds(cfg, len(layers))
+    mine = [c * cfg.pp + pipe_rank for c in range(cfg.chunks)]       # this rank's virtual stages
+
+    # Parameters this rank holds, tied ones once; each layer's unit (ZeRO-3's gather).
+    seen, unit_sizes, largest_param = set(), [], 0
+    for stage in mine:
+        lo, hi = bounds[stage]
+        for layer in layers[lo:hi]:
+            unit = 0
+            for spec in layer.specs():
+                n = _split(spec.name, spec.size, len(spec.shape), tp)
+                largest_param = max(largest_param, spec.size)        # drawn whole at init
+                if spec.name not in seen:
+                    seen.add(spec.name)
+                    unit += n
+            unit_sizes.append(unit)
+    P = sum(unit_sizes)
+    param_bytes_each = [u * s for u in unit_sizes if u]
+
+    # Activations of one micro-batch, per chunk, and the schedule's micro-batches in flight.
+    rows = cfg.batch_size // dp // cfg.microbatches
+    T = seq_len or 1
+    scale = s / 4
+    per_chunk, working = {}, 0.0
+    is_text = cfg.recipe.data == "tokens" and hasattr(shape, "n_head")
+    for c, stage in enumerate(mine):
+        lo, hi = bounds[stage]
+        kept = 0.0
+        for i in range(lo, hi):
+            if not is_text:
+                continue
+            if 0 < i < len(layers) - 1:
+                k, w = block_activations(shape, rows, T, tp, sp, recompute)
+                kept += k * scale
+                working = max(working, w * scale)
+            elif i == 0:
+                kept += embedding_activations(rows, T)
+            else:
+                kept += head_activations(shape, rows, T, tp) * scale
+        if not is_text:            # a family without blocks: the recipe's activation count
+            _, elements = cfg.recipe.memory(shape, cfg.batch_size // dp, cfg.microbatches, seq_len, cfg.pp)
+            kept = elements * s / tp
+        per_chunk[c] = kept
+    flight = in_flight(cfg, pipe_rank)
+    activations = sum(per_chunk.get(c, 0.0) * n for c, n in flight.items()) + working
+
+    b = Breakdown(params=P, pipe_rank=pipe_rank)
+    sharded = zero >= 1
+    b.items["parameters"] = s * P / (dp if zero >= 3 else 1)
+    b.notes["parameters"] = (f"{P:,} parameters x {s} B" + (f" / {dp} (ZeRO-3 shards)" if zero >= 3 else ""))
+    b.items["weight-decay mask"] = P
+    b.notes["weight-decay mask"] = "1 B a parameter"
+    cap = bucket_bytes(cfg, s * P)
+    buckets = _buckets(param_bytes_each if zero >= 3 else [s * n for n in _param_list(layers, bounds, mine, tp)],
+                       cap) if dp > 1 else []
+    largest_bucket = max(buckets, default=0)
+    if zero >= 2:
+        whole = cfg.microbatches > 1
+        grads = s * P if whole else s * P / dp
+        # Backward holds the bucket it writes and the one being reduced whole (two largest).
+        flying = 0 if whole else sum(sorted(buckets)[-2:])
+        b.items["gradients"] = grads
+        b.notes["gradients"] = ("whole until the last micro-batch's backward" if whole else
+                                f"1/{dp} kept after each bucket's reduce-scatter")
+        b.items["gradient buckets in flight"] = flying
+        b.notes["gradient buckets in flight"] = "the two largest buckets, whole while backward fills them"
+    else:
+        grads, flying = s * P, 0
+        b.items["gradients"] = grads
+        b.notes["gradients"] = "whole"
+    optimizer = states * s * P / (dp if sharded else 1)
+    b.items["optimizer state"] = optimizer
+    b.notes["optimizer state"] = (f"{cfg.optimizer}: {states} x {s} B a parameter"
+                                  + (f" / {dp} (ZeRO-{zero})" if sharded else ""))
+    b.items["activations"] = activations
+    b.notes["activations"] = (f"{rows} x {T} tokens a micro-batch, {sum(flight.values())} in flight"
+                              + (f", recompute {recompute}" if recompute != "none" else ""))
+    gathered = 0.0
+    if zero >= 3:
+        if gather == "step":
+            gathered = s * P * (dp - 1) / dp
+        else:
+            gathered = sum(sorted(param_bytes_each)[-2:]) * (dp - 1) / dp
+        b.items["gathered units"] = gathered
+        b.notes["gathered units"] = ("every unit until the step ends" if gather == "step"
+                                     else "the unit in use and the next one")
+    update = 2 * s * P / dp if zero >= 2 else 0
+    if zero >= 2:
+        b.items["update copies"] = update
+        b.notes["update copies"] = "owned gradients and parameters packed for the update"
+    # Two slots alternate between reduce phases; with two ranks there is only one phase.
+    comm_buffers = min(RING_SLOTS, dp - 1) * largest_bucket / dp if dp > 1 else 0
+    b.items["communication buffers"] = comm_buffers
+    b.notes["communication buffers"] = "ring receive slots: min(2, N - 1) x largest bucket / N"
+    b.items["fixed overhead"] = FIXED_OVERHEAD_BYTES
+    b.notes["fixed overhead"] = "interpreter, numpy, Numba kernels, MPI (measured)"
+
+    base = FIXED_OVERHEAD_BYTES + comm_buffers + P
+    # ParamBuffer.init draws each parameter whole in float64, then casts it (12 B an element).
+    b.phases["init"] = base + s * P + (8 + s) * largest_param
+    persistent = b.items["parameters"] + optimizer
+    b.phases["backward"] = base + persistent + grads + flying + activations + gathered
+    b.phases["update"] = base + persistent + (grads if zero < 2 else s * P / dp) + update
+    b.items = {k: int(v) for k, v in b.items.items()}
+    b.phases = {k: int(v) for k, v in b.phases.items()}
+    return b
+
+
+def _param_list(layers, bounds, mine, tp):
+    """Elements of each parameter this rank holds, in buffer order (tied ones once)."""
+    seen, out = set(), []
+    for stage in mine:
+        lo, hi = bounds[stage]
+        for layer in layers[lo:hi]:
+            for spec in layer.specs():
+                if spec.name not in seen:
+                    seen.add(spec.name)
+                    out.append(_split(spec.name, spec.size, len(spec.shape), tp))
+    return out
+
+
+# ---- measured -----------------------------------------------------------------------------------
+
+def peak_rss() -> int:
+    """This process's peak resident memory so far (VmHWM), in bytes; 0 where unknown."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def current_rss() -> int:
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def mem_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where the kernel does not say)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def measured_peak(world) -> int:
+    """The largest VmHWM over the ranks of `world` (one 8-byte all-reduce)."""
+    from ringpipe import comm
+    buf = np.array([float(peak_rss())])
+    if world.Get_size() > 1:
+        comm.allreduce(buf, world, op="max")
+    return int(buf[0])
+
+
+def shortfall(predicted: int, ranks_on_node: int, available: int | None, held_now: int) -> int:
+    """Bytes the node lacks for its ranks to reach the predicted peak: each rank holds
+    `held_now` already and needs the rest from MemAvailable. 0 when it fits (or unknown)."""
+    if available is None:
+        return 0
+    need = ranks_on_node * max(0, predicted - held_now)
+    return max(0, need - available)
+
+
+# ---- the trainer's lines --------------------------------------------------------------------
+
+def report_at_start(training) -> Breakdown:
+    """The start-up line (the predicted peak per rank), the breakdown with <memory_report>,
+    and a warning when this node's free memory is short of it (before the first step,
+    which is when the memory is taken: the optimizer state, the activations)."""
+    from ringpipe.engine.job import runtime
+    cfg, report = training.cfg, training.report
+    b = predict(cfg, training.shape, training.seq_len, training.grid.size("data"))
+    training.memory = b
+    report.say(f"memory: predicted peak {gib(b.total)} per rank ({b.peak_phase}; "
+               f"{'; '.join(f'{k} {gib(v)}' for k, v in _largest(b.items, 3))}"
+               f"{'' if getattr(cfg, 'memory_report', False) else '; <memory_report> for the breakdown'})")
+    if getattr(cfg, "memory_report", False):
+        report.say(f"memory per rank, predicted (pipeline rank {b.pipe_rank}, the largest):")
+        for line in b.table():
+            report.say(line)
+    ranks_here = runtime.local_rank_count()
+    short = float(shortfall(b.total, ranks_here, mem_available(), current_rss()))
+    buf = np.array([short])
+    if training.world.Get_size() > 1:
+        from ringpipe import comm
+        comm.allreduce(buf, training.world, op="max")
+    if buf[0] > 0:
+        report.say(f"warning: the predicted peak, {gib(b.total)} per rank x {ranks_here} rank(s) on a node, is "
+                   f"{gib(buf[0])} more than the node's free memory (MemAvailable): the run may be killed "
+                   "when it takes it. Lower it with <zero> (2 or 3 shard gradients and parameters), <recompute> "
+                   "(selective or full), a smaller <batch_size> or more <microbatches>, or more ranks")
+    return b
+
+
+def _largest(items, n):
+    return sorted(((k, v) for k, v in items.items() if v), key=lambda kv: -kv[1])[:n]
+
+
+def report_measured(training, after_step: int) -> None:
+    """After `after_step`: the measured peak (max over ranks) next to the prediction."""
+    measured = measured_peak(training.world)
+    b = getattr(training, "memory", None)
+    if not measured or b is None:
+        return
+    training.report.say(f"memory: measured peak {gib(measured)} per rank after step {after_step} (VmHWM, the "
+                        f"largest rank), predicted {gib(b.total)}: {measured / b.total:.2f}x")
