@@ -444,7 +444,7 @@ def bench_training(args, data_dir, shard_paths):
     from ringpipe.engine.model.optim import AdamW
     cfg = GPTConfig(n_layer=args.layers, d_model=args.d_model, n_head=args.heads, context=args.seq_len, vocab=256)
     model = build_gpt(cfg, dtype=np.float32)
-    opt = AdamW(model.params.size, np.float32, np, wd_mask=model.params.wd_mask)
+    opt = AdamW(model.params.size, np.float32, np, wd_mask=model.params.decay_mask())
     scale = 1.0 / (args.batch_size * args.seq_len)
     ds = shards.open_dataset(data_dir, args.seq_len, args.seed)
     evict(shard_paths)                    # the prefetcher reads from disk, as a first epoch would

@@ -122,7 +122,7 @@ def child_ringpipe(spec):
     dtype = np.dtype(np.float32)
     model = LocalModel(gpt_layers(cfg), dtype, seed=1337)
     params = model.params
-    opt = make_optimizer("adamw", params.size, dtype, np, params.wd_mask, 0.1)
+    opt = make_optimizer("adamw", params.size, dtype, np, params.decay_mask(), 0.1)
     x, y = _tokens(spec)
     tokens = x.size
 
@@ -138,7 +138,7 @@ def child_ringpipe(spec):
     out = measure_steps(step, spec)
     out["gemm_flops"] = _gemm_peak(np.matmul, lambda n, seed: np.random.default_rng(seed).standard_normal(
         (n, n)).astype(np.float32))
-    state = params.data.nbytes + params.grad.nbytes + params.wd_mask.nbytes + opt.m.nbytes + opt.v.nbytes
+    state = params.data.nbytes + params.grad.nbytes + params.size + opt.m.nbytes + opt.v.nbytes
     floor, floor_what = memory_floor(Config(model="gpt", batch_size=spec["batch"], seq_len=spec["seq"]), cfg, 1)
     out.update(params=int(params.size), vocab_rows=cfg.padded_vocab, loss_vocab=cfg.vocab,
                flops_per_token=flops_per_token(cfg, spec["seq"]), import_rss_bytes=import_rss,

@@ -114,7 +114,7 @@ def child_ringpipe(spec):
     dtype = np.dtype(np.float32)
     model = LocalModel(llama_layers(cfg), dtype, seed=1337)
     params = model.params
-    opt = make_optimizer("adamw", params.size, dtype, np, params.wd_mask, 0.1)
+    opt = make_optimizer("adamw", params.size, dtype, np, params.decay_mask(), 0.1)
     x, y = _tokens(spec, cfg.vocab)
     tokens = x.size
 
@@ -128,7 +128,7 @@ def child_ringpipe(spec):
         return float(loss), t1 - t0, time.perf_counter() - t1
 
     out = measure_steps(step, spec)
-    state = params.data.nbytes + params.grad.nbytes + params.wd_mask.nbytes + opt.m.nbytes + opt.v.nbytes
+    state = params.data.nbytes + params.grad.nbytes + params.size + opt.m.nbytes + opt.v.nbytes
     floor, _ = memory_floor(Config(model="llama", batch_size=spec["batch"], seq_len=spec["seq"]), cfg, 1)
     out.update(params=int(params.size), vocab_rows=cfg.padded_vocab, loss_vocab=cfg.vocab, import_rss_bytes=import_rss,
                state_bytes=int(state), memory_floor_bytes=int(floor), dtype="float32",

@@ -110,7 +110,7 @@ def main():
 
     cfg = GPTConfig(n_layer=args.layers, d_model=args.d_model, n_head=args.heads, context=args.seq_len)
     model = build_gpt(cfg, dtype=dtype)
-    opt = AdamW(model.params.size, dtype, np, wd_mask=model.params.wd_mask)
+    opt = AdamW(model.params.size, dtype, np, wd_mask=model.params.decay_mask())
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, size=(args.batch_size, args.seq_len))
     y = rng.integers(0, 256, size=(args.batch_size, args.seq_len))

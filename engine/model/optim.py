@@ -1,8 +1,9 @@
 """Optimizers over flat buffers, global-norm clipping and the LR schedule.
 
-Each optimizer updates one contiguous slice of the flat parameter buffer with
-state of the same length: the whole buffer on one process, this rank's slice
-under ZeRO-1. State is exposed as named flat arrays for checkpoints.
+Each optimizer updates the flat parameter buffer, or given chunks of it, with
+state as long as what it updates: the whole buffer on one process, under ZeRO
+this rank's chunks packed one after another (step's `chunks`). State is
+exposed as named flat arrays for checkpoints.
 """
 from __future__ import annotations
 
@@ -21,11 +22,12 @@ class AdamW:
         self.v = xp.zeros(size, dtype=dtype)
         self.step_count = 0
 
-    def step(self, param, grad, lr):
+    def step(self, param, grad, lr, chunks=None):
+        """chunks: the (lo, hi) of param and grad the state covers, in its order (None: all)."""
         self.step_count += 1
-        K.adamw_update(param, grad, self.m, self.v, lr=lr,
-                       beta1=self.beta1, beta2=self.beta2, eps=self.eps,
-                       weight_decay=self.weight_decay, step=self.step_count, wd_mask=self.wd_mask)
+        for p, g, state, mask in _pieces(param, grad, chunks, (self.m, self.v), self.wd_mask):
+            K.adamw_update(p, g, *state, lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+                           weight_decay=self.weight_decay, step=self.step_count, wd_mask=mask)
 
     def state(self):
         return {"m": self.m, "v": self.v}
@@ -39,13 +41,29 @@ class SGD:
         self.momentum_buf = xp.zeros(size, dtype=dtype)
         self.step_count = 0
 
-    def step(self, param, grad, lr):
+    def step(self, param, grad, lr, chunks=None):
+        """chunks: the (lo, hi) of param and grad the state covers, in its order (None: all)."""
         self.step_count += 1
-        K.sgd_momentum_update(param, grad, self.momentum_buf, lr=lr,
-                              momentum=self.momentum, weight_decay=self.weight_decay, wd_mask=self.wd_mask)
+        for p, g, (buf,), mask in _pieces(param, grad, chunks, (self.momentum_buf,), self.wd_mask):
+            K.sgd_momentum_update(p, g, buf, lr=lr, momentum=self.momentum, weight_decay=self.weight_decay,
+                                  wd_mask=mask)
 
     def state(self):
         return {"momentum_buf": self.momentum_buf}
+
+
+def _pieces(param, grad, chunks, states, mask):
+    """(param, grad, states, mask) views of each chunk: the updates are elementwise, so
+    a step over the chunks one by one gives the bits of one step over them packed."""
+    if chunks is None:
+        yield param, grad, states, mask
+        return
+    at = 0
+    for lo, hi in chunks:
+        n = hi - lo
+        yield (param[lo:hi], grad[lo:hi], tuple(s[at:at + n] for s in states),
+               None if mask is None else mask[at:at + n])
+        at += n
 
 
 def make_optimizer(name, size, dtype, xp, wd_mask, weight_decay):

@@ -139,12 +139,6 @@ class ParamBuffer:
         self.size = offset
         self.data = _zeros(self.size, self.dtype, xp)
         self.grad = _zeros(self.size, self.dtype, xp)
-        # Weight-decay mask: 1 where AdamW decays (2D weights), 0 elsewhere.
-        mask = np.zeros(self.size, dtype=np.uint8)
-        for spec in self.specs:
-            lo, hi = self.offsets[spec.name]
-            mask[lo:hi] = 1 if spec.decay else 0
-        self.wd_mask = xp.asarray(mask)
         self._spec_by_name = {s.name: s for s in self.specs}
 
     # ---- views -----------------------------------------------------------------
@@ -165,6 +159,20 @@ class ParamBuffer:
     def ranges(self):
         """(lo, hi) of each parameter in forward order: what gradient buckets group."""
         return [self.offsets[s.name] for s in self.specs]
+
+    def decay_mask(self, ranges=None):
+        """The weight-decay mask of the (lo, hi) ranges (default: everything), one after
+        another: 1 where AdamW decays (matrices), 0 elsewhere. Built when asked (once, by
+        the optimizer), so a rank that updates a part of the buffer never holds it all."""
+        parts = []
+        for lo, hi in ranges if ranges is not None else [(0, self.size)]:
+            mask = np.zeros(hi - lo, dtype=np.uint8)
+            for spec in self.specs:
+                a, b = self.offsets[spec.name]
+                if spec.decay and max(a, lo) < min(b, hi):
+                    mask[max(a, lo) - lo:min(b, hi) - lo] = 1
+            parts.append(mask)
+        return self.xp.asarray(np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8))
 
     def index_of(self, name):
         return self.names().index(name)

@@ -3,14 +3,17 @@
 DataParallel wraps the local or the pipeline model and owns:
 - gradient reduction: GradBuckets all-reduce (average) buckets of gradients
   over the data axis while backward still runs (the inner model says when
-  each gradient is final); done when the inner model's step says so;
-  under ZeRO-2/3 they reduce-scatter them instead (engine/parallel/zero.py);
-- the update: the whole buffer, or under ZeRO-1 this rank's slice of it
-  (its optimizer state is that slice only), then an all-gather of the
-  parameters along the axis; under ZeRO-2/3 this rank's chunk of each
-  bucket (zero.py), then (ZeRO-2 only) the all-gather;
-- checkpoint state: the ZeRO slices of the optimizer state gathered first; only
-  the first replica's pipeline gathers the arrays for world rank 0;
+  each gradient is final); done when the inner model's step says so; under
+  ZeRO (any stage) they reduce-scatter them instead, each rank keeping its
+  chunk of each bucket (engine/parallel/zero.py);
+- the update: the whole buffer, or under ZeRO this rank's chunks (its
+  optimizer state is those only), then, unless the parameters are sharded
+  too (ZeRO-3), an all-gather of each bucket's parameters;
+- the memory of what a rank does not keep: ZeRO-1 keeps the whole gradient
+  buffer (the other chunks zeroed), ZeRO-2 gives theirs back to the OS, ZeRO-3
+  the parameters' too (zero.py ShardedParams);
+- checkpoint state: the chunks gathered on the first replica; only the first
+  replica's pipeline gathers the arrays for world rank 0;
 - identical replicas at a fresh start (a broadcast of the first replica).
 With one data-parallel rank it adds nothing and communicates nothing.
 """
@@ -23,7 +26,7 @@ from ringpipe.comm.device import Transport
 from ringpipe.engine.job.array_module import to_host
 from ringpipe.engine.model.optim import make_optimizer
 from ringpipe.engine.parallel import NO_SYNC, GradSync
-from ringpipe.engine.parallel.zero import ShardedParams, bucket_breaks, owned_ranges
+from ringpipe.engine.parallel.zero import ShardedParams, bucket_breaks, gather_chunks, owned_ranges
 
 # ZeRO-3 cuts one bucket per unit (a layer's parameters), whatever its size.
 _UNBOUNDED = 2**62
@@ -46,7 +49,7 @@ class _BucketSync(GradSync):
     def __init__(self, buckets, owned=None):
         self.on_ready = buckets.mark_ready
         self.finish = buckets.wait
-        self.owned = owned          # ZeRO-2/3: the (lo, hi) this rank keeps of each bucket
+        self.owned = owned          # ZeRO: the (lo, hi) this rank keeps of each bucket
 
     def kept(self, lo, hi):
         if self.owned is None:
@@ -60,17 +63,13 @@ class DataParallel:
         self.data_comm = grid.comm("data")
         self.dp, self.index = grid.size("data"), grid.index("data")
         self.stage = int(zero) if self.dp > 1 else 0        # the ZeRO stage (0: none)
-        self.zero = self.stage == 1
-        # ZeRO-1: this rank updates (and keeps optimizer state for) this slice of the flat buffer.
-        self.update_slice = comm.chunk_bounds(self.params.size, self.dp)[self.index] if self.zero \
-            else (0, self.params.size)
-        self.buckets, self.sync, self.owned, self.sharded = None, NO_SYNC, None, None
         self.gather_mode = gather_mode
+        self.buckets, self.sync, self.owned, self.sharded = None, NO_SYNC, None, None
         if self.dp > 1:
             bucket_bytes, first_bytes = bucket_sizes(bucket_mb, self.params.grad.nbytes)
-            sharding = self.stage >= 2
             if self.stage == 3:
                 bucket_bytes, first_bytes = _UNBOUNDED, None
+            sharding = self.stage > 0
             breaks = bucket_breaks(inner.chains, self.params, inner.separate_ranges(), units=self.stage == 3) \
                 if sharding else ()
             self.buckets = comm.GradBuckets(self.params.grad, self.params.ranges(), comm=self.data_comm,
@@ -86,16 +85,18 @@ class DataParallel:
                                              gather_mode, overlap)
         self.auto_buckets = bucket_mb is None
 
+    # ---- this rank's chunks ------------------------------------------------------------------
     def _keep_chunk(self, k):
-        """Bucket k is reduce-scattered: give back the memory of the chunks other ranks keep."""
+        """Bucket k is reduce-scattered: the other ranks' chunks of it hold partial sums.
+        Zero them (the norm sums every rank's chunks), and from ZeRO-2 on give their
+        memory back."""
         lo, hi, _, _ = self.buckets.buckets[k]
         own_lo, own_hi = self.owned[k]
-        self.params.release(self.params.grad, lo, own_lo)
-        self.params.release(self.params.grad, own_hi, hi)
-
-    def _pack(self, flat):
-        """This rank's chunks of `flat` (laid out like params.data), one after another."""
-        return self.params.xp.concatenate([flat[a:b] for a, b in self.owned])
+        for a, b in ((lo, own_lo), (own_hi, hi)):
+            if self.stage == 1:
+                self.params.grad[a:b] = 0
+            else:
+                self.params.release(self.params.grad, a, b)
 
     def _unpack(self, packed, flat):
         at = 0
@@ -105,7 +106,7 @@ class DataParallel:
 
     # ---- a step ------------------------------------------------------------------------
     def zero_grad(self):
-        if self.owned is not None:       # memory too: backward takes only what it writes
+        if self.stage >= 2:       # memory too: backward takes only what it writes
             self.params.release(self.params.grad, 0, self.params.size)
         else:
             self.params.zero_grad()
@@ -139,28 +140,15 @@ class DataParallel:
             self.params.grad[a:b] *= scale
 
     def make_optimizer(self, name, weight_decay):
-        if self.owned is not None:
-            mask = self._pack(self.params.wd_mask)
-            return make_optimizer(name, len(mask), self.params.dtype, self.params.xp, mask, weight_decay)
-        lo, hi = self.update_slice
-        return make_optimizer(name, hi - lo, self.params.dtype, self.params.xp, self.params.wd_mask[lo:hi],
-                              weight_decay)
+        mask = self.params.decay_mask(self.owned)
+        return make_optimizer(name, len(mask), self.params.dtype, self.params.xp, mask, weight_decay)
 
     def update(self, opt, lr):
-        if self.owned is not None:
-            # The optimizer steps over this rank's chunks packed together (its state is
-            # packed so), then they go back into place.
-            param = self._pack(self.params.data)
-            opt.step(param, self._pack(self.params.grad), lr)
-            self._unpack(param, self.params.data)
-            if self.stage == 2:
-                for lo, hi, _, _ in self.buckets.buckets:
-                    comm.allgather(self.params.data[lo:hi], self.data_comm)
-            return
-        lo, hi = self.update_slice
-        opt.step(self.params.data[lo:hi], self.params.grad[lo:hi], lr)
-        if self.zero:
-            comm.allgather(self.params.data, self.data_comm)
+        # Under ZeRO the optimizer's state is this rank's chunks, packed one after another.
+        opt.step(self.params.data, self.params.grad, lr, chunks=self.owned)
+        if self.owned is not None and self.stage < 3:
+            for lo, hi, _, _ in self.buckets.buckets:
+                comm.allgather(self.params.data[lo:hi], self.data_comm)
 
     def start_identical(self):
         # Every replica initialised identically from the seed; broadcasting the first
@@ -172,26 +160,28 @@ class DataParallel:
 
     # ---- checkpoint state ----------------------------------------------------------------
     def gather_state(self, opt):
+        first = self.index == 0
         full = {}
         for state_name, buf in opt.state().items():
-            if self.owned is not None:
-                flat = np.zeros(self.params.size, dtype=self.params.dtype)
-                self._unpack(to_host(buf), flat)
-                for lo, hi, _, _ in self.buckets.buckets:
-                    comm.allgather(flat[lo:hi], self.data_comm)
-            elif self.zero:
-                flat = np.zeros(self.params.size, dtype=self.params.dtype)
-                flat[self.update_slice[0]:self.update_slice[1]] = to_host(buf)
-                comm.allgather(flat, self.data_comm)
-            else:
-                flat = buf
+            if self.owned is None:
+                full[state_name] = buf
+                continue
+            # Only the first replica holds the whole state, and only while it is written.
+            flat = np.zeros(self.params.size, dtype=self.params.dtype) if first else None
+            packed = to_host(buf)
+            at = 0
+            for (lo, hi, _, _), (a, b) in zip(self.buckets.buckets, self.owned):
+                if first:
+                    flat[a:b] = packed[at:at + b - a]
+                gather_chunks(flat, lo, hi, packed[at:at + b - a], self.data_comm)
+                at += b - a
             full[state_name] = flat
         if self.sharded:
-            self.sharded.gather_all()
+            self.sharded.gather_to_first()
         # Every replica holds the same state: the first one's pipeline gathers it.
-        arrays = self.inner.named_arrays(full) if self.index == 0 else {}
+        arrays = self.inner.named_arrays(full) if first else {}
         if self.sharded:
-            self.sharded.end_step()
+            self.sharded.drop_all()
         return arrays
 
     def state_shapes(self, opt):
@@ -201,31 +191,30 @@ class DataParallel:
         full = self.inner.load_named(arrays, opt.state_names)
         if self.sharded:
             self.sharded.drop_all()
-        lo, hi = self.update_slice
         for state_name, buf in opt.state().items():
-            if self.owned is not None:
-                buf[...] = self.params.xp.asarray(np.concatenate([full[state_name][a:b] for a, b in self.owned]))
-            else:
-                buf[...] = self.params.xp.asarray(full[state_name][lo:hi])
+            flat = full[state_name] if self.owned is None else \
+                np.concatenate([full[state_name][a:b] for a, b in self.owned])
+            buf[...] = self.params.xp.asarray(flat)
 
     # ---- reporting and shutdown -------------------------------------------------------------
     def describe(self):
         parts = [self.inner.describe()]
         if self.buckets:
             largest = max((hi - lo) * self.params.grad.itemsize for lo, hi, _, _ in self.buckets.buckets)
-            algorithms = "/".join(sorted(set(self.buckets.algorithms)))
+            reduction = "reduce-scatter ring" if self.owned is not None else \
+                "all-reduce " + "/".join(sorted(set(self.buckets.algorithms)))
             parts.append(f"{len(self.buckets.buckets)} gradient bucket(s) of <= {largest / 2**20:.2f} MiB"
-                         f"{' (auto; --bucket-mb sets it)' if self.auto_buckets else ''}, all-reduce {algorithms}")
-            if self.buckets.cost_model is not None:
+                         f"{' (auto; --bucket-mb sets it)' if self.auto_buckets else ''}, {reduction}")
+            if self.buckets.cost_model is not None and self.owned is None:
                 parts.append(self.buckets.cost_model.describe())
-        if self.zero:
-            parts.append("zero-1")
+        if self.stage == 1:
+            parts.append("zero-1: optimizer state 1/N")
         elif self.stage == 2:
-            parts.append("zero-2: gradients reduce-scattered, optimizer state 1/N")
+            parts.append("zero-2: gradients and optimizer state 1/N")
         elif self.stage == 3:
-            parts.append(f"zero-3: parameters sharded in {len(self.owned)} units, gathered per "
-                         f"{'use' if self.gather_mode == 'use' else 'step'}"
-                         f"{', prefetched' if self.sharded.overlap else ''}")
+            parts.append(f"zero-3: parameters, gradients and optimizer state 1/N; parameters gathered per layer "
+                         f"({len(self.owned)} units), dropped after each {self.gather_mode}"
+                         f"{', the next prefetched' if self.sharded.overlap else ''}")
         return " | ".join(p for p in parts if p)
 
     def summary(self):
@@ -235,7 +224,7 @@ class DataParallel:
         return self.inner.notes()
 
     def comm_hidden_fraction(self):
-        """Share of this step's bucket all-reduce time hidden behind backward (None without buckets)."""
+        """Share of this step's bucket reduction time hidden behind backward (None without buckets)."""
         return self.buckets.stats().get("hidden") if self.buckets else None
 
     def close(self):

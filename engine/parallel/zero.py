@@ -45,8 +45,10 @@ import time
 
 import numpy as np
 from mpi4py import MPI
+from mpi4py.util.dtlib import from_numpy_dtype
 
 from ringpipe import comm
+from ringpipe.engine.job.array_module import to_host
 
 GATHER_MODES = ("use", "step")
 
@@ -58,6 +60,23 @@ def owned_ranges(buckets, dp, index):
         a, b = comm.chunk_bounds(hi - lo, dp)[index]
         out.append((lo + a, lo + b))
     return out
+
+
+def gather_chunks(flat, lo, hi, mine, data_comm, root=0):
+    """Rank `root` of data_comm receives every rank's chunk of flat[lo:hi] (chunk_bounds)
+    in place (its own is there already); the others send theirs (`mine`, host memory)
+    and need no `flat` (None). For checkpoints: only one rank ever holds it all."""
+    size, rank = data_comm.Get_size(), data_comm.Get_rank()
+    bounds = comm.chunk_bounds(hi - lo, size)
+    if rank != root:
+        data_comm.Gatherv(np.ascontiguousarray(mine), None, root=root)
+        return
+    seg = flat[lo:hi]
+    host = np.ascontiguousarray(to_host(seg))           # the segment itself on the host
+    data_comm.Gatherv(MPI.IN_PLACE, [host, ([b - a for a, b in bounds], [a for a, _ in bounds]),
+                                      from_numpy_dtype(host.dtype)], root=root)
+    if host is not seg:
+        seg[...] = host
 
 
 def bucket_breaks(chains, params, separate, units):
@@ -108,7 +127,7 @@ class ShardedParams:
         self.comm = data_comm.Dup()
         self.overlap = overlap and MPI.Query_thread() >= MPI.THREAD_MULTIPLE
         self._cond = threading.Condition()
-        self._queue, self._error, self._stopping = [], None, False
+        self._queue, self._error, self._stopping, self._busy = [], None, False, None
         self._thread = None
         if self.overlap:
             self._thread = threading.Thread(target=self._run, name="ringpipe-zero3-gathers", daemon=True)
@@ -141,11 +160,14 @@ class ShardedParams:
             if self.gathered[k]:
                 self._drop(k)
 
-    def gather_all(self):
-        """Every parameter in memory (a checkpoint, sampling); end_step() drops them."""
-        for k in range(len(self.pieces)):
-            self._ask(k)
-        self._wait(range(len(self.pieces)))
+    def gather_to_first(self):
+        """Every parameter in memory on the first data-parallel rank only (a checkpoint
+        is written from there); drop_all() afterwards."""
+        first = self.comm.Get_rank() == 0
+        for k, (lo, hi) in enumerate(self.pieces):
+            own_lo, own_hi = self.owned[k]
+            mine = to_host(self.params.data[own_lo:own_hi])
+            gather_chunks(self.params.data if first else None, lo, hi, mine, self.comm)
 
     def drop_all(self):
         """Keep only this rank's chunks (after a load or a broadcast wrote them all)."""
@@ -193,10 +215,7 @@ class ShardedParams:
         self.wait_s += time.perf_counter() - t0
 
     def _done(self, k):
-        return k not in self._queue and k not in self._busy_pieces()
-
-    def _busy_pieces(self):
-        return (self._busy,) if getattr(self, "_busy", None) is not None else ()
+        return k not in self._queue and self._busy != k
 
     def _gather(self, k):
         lo, hi = self.pieces[k]
