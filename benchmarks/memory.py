@@ -88,8 +88,57 @@ class Counter:
         collectives.allreduce_small = counted_small
 
 
+def child_fsdp(spec, result_path):
+    """PyTorch FSDP2 (fully_shard per transformer block and the root, gloo, CPU) on
+    transformers' GPT2LMHeadModel of the same shape (vocabulary padded as ringpipe pads it),
+    AdamW, the same tokens per rank; each rank's VmHWM after --steps steps."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from ringpipe.engine.model.gpt import PRESETS
+    from ringpipe.engine.train import memory
+    rank, size = int(os.environ["PMI_RANK"]), int(os.environ["PMI_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=size, init_method=f"tcp://127.0.0.1:{spec['port']}")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    n_layer, d_model, n_head, context = PRESETS[spec["preset"]]
+    config = GPT2Config(vocab_size=-(-GPT2_VOCAB // 128) * 128, n_positions=context, n_embd=d_model,
+                        n_layer=n_layer, n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        use_cache=False, tie_word_embeddings=True)
+    model = GPT2LMHeadModel(config)
+    mesh = init_device_mesh("cpu", (size,))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    rng = np.random.default_rng(rank)
+    times = []
+    for _ in range(spec["steps"]):
+        x = torch.from_numpy(rng.integers(0, GPT2_VOCAB, size=(spec["rows"], spec["seq"])))
+        t0 = time.perf_counter()
+        logits = model(input_ids=x).logits
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), x.view(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    peaks = [None] * size
+    dist.all_gather_object(peaks, memory.peak_rss())
+    if rank == 0:
+        with open(result_path, "w") as fh:
+            json.dump({"peaks": peaks, "step_times_s": times, "torch": torch.__version__}, fh)
+    dist.destroy_process_group()
+
+
 def child_main(spec_json, result_path):
     spec = json.loads(spec_json)
+    if spec.get("framework") == "fsdp":
+        return child_fsdp(spec, result_path)
     from ringpipe.engine.job import runtime
     runtime.set_thread_defaults()         # as `ringpipe train` does (engine/train/cli.py)
     runtime.reuse_freed_memory()
@@ -363,7 +412,37 @@ def largest(args):
                     fits = preset
                 print(f"largest {family} at {ranks} ranks, zero {zero}, recompute {recompute}: {fits or 'none'}",
                       flush=True)
+    if args.fsdp:
+        found += fsdp_largest(args, ranks, available)
     return found
+
+
+def fsdp_largest(args, ranks, available):
+    """PyTorch FSDP (gloo, CPU) on the GPT presets at `ranks`, smallest first, until one does
+    not train within the machine's memory (killed as the ringpipe runs are)."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        print("# PyTorch FSDP: torch or transformers is not installed: skipped")
+        return []
+    rows = []
+    for preset in GPT_PRESETS:
+        spec = {"framework": "fsdp", "preset": preset, "rows": args.rows, "seq": args.seq, "steps": 3,
+                "port": 29500 + os.getpid() % 1000}
+        out, how = run_child(spec, ranks, limit=available - MARGIN, timeout=args.timeout)
+        row = {"family": "gpt", "framework": "torch-fsdp", "preset": preset, "ranks": ranks}
+        if out is None:
+            row.update(result="killed at the memory limit" if how["killed"] else f"failed (exit {how['exit']})",
+                       tail=how["output_tail"][-500:])
+            print(f"# FSDP {preset}: {row['result']}", flush=True)
+            rows.append(row)
+            break
+        row.update(result="trains", peak_gib=max(out["peaks"]) / 2**30, step_s=statistics.median(out["step_times_s"][1:]),
+                   torch=out["torch"])
+        print(f"# FSDP {preset}: trains, peak {row['peak_gib']:.2f} GiB per rank, step {row['step_s']:.1f} s", flush=True)
+        rows.append(row)
+    return rows
 
 
 def baseline(args):
@@ -403,6 +482,9 @@ def parse_args(argv=None):
     mode.add_argument("--quick", action="store_true", help="a tiny GPT (2 x 64) at 2 ranks, ZeRO 0/1: a smoke test")
     mode.add_argument("--largest", action="store_true", help="the largest preset that trains at the most --ranks")
     mode.add_argument("--baseline", action="store_true", help="measure the fixed overhead")
+    p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --largest: PyTorch FSDP (gloo, CPU) on the GPT presets too, if torch is installed "
+                        "(default on)")
     p.add_argument("--json", type=output_path, default=None, help="write the results here")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
