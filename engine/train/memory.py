@@ -7,7 +7,7 @@ What a rank holds, in bytes, with s the dtype's size, P the parameters this rank
 layers declare (after the pipeline and tensor splits), N the data-parallel size:
 
     parameters         s P; ZeRO-3: s P / N (plus the gathered units below)
-    weight-decay mask  P (one byte a parameter: AdamW decays matrices only)
+    weight-decay mask  P (one byte a parameter: AdamW decays matrices only); ZeRO 1-3: P / N
     gradients          s P; ZeRO-2/3: s P / N once reduced (whole until the last
                        micro-batch's backward when there are several)
     optimizer state    2 s P (AdamW's m and v; SGD one buffer); ZeRO 1-3: / N
@@ -23,13 +23,14 @@ layers declare (after the pipeline and tensor splits), N the data-parallel size:
                        (FIXED_OVERHEAD_BYTES: how)
 
 These are not all held at once. The peak is the largest of three phases:
-    initialisation     parameters drawn one at a time in float64 (ParamBuffer.init)
+    initialisation     every parameter written (ZeRO-3 too, before it drops the other
+                       chunks), each drawn whole in float64 first (ParamBuffer.init)
     forward/backward   parameters, gradients, optimizer state, activations, units
-    update             ZeRO-2/3 pack the owned gradients and parameters (2 s P / N)
-Each phase adds the fixed overhead and the communication buffers.
+    update             the optimizer steps over this rank's chunks in place: no copies
+Each phase adds the fixed overhead, the mask and the communication buffers.
 
 The float32/AdamW per-parameter figures are the ZeRO paper's: 16 (ZeRO-0), 8 + 8/N
-(ZeRO-1), 4 + 12/N (ZeRO-2), 16/N (ZeRO-3), plus the mask's 1.
+(ZeRO-1), 4 + 12/N (ZeRO-2), 16/N (ZeRO-3), plus the mask's 1 (1/N under ZeRO).
 
 Measured: VmHWM (/proc/self/status), the peak resident memory since the process
 started; measured_peak() takes its maximum over the ranks. benchmarks/memory.py
@@ -272,8 +273,8 @@ def _predict_rank(cfg, shape, seq_len, dp, pipe_rank) -> Breakdown:
     sharded = zero >= 1
     b.items["parameters"] = s * P / (dp if zero >= 3 else 1)
     b.notes["parameters"] = (f"{P:,} parameters x {s} B" + (f" / {dp} (ZeRO-3 shards)" if zero >= 3 else ""))
-    b.items["weight-decay mask"] = P
-    b.notes["weight-decay mask"] = "1 B a parameter"
+    b.items["weight-decay mask"] = P / (dp if sharded else 1)
+    b.notes["weight-decay mask"] = "1 B a parameter" + (" updated here" if sharded else "")
     cap = bucket_bytes(cfg, s * P)
     buckets = _buckets(param_bytes_each if zero >= 3 else [s * n for n in _param_list(layers, bounds, mine, tp)],
                        cap) if dp > 1 else []
@@ -308,10 +309,6 @@ def _predict_rank(cfg, shape, seq_len, dp, pipe_rank) -> Breakdown:
         b.items["gathered units"] = gathered
         b.notes["gathered units"] = ("every unit until the step ends" if gather == "step"
                                      else "the unit in use and the next one")
-    update = 2 * s * P / dp if zero >= 2 else 0
-    if zero >= 2:
-        b.items["update copies"] = update
-        b.notes["update copies"] = "owned gradients and parameters packed for the update"
     # Two slots alternate between reduce phases; with two ranks there is only one phase.
     comm_buffers = min(RING_SLOTS, dp - 1) * largest_bucket / dp if dp > 1 else 0
     b.items["communication buffers"] = comm_buffers
@@ -319,12 +316,12 @@ def _predict_rank(cfg, shape, seq_len, dp, pipe_rank) -> Breakdown:
     b.items["fixed overhead"] = FIXED_OVERHEAD_BYTES
     b.notes["fixed overhead"] = "interpreter, numpy, Numba kernels, MPI (measured)"
 
-    base = FIXED_OVERHEAD_BYTES + comm_buffers + P
+    base = FIXED_OVERHEAD_BYTES + comm_buffers + b.items["weight-decay mask"]
     # ParamBuffer.init draws each parameter whole in float64, then casts it (12 B an element).
     b.phases["init"] = base + s * P + (8 + s) * largest_param
     persistent = b.items["parameters"] + optimizer
     b.phases["backward"] = base + persistent + grads + flying + activations + gathered
-    b.phases["update"] = base + persistent + (grads if zero < 2 else s * P / dp) + update
+    b.phases["update"] = base + persistent + (grads if zero < 2 else s * P / dp)
     b.items = {k: int(v) for k, v in b.items.items()}
     b.phases = {k: int(v) for k, v in b.phases.items()}
     return b
