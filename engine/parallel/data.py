@@ -65,6 +65,7 @@ class DataParallel:
         self.stage = int(zero) if self.dp > 1 else 0        # the ZeRO stage (0: none)
         self.gather_mode = gather_mode
         self.buckets, self.sync, self.owned, self.sharded = None, NO_SYNC, None, None
+        self.gathers_per_step = 0       # ZeRO-3's all-gathers in the last training step
         if self.dp > 1:
             bucket_bytes, first_bytes = bucket_sizes(bucket_mb, self.params.grad.nbytes)
             if self.stage == 3:
@@ -112,9 +113,12 @@ class DataParallel:
             self.params.zero_grad()
 
     def forward_backward(self, x, y, grad_scale):
+        if self.sharded:
+            self.sharded.begin_step()
         loss = self.inner.forward_backward(x, y, grad_scale, sync=self.sync)
         if self.sharded:
             self.sharded.end_step()
+            self.gathers_per_step = self.sharded.step_gathers      # what the gather mode costs
         return loss
 
     def forward_loss(self, x, y):

@@ -120,7 +120,7 @@ class ShardedParams:
         self.users = [0] * len(self.pieces)
         self.gathered = [False] * len(self.pieces)   # every chunk of the piece is in memory
         self.queued = [False] * len(self.pieces)      # asked for, not gathered yet
-        self.gathers = 0                               # all-gathers this step (the cost of the mode)
+        self.gathers = self.step_gathers = 0           # all-gathers in all, and in the last step
         self.gather_s = self.wait_s = 0.0
         # Gathers run on a communicator of their own, on a thread when MPI allows it,
         # so the next layer's pieces come while this layer computes.
@@ -153,6 +153,9 @@ class ShardedParams:
                 self._drop(k)
 
     # ---- the step -------------------------------------------------------------------------
+    def begin_step(self):
+        self.step_gathers = 0
+
     def end_step(self):
         """Every piece back to this rank's chunk (the update changes only those)."""
         self._wait([k for k in range(len(self.pieces)) if self.queued[k]])
@@ -193,6 +196,7 @@ class ShardedParams:
             return
         self.queued[k] = True
         self.gathers += 1
+        self.step_gathers += 1
         if self._thread is None:
             self._gather(k)
             return

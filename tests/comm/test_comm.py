@@ -179,6 +179,17 @@ def test_grad_buckets_layout_serial():
         comm.GradBuckets(g, [(0, 50), (40, 100)], MPI.COMM_SELF)
 
 
+def test_grad_buckets_breaks_begin_a_bucket():
+    g = np.zeros(100, np.float32)
+    ranges = [(0, 10), (10, 40), (40, 45), (45, 100)]
+    # Without breaks (10, 45) is one bucket; a break at parameter 2 cuts it.
+    gb = comm.GradBuckets(g, ranges, MPI.COMM_SELF, bucket_bytes=35 * 4, breaks={2}, overlap=False)
+    assert [(b[0], b[1]) for b in gb.buckets] == [(45, 100), (40, 45), (10, 40), (0, 10)]
+    gb.close()
+    with pytest.raises(ValueError, match="collective"):
+        comm.GradBuckets(g, ranges, MPI.COMM_SELF, collective="broadcast")
+
+
 # ---------------------------------------------------------------------------
 # MPI: collectives against MPI's own
 
@@ -364,6 +375,30 @@ def test_grad_buckets_equal_plain_allreduce(bucket_bytes, overlap):
         st = gb.stats()
         if st["steps"] != 3 or not (0.0 <= st["hidden"] <= 1.0) or st["overlap"] != overlap:
             problems.append(f"stats {st}")
+    agree(problems)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_grad_buckets_reduce_scatter_keeps_each_ranks_chunk(overlap):
+    """collective="reduce_scatter" (ZeRO-2/3): each rank's chunk of every bucket holds the
+    average, and on_reduced is told of every bucket once, in bucket order."""
+    ranges, n = _model()
+    g = np.zeros(n, np.float32)
+    told, problems = [], []
+    with comm.GradBuckets(g, ranges, WORLD, bucket_bytes=64 * 1024, overlap=overlap,
+                          collective="reduce_scatter", on_reduced=told.append) as gb:
+        g[:] = data(n, np.float32, seed=7 + RANK)
+        ref = mpi_reference(g, "avg")
+        for i in np.random.default_rng(RANK).permutation(len(ranges)):
+            gb.mark_ready(int(i))
+        gb.wait()
+        for lo, hi, _, _ in gb.buckets:
+            a, b = comm.chunk_bounds(hi - lo, P)[RANK]
+            if not close(g[lo + a:lo + b], ref[lo + a:lo + b], np.float32, P):
+                problems.append(f"bucket ({lo}, {hi}): this rank's chunk differs from Allreduce avg")
+        if told != list(range(len(gb.buckets))):
+            problems.append(f"on_reduced saw {told}")
     agree(problems)
 
 
