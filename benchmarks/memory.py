@@ -369,7 +369,9 @@ def sweep(args):
 
 
 def largest(args):
-    """The largest preset that trains one step at 4 ranks under each setting."""
+    """The largest preset that trains (three steps) at the most --ranks under each setting:
+    the presets from the largest down, those predicted not to fit skipped, the first that
+    trains is the answer (one killed at the memory limit counts as not fitting)."""
     from ringpipe.engine.train import memory
     from ringpipe.engine.train.config import Config, model_config
     available = memory.mem_available() or 0
@@ -379,20 +381,21 @@ def largest(args):
         for zero in args.zero:
             for recompute in args.recompute:
                 fits = None
-                for preset in presets:
+                for preset in reversed(presets):
                     settings = config_for({"preset": preset}, ranks, zero, recompute, args.rows, args.seq, 3,
                                           "/tmp/unused", None, model=family)
                     cfg = Config(**settings)
                     shape = model_config(cfg, vocab=GPT2_VOCAB if family == "gpt" else None)
                     settings["data"] = token_folder(shape.vocab)
                     predicted = memory.predict(cfg, shape, args.seq, ranks).total
-                    row = {"family": family, "zero": int(zero), "recompute": recompute, "preset": preset,
-                           "predicted_gib": predicted / 2**30, "ranks": ranks}
+                    row = {"family": family, "framework": "ringpipe", "zero": int(zero), "recompute": recompute,
+                           "preset": preset, "predicted_gib": predicted / 2**30, "ranks": ranks}
                     if predicted * ranks > available - MARGIN:
                         row.update(result="skipped: predicted x ranks exceeds MemAvailable")
-                        print(f"# {family} {preset} zero {zero} {recompute}: {row['result']}", flush=True)
+                        print(f"# {family} {preset} zero {zero} {recompute}: {row['result']} "
+                              f"({predicted / 2**30:.2f} GiB a rank)", flush=True)
                         found.append(row)
-                        break
+                        continue
                     with tempfile.TemporaryDirectory(prefix="memory-bench-run-") as out_dir:
                         settings["out"] = out_dir
                         out, how = run_child({"config": settings}, ranks, limit=available - MARGIN,
@@ -402,14 +405,15 @@ def largest(args):
                                    tree_peak_gib=(how["tree_peak_rss"] or 0) / 2**30, tail=how["output_tail"][-500:])
                         print(f"# {family} {preset} zero {zero} {recompute}: {row['result']}", flush=True)
                         found.append(row)
-                        break
+                        continue
                     peak = max(r["peak_rss_bytes"] for r in out["ranks"])
                     row.update(result="trains", peak_gib=peak / 2**30, ratio=peak / out["predicted"]["total"],
                                wall_s=how["wall_s"])
                     print(f"# {family} {preset} zero {zero} {recompute}: trains, peak {peak / 2**30:.2f} GiB per "
-                          f"rank (predicted {predicted / 2**30:.2f})", flush=True)
+                          f"rank (predicted {predicted / 2**30:.2f}), {how['wall_s']:.0f} s", flush=True)
                     found.append(row)
                     fits = preset
+                    break
                 print(f"largest {family} at {ranks} ranks, zero {zero}, recompute {recompute}: {fits or 'none'}",
                       flush=True)
     if args.fsdp:

@@ -118,7 +118,9 @@ def stage_bounds(cfg, n_layers):
 def block_activations(shape, rows, T, tp=1, sp=False, recompute="none"):
     """(kept, working) bytes of one transformer block for `rows` sequences of T tokens:
     kept from its forward to its backward, and its backward's own working set (the
-    gradients it makes, and under full recomputation the ctx it rebuilds). From what
+    gradients it makes, among them the largest weight gradient's product before it is
+    added in: kernels' matmul(accumulate=True) makes one temporary; and under full
+    recomputation the ctx it rebuilds). From what
     the ctx holds (engine/model/layers.py Block, llama.py LlamaBlock), in elements:
       GPT    x, ln1 out, x1, ln2 out: 4NC (+4N means/rstds), kept whole (/ tp under sp);
              qkv 3NC, attention out NC, MLP pre-GELU 4NC and out 4NC: 12NC / tp;
@@ -133,10 +135,10 @@ def block_activations(shape, rows, T, tp=1, sp=False, recompute="none"):
     if hasattr(shape, "d_ff"):      # the Llama family: grouped-query attention, SwiGLU
         hd = getattr(shape, "head_dim", C // H)
         stream, region = 4 * N * C + 2 * N, (4 * N * H * hd + 3 * N * shape.d_ff) / tp
-        grads = N * C + (2 * N * shape.d_ff + 4 * N * H * hd) / tp
+        grads = N * C + (2 * N * shape.d_ff + 4 * N * H * hd + shape.d_ff * C) / tp
     else:
         stream, region = 4 * N * C + 4 * N, 12 * N * C / tp
-        grads = N * C + 8 * N * C / tp
+        grads = N * C + (8 * N * C + 4 * C * C) / tp
     if sp:
         stream /= tp
     whole = stream + region + probs
@@ -159,6 +161,12 @@ def head_activations(shape, rows, T, tp=1):
     N = rows * T
     stats = 1 if hasattr(shape, "d_ff") else 2
     return 4 * (2 * N * shape.d_model + stats * N + N * shape.padded_vocab / tp)
+
+
+def head_working(shape, rows, T, tp=1):
+    """The head's backward working set: its weight gradient's product (V, C) before it is
+    added into wte's (one temporary, kernels' matmul(accumulate=True)) and dh (N, C)."""
+    return 4 * (shape.padded_vocab * shape.d_model / tp + rows * T * shape.d_model)
 
 
 def in_flight(cfg, pipe_rank):
@@ -262,6 +270,7 @@ def _predict_rank(cfg, shape, seq_len, dp, pipe_rank) -> Breakdown:
                 kept += embedding_activations(rows, T)
             else:
                 kept += head_activations(shape, rows, T, tp) * scale
+                working = max(working, head_working(shape, rows, T, tp) * scale)
         if not is_text:            # a family without blocks: the recipe's activation count
             _, elements = cfg.recipe.memory(shape, cfg.batch_size // dp, cfg.microbatches, seq_len, cfg.pp)
             kept = elements * s / tp
