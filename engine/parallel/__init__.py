@@ -11,7 +11,10 @@
                  between the first and the last stage; evaluation through a forward-only
                  schedule; the partitioner that splits the layers (partition.py)
     data.py      DataParallel: wraps either one; gradient buckets all-reduced while
-                 backward runs; ZeRO-1 (the update of one slice, then an all-gather)
+                 backward runs, or under ZeRO reduce-scattered, the update of this
+                 rank's chunks, then an all-gather (ZeRO-3: parameters stay sharded)
+    zero.py      ZeRO's shards: the chunks a rank keeps, the unit cut, ShardedParams
+                 (ZeRO-3's gathers around each layer's use, prefetched)
     compose.py   build_rank_model: DataParallel(TensorParallel(PipelineModel | LocalModel))
 
 Every rank model offers the same surface (RankModel below), so the trainer
