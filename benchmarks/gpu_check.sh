@@ -24,6 +24,7 @@
 #   8. nvcc compile checks with the ptxas register/spill report
 #   9. a tensor-parallel run, --tp 2 --sequence-parallel, two ranks on the GPU (its
 #      overlap thread on, as --tp-overlap auto is for cuda; tokens/s in check.log)
+#  10. a ZeRO-3 run with --recompute full, two ranks on the GPU (tokens/s in check.log)
 # Results go to ${OUT:-gpu_results}, at most 8 files (what a device run brings back):
 #   check.log (everything, in order), steps.tsv (step, exit code, seconds), env.txt,
 #   pytest_gpu.xml, gemm.json, train_metrics.jsonl, train_bf16_metrics.jsonl, train_llama_metrics.jsonl
@@ -182,6 +183,10 @@ step "nvcc-ptxas" 90 "$PY" -m pytest -q -s -p no:cacheprovider tests/kernels/tes
 # shellcheck disable=SC2086
 RINGPIPE_CUDA_AWARE_MPI=0 step "train-cuda-tp2" 120 "$MPIEXEC" -n 2 "$PY" -m ringpipe.train --device cuda --tp 2 \
     --sequence-parallel --steps 30 --out "$TMPD/train-cuda-tp2" --overwrite ${TRAIN_ARGS:-}
+# ZeRO-3 (parameters gathered per layer on the gather thread) with full recomputation on the GPU.
+# shellcheck disable=SC2086
+RINGPIPE_CUDA_AWARE_MPI=0 step "train-cuda-zero3" 120 "$MPIEXEC" -n 2 "$PY" -m ringpipe.train --device cuda --zero 3 \
+    --recompute full --steps 30 --out "$TMPD/train-cuda-zero3" --overwrite ${TRAIN_ARGS:-}
 
 # ---------------------------------------------------------------------------
 say "=== summary ($(($(date +%s) - START))s of ${BUDGET}s budget)"
