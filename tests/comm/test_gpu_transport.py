@@ -150,8 +150,9 @@ def cpu_losses(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [["--dp", "2"], ["--dp", "2", "--zero", "1"], ["--pp", "2", "--microbatches", "2"],
-                                    ["--tp", "2", "--sequence-parallel"]],
-                         ids=["dp2", "dp2-zero1", "pp2", "tp2-sp"])
+                                    ["--tp", "2", "--sequence-parallel"], ["--dp", "2", "--zero", "2"],
+                                    ["--dp", "2", "--zero", "3", "--recompute", "full"]],
+                         ids=["dp2", "dp2-zero1", "pp2", "tp2-sp", "dp2-zero2", "dp2-zero3-recompute"])
 def test_training_with_cuda_aware_mpi_equals_one_cpu_process(tmp_path, cpu_losses, layout):
     # Gradient buckets, ZeRO all-gather, pipeline activations, the tied-embedding
     # sum and the tensor axis's collectives (on its thread: --tp-overlap auto is on
