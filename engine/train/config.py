@@ -506,8 +506,19 @@ def memory_floor(cfg: Config, shape, dp: int) -> tuple[float, str]:
     shards = {0: (1, 1, 1), 1: (1, 1, dp), 2: (1, dp, dp), 3: (dp, dp, dp)}[cfg.zero if dp > 1 else 0]
     weights = n_params / cfg.pp / cfg.tp * itemsize * (1 / shards[0] + 1 / shards[1] + states / shards[2])
     activations /= cfg.tp
-    return weights + activations, (f"{n_params:.3g} parameters: {_gib(weights)} for weights, gradients and "
-                                   f"optimizer state, {_gib(activations)} for one micro-batch's activations")
+    what = (f"{n_params:.3g} parameters: {_gib(weights)} for weights, gradients and optimizer state, "
+            f"{_gib(activations)} for one micro-batch's activations")
+    if shards[0] > 1:
+        # ZeRO-3 gathers each layer's parameters whole before it runs: the largest must fit.
+        unit = largest_unit(cfg, shape) / cfg.tp * itemsize
+        weights += unit
+        what += f", {_gib(unit)} for the largest layer gathered whole (ZeRO-3's unit; <tp> splits it)"
+    return weights + activations, what
+
+
+def largest_unit(cfg: Config, shape) -> int:
+    """Parameters of the model's largest layer (ZeRO-3 gathers a layer whole)."""
+    return max((sum(s.size for s in layer.specs()) for layer in cfg.recipe.layers(shape)), default=0)
 
 
 def check_memory(cfg: Config, shape, dp: int, ranks_on_node: int) -> None:
@@ -522,8 +533,8 @@ def check_memory(cfg: Config, shape, dp: int, ranks_on_node: int) -> None:
     if need > total / max(1, ranks_on_node):
         raise ConfigError(f"this run needs at least {_gib(need)} per rank ({what}), but this node has "
                           f"{_gib(total)} for {ranks_on_node} rank(s); use a smaller model (<d_model>, <layers>) "
-                          f"or batch (<batch_size>, <microbatches>), more ranks (<pp> splits the layers, <zero> 1-3 "
-                          "the optimizer state), or nodes with more memory")
+                          f"or batch (<batch_size>, <microbatches>), more ranks (<pp> splits the layers, <tp> each layer, <zero> 1-3 "
+                          "shard the optimizer state, gradients, parameters), or nodes with more memory")
 
 
 def _gib(nbytes):

@@ -149,3 +149,13 @@ def test_zero1_with_one_rank_and_gather_without_zero3_are_noted():
     assert any("<zero> 1" in n and "no effect" in n for n in notes)
     notes = config_checks.check(Config(**{**BASE, "batch_size": 8}, zero=2, zero_gather="step"), 2)
     assert any("<zero_gather> step has no effect without <zero> 3" in n for n in notes)
+
+
+def test_a_unit_that_does_not_fit_is_refused_before_work():
+    # One block of d_model 40,000 is 19e9 parameters: ZeRO-3 would gather it whole.
+    cfg = Config(**{**BASE, "batch_size": 8, "layers": 1, "d_model": 40_000, "heads": 2}, zero=3)
+    shape = config_checks.model_config(cfg, vocab=256)
+    need, what = config_checks.memory_floor(cfg, shape, dp=64)
+    assert "largest layer gathered whole" in what
+    with pytest.raises(ConfigError, match=r"largest layer gathered whole.*tp each layer"):
+        config_checks.check_memory(cfg, shape, dp=64, ranks_on_node=1)
