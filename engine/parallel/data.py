@@ -222,7 +222,13 @@ class DataParallel:
         return " | ".join(p for p in parts if p)
 
     def summary(self):
-        return self.inner.summary()
+        parts = [self.inner.summary()]
+        if self.sharded:
+            s = self.sharded
+            exposed = f"{s.wait_s:.2f} s of it waited for" if s.overlap else "all of it exposed (no gather thread)"
+            parts.append(f"zero-3: {self.gathers_per_step} parameter all-gathers a step "
+                         f"({self.gather_mode} mode), {s.gather_s:.2f} s gathering in all, {exposed}")
+        return "\n".join(p for p in parts if p)
 
     def notes(self):
         return self.inner.notes()
