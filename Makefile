@@ -20,11 +20,11 @@ OMPI_PY   := $(OMPI_VENV)/bin/python
 # 1 GB) come with `make test` only; `ringpipe prepare` with a BPE or Hugging Face
 # tokenizer and `ringpipe export` need the data and hf extras, which make test adds. No -q on the installs: pip's lines show what
 # is being downloaded, so a first run is never silent for minutes.
-TRAIN_EXTRAS := mpi
-TEST_EXTRAS  := mpi,data,hf,test,plot
+TRAIN_EXTRAS := mpi,bf16
+TEST_EXTRAS  := mpi,bf16,data,hf,test,plot
 
 $(VENV)/.installed: setup.py
-	@echo "setting up $(VENV) for training: numpy, numba, mpi4py + MPICH from PyPI (about 95 MB to download, 350 MB installed) ..."
+	@echo "setting up $(VENV) for training: numpy, numba, mpi4py + MPICH, oneDNN (the CPU's bf16 GEMM) from PyPI (about 135 MB to download, 405 MB installed) ..."
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -e '.[$(TRAIN_EXTRAS)]'

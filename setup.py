@@ -48,6 +48,10 @@ setup(
         # Preparing data (ringpipe prepare) and Hugging Face model folders (ringpipe export, --init-from).
         "data": ["tokenizers>=0.19", "pyarrow>=14", "tqdm>=4.60"],
         "hf": ["safetensors>=0.4"],
+        # The CPU's bf16 GEMM (kernels/bf16.py): oneDNN's library, the build with the fewest
+        # runtime dependencies (libgomp, libstdc++; the plain onednn package pulls Intel's
+        # SYCL and OpenCL runtimes). x86-64 Linux wheels only; elsewhere bf16 is emulated.
+        "bf16": ["onednn-cpu-gomp; platform_machine == 'x86_64' and sys_platform == 'linux'"],
         # transformers and torch are the tests' oracle for the exported models (never used by ringpipe
         # itself). torch==2.13.0: its CPU wheel; an unpinned torch resolves to a multi-GB CUDA build.
         "test": ["pytest>=7", "pytest-mpi>=0.6", "ruff", "transformers>=4.40", "torch==2.13.0"],

@@ -17,8 +17,11 @@ opt-in backend rather than a second production path.
 
 GEMMs (matmul, matmul_nt, matmul_tn, linear_forward) also take `precision=` (per
 call, else kernels.set_matmul_precision's default): "float32", or "bf16" for float32
-operands rounded to bfloat16 with float32 accumulation (tensor cores on the GPU,
-an exact emulation on the CPU). The layers never pass it: the default decides.
+operands rounded to bfloat16 with float32 accumulation (tensor cores on the GPU; on
+the CPU oneDNN's bf16 GEMM where the CPU has bf16 dot products, else an exact
+emulation: kernels/bf16.py, RINGPIPE_BF16_GEMM). Operands already in bf16 (uint16 bit
+patterns from to_bf16, or ml_dtypes.bfloat16) run the bf16 GEMM with no rounding
+pass. The layers never pass precision: the default decides.
 matmul_nt and matmul_tn are matmul with a transpose flag, not ops of their own.
 
 Conventions shared by all ops:
@@ -88,6 +91,7 @@ __all__ = [
     "DTYPES", "KernelDtypeError", "get_array_module", "get_backend", "is_gpu_array", "resolve_dtype", "set_backend",
     "set_num_threads", "get_num_threads",
     "MATMUL_PRECISIONS", "set_matmul_precision", "get_matmul_precision", "round_to_bf16",
+    "to_bf16", "from_bf16", "bf16_gemm",
     "matmul", "matmul_nt", "matmul_tn", "linear_forward", "column_sum",
     "layernorm_forward", "layernorm_backward",
     "gelu_forward", "gelu_backward",
@@ -161,11 +165,68 @@ def _precision(op, precision, dtype):
     return p
 
 
+def _is_bf16(a):
+    # an operand already in bf16: uint16 bit patterns (to_bf16) or ml_dtypes.bfloat16
+    return hasattr(a, "dtype") and (str(a.dtype) in ("uint16", "bfloat16"))
+
+
+def _bf16_operands(op, operands, **float32_ones):
+    # GEMM operands of which one at least is already bf16: the others float32 or bf16,
+    # the output (and bias) float32; the GEMM is a bf16 one whatever the precision says
+    for name, a in operands.items():
+        if not _is_bf16(a) and str(a.dtype) != "float32":
+            raise KernelDtypeError(f"kernels.{op}: {name} has dtype {a.dtype}; beside a bf16 operand, "
+                                   "operands are float32 (rounded to bf16) or bf16")
+    _same_dtype(op, np.dtype(np.float32), **float32_ones)
+    return "bf16"
+
+
+def _bf16_off_cpu(a, b, other):
+    # the GPU backends take float32 operands: bf16 ones are widened (exactly) there
+    if get_array_module(a, b, other) is np:
+        return a, b
+    widen = lambda x: (x.view("uint16").astype("uint32") << 16).view("float32") if _is_bf16(x) else x  # noqa: E731
+    return widen(a), widen(b)
+
+
 def _c(a):
     # contiguous inputs pass through untouched
     if a is None or a.flags.c_contiguous:
         return a
     return get_array_module(a).ascontiguousarray(a)
+
+
+# ---------------------------------------------------------------------------
+# bf16 operands
+
+
+def to_bf16(x):
+    """float32 array -> a new C-contiguous uint16 array of its bfloat16 bit patterns
+    (round to nearest, ties to even, as round_to_bf16). The GEMMs take it as an operand
+    with no rounding pass: cast a weight once, use it in many GEMMs."""
+    _array("to_bf16", "x", x)
+    if str(x.dtype) != "float32":
+        raise KernelDtypeError(f"kernels.to_bf16: x must be float32, got {x.dtype}")
+    if is_gpu_array(x):
+        return (round_to_bf16(x).view("uint32") >> 16).astype("uint16")
+    from . import bf16  # numba: loaded on first use
+
+    return bf16.to_bf16(x)
+
+
+def from_bf16(x):
+    """bf16 bit patterns (uint16, or ml_dtypes.bfloat16) -> float32 of the same values."""
+    _array("from_bf16", "x", x)
+    if not _is_bf16(x):
+        raise KernelDtypeError(f"kernels.from_bf16: x must hold bf16 (uint16 bit patterns), got {x.dtype}")
+    return (x.view("uint16").astype("uint32") << 16).view("float32")
+
+
+def bf16_gemm():
+    """One line: which GEMM runs precision='bf16' on the CPU in this process, and why."""
+    from . import bf16
+
+    return bf16.describe()
 
 
 # ---------------------------------------------------------------------------
@@ -186,9 +247,13 @@ def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, pr
     _array(op, "b", b)
     if a.ndim < 2 or b.ndim < 2:
         raise ValueError(f"kernels.{op}: a and b must be at least 2D, got {tuple(a.shape)} and {tuple(b.shape)}")
-    dt = _float_dtype(op, "a", a)
-    _same_dtype(op, dt, b=b, out=out)
-    precision = _precision(op, precision, dt)
+    if _is_bf16(a) or _is_bf16(b):
+        precision = _bf16_operands(op, dict(a=a, b=b), out=out)
+        a, b = _bf16_off_cpu(a, b, out)
+    else:
+        dt = _float_dtype(op, "a", a)
+        _same_dtype(op, dt, b=b, out=out)
+        precision = _precision(op, precision, dt)
     M, K = (a.shape[-1], a.shape[-2]) if trans_a else (a.shape[-2], a.shape[-1])
     K2, N = (b.shape[-1], b.shape[-2]) if trans_b else (b.shape[-2], b.shape[-1])
     if K != K2:
@@ -238,13 +303,17 @@ def linear_forward(x, w, bias=None, *, gelu=False, precision=None, backend=None)
     _ndim(op, "w", w, 2)
     N, C_in = x.shape
     C_out = w.shape[0]
-    dt = _float_dtype(op, "x", x)
-    _same_dtype(op, dt, w=w, bias=bias)
+    if _is_bf16(x) or _is_bf16(w):
+        precision = _bf16_operands(op, dict(x=x, w=w), bias=bias)
+        x, w = _bf16_off_cpu(x, w, bias)
+    else:
+        dt = _float_dtype(op, "x", x)
+        _same_dtype(op, dt, w=w, bias=bias)
+        precision = _precision(op, precision, dt)
     if w.shape[1] != C_in:
         raise ValueError(f"kernels.{op}: w has shape {tuple(w.shape)}, expected ({C_out}, {C_in}): "
                          f"stored (out_features, in_features), in_features = x.shape[1]")
     _shape(op, "bias", bias, (C_out,))
-    precision = _precision(op, precision, dt)
     impl = _dispatch(op, (x, w, bias), backend)
     # x and w may be strided, as for matmul; the bias is read by the fused epilogue
     return impl(x, w, _c(bias), gelu=gelu, precision=precision)

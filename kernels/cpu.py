@@ -30,7 +30,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from . import reference
+from . import bf16, reference
 
 GELU_SCALE = reference.GELU_SCALE
 GELU_CUBE = reference.GELU_CUBE
@@ -484,10 +484,17 @@ def _swiglu_backward(dh, gate, up, dgate, dup):
 # python wrappers: the "numba" backend's implementations of the op table
 # (kernels/ops.py), same arguments as reference.py
 
-# BLAS already is the fast CPU GEMM; numba would only lose to it. The same goes for
-# numpy's column sums (and keeping them keeps bias gradients bit-identical to before).
-matmul = reference.matmul
+# BLAS already is the fast CPU float32 GEMM; numba would only lose to it. The same goes
+# for numpy's column sums (and keeping them keeps bias gradients bit-identical to before).
 column_sum = reference.column_sum
+
+
+def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, precision="float32"):
+    # bf16 (asked for, or operands already bf16): the CPU's bf16 GEMM where it has one,
+    # else the reference's emulation (kernels/bf16.py chooses, once)
+    if precision == "bf16" or bf16.is_bf16(a) or bf16.is_bf16(b):
+        return bf16.matmul(a, b, out, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate)
+    return reference.matmul(a, b, out, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate)
 
 
 def linear_forward(x, w, bias=None, *, gelu=False, precision="float32"):

@@ -40,8 +40,22 @@ def round_to_bf16(x):
     return xp.where(nan, (u | 0x00400000) & 0xFFFF0000, rounded).view(xp.float32)
 
 
+def _is_bf16(x):
+    return x.dtype == np.uint16 or x.dtype.name == "bfloat16"
+
+
+def _from_bf16(x):
+    # bf16 bit patterns -> the float32 of the same value (bf16 is float32's top half)
+    return (x.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
 def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, precision="float32"):
     xp = get_array_module(a, b, out)
+    if _is_bf16(a) or _is_bf16(b):
+        # operands already bf16 (uint16 bit patterns, or ml_dtypes.bfloat16): widened
+        # exactly to float32; a float32 partner is still rounded
+        a, b = (_from_bf16(x) if _is_bf16(x) else x for x in (a, b))
+        precision = "bf16"
     if precision == "bf16":
         # bf16 inputs, float32 products and sums: a product of two 8-bit significands
         # is exact in float32, so only the accumulation rounds, as on tensor cores

@@ -218,7 +218,7 @@ def test_make_train_installs_only_the_training_extras_and_says_so_first(tmp_path
     assert lines[0].startswith("echo ") and "setting up" in lines[0], lines[:3]    # before the venv is made
     assert "-m venv" in lines[1], lines[:3]
     (extras,) = _installed_extras(lines)
-    assert extras == {"mpi"}, extras
+    assert extras == {"mpi", "bf16"}, extras    # bf16: the CPU's bf16 GEMM (oneDNN), a training speed-up
     test_only = {req.split("=")[0].split(">")[0] for req in _extras()["test"]}
     assert {"torch", "pytest", "transformers"} <= test_only
     for extra in extras:
@@ -233,7 +233,7 @@ def test_make_test_says_what_it_installs_before_installing_then_adds_the_test_ex
     first_install = next(i for i, ln in enumerate(lines) if "-m venv" in ln or "pip install" in ln)
     assert first_install > 0
     training, testing = _installed_extras(lines)
-    assert training == {"mpi"} and {"test", "mpi"} <= testing, (training, testing)
+    assert training == {"mpi", "bf16"} and {"test", "mpi", "bf16"} <= testing, (training, testing)
     assert lines[-1].endswith("bash tests/run_all.sh")
 
 

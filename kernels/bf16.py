@@ -1,0 +1,317 @@
+"""
+The bf16 x bf16 -> float32 GEMM on the CPU: real bfloat16 dot products where the CPU
+has them (AVX512_BF16 or AMX-BF16), today's emulation where it does not.
+
+What runs (kernels/cpu.py's matmul sends every bf16 GEMM here):
+  native    oneDNN's C API, dnnl_gemm_bf16bf16f32, through ctypes: bf16 operands,
+            float32 accumulation and result, row-major, transpose flags and leading
+            dimensions (so transposed views cost no copy). From PyPI's onednn-cpu-gomp
+            (the `bf16` extra; its library needs only libgomp and libstdc++).
+  emulated  reference.matmul: float32 operands rounded to bf16 values held in float32,
+            then the float32 BLAS GEMM. The same numbers up to the accumulation order,
+            at about half the float32 speed (the rounding passes, and no bf16 units).
+Chosen once per process by RINGPIPE_BF16_GEMM:
+  auto      (default) native where the CPU has the instructions and the library is
+            installed, else emulated, with one note on stderr (launcher rank 0) saying why
+  native    native, or Bf16Unavailable saying what is missing
+  emulate   emulated, silently (the yardstick, or a CPU whose native path misbehaves)
+
+Measured on a 2-core AMD EPYC Zen 5 (AVX512_BF16, no AMX): see docs/library.md and
+benchmarks/bf16_gemm.py.
+
+Candidates measured and dropped: OpenBLAS's sbgemm (the scipy-openblas32/64 wheels
+are built without BFLOAT16: no sbgemm symbol; numpy's bundled OpenBLAS neither), and a
+Numba kernel of our own (a library made for this is the better default: oneDNN blocks
+for the caches and packs the operands, which a hand kernel would have to redo).
+
+Operands may already be bf16: uint16 arrays holding bf16 bit patterns (to_bf16 makes
+them) or ml_dtypes.bfloat16 arrays (viewed as uint16; ml_dtypes is not needed here).
+Then no rounding pass runs: the training step can keep weights in bf16 and cast them
+once per update. Float32 operands are rounded to nearest, ties to even, as
+reference.round_to_bf16 (the same bits; NaNs stay NaN).
+
+Threads: oneDNN's OpenMP (libgomp) reads OMP_NUM_THREADS when it loads, which importing
+ringpipe sets per rank (ringpipe/threads.py); set_num_threads changes it afterwards.
+"""
+
+import ctypes
+import importlib.metadata
+import os
+import sys
+
+import numpy as np
+from numba import njit, prange
+
+from ringpipe import threads
+
+from . import reference
+
+ENV = "RINGPIPE_BF16_GEMM"
+MODES = ("auto", "native", "emulate")
+# The CPU flags (Linux /proc/cpuinfo names) of bf16 dot-product instructions.
+CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+# PyPI distributions that ship libdnnl, the fewest runtime dependencies first:
+# onednn-cpu-gomp needs libgomp and libstdc++ only; onednn (2025+) pulls Intel's
+# SYCL/OpenCL runtimes (hundreds of MB), -iomp Intel's OpenMP, -tbb TBB.
+LIBRARY_PACKAGES = ("onednn-cpu-gomp", "onednn-cpu-iomp", "onednn-cpu-tbb", "onednn")
+INSTALL_HINT = "pip install 'ringpipe[bf16]' (or onednn-cpu-gomp)"
+
+
+class Bf16Unavailable(RuntimeError):
+    """RINGPIPE_BF16_GEMM=native on a machine that cannot run the native bf16 GEMM."""
+
+
+# ---------------------------------------------------------------------------
+# bf16 conversion (what reference.round_to_bf16 computes, as bits, in one pass)
+
+
+@njit(parallel=True, cache=True)
+def _to_bf16_rows(u, out):
+    # u: (rows, cols) uint32 view of float32, any strides; out: (rows, cols) uint16.
+    # Round to nearest, ties to even: add 0x7FFF plus the lowest kept bit, keep the top
+    # half. NaNs keep sign and top payload bits with the quiet bit set (a low payload
+    # would otherwise carry into inf). In int64, so nothing wraps.
+    for i in prange(u.shape[0]):
+        for j in range(u.shape[1]):
+            x = np.int64(u[i, j])
+            r = (x + 0x7FFF + ((x >> 16) & 1)) >> 16
+            q = (x >> 16) | 0x40
+            out[i, j] = np.uint16((q if (x & 0x7FFFFFFF) > 0x7F800000 else r) & 0xFFFF)
+
+
+def is_bf16(x):
+    """True for an operand already in bf16: uint16 bit patterns or ml_dtypes.bfloat16."""
+    return x is not None and hasattr(x, "dtype") and (x.dtype == np.uint16 or x.dtype.name == "bfloat16")
+
+
+def bits(x):
+    """A bf16 operand as its uint16 bit patterns (a view, no copy)."""
+    return x if x.dtype == np.uint16 else x.view(np.uint16)
+
+
+def to_bf16(x):
+    """float32 array, any shape or strides -> new C-contiguous uint16 array of its
+    bfloat16 bit patterns (round to nearest, ties to even)."""
+    x = np.asarray(x, dtype=np.float32)
+    out = np.empty(x.shape, np.uint16)
+    if x.size == 0:
+        return out
+    if x.ndim == 0 or x.strides[-1] != 4:
+        x = np.ascontiguousarray(x)
+    rows = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)   # a copy only if it must
+    _to_bf16_rows(rows.view(np.uint32), out.reshape(rows.shape))
+    return out
+
+
+def from_bf16(b):
+    """bf16 bit patterns (uint16 or ml_dtypes.bfloat16, numpy or cupy) -> float32, exact."""
+    return (bits(b).astype("uint32") << 16).view("float32")
+
+
+# ---------------------------------------------------------------------------
+# the native library and the choice
+
+
+def cpu_bf16_flags(path="/proc/cpuinfo"):
+    """The bf16 dot-product flags of this CPU (a subset of CPU_FLAGS); () where the file
+    is missing (not Linux): then no native path."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return tuple(flag for flag in CPU_FLAGS if flag in have)
+    except OSError:
+        pass
+    return ()
+
+
+def find_library():
+    """(path of libdnnl from an installed PyPI package, package name), or (None, None)."""
+    for package in LIBRARY_PACKAGES:
+        try:
+            files = importlib.metadata.files(package) or ()
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        found = sorted(str(f.locate()) for f in files if os.path.basename(str(f)).startswith("libdnnl.so"))
+        if found:
+            # libdnnl.so.3 (the soname) over the bare .so link and the full version
+            found.sort(key=lambda p: (p.count(".so.") != 1, len(p)))
+            return found[0], package
+    return None, None
+
+
+class _Version(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_int), ("minor", ctypes.c_int), ("patch", ctypes.c_int),
+                ("hash", ctypes.c_char_p), ("cpu_runtime", ctypes.c_uint), ("gpu_runtime", ctypes.c_uint)]
+
+
+class Native:
+    """The loaded oneDNN: its GEMM and what to call it."""
+
+    def __init__(self, path, package):
+        self.lib = ctypes.CDLL(path)
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self.gemm = self.lib.dnnl_gemm_bf16bf16f32
+        self.gemm.argtypes = [ctypes.c_char, ctypes.c_char, i64, i64, i64, ctypes.c_float, ptr, i64, ptr, i64,
+                              ctypes.c_float, ptr, i64]
+        self.gemm.restype = ctypes.c_int
+        self.lib.dnnl_version.restype = ctypes.POINTER(_Version)
+        v = self.lib.dnnl_version().contents
+        self.version = f"{v.major}.{v.minor}.{v.patch}"
+        self.package = package
+
+    def describe(self):
+        return f"oneDNN {self.version} dnnl_gemm_bf16bf16f32 ({self.package})"
+
+
+_state = {"choice": None, "noted": False}
+
+
+def mode():
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise ValueError(f"{ENV}={os.environ[ENV]!r}: valid values are {', '.join(MODES)}")
+    return value
+
+
+def _choose():
+    # (Native or None, why not native or None)
+    m = mode()
+    if m == "emulate":
+        return None, f"{ENV}=emulate"
+    flags = cpu_bf16_flags()
+    why = None
+    if not flags:
+        why = "this CPU has no bf16 dot-product instructions (AVX512_BF16 or AMX-BF16)"
+    else:
+        path, package = find_library()
+        if path is None:
+            why = f"no oneDNN library is installed ({INSTALL_HINT})"
+        else:
+            try:
+                return Native(path, package), None
+            except (OSError, AttributeError) as exc:
+                why = f"{path} did not load ({exc})"
+    if m == "native":
+        raise Bf16Unavailable(f"{ENV}=native, but {why}; unset {ENV} (or set it to emulate) to round the "
+                              "operands to bf16 and run the float32 GEMM instead")
+    return None, why
+
+
+def native():
+    """The native GEMM (Native), or None when bf16 GEMMs are emulated; chosen on the
+    first call. In auto mode, the first emulated call says why, once."""
+    if _state["choice"] is None:
+        _state["choice"] = _choose()
+    lib, why = _state["choice"]
+    if lib is None and not _state["noted"] and mode() == "auto":
+        _state["noted"] = True
+        if threads.launcher_rank() == 0:
+            print(f"note: bf16 GEMMs are emulated (operands rounded to bf16, float32 GEMM): {why}",
+                  file=sys.stderr, flush=True)
+    return lib
+
+
+def reset():
+    """Forget the choice (tests change the environment or the detection)."""
+    _state["choice"], _state["noted"] = None, False
+
+
+def describe():
+    """One line: which bf16 GEMM this process runs, and why."""
+    try:
+        lib = native()
+    except Bf16Unavailable as exc:
+        return f"bf16 GEMM: unavailable ({exc})"
+    if lib is not None:
+        return f"bf16 GEMM: native, {lib.describe()}, on {'/'.join(cpu_bf16_flags())}"
+    return f"bf16 GEMM: emulated (float32 operands rounded to bf16, float32 BLAS): {_state['choice'][1]}"
+
+
+def set_num_threads(n):
+    """Threads of the native GEMM (oneDNN's OpenMP) for calls from this thread."""
+    lib = native()
+    if lib is not None:
+        ctypes.CDLL("libgomp.so.1").omp_set_num_threads(int(n))
+
+
+# ---------------------------------------------------------------------------
+# the GEMM
+
+
+def _operand(x, trans):
+    """(bf16 bits whose matrices have unit column stride, trans): float32 is rounded
+    (a transposed view is rounded as its base, flag flipped, so no transposing copy);
+    a bf16 operand passes as it is where the library can read it."""
+    if x.dtype == np.float32:
+        if x.strides[-1] != 4 and x.strides[-2] == 4 and x.shape[-1] > 1:
+            x, trans = x.swapaxes(-1, -2), not trans
+        return to_bf16(x), trans
+    x = bits(x)
+    rows, cols = x.shape[-2:]
+    if x.strides[-1] != 2 and cols > 1 and x.strides[-2] == 2:
+        x, trans = x.swapaxes(-1, -2), not trans
+        rows, cols = cols, rows
+    row_ok = rows <= 1 or (x.strides[-2] % 2 == 0 and x.strides[-2] >= 2 * cols)
+    if (x.strides[-1] != 2 and cols > 1) or not row_ok:
+        x = np.ascontiguousarray(x)
+    return x, trans
+
+
+def _ld(x):
+    # leading dimension (elements between rows) of a matrix with unit column stride
+    rows, cols = x.shape[-2:]
+    return max(1, cols, x.strides[-2] // x.itemsize if rows > 1 else cols)
+
+
+def _writable_direct(out, N):
+    # can the library write out's matrices in place? (unit column stride, rows apart)
+    M = out.shape[-2]
+    return ((out.strides[-1] == 4 or N <= 1)
+            and (M <= 1 or (out.strides[-2] % 4 == 0 and out.strides[-2] >= 4 * N)))
+
+
+def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False):
+    """C = op(a) @ op(b) with bf16 operands and float32 accumulation, as kernels.matmul:
+    a, b float32 (rounded here) or bf16 bits, batch dims broadcast, out float32."""
+    lib = native()
+    if lib is None:
+        # emulated: bf16 operands widen exactly to float32; float32 ones are rounded
+        both_bf16 = is_bf16(a) and is_bf16(b)
+        a, b = (from_bf16(x) if is_bf16(x) else x for x in (a, b))
+        return reference.matmul(a, b, out, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate,
+                                precision="float32" if both_bf16 else "bf16")
+    a, ta = _operand(a, trans_a)
+    b, tb = _operand(b, trans_b)
+    M, K = (a.shape[-1], a.shape[-2]) if ta else a.shape[-2:]
+    N = b.shape[-2] if tb else b.shape[-1]
+    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    if out is None:
+        out = np.empty(batch + (M, N), np.float32)
+    c = out if _writable_direct(out, N) else np.empty(batch + (M, N), np.float32)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        if not accumulate:
+            out[...] = 0.0
+        return out
+    beta = 1.0 if accumulate and c is out else 0.0
+    A = np.broadcast_to(a, batch + a.shape[-2:])
+    B = np.broadcast_to(b, batch + b.shape[-2:])
+    ca, cb = (b"T" if ta else b"N"), (b"T" if tb else b"N")
+    lda, ldb, ldc = _ld(a), _ld(b), _ld(c)
+    gemm = lib.gemm
+    for i in np.ndindex(*batch):
+        status = gemm(ca, cb, M, N, K, 1.0, A[i].ctypes.data, lda, B[i].ctypes.data, ldb, beta, c[i].ctypes.data,
+                      ldc)
+        if status != 0:
+            raise RuntimeError(f"dnnl_gemm_bf16bf16f32 failed with status {status} on ({M}, {N}, {K}) "
+                               f"trans {ca.decode()}{cb.decode()}, lda {lda} ldb {ldb} ldc {ldc}; "
+                               f"set {ENV}=emulate to run the emulated GEMM")
+    if c is not out:
+        if accumulate:
+            out += c
+        else:
+            out[...] = c
+    return out
