@@ -17,6 +17,7 @@ one() {  # name, command...
 { uname -a; nproc; lscpu | grep -E "Model name|Thread|Core|Socket" ; "$PY" -c "import numpy; numpy.show_config()" 2>/dev/null | grep -A3 -i "blas" | head -8; } > "$OUT/machine.txt" 2>&1
 one train_throughput "$PY" benchmarks/train_throughput.py --json "$OUT/train_throughput.json"
 one kernels_cpu "$PY" benchmarks/kernels_cpu.py --json "$OUT/kernels_cpu.json"
+one bf16_gemm "$PY" benchmarks/bf16_gemm.py --json "$OUT/bf16_gemm.json"
 one llama_kernels "$PY" benchmarks/llama_kernels.py --json "$OUT/llama_kernels.json"
 one allreduce_2 env OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "$MPIEXEC" -n 2 "$PY" benchmarks/allreduce.py --json "$OUT/allreduce_2.json"
 one allreduce_4 env OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 "$MPIEXEC" -n 4 "$PY" benchmarks/allreduce.py --max-bytes 64M --json "$OUT/allreduce_4.json"
