@@ -160,12 +160,20 @@ class Native:
         v = self.lib.dnnl_version().contents
         self.version = f"{v.major}.{v.minor}.{v.patch}"
         self.package = package
+        self.openmp = v.cpu_runtime == 2     # DNNL_RUNTIME_OMP; TBB and sequential builds ignore OpenMP
+        if _state["threads"] is not None:
+            self.set_num_threads(_state["threads"])
+
+    def set_num_threads(self, n):
+        # the OpenMP runtime the library links (libgomp for onednn-cpu-gomp)
+        if self.openmp:
+            ctypes.CDLL("libgomp.so.1").omp_set_num_threads(n)
 
     def describe(self):
         return f"oneDNN {self.version} dnnl_gemm_bf16bf16f32 ({self.package})"
 
 
-_state = {"choice": None, "noted": False}
+_state = {"choice": None, "noted": False, "threads": None}
 
 
 def mode():
@@ -230,10 +238,13 @@ def describe():
 
 
 def set_num_threads(n):
-    """Threads of the native GEMM (oneDNN's OpenMP) for calls from this thread."""
-    lib = native()
-    if lib is not None:
-        ctypes.CDLL("libgomp.so.1").omp_set_num_threads(int(n))
+    """Threads of the native GEMM (oneDNN's OpenMP, an OpenMP setting of the calling
+    thread) for calls from this thread; kernels.set_num_threads calls it. Before the
+    library loads, kept for when it does."""
+    _state["threads"] = int(n)
+    choice = _state["choice"]
+    if choice is not None and choice[0] is not None:
+        choice[0].set_num_threads(int(n))
 
 
 # ---------------------------------------------------------------------------

@@ -136,6 +136,24 @@ def test_native_linear_forward_with_a_bf16_weight(rng):
                                                  precision="bf16"), 0.0)
 
 
+def test_set_num_threads_reaches_the_native_gemm(rng):
+    lib = _native_or_skip()
+    if not lib.openmp:
+        pytest.skip(f"{lib.describe()} does not run on OpenMP")
+    import ctypes
+
+    omp = ctypes.CDLL("libgomp.so.1")
+    before = kernels.get_num_threads()
+    try:
+        kernels.set_num_threads(1)
+        assert omp.omp_get_max_threads() == 1
+        a, b = _operands(rng, 65, 33, 129, False, False)
+        _check_bf16_accuracy(kernels.matmul(a, b, precision="bf16"), a, b, False, False, "1 thread")
+    finally:
+        kernels.set_num_threads(before)
+    assert omp.omp_get_max_threads() == before
+
+
 def test_to_bf16_rounds_as_round_to_bf16(rng):
     x = np.concatenate([rng.standard_normal(5000).astype(np.float32) * 10.0 ** rng.integers(-40, 38, 5000),
                         np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8,
