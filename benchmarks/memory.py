@@ -184,20 +184,29 @@ def child_main(spec_json, result_path):
 # ---- the parent --------------------------------------------------------------------------------
 
 def token_folder(vocab=GPT2_VOCAB):
-    """A folder of llm.c token shards (tok_train.bin, tok_val.bin) of random ids below `vocab`,
-    the largest one present, so the vocabulary is the model's (GPT-2's 50257 by default);
-    written once into the temp folder, each shard whole or not at all (shards.write_shard)."""
+    """A folder of random token ids below `vocab`, the largest one present, so that the
+    data's vocabulary is the model's (engine/data/shards.py infers it): nanoGPT's headerless
+    uint16 train.bin/val.bin (the largest id + 1) up to 65536 ids, llm.c's uint32 shards
+    (Llama 3's 128256) above. Written once into the temp folder, each file whole or not at all."""
     import numpy as np
     from ringpipe.engine.data import shards
     folder = os.path.join(tempfile.gettempdir(), f"ringpipe-memory-bench-tokens-{vocab}")
-    if os.path.exists(os.path.join(folder, "tok_val.bin")):
+    wide = vocab > 2**16
+    names = {split: f"tok_{split}.bin" if wide else f"{split}.bin" for split in ("train", "val")}
+    if os.path.exists(os.path.join(folder, names["val"])):
         return folder
     os.makedirs(folder, exist_ok=True)
     rng = np.random.default_rng(0)
     for split, n in (("train", 1_000_000), ("val", 100_000)):
         ids = rng.integers(0, vocab, size=n)
         ids[0] = vocab - 1
-        shards.write_shard(os.path.join(folder, f"tok_{split}.bin"), ids, vocab)
+        path = os.path.join(folder, names[split])
+        if wide:
+            shards.write_shard(path, ids, vocab)
+        else:
+            tmp = os.path.join(folder, f".{names[split]}.tmp")
+            ids.astype(np.uint16).tofile(tmp)
+            os.replace(tmp, path)
     return folder
 
 
@@ -378,6 +387,8 @@ def largest(args):
     ranks = max(args.ranks)
     found = []
     for family, presets in (("gpt", GPT_PRESETS), ("llama", LLAMA_PRESETS)):
+        if family not in args.families:
+            continue
         for zero in args.zero:
             for recompute in args.recompute:
                 fits = None
@@ -416,7 +427,7 @@ def largest(args):
                     break
                 print(f"largest {family} at {ranks} ranks, zero {zero}, recompute {recompute}: {fits or 'none'}",
                       flush=True)
-    if args.fsdp:
+    if "fsdp" in args.families:
         found += fsdp_largest(args, ranks, available)
     return found
 
@@ -486,9 +497,9 @@ def parse_args(argv=None):
     mode.add_argument("--quick", action="store_true", help="a tiny GPT (2 x 64) at 2 ranks, ZeRO 0/1: a smoke test")
     mode.add_argument("--largest", action="store_true", help="the largest preset that trains at the most --ranks")
     mode.add_argument("--baseline", action="store_true", help="measure the fixed overhead")
-    p.add_argument("--fsdp", action=argparse.BooleanOptionalAction, default=True,
-                   help="with --largest: PyTorch FSDP (gloo, CPU) on the GPT presets too, if torch is installed "
-                        "(default on)")
+    p.add_argument("--families", type=choice_list(("gpt", "llama", "fsdp")), default=["gpt", "llama", "fsdp"],
+                   help="with --largest: what to search, gpt and llama (ringpipe's presets) and fsdp (PyTorch FSDP, "
+                        "gloo, CPU, on the GPT presets, if torch is installed) (default gpt,llama,fsdp)")
     p.add_argument("--json", type=output_path, default=None, help="write the results here")
     p.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
