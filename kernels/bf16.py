@@ -54,6 +54,8 @@ CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 # onednn-cpu-gomp needs libgomp and libstdc++ only; onednn (2025+) pulls Intel's
 # SYCL/OpenCL runtimes (hundreds of MB), -iomp Intel's OpenMP, -tbb TBB.
 LIBRARY_PACKAGES = ("onednn-cpu-gomp", "onednn-cpu-iomp", "onednn-cpu-tbb", "onednn")
+# GEMMs of fewer multiply-adds per matrix than this run on one OpenMP thread (see matmul).
+SMALL_MACS = 1 << 21
 INSTALL_HINT = "pip install 'ringpipe[bf16]' (or onednn-cpu-gomp)"
 
 
@@ -161,13 +163,17 @@ class Native:
         self.version = f"{v.major}.{v.minor}.{v.patch}"
         self.package = package
         self.openmp = v.cpu_runtime == 2     # DNNL_RUNTIME_OMP; TBB and sequential builds ignore OpenMP
+        # the OpenMP runtime the library links (libgomp for onednn-cpu-gomp)
+        self.omp = ctypes.CDLL("libgomp.so.1") if self.openmp else None
         if _state["threads"] is not None:
             self.set_num_threads(_state["threads"])
 
     def set_num_threads(self, n):
-        # the OpenMP runtime the library links (libgomp for onednn-cpu-gomp)
-        if self.openmp:
-            ctypes.CDLL("libgomp.so.1").omp_set_num_threads(n)
+        if self.omp is not None:
+            self.omp.omp_set_num_threads(n)
+
+    def get_num_threads(self):
+        return self.omp.omp_get_max_threads() if self.omp is not None else 1
 
     def describe(self):
         return f"oneDNN {self.version} dnnl_gemm_bf16bf16f32 ({self.package})"
@@ -283,6 +289,20 @@ def _writable_direct(out, N):
             and (M <= 1 or (out.strides[-2] % 4 == 0 and out.strides[-2] >= 4 * N)))
 
 
+def _matrix_addresses(batch, *arrays):
+    """The address of each matrix of each array over the broadcast batch dims, as
+    tuples of ints: computed at once, since the Python loop over them is what costs
+    on small batched GEMMs (attention heads), not the library's call."""
+    if not batch:
+        return [tuple(x.ctypes.data for x in arrays)]
+    index = np.indices(batch).reshape(len(batch), -1).T          # (matrices, batch dims)
+    columns = []
+    for x in arrays:
+        strides = np.broadcast_to(x, batch + x.shape[-2:]).strides[:len(batch)]   # 0 where broadcast
+        columns.append((x.ctypes.data + index @ np.array(strides, np.int64)).tolist())
+    return list(zip(*columns))
+
+
 def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False):
     """C = op(a) @ op(b) with bf16 operands and float32 accumulation, as kernels.matmul:
     a, b float32 (rounded here) or bf16 bits, batch dims broadcast, out float32."""
@@ -308,18 +328,24 @@ def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False):
             out[...] = 0.0
         return out
     beta = 1.0 if accumulate and c is out else 0.0
-    A = np.broadcast_to(a, batch + a.shape[-2:])
-    B = np.broadcast_to(b, batch + b.shape[-2:])
     ca, cb = (b"T" if ta else b"N"), (b"T" if tb else b"N")
     lda, ldb, ldc = _ld(a), _ld(b), _ld(c)
     gemm = lib.gemm
-    for i in np.ndindex(*batch):
-        status = gemm(ca, cb, M, N, K, 1.0, A[i].ctypes.data, lda, B[i].ctypes.data, ldb, beta, c[i].ctypes.data,
-                      ldc)
-        if status != 0:
-            raise RuntimeError(f"dnnl_gemm_bf16bf16f32 failed with status {status} on ({M}, {N}, {K}) "
-                               f"trans {ca.decode()}{cb.decode()}, lda {lda} ldb {ldb} ldc {ldc}; "
-                               f"set {ENV}=emulate to run the emulated GEMM")
+    # Small matrices (attention heads) run on one thread: waking a second sleeping
+    # OpenMP thread costs about 10 us a call (measured), more than a 128^3 GEMM gains.
+    threads = lib.get_num_threads() if M * N * K < SMALL_MACS else 1
+    if threads > 1:
+        lib.set_num_threads(1)
+    try:
+        for pa, pb, pc in _matrix_addresses(batch, a, b, c):
+            status = gemm(ca, cb, M, N, K, 1.0, pa, lda, pb, ldb, beta, pc, ldc)
+            if status != 0:
+                raise RuntimeError(f"dnnl_gemm_bf16bf16f32 failed with status {status} on ({M}, {N}, {K}) "
+                                   f"trans {ca.decode()}{cb.decode()}, lda {lda} ldb {ldb} ldc {ldc}; "
+                                   f"set {ENV}=emulate to run the emulated GEMM")
+    finally:
+        if threads > 1:
+            lib.set_num_threads(threads)
     if c is not out:
         if accumulate:
             out += c
