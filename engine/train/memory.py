@@ -46,9 +46,9 @@ import numpy as np
 # What a ringpipe rank holds before its model counts for anything: the interpreter,
 # numpy, Numba and the kernels it compiled (loaded from its on-disk cache), mpi4py and
 # MPICH's shared-memory buffers, the data loader. Measured 2026-12-02 on the 2-core VM
-# (benchmarks/memory.py --baseline: a 1-layer, 64-wide GPT trained 2 steps, VmHWM minus
-# that model's own prediction, 1, 2 and 4 ranks; the largest kept). A first run that
-# compiles the kernels (an empty Numba cache) holds more while LLVM works.
+# (benchmarks/memory.py --baseline: a 1-layer, 64-wide GPT trained 3 steps, VmHWM minus
+# that model's own prediction): 166, 169 and 171 MiB at 1, 2 and 4 ranks, rounded up. A
+# first run that compiles the kernels (an empty Numba cache) holds more while LLVM works.
 FIXED_OVERHEAD_BYTES = 176 * 2**20
 
 # comm/ring.py: the ring receives into 2 chunk-sized slots while it reduces.
