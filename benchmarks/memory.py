@@ -213,6 +213,7 @@ def token_folder(vocab=GPT2_VOCAB):
 def config_for(shape, ranks, zero, recompute, rows, seq, steps, out, data, model="gpt"):
     settings = dict(model=model, data=data, seq_len=seq, batch_size=rows * ranks, steps=steps,
                     zero=int(zero), recompute=recompute, out=out, overwrite=True, eval_batches=1,
+                    eval_every=steps,     # validation at the last step only: not in the steps measured
                     sample_tokens=0, quiet=True, warmup=1)
     settings.update(shape)
     return settings

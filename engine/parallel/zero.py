@@ -26,7 +26,8 @@ piece of its own, so both cut it alike and can sum their chunks of it.
 When a gathered piece is dropped again is the user's choice (gather_mode):
     "use"   after each use (each micro-batch's forward, again for its backward):
             the least memory, 2 x micro-batches all-gathers per unit per step
-            (FSDP's reshard-after-forward);
+            (FSDP's reshard-after-forward); a unit two layers read (the tied
+            embedding) is kept until the step ends, gathered once;
     "step"  kept from its first use to the end of the step: one all-gather per
             unit per step, but every unit is in memory by the end of the step
             (torchtitan's choice with pipelines, whose many micro-batches would
@@ -117,6 +118,15 @@ class ShardedParams:
                                       for layer in chain.layers]
             chain.residency = self
         self._chains = list(chains)
+        # A piece two layers read (the tied embedding: the embedding and the head) stays
+        # from its first use to the step's end in every mode: dropping it between its
+        # readers would gather it again twice a step, and it is often the largest unit.
+        readers = [0] * len(self.pieces)
+        for reads in self._reads.values():
+            for layer_pieces in reads:
+                for k in layer_pieces:
+                    readers[k] += 1
+        self.shared = {k for k, n in enumerate(readers) if n > 1}
         self.users = [0] * len(self.pieces)
         self.gathered = [False] * len(self.pieces)   # every chunk of the piece is in memory
         self.queued = [False] * len(self.pieces)      # asked for, not gathered yet
@@ -149,7 +159,7 @@ class ShardedParams:
     def release(self, chain, i):
         for k in self._reads[id(chain)][i]:
             self.users[k] -= 1
-            if self.mode == "use" and self.users[k] == 0 and not self.queued[k]:
+            if self.mode == "use" and self.users[k] == 0 and not self.queued[k] and k not in self.shared:
                 self._drop(k)
 
     # ---- the step -------------------------------------------------------------------------

@@ -17,7 +17,7 @@ layers declare (after the pipeline and tensor splits), N the data-parallel size:
                        (the pipeline schedule's; one without a pipeline), plus one
                        block's backward working set
     gathered units     ZeRO-3: the parameters gathered for the layer in use and the
-                       next one (--zero-gather use), or all of them (step)
+                       next one and the tied embedding's (--zero-gather use), or all of them (step)
     communication      the ring's receive slots: min(2, N - 1) x (largest bucket) / N
     fixed overhead     the interpreter, numpy, Numba's compiled kernels, MPI: measured
                        (FIXED_OVERHEAD_BYTES: how)
@@ -235,7 +235,8 @@ def _predict_rank(cfg, shape, seq_len, dp, pipe_rank) -> Breakdown:
     mine = [c * cfg.pp + pipe_rank for c in range(cfg.chunks)]       # this rank's virtual stages
 
     # Parameters this rank holds, tied ones once; each layer's unit (ZeRO-3's gather).
-    seen, unit_sizes, largest_param = set(), [], 0
+    seen, unit_sizes, largest_param = {}, [], 0
+    shared = set()          # units a later layer reads again (the tied wte): ZeRO-3 keeps them all step
     for stage in mine:
         lo, hi = bounds[stage]
         for layer in layers[lo:hi]:
@@ -244,8 +245,10 @@ def _predict_rank(cfg, shape, seq_len, dp, pipe_rank) -> Breakdown:
                 n = _split(spec.name, spec.size, len(spec.shape), tp)
                 largest_param = max(largest_param, spec.size)        # drawn whole at init
                 if spec.name not in seen:
-                    seen.add(spec.name)
+                    seen[spec.name] = len(unit_sizes)
                     unit += n
+                elif seen[spec.name] != len(unit_sizes):
+                    shared.add(seen[spec.name])
             unit_sizes.append(unit)
     P = sum(unit_sizes)
     param_bytes_each = [u * s for u in unit_sizes if u]
@@ -314,10 +317,12 @@ def _predict_rank(cfg, shape, seq_len, dp, pipe_rank) -> Breakdown:
         if gather == "step":
             gathered = s * P * (dp - 1) / dp
         else:
-            gathered = sum(sorted(param_bytes_each)[-2:]) * (dp - 1) / dp
+            others = [u * s for i, u in enumerate(unit_sizes) if u and i not in shared]
+            kept = sum(unit_sizes[i] * s for i in shared)
+            gathered = (kept + sum(sorted(others)[-2:])) * (dp - 1) / dp
         b.items["gathered units"] = gathered
         b.notes["gathered units"] = ("every unit until the step ends" if gather == "step"
-                                     else "the unit in use and the next one")
+                                     else "the unit in use and the next one, and the tied embedding's all step")
     # Two slots alternate between reduce phases; with two ranks there is only one phase.
     comm_buffers = min(RING_SLOTS, dp - 1) * largest_bucket / dp if dp > 1 else 0
     b.items["communication buffers"] = comm_buffers

@@ -122,9 +122,9 @@ def test_zero_moves_the_bytes_of_the_formulas(shared_dir):
     for gather in ("use", "step"):
         par, _ = pair(shared_dir, f"bytes-{gather}", dict(dp=2), zero=3, zero_gather=gather, steps=1)
         units = len(par.model.sharded.pieces)      # embedding, 2 blocks, final norm and head
-        # use: every unit for the forward and again for the backward, and the embedding's
-        # (the tied wte) once more each time for the head; step: each unit once
-        expected = 2 * (units + 1) if gather == "use" else units
+        # use: every unit for the forward and again for the backward, but the embedding's
+        # (the tied wte, which the head reads too) once, kept for the step; step: each unit once
+        expected = 2 * units - 1 if gather == "use" else units
         assert par.model.gathers_per_step == expected, (gather, par.model.gathers_per_step)
 
 
