@@ -232,6 +232,16 @@ def test_bf16_operand_dtype_rules(rng):
     np.testing.assert_array_equal(kernels.matmul_nt(a16, a16, backend="numpy"), np.full((3, 3), 4.0))
 
 
+def test_ml_dtypes_bfloat16_operands_are_bf16_bits(rng):
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes is optional: uint16 bits are the bf16 operands")
+    a, b = _operands(rng, 9, 11, 70, False, True)
+    ab = a.astype(ml_dtypes.bfloat16)
+    np.testing.assert_array_equal(ab.view(np.uint16), kernels.to_bf16(a))    # the same rounding
+    want = kernels.matmul_nt(kernels.to_bf16(a), b)
+    np.testing.assert_array_equal(kernels.matmul_nt(ab, b), want)
+    np.testing.assert_array_equal(kernels.from_bf16(ab), kernels.round_to_bf16(a))
+
+
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
     f = tmp_path / "cpuinfo"
     f.write_text("processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 avx_vnni\n")
