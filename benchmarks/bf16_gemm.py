@@ -24,7 +24,10 @@ torch.set_num_threads. OPENBLAS_CORETYPE is removed from the children's environm
 (a value forcing an older kernel, e.g. Haswell on AVX-512 machines, slows the float32
 rows; --keep-coretype keeps it); the BLAS that really ran (threadpoolctl, when installed)
 is in the output. Per round every row runs once in turn; a row's time is the median over
-rounds, after one warm-up call each. "max rel err" is max|C - C64| / max|C64| against a
+rounds, after one warm-up call each. Each timed call comes --pause seconds after the one
+before: OpenBLAS's idle workers spin for a while after a call (measured here: oneDNN and
+torch at 2 threads fell to their 1-thread speed when timed right after a float32 call),
+and a row must not pay for the previous row's library. "max rel err" is max|C - C64| / max|C64| against a
 float64 product of the bf16-rounded inputs (float32 rows: of the float32 inputs).
 The 1-minute load average before and after each child is printed: the machine is shared.
 """
@@ -35,7 +38,8 @@ import os
 import sys
 import time
 
-from _common import int_list, median, output_path, positive_int, run_child, table, write_json  # noqa: E402
+from _common import (int_list, median, nonneg_float, output_path, positive_int, run_child, table,  # noqa: E402
+                     write_json)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
@@ -106,6 +110,7 @@ def child(spec):
         times = {name: [] for name in fns}
         for _ in range(spec["rounds"]):
             for name, fn in fns.items():
+                time.sleep(spec["pause"])
                 t0 = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t0)
@@ -127,6 +132,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int_list(1), default=[1, 2], help="thread counts, one child each (default 1,2)")
     ap.add_argument("--rounds", type=positive_int, default=7, help="timed calls of each row, alternating (median)")
+    ap.add_argument("--pause", type=nonneg_float, default=0.2,
+                    help="seconds of rest before each timed call, so the previous row's threads go idle (0.2)")
     ap.add_argument("--quick", action="store_true", help="small shapes, 2 rounds: a smoke test")
     ap.add_argument("--keep-coretype", action="store_true", help="leave OPENBLAS_CORETYPE in the children's environment")
     ap.add_argument("--json", metavar="PATH", type=output_path, default=None, help="also write the results as JSON")
@@ -138,7 +145,7 @@ def main(argv=None):
         os.environ.pop("OPENBLAS_CORETYPE", None)
     children, rows = [], []
     for n in args.threads:
-        spec = dict(threads=n, rounds=rounds, shapes=shapes)
+        spec = dict(threads=n, rounds=rounds, shapes=shapes, pause=0.0 if args.quick else args.pause)
         out = run_child(os.path.abspath(__file__), "all", spec, THREAD_VARS, ROOT, f" at {n} thread(s)")
         children.append({k: v for k, v in out.items() if k != "rows"})
         rows += out["rows"]
@@ -152,14 +159,15 @@ def main(argv=None):
             ("max_rel_err", "max rel err", ".1e")]
     print(table(rows, cols))
     c0 = children[0]
-    print(f"({c0['bf16_gemm']}; medians of {rounds} alternating rounds; torch {c0['torch']}; "
+    print(f"({c0['bf16_gemm']}; medians of {rounds} alternating rounds, {spec['pause']} s before each call; torch {c0['torch']}; "
           f"OPENBLAS_CORETYPE {'kept: ' + str(coretype) if args.keep_coretype else 'unset (was ' + str(coretype) + ')'};"
           f" BLAS: {c0['blas']})")
     for n, c in zip(args.threads, children):
         print(f"  {n} thread(s): load average {c['load_before']:.2f} before, {c['load_after']:.2f} after; "
               f"{c['involuntary_switches']} involuntary context switches")
     if args.json:
-        write_json(args.json, dict(rows=rows, children=children, rounds=rounds, openblas_coretype=coretype,
+        write_json(args.json, dict(rows=rows, children=children, rounds=rounds, pause_s=spec["pause"],
+                                   openblas_coretype=coretype,
                                    coretype_kept=args.keep_coretype, cpus=os.cpu_count()))
     return 0
 
