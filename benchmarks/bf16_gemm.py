@@ -12,8 +12,10 @@ Rows, each float32 in and float32 out unless said:
                             (one Numba pass each), oneDNN's dnnl_gemm_bf16bf16f32
   ringpipe bf16 operands    the same GEMM on operands already bf16 (kernels.to_bf16 once,
                             outside the timing): what a step that keeps bf16 weights pays
-  ringpipe bf16 emulated    the emulation (today's path before issue 25, and the fallback):
-                            round to bf16 values in float32 (numpy), then the float32 BLAS
+  ringpipe bf16 emulated    the fallback where the CPU has no bf16 dot products: round to
+                            bf16 values in float32 (one Numba pass each), the float32 BLAS
+  ringpipe bf16 before      the same numbers as ringpipe ran them before issue 25 (and the
+                            reference backend still does): the rounding in numpy
   ringpipe float32          kernels.matmul(precision="float32"): numpy's BLAS
   numpy float32             np.matmul, the same BLAS without ringpipe's checks
   torch bf16                torch.matmul on bf16 tensors (oneDNN; bf16 output), operands
@@ -46,7 +48,8 @@ THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NU
 # (label, M, N, K, trans_b)
 SHAPES = [("2048^3 a@b", 2048, 2048, 2048, False), ("4096x768x3072 x@W.T", 4096, 768, 3072, True)]
 QUICK_SHAPES = [("256^3 a@b", 256, 256, 256, False), ("512x96x384 x@W.T", 512, 96, 384, True)]
-ROWS = ("ringpipe bf16 native", "ringpipe bf16 operands", "ringpipe bf16 emulated", "ringpipe float32",
+ROWS = ("ringpipe bf16 native", "ringpipe bf16 operands", "ringpipe bf16 emulated", "ringpipe bf16 before",
+        "ringpipe float32",
         "numpy float32", "torch bf16")
 
 
@@ -79,8 +82,9 @@ def child(spec):
         if bf16.native() is not None:
             fns["ringpipe bf16 native"] = lambda: kernels.matmul(a, b, out, trans_b=tb, precision="bf16")
             fns["ringpipe bf16 operands"] = lambda: kernels.matmul(a16, b16, out, trans_b=tb)
-        fns["ringpipe bf16 emulated"] = lambda: kernels.matmul(a, b, out, trans_b=tb, precision="bf16",
-                                                               backend="numpy")
+        fns["ringpipe bf16 emulated"] = lambda: bf16.emulated_matmul(a, b, out, trans_b=tb)
+        fns["ringpipe bf16 before"] = lambda: kernels.matmul(a, b, out, trans_b=tb, precision="bf16",
+                                                             backend="numpy")
         fns["ringpipe float32"] = lambda: kernels.matmul(a, b, out, trans_b=tb, precision="float32")
         bb = b.T if tb else b
         fns["numpy float32"] = lambda: np.matmul(a, bb, out=out)

@@ -7,9 +7,10 @@ What runs (kernels/cpu.py's matmul sends every bf16 GEMM here):
             float32 accumulation and result, row-major, transpose flags and leading
             dimensions (so transposed views cost no copy). From PyPI's onednn-cpu-gomp
             (the `bf16` extra; its library needs only libgomp and libstdc++).
-  emulated  reference.matmul: float32 operands rounded to bf16 values held in float32,
-            then the float32 BLAS GEMM. The same numbers up to the accumulation order,
-            at about half the float32 speed (the rounding passes, and no bf16 units).
+  emulated  reference.matmul's numbers bit for bit: float32 operands rounded to bf16
+            values held in float32 (one Numba pass each), then the float32 BLAS GEMM.
+            The same numbers as native up to the accumulation order, a little slower
+            than float32 (the rounding passes, and no bf16 units).
 Chosen once per process by RINGPIPE_BF16_GEMM:
   auto      (default) native where the CPU has the instructions and the library is
             installed, else emulated, with one note on stderr (launcher rank 0) saying why
@@ -81,6 +82,17 @@ def _to_bf16_rows(u, out):
             out[i, j] = np.uint16((q if (x & 0x7FFFFFFF) > 0x7F800000 else r) & 0xFFFF)
 
 
+@njit(parallel=True, cache=True)
+def _round_rows(u, out):
+    # as _to_bf16_rows, but the bf16 kept in the top half of a float32 (out: uint32 view)
+    for i in prange(u.shape[0]):
+        for j in range(u.shape[1]):
+            x = np.int64(u[i, j])
+            r = (x + 0x7FFF + ((x >> 16) & 1)) >> 16
+            q = (x >> 16) | 0x40
+            out[i, j] = np.uint32(((q if (x & 0x7FFFFFFF) > 0x7F800000 else r) & 0xFFFF) << 16)
+
+
 def is_bf16(x):
     """True for an operand already in bf16: uint16 bit patterns or ml_dtypes.bfloat16."""
     return x is not None and hasattr(x, "dtype") and (x.dtype == np.uint16 or x.dtype.name == "bfloat16")
@@ -91,18 +103,28 @@ def bits(x):
     return x if x.dtype == np.uint16 else x.view(np.uint16)
 
 
-def to_bf16(x):
-    """float32 array, any shape or strides -> new C-contiguous uint16 array of its
-    bfloat16 bit patterns (round to nearest, ties to even)."""
+def _convert(x, dtype, kernel):
     x = np.asarray(x, dtype=np.float32)
-    out = np.empty(x.shape, np.uint16)
+    out = np.empty(x.shape, dtype)
     if x.size == 0:
         return out
     if x.ndim == 0 or x.strides[-1] != 4:
         x = np.ascontiguousarray(x)
     rows = x.reshape(-1, x.shape[-1]) if x.ndim else x.reshape(1, 1)   # a copy only if it must
-    _to_bf16_rows(rows.view(np.uint32), out.reshape(rows.shape))
+    kernel(rows.view(np.uint32), out.reshape(rows.shape).view(np.uint16 if dtype == np.uint16 else np.uint32))
     return out
+
+
+def to_bf16(x):
+    """float32 array, any shape or strides -> new C-contiguous uint16 array of its
+    bfloat16 bit patterns (round to nearest, ties to even)."""
+    return _convert(x, np.uint16, _to_bf16_rows)
+
+
+def round_values(x):
+    """reference.round_to_bf16 in one parallel pass: float32 -> new C-contiguous float32
+    array holding the nearest bf16 values (the same bits)."""
+    return _convert(x, np.float32, _round_rows)
 
 
 def from_bf16(b):
@@ -303,16 +325,20 @@ def _matrix_addresses(batch, *arrays):
     return list(zip(*columns))
 
 
+def emulated_matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False):
+    """The fallback: the reference's numbers bit for bit (bf16 operands widened exactly,
+    float32 ones rounded to bf16 values into C-contiguous copies, the float32 GEMM), the
+    rounding in one Numba pass instead of numpy's several."""
+    a, b = (from_bf16(x) if is_bf16(x) else round_values(x) for x in (a, b))
+    return reference.matmul(a, b, out, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate)
+
+
 def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False):
     """C = op(a) @ op(b) with bf16 operands and float32 accumulation, as kernels.matmul:
     a, b float32 (rounded here) or bf16 bits, batch dims broadcast, out float32."""
     lib = native()
     if lib is None:
-        # emulated: bf16 operands widen exactly to float32; float32 ones are rounded
-        both_bf16 = is_bf16(a) and is_bf16(b)
-        a, b = (from_bf16(x) if is_bf16(x) else x for x in (a, b))
-        return reference.matmul(a, b, out, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate,
-                                precision="float32" if both_bf16 else "bf16")
+        return emulated_matmul(a, b, out, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate)
     a, ta = _operand(a, trans_a)
     b, tb = _operand(b, trans_b)
     M, K = (a.shape[-1], a.shape[-2]) if ta else a.shape[-2:]

@@ -22,7 +22,7 @@ def test_quick_writes_every_row_and_its_error(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads(out.read_text())
     impls = {row["impl"] for row in data["rows"]}
-    assert {"ringpipe bf16 emulated", "ringpipe float32", "numpy float32"} <= impls
+    assert {"ringpipe bf16 emulated", "ringpipe bf16 before", "ringpipe float32", "numpy float32"} <= impls
     assert data["children"][0]["bf16_gemm"].startswith("bf16 GEMM: ")
     if "native" in data["children"][0]["bf16_gemm"].split(",")[0]:
         assert {"ringpipe bf16 native", "ringpipe bf16 operands"} <= impls

@@ -168,6 +168,8 @@ def test_to_bf16_rounds_as_round_to_bf16(rng):
     np.testing.assert_array_equal(kernels.to_bf16(m.T), kernels.to_bf16(np.ascontiguousarray(m.T)))
     np.testing.assert_array_equal(kernels.to_bf16(m[::3, 1::2]), kernels.to_bf16(np.ascontiguousarray(m[::3, 1::2])))
     np.testing.assert_array_equal(kernels.from_bf16(kernels.to_bf16(m)), kernels.round_to_bf16(m))
+    np.testing.assert_array_equal(bf16.round_values(x).view(np.uint32), kernels.round_to_bf16(x).view(np.uint32))
+    np.testing.assert_array_equal(bf16.round_values(m.T), kernels.round_to_bf16(m.T))
     with pytest.raises(kernels.KernelDtypeError, match="to_bf16: x must be float32"):
         kernels.to_bf16(m.astype(np.float64))
 
@@ -185,8 +187,11 @@ def test_fallback_is_the_emulation(rng, monkeypatch, capsys, how):
     for _ in range(2):
         c = kernels.matmul_nt(a, b, precision="bf16")
     assert bf16.native() is None
-    # exactly today's path: round to bf16 values, float32 BLAS
+    # exactly today's path: round to bf16 values, float32 BLAS (views too: copied as the reference does)
     np.testing.assert_array_equal(c, ref.matmul(a, b, trans_b=True, precision="bf16"))
+    bt = np.ascontiguousarray(b.T).T
+    np.testing.assert_array_equal(kernels.matmul_nt(a, bt, precision="bf16"),
+                                  ref.matmul(a, bt, trans_b=True, precision="bf16"))
     # bf16 operands widen exactly: the same numbers
     np.testing.assert_array_equal(kernels.matmul_nt(kernels.to_bf16(a), kernels.to_bf16(b)), c)
     err = capsys.readouterr().err
