@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from ringpipe import comm
-from ringpipe.comm.device import Transport
+from ringpipe.comm.device import Transport, synchronize
 from ringpipe.engine.job.array_module import to_host
 from ringpipe.engine.model.optim import make_optimizer
 from ringpipe.engine.parallel import NO_SYNC, GradSync
@@ -98,6 +98,10 @@ class DataParallel:
                 self.params.grad[a:b] = 0
             else:
                 self.params.release(self.params.grad, a, b)
+        if self.params.xp is not np:
+            # On a device the zeroing is queued on the bucket thread's own stream: it must be
+            # done before wait() returns, or the norm (main stream) could read partial sums.
+            synchronize(self.params.grad)
 
     def _unpack(self, packed, flat):
         at = 0
@@ -207,8 +211,10 @@ class DataParallel:
             largest = max((hi - lo) * self.params.grad.itemsize for lo, hi, _, _ in self.buckets.buckets)
             reduction = "reduce-scatter ring" if self.owned is not None else \
                 "all-reduce " + "/".join(sorted(set(self.buckets.algorithms)))
+            sizing = " (one a layer: ZeRO-3's units)" if self.stage == 3 else \
+                " (auto; --bucket-mb sets it)" if self.auto_buckets else ""
             parts.append(f"{len(self.buckets.buckets)} gradient bucket(s) of <= {largest / 2**20:.2f} MiB"
-                         f"{' (auto; --bucket-mb sets it)' if self.auto_buckets else ''}, {reduction}")
+                         f"{sizing}, {reduction}")
             if self.buckets.cost_model is not None and self.owned is None:
                 parts.append(self.buckets.cost_model.describe())
         if self.stage == 1:
@@ -225,9 +231,10 @@ class DataParallel:
         parts = [self.inner.summary()]
         if self.sharded:
             s = self.sharded
-            exposed = f"{s.wait_s:.2f} s of it waited for" if s.overlap else "all of it exposed (no gather thread)"
+            exposed = (f"the compute waited {s.wait_s:.2f} s for them" if s.overlap
+                       else "the compute waited for all of it (no gather thread: --no-overlap)")
             parts.append(f"zero-3: {self.gathers_per_step} parameter all-gathers a step "
-                         f"({self.gather_mode} mode), {s.gather_s:.2f} s gathering in all, {exposed}")
+                         f"({self.gather_mode} mode), {s.gather_s:.2f} s gathering in all; {exposed}")
         return "\n".join(p for p in parts if p)
 
     def notes(self):

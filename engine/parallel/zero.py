@@ -189,15 +189,17 @@ class ShardedParams:
         self.end_step()
 
     def close(self):
+        stuck = False
         if self._thread is not None:
             with self._cond:
                 self._stopping = True
                 self._cond.notify_all()
             self._thread.join(timeout=10)
+            stuck = self._thread.is_alive()       # inside a gather a dead peer never finishes
             self._thread = None
         for chain in self._chains:
             chain.residency = None
-        if self.comm != MPI.COMM_NULL:
+        if self.comm != MPI.COMM_NULL and not stuck:     # never free a communicator in use
             self.comm.Free()
 
     # ---- internals ------------------------------------------------------------------------

@@ -61,8 +61,8 @@ def build_parser(prog: str = "ringpipe pipeline") -> argparse.ArgumentParser:
         "and reads the costs as milliseconds")
     data.add_argument("--dp", type=int, default=1, help="data-parallel ranks of each pipeline rank")
     data.add_argument("--zero", type=int, default=0, choices=ZERO_STAGES,
-                      help="0: all-reduce the gradients; 1: also gather the parameters after the update; "
-                           "2: reduce-scatter instead; 3: parameters sharded, each unit gathered before use")
+                      help="0: all-reduce the gradients; 1 and 2: reduce-scatter them, then gather the "
+                           "parameters after the update; 3: parameters sharded, each unit gathered before use")
     data.add_argument("--zero-gather", default="auto", choices=GATHER_MODES,
                       help="ZeRO-3: gather each unit before every F and B (use) or once a step (step); "
                            "auto: use without a pipeline (-p 1), step with one")
@@ -95,6 +95,8 @@ def _zero_from_args(args, v: int) -> ZeroComm | None:
 
 def _print_data_parallel(schedule, base, result, args) -> None:
     zero = result.zero
+    if args.zero_gather != "auto" and zero.stage != 3:
+        print(f"note: --zero-gather {args.zero_gather} has no effect without --zero 3")
     mode = f", gathers per {result.gather_mode}" if zero.stage == 3 else ""
     print(f"\ndata parallel: ZeRO-{zero.stage} over dp {zero.dp}{mode}; {args.param_mb:g} MiB of parameters "
           f"per pipeline rank in {schedule.v} chunk(s) x {zero.units} units; {args.link_gbps:g} Gb/s, "

@@ -46,8 +46,8 @@ head are units too), and a compute action's cost is split evenly over them.
   counts as exposed communication, not as busy time).
 * Gradient reduction.  After each unit's part of a chunk's last weight-
   gradient action on this rank (its last B, or its last W when backward is
-  split), that unit's bucket is reduced: all-reduce for ZeRO-0/1,
-  reduce-scatter for ZeRO-2/3.  Later backwards overlap it; REDUCE_GRAD
+  split), that unit's bucket is reduced: all-reduce for ZeRO-0,
+  reduce-scatter for ZeRO-1/2/3 (each rank updates its chunk of each bucket).  Later backwards overlap it; REDUCE_GRAD
   waits until the lane has finished every reduction.
 * ZeRO-1/2 parameter all-gather.  The optimizer step follows the global
   gradient norm, so it starts when every pipeline rank has passed
@@ -55,8 +55,8 @@ head are units too), and a compute action's cost is split evenly over them.
   all-gathers its updated parameters, exposed (the next step needs them).
 
 Bytes per rank per step, Psi = the parameter bytes of a pipeline rank's chunks,
-f = (N-1)/N:  ZeRO-0 2 Psi f (all-reduce); ZeRO-1 3 Psi f (all-reduce + gather);
-ZeRO-2 2 Psi f; ZeRO-3 "step" 2 Psi f; ZeRO-3 "use" (2m+1) Psi f (3 Psi f at m = 1).
+f = (N-1)/N:  ZeRO-0 2 Psi f (all-reduce); ZeRO-1 and ZeRO-2 2 Psi f (reduce-scatter
++ gather); ZeRO-3 "step" 2 Psi f; ZeRO-3 "use" (2m+1) Psi f (3 Psi f at m = 1).
 ``zero_bytes_formula`` gives them; ``SimResult.comm_bytes`` counts what was
 simulated.  Not modelled: contention between the data lane and the pipeline's
 sends, the optimizer's compute, the global norm's own latency, and tensor
@@ -190,7 +190,7 @@ def zero_bytes_formula(stage: int, psi: float, dp: int, m: int, gather: str = "s
     ``psi``: the parameter bytes of the rank's chunks; ``gather``: ZeRO-3's
     resolved mode ("use" or "step").
     """
-    factor, text = {0: (2, "2"), 1: (3, "3"), 2: (2, "2")}.get(stage, (None, None))
+    factor, text = {0: (2, "2"), 1: (2, "2"), 2: (2, "2")}.get(stage, (None, None))
     if stage == 3:
         factor, text = (2 * m + 1, "(2m+1)") if gather == "use" else (2, "2")
     if factor is None:
@@ -357,7 +357,7 @@ class _DataParallel:
         zero, lane, k = self.zero, self.lanes[rank], self.zero.units
         unit_bytes = self.bytes[rank][action.chunk] / k
         needs_params = zero.stage == 3 and action.kind in (F, B, I)
-        reduce = ALL_REDUCE if zero.stage <= 1 else REDUCE_SCATTER
+        reduce = ALL_REDUCE if zero.stage == 0 else REDUCE_SCATTER
         units = range(k) if action.kind == F else range(k - 1, -1, -1)
         t, first = ready, None
         for unit in units:

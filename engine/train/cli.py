@@ -54,7 +54,7 @@ def parse_args(argv=None, prog="ringpipe train"):
     p = _Parser(
         prog=prog,
         description="Train a hand-written GPT, Llama-family model or MLP (numpy + Numba on the CPU, CuPy on a "
-                    "GPU) with MPI data parallelism (our ring all-reduce, ZeRO-1), pipeline stages (GPipe, 1F1B, "
+                    "GPU) with MPI data parallelism (our ring all-reduce, ZeRO-1/2/3), pipeline stages (GPipe, 1F1B, "
                     "interleaved, zero-bubble) and tensor parallelism, alone or as a DP x PP x TP grid. "
                     "Launch with plain python, `mpiexec -n N`, or `srun`.",
         epilog="Examples:\n"
@@ -98,8 +98,9 @@ def _model_flags(p):
     g.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="compute dtype (default float32)")
     g.add_argument("--precision", choices=["float32", "bf16"], default="float32",
                    help="matmul inputs: float32, or bf16 (rounded to bfloat16, float32 accumulation, "
-                        "float32 master weights and optimizer state; tensor cores with --device cuda, "
-                        "emulated with no speed-up on the CPU). Needs --dtype float32")
+                        "float32 master weights and optimizer state; tensor cores with --device cuda, on the "
+                        "CPU oneDNN's bf16 GEMM where it has AVX512_BF16/AMX-BF16, else emulated with no "
+                        "speed-up: RINGPIPE_BF16_GEMM). Needs --dtype float32")
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cpu (numpy + Numba) or cuda (CuPy + CUDA kernels; rank takes GPU local_rank %% n_gpus; "
                         "MPI gets GPU buffers directly if RINGPIPE_CUDA_AWARE_MPI=1, or if unset when the MPI "
@@ -155,13 +156,16 @@ def _parallelism_flags(p):
                    help="gradient bucket size in MiB (default: auto, about 1/8 of the gradients, between "
                         "0.25 and 25 MiB, so backward overlaps several all-reduces; the first bucket is "
                         "capped at 1 MiB like PyTorch DDP's)")
-    g.add_argument("--no-overlap", action="store_true", help="all-reduce after backward instead of during it")
+    g.add_argument("--no-overlap", action="store_true",
+                   help="reduce the gradients after backward instead of during it (and, with --zero 3, gather "
+                        "each layer when it is needed instead of prefetching it on a thread)")
     g.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0,
                    help="split training state across the data-parallel ranks (ZeRO), float32 AdamW bytes per "
                         "parameter with N ranks: 0 none (16); 1 the optimizer state (8 + 8/N); 2 the gradients "
-                        "too, reduce-scattered as backward makes them (4 + 12/N); 3 the parameters too, each "
-                        "layer gathered just before it runs (16/N + the gathered layers; 1.5x the traffic). "
-                        "Composes with --pp and --tp. Same math at every stage")
+                        "too, reduce-scattered as backward makes them (4 + 12/N; with micro-batches only after the "
+                        "last one's backward); 3 the parameters too, each layer gathered just before it runs "
+                        "(16/N + the gathered layers; 1.5x the traffic with --zero-gather use and one micro-batch, "
+                        "1x with step). Composes with --pp and --tp. Same math at every stage")
     g.add_argument("--zero-gather", choices=["auto", "use", "step"], default="auto",
                    help="with --zero 3: when a gathered layer is dropped again. use: after each use (least "
                         "memory; 2 gathers per micro-batch); step: at the end of the step (one gather per layer "

@@ -205,7 +205,7 @@ def check(cfg: Config, world_size: int) -> list[str]:
     every rank: it depends on the configuration and the world size only); return
     notes for settings that have no effect in this layout."""
     _check_values(cfg)
-    notes = _check_combinations(cfg, cfg.data_parallel(world_size))
+    notes = _check_combinations(cfg, cfg.data_parallel(world_size), world_size)
     _check_layout(cfg, world_size)
     return notes + fine_tuning_notes(cfg)
 
@@ -309,7 +309,7 @@ def _check_layout(cfg: Config, world_size: int) -> None:
                           f"use a multiple of {dp} (e.g. {dp * max(1, cfg.batch_size // dp)})")
 
 
-def _check_combinations(cfg: Config, dp: int) -> list[str]:
+def _check_combinations(cfg: Config, dp: int, world_size: int = 0) -> list[str]:
     """Settings that would have no effect: refused when the user clearly expected
     something to happen, noted when the same settings are reasonably reused across
     layouts (a scaling sweep from one rank up)."""
@@ -358,12 +358,21 @@ def _check_combinations(cfg: Config, dp: int) -> list[str]:
     if cfg.zero_gather not in ("auto", "use", "step"):
         raise ConfigError(f"<zero_gather> {cfg.zero_gather!r}: use auto, use or step")
     if cfg.zero >= 2 and dp == 1:
-        raise ConfigError(f"<zero> {cfg.zero} shards over the data-parallel ranks, and this layout has one "
-                          "(all ranks are pipeline or tensor ranks): give more ranks (ranks = dp x pp x tp), "
-                          f"lower <pp> or <tp>, or use <zero> 0")
+        why = ("this run has one rank: launch several (e.g. `mpiexec -n 2 ringpipe train ...`)"
+               if world_size == 1 else
+               f"this layout has one (its {world_size} ranks are all pipeline or tensor ranks): give more ranks "
+               "(ranks = dp x pp x tp) or lower <pp> or <tp>")
+        raise ConfigError(f"<zero> {cfg.zero} shards over the data-parallel ranks, and {why}; or use <zero> 0")
     notes = []
     if cfg.zero_gather != "auto" and cfg.zero != 3:
         notes.append(f"note: <zero_gather> {cfg.zero_gather} has no effect without <zero> 3")
+    if cfg.zero == 3 and cfg.bucket_mb is not None and dp > 1:
+        notes.append("note: <bucket_mb> has no effect with <zero> 3: a bucket is one layer's parameters (the "
+                     "unit ZeRO-3 gathers)")
+    if cfg.zero == 2 and dp > 1 and (cfg.microbatches > 1 or cfg.pipelined):
+        notes.append("note: with micro-batches the gradients stay whole until the last micro-batch's backward, "
+                     "so <zero> 2 saves their memory only after it (its peak is <zero> 1's); <zero> 3 shards "
+                     "the parameters too")
     if dp == 1:
         unused = [flag for flag, on in (("<zero> 1", cfg.zero), ("<bucket_mb>", cfg.bucket_mb is not None),
                                         ("<no_overlap>", cfg.no_overlap)) if on]

@@ -29,7 +29,7 @@ def test_bytes_per_rank_match_the_formulas(name, v, stage, mode, dp):
 
 def test_the_formulas_are_the_issues():
     psi, f = 100.0, 3 / 4
-    assert zero_bytes_formula(1, psi, 4, 8)[0] == pytest.approx(3 * psi * f)      # all-reduce + gather
+    assert zero_bytes_formula(1, psi, 4, 8)[0] == pytest.approx(2 * psi * f)      # reduce-scatter + gather
     assert zero_bytes_formula(2, psi, 4, 8)[0] == pytest.approx(2 * psi * f)
     assert zero_bytes_formula(3, psi, 4, 8, "step")[0] == pytest.approx(2 * psi * f)
     assert zero_bytes_formula(3, psi, 4, 1, "use")[0] == pytest.approx(3 * psi * f)  # the classic 3 Psi
