@@ -57,8 +57,11 @@ RING_SLOTS = 2
 AUTO_BUCKET_MIN, AUTO_BUCKET_MAX, AUTO_FIRST_BUCKET = 256 * 2**10, 25 * 2**20, 2**20
 
 
-def gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
+def size_text(nbytes: float) -> str:
+    """GiB from 1 GiB up, MiB below (a small model's items would all read 0.00 GiB)."""
+    if abs(nbytes) >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    return f"{nbytes / 2**20:.1f} MiB"
 
 
 @dataclass
@@ -82,10 +85,10 @@ class Breakdown:
     def table(self) -> list[str]:
         """The breakdown as lines: one per item, then the phases and the peak."""
         width = max(len(name) for name in self.items)
-        lines = [f"  {name:<{width}}  {gib(nbytes):>10}  {self.notes.get(name, '')}"
+        lines = [f"  {name:<{width}}  {size_text(nbytes):>10}  {self.notes.get(name, '')}"
                  for name, nbytes in self.items.items()]
-        lines.append("  " + ", ".join(f"{phase} {gib(nbytes)}" for phase, nbytes in self.phases.items())
-                     + f": peak {gib(self.total)} ({self.peak_phase})")
+        lines.append("  " + ", ".join(f"{phase} {size_text(nbytes)}" for phase, nbytes in self.phases.items())
+                     + f": peak {size_text(self.total)} ({self.peak_phase})")
         return lines
 
     def to_dict(self) -> dict:
@@ -416,8 +419,8 @@ def report_at_start(training) -> Breakdown:
     cfg, report = training.cfg, training.report
     b = predict(cfg, training.shape, training.seq_len, training.grid.size("data"))
     training.memory = b
-    report.say(f"memory: predicted peak {gib(b.total)} per rank ({b.peak_phase}; "
-               f"{'; '.join(f'{k} {gib(v)}' for k, v in _largest(b.items, 3))}"
+    report.say(f"memory: predicted peak {size_text(b.total)} per rank ({b.peak_phase}; "
+               f"{'; '.join(f'{k} {size_text(v)}' for k, v in _largest(b.items, 3))}"
                f"{'' if getattr(cfg, 'memory_report', False) else '; <memory_report> for the breakdown'})")
     if getattr(cfg, "memory_report", False):
         report.say(f"memory per rank, predicted (pipeline rank {b.pipe_rank}, the largest):")
@@ -430,10 +433,12 @@ def report_at_start(training) -> Breakdown:
         from ringpipe import comm
         comm.allreduce(buf, training.world, op="max")
     if buf[0] > 0:
-        report.say(f"warning: the predicted peak, {gib(b.total)} per rank x {ranks_here} rank(s) on a node, is "
-                   f"{gib(buf[0])} more than the node's free memory (MemAvailable): the run may be killed "
-                   "when it takes it. Lower it with <zero> (2 or 3 shard gradients and parameters), <recompute> "
-                   "(selective or full), a smaller <batch_size> or more <microbatches>, or more ranks")
+        report.say(f"warning: the predicted peak, {size_text(b.total)} per rank x {ranks_here} rank(s) on a node, is "
+                   f"{size_text(buf[0])} more than the node's free memory (MemAvailable): the run may be killed "
+                   "when it takes it. Lower it with "
+                   + ("" if cfg.zero == 3 else "<zero> (2 or 3 shard gradients and parameters), ")
+                   + ("" if cfg.recompute == "full" else "<recompute> (selective or full), ")
+                   + "a smaller <batch_size> or more <microbatches>, or more ranks")
     return b
 
 
@@ -447,5 +452,5 @@ def report_measured(training, after_step: int) -> None:
     b = getattr(training, "memory", None)
     if not measured or b is None:
         return
-    training.report.say(f"memory: measured peak {gib(measured)} per rank after step {after_step} (VmHWM, the "
-                        f"largest rank), predicted {gib(b.total)}: {measured / b.total:.2f}x")
+    training.report.say(f"memory: measured peak {size_text(measured)} per rank after step {after_step} (VmHWM, the "
+                        f"largest rank), predicted {size_text(b.total)}: {measured / b.total:.2f}x")
