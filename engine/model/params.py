@@ -219,12 +219,14 @@ class ParamBuffer:
         flat[last // item:hi] = 0
         pages.madvise(mmap.MADV_DONTNEED, first, last - first)
 
-    def state_dict(self, flat):
-        """Split a flat array laid out like `data` into {name: array} (host copies)."""
+    def state_dict(self, flat, copy=True):
+        """Split a flat array laid out like `data` into {name: array}: host copies, or with
+        copy=False views of a host `flat` the caller will not change while they are used."""
         out = {}
         for spec in self.specs:
             lo, hi = self.offsets[spec.name]
-            out[spec.name] = np.asarray(to_host(flat[lo:hi])).reshape(spec.shape).copy()
+            part = np.asarray(to_host(flat[lo:hi])).reshape(spec.shape)
+            out[spec.name] = part.copy() if copy else part
         return out
 
     def load_flat(self, flat, named, what="parameters"):

@@ -105,7 +105,8 @@ class RankModel(Protocol):
         the same for every layout."""
 
     def restore_state(self, arrays: dict, opt) -> None:
-        """Load parameters and optimizer state from named arrays (any layout's checkpoint)."""
+        """Load parameters and optimizer state from named arrays (any layout's checkpoint).
+        Consumes `arrays` (entries are removed as they are loaded, to free their memory)."""
 
     def describe(self) -> str:
         """The layout, for the run's start-up lines."""
@@ -175,10 +176,13 @@ class InnerModel(Protocol):
 
 def named_state(params: ParamBuffer, opt_state: dict) -> dict:
     """Host arrays by name: the parameters, and optimizer states given as flat
-    arrays laid out like params.data (full size: ZeRO slices gathered first)."""
+    arrays laid out like params.data (full size: ZeRO slices gathered first).
+    The parameters are copies (ZeRO-3 drops what it gathered for them); the states
+    are views: a checkpoint is written before the next update changes them, and
+    a copy would double the whole optimizer state on the writing rank."""
     arrays = {f"param/{k}": v for k, v in params.state_dict(params.data).items()}
     for state_name, flat in opt_state.items():
-        arrays.update({f"opt/{state_name}/{k}": v for k, v in params.state_dict(flat).items()})
+        arrays.update({f"opt/{state_name}/{k}": v for k, v in params.state_dict(flat, copy=False).items()})
     return arrays
 
 
@@ -191,14 +195,20 @@ def state_shapes(params: ParamBuffer, state_names) -> dict:
 
 def load_named_state(params: ParamBuffer, arrays: dict, state_names) -> dict:
     """Load the parameters from named arrays; return the optimizer states as full
-    flat host arrays laid out like params.data."""
+    flat host arrays laid out like params.data. Consumes `arrays`: each entry is
+    removed once loaded, so its memory goes while the next is laid out (a resume
+    holds a whole stage's state on every rank for a moment)."""
     import numpy as np
-    params.load_flat(params.data, {k[6:]: v for k, v in arrays.items() if k.startswith("param/")})
+
+    def take(prefix):
+        named = {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)}
+        for k in [k for k in arrays if k.startswith(prefix)]:
+            del arrays[k]
+        return named
+    params.load_flat(params.data, take("param/"))
     full = {}
     for state_name in state_names:
-        prefix = f"opt/{state_name}/"
         flat = np.zeros(params.size, dtype=params.dtype)
-        params.load_flat(flat, {k[len(prefix):]: v for k, v in arrays.items() if k.startswith(prefix)},
-                         what=f"optimizer state {state_name}")
+        params.load_flat(flat, take(f"opt/{state_name}/"), what=f"optimizer state {state_name}")
         full[state_name] = flat
     return full

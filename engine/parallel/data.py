@@ -200,8 +200,9 @@ class DataParallel:
         if self.sharded:
             self.sharded.drop_all()
         for state_name, buf in opt.state().items():
-            flat = full[state_name] if self.owned is None else \
-                np.concatenate([full[state_name][a:b] for a, b in self.owned])
+            flat = full.pop(state_name)           # (its memory goes before the next is packed)
+            if self.owned is not None:
+                flat = np.concatenate([flat[a:b] for a, b in self.owned])
             buf[...] = self.params.xp.asarray(flat)
 
     # ---- reporting and shutdown -------------------------------------------------------------

@@ -72,6 +72,10 @@ class Breakdown:
     phases: dict = field(default_factory=dict)     # phase -> bytes held then (fixed overhead included)
     params: int = 0                                # P: parameters of that rank
     pipe_rank: int = 0
+    # Checkpoints, outside the training peak: the rank that writes one holds the whole
+    # model's state for a moment ("save"); a resume holds a stage's whole state on
+    # every rank while it is laid out ("resume"). Not in phases: the steps never see it.
+    checkpoint: dict = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -92,7 +96,8 @@ class Breakdown:
         return lines
 
     def to_dict(self) -> dict:
-        return {"items": dict(self.items), "phases": dict(self.phases), "total": self.total,
+        return {"items": dict(self.items), "phases": dict(self.phases), "checkpoint": dict(self.checkpoint),
+                "total": self.total,
                 "peak_phase": self.peak_phase, "params": self.params, "pipe_rank": self.pipe_rank}
 
 
@@ -339,6 +344,13 @@ def _predict_rank(cfg, shape, seq_len, dp, pipe_rank) -> Breakdown:
     persistent = b.items["parameters"] + optimizer
     b.phases["backward"] = base + persistent + grads + flying + activations + gathered
     b.phases["update"] = base + persistent + (grads if zero < 2 else s * P / dp)
+    # The writer (world rank 0, pipeline rank 0) holds every stage's arrays whole: the
+    # parameters copied, the optimizer state (gathered under ZeRO). A resume reads this
+    # stage's arrays whole (tensor parts included) and lays out one state at a time.
+    whole_model = sum(_param_list(layers, [(0, len(layers))], [0], 1))
+    whole_stage = P * tp
+    b.checkpoint["save"] = int(b.phases["update"] + s * whole_model * (1 + states))
+    b.checkpoint["resume"] = int(base + persistent + s * whole_stage * (1 + states) + 2 * s * P)
     b.items = {k: int(v) for k, v in b.items.items()}
     b.phases = {k: int(v) for k, v in b.phases.items()}
     return b
@@ -426,6 +438,11 @@ def report_at_start(training) -> Breakdown:
         report.say(f"memory per rank, predicted (pipeline rank {b.pipe_rank}, the largest):")
         for line in b.table():
             report.say(line)
+    save, resume = b.checkpoint.get("save", 0), b.checkpoint.get("resume", 0)
+    if getattr(cfg, "memory_report", False) or max(save, resume) > 1.25 * b.total:
+        report.say(f"memory: checkpoints are written and read whole, not sharded: writing one takes "
+                   f"{size_text(save)} on world rank 0 for a moment, resuming {size_text(resume)} a rank "
+                   f"(the training peak: {size_text(b.total)})")
     ranks_here = runtime.local_rank_count()
     short = float(shortfall(b.total, ranks_here, mem_available(), current_rss()))
     buf = np.array([short])
