@@ -54,7 +54,7 @@ def test_zero_stage_and_recomputation_equal_one_process(shared_dir, name, layout
     par, ref = pair(shared_dir, f"{name}-{zero}-{recompute}", layout, zero=zero, recompute=recompute)
     # Losses, validation, grad norms and the whole checkpoint (parameters and optimizer
     # state gathered from the shards); a sharded rank holds only part of the rest.
-    assert_same_run(par, ref, TOL, grad_norm=True, holdings=zero == 0)
+    assert_same_run(par, ref, TOL, grad_norm=True)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -65,7 +65,7 @@ def test_zero3_gather_modes_and_families(shared_dir, gather, model):
         pytest.skip("written for 2 and 4 ranks")
     layout = dict(dp=2, microbatches=2) if world.size == 2 else dict(pp=2, dp=2, microbatches=2)
     par, ref = pair(shared_dir, f"gather-{gather}-{model}", layout, model=model, zero=3, zero_gather=gather)
-    assert_same_run(par, ref, TOL, grad_norm=True, holdings=False)
+    assert_same_run(par, ref, TOL, grad_norm=True)
     sharded = par.model.sharded
     assert sharded.mode == gather
     # Between steps a rank holds only its chunks: everything else reads as zeros.
@@ -84,7 +84,7 @@ def test_dp_pp_tp_with_zero3_and_recomputation_equals_one_process(shared_dir):
     for zero, recompute in ((2, "selective"), (3, "full")):
         layout = dict(dp=2, pp=2, tp=2, microbatches=2, sequence_parallel=True, schedule="zbh1")
         par, ref = pair(shared_dir, f"dpxppxtp-{zero}", layout, zero=zero, recompute=recompute)
-        assert_same_run(par, ref, TOL, grad_norm=True, holdings=False)
+        assert_same_run(par, ref, TOL, grad_norm=True)
 
 
 @pytest.mark.mpi(min_size=4)
