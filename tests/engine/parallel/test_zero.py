@@ -159,3 +159,12 @@ def test_a_unit_that_does_not_fit_is_refused_before_work():
     assert "largest layer gathered whole" in what
     with pytest.raises(ConfigError, match=r"largest layer gathered whole.*tp each layer"):
         config_checks.check_memory(cfg, shape, dp=64, ranks_on_node=1)
+
+
+def test_settings_zero_changes_are_noted():
+    notes = config_checks.check(Config(**{**BASE, "batch_size": 8}, zero=3, bucket_mb=1.0), 2)
+    assert any("<bucket_mb> has no effect with <zero> 3" in n for n in notes)
+    notes = config_checks.check(Config(**{**BASE, "batch_size": 8}, zero=2, microbatches=2), 2)
+    assert any("gradients stay whole until the last micro-batch" in n for n in notes)
+    # one process: the refusal says to launch several
+    _refused(r"this run has one rank: launch several", 1, zero=2)
