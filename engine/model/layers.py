@@ -31,12 +31,85 @@ shape comments hold for a split layer with C_local = C/tp, H/tp heads.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
 
 from ringpipe import kernels as K
 from ringpipe.engine.model.params import ParamSpec
+
+
+class Bf16Operands:
+    """GEMM operands rounded to bf16 once, where they are reused, instead of in every GEMM.
+
+    Under bf16 precision on the CPU (kernels.set_matmul_precision("bf16"), numpy arrays,
+    float32) every GEMM rounds its float32 operands to bf16 anyway; a weight is read by
+    the forward (x W^T) and again by the backward (dY W), an activation by the forward and
+    again by the weight gradient (dY^T X), an output gradient by dX and dW. Rounding each
+    once and passing the bf16 bits (uint16, kernels.to_bf16) gives the GEMMs the same bits
+    (so the same numbers as the per-call rounding) without the repeated passes, and the
+    activations a layer keeps for its backward take half the memory. Float32 master
+    weights, float32 gradients and the float32 optimizer are untouched. Elsewhere (float32
+    precision, float64, a GPU) every method returns its argument: no change at all.
+
+    Weights: `weight(w)` is w's bf16 copy, made on the first call of a step and reused by
+    every later GEMM of that step (all micro-batches, forward and backward). The copies
+    exist only inside `step()`, which the inner models (LocalModel, PipelineModel) open
+    around one step's forward and backward and close before the optimizer runs: nothing
+    cached can outlive an update, a checkpoint restore, --init-from or any other write to
+    the parameters, which all happen between steps. Copies are keyed by the weight's memory
+    (address, shape, strides), so each tensor-parallel part, pipeline chunk or model has its
+    own. Outside a step (evaluation, sampling, the kernels on their own) a weight is rounded
+    by each GEMM, as before. Under ZeRO-3 (cache=False) nothing is cached: the parameters
+    are gathered per layer and dropped again, and bf16 copies kept for the step would hold
+    half the whole model on every rank; each GEMM rounds its weight, as before."""
+
+    def __init__(self):
+        self.copies = None      # {(address, shape, strides): bf16 bits} while a step caches; else None
+
+    @staticmethod
+    def applies(a):
+        """Whether GEMM operands are rounded to bf16 here: bf16 precision, a float32 CPU array."""
+        return K.get_matmul_precision() == "bf16" and isinstance(a, np.ndarray) and a.dtype == np.float32
+
+    def of(self, a):
+        """An activation or gradient that several GEMMs read (or a backward keeps): its bf16
+        bits (a new array) under bf16 on the CPU, else a itself."""
+        return K.to_bf16(a) if self.applies(a) else a
+
+    def weight(self, w):
+        """A weight as the GEMMs' operand: its bf16 copy for this step (made once) inside a
+        caching step under bf16 on the CPU, else w itself (the GEMM rounds it)."""
+        if self.copies is None or not self.applies(w):
+            return w
+        key = (w.__array_interface__["data"][0], w.shape, w.strides)
+        copy = self.copies.get(key)
+        if copy is None:
+            copy = self.copies[key] = K.to_bf16(w)
+        return copy
+
+    @contextlib.contextmanager
+    def step(self, cache=True):
+        """One step's forward and backward: weights rounded once each (cache=False: per GEMM).
+        The copies are dropped when it ends, before the update."""
+        if self.copies is not None or not cache:     # nested (an outer model opened it), or off
+            yield
+            return
+        self.copies = {}
+        try:
+            yield
+        finally:
+            self.copies = None
+
+
+BF16 = Bf16Operands()
+
+
+def bf16_step(chains):
+    """BF16.step for one step of a model over these LayerChains: caching unless an outer
+    axis shards the parameters per layer (ZeRO-3 sets a chain's residency)."""
+    return BF16.step(cache=all(chain.residency is None for chain in chains))
 
 
 class Layer:
@@ -78,9 +151,9 @@ class Linear(Layer):
 
     def forward(self, x):
         # x (..., C_in) -> y (..., C_out)
-        x2 = x.reshape(-1, self.c_in)
+        x2 = BF16.of(x.reshape(-1, self.c_in))            # kept for dW: bf16 under bf16 precision (BF16)
         b = self.b if self.has_bias else None
-        y, pre = K.linear_forward(x2, self.w, b, gelu=self.gelu)   # (N, C_out); pre: before GELU, or None
+        y, pre = K.linear_forward(x2, BF16.weight(self.w), b, gelu=self.gelu)   # (N, C_out); pre: before GELU, or None
         return y.reshape(*x.shape[:-1], self.c_out), (x2, pre)
 
     def backward_input(self, dy, ctx):
@@ -88,13 +161,26 @@ class Linear(Layer):
         dy2 = dy.reshape(-1, self.c_out)
         if self.gelu:
             dy2 = K.gelu_backward(dy2, pre)              # (N, C_out) before GELU; a new array: dy is the caller's
-        dx = K.matmul(dy2, self.w)                       # (N, C_in)
-        return dx.reshape(*dy.shape[:-1], self.c_in), (x2, dy2)
+        dy2, wctx = self.weight_grad_ctx(x2, dy2)
+        dx = K.matmul(dy2, BF16.weight(self.w))          # (N, C_in)
+        return dx.reshape(*dy.shape[:-1], self.c_in), wctx
+
+    def weight_grad_ctx(self, x2, dy2):
+        """(dy as the GEMMs' operand, wctx for backward_weight) from the input x2 and the
+        output gradient dy2 (N, C_out). Under bf16 on the CPU dy2 is rounded once for dX and
+        dW, and the bias gradient, which needs float32 dy2, is added now (gradients only
+        add, so early is exact); wctx then says it is done."""
+        dy_op = BF16.of(dy2)
+        if dy_op is dy2:
+            return dy2, (x2, dy2, True)
+        if self.has_bias:
+            K.column_sum(dy2, out=self.db, accumulate=True)
+        return dy_op, (x2, dy_op, False)
 
     def backward_weight(self, wctx):
-        x2, dy2 = wctx
+        x2, dy2, bias_here = wctx
         K.matmul_tn(dy2, x2, out=self.dw, accumulate=True)   # (C_out, C_in) += dy.T @ x
-        if self.has_bias:
+        if self.has_bias and bias_here:
             K.column_sum(dy2, out=self.db, accumulate=True)  # (C_out,) += sum over rows of dy
 
 
@@ -192,6 +278,7 @@ class CausalSelfAttention(Layer):
         qkv, qkv_ctx = self.qkv.forward(x)                                  # (B, T, 3C)
         B, T, _ = qkv.shape          # the whole sequence, also when x is a sequence-parallel part
         qkv = xp.ascontiguousarray(qkv.reshape(B, T, 3, H, hs).transpose(2, 0, 3, 1, 4))
+        qkv = BF16.of(qkv)           # each read by two GEMMs and kept: rounded once under bf16 (BF16)
         q, k, v = qkv[0], qkv[1], qkv[2]                                    # (B, H, T, hs) each
         scale = 1.0 / math.sqrt(hs)
         y, att = causal_attention(q, k, v, scale)                           # (B, T, H*hs)
@@ -375,9 +462,10 @@ def causal_attention_backward(dy, q, k, v, att, scale, dq=None, dk=None, dv=None
     if att is None:
         att = causal_attention_probs(q, k, scale)
     dy = xp.ascontiguousarray(dy.reshape(B, T, H, hd).transpose(0, 2, 1, 3))  # (B, H, T, hd)
+    dy = BF16.of(dy)                 # read by two GEMMs: rounded once under bf16 (BF16)
     dv = K.matmul_tn(att, dy, out=dv)                                   # dv = att^T dy
     datt = K.matmul_nt(dy, v)                                           # (B, H, T, T)
-    datt = K.softmax_causal_backward(datt, att, scale, out=datt)
+    datt = BF16.of(K.softmax_causal_backward(datt, att, scale, out=datt))
     dq = K.matmul(datt, k, out=dq)                                      # dq = datt k
     dk = K.matmul_tn(datt, q, out=dk)                                   # dk = datt^T q
     return dq, dk, dv
@@ -481,7 +569,7 @@ class LMHead(Layer):
     def logits(self, h2, lo=0):
         """(N, rows of wte here) logits; columns of padding rows (vocabulary ids from
         `used` on, this rank's rows starting at id lo) masked."""
-        logits = K.matmul_nt(h2, self.wte)
+        logits = K.matmul_nt(h2, BF16.weight(self.wte))
         if self.used < lo + logits.shape[1]:
             logits[:, max(0, self.used - lo):] = self.PAD_LOGIT
         return logits
@@ -490,7 +578,7 @@ class LMHead(Layer):
         """x (B, T, C), targets (B, T). Returns (loss_sum, ctx); without targets returns logits (B, T, V)."""
         h, ln_ctx = self.ln_f.forward(x)
         B, T, C = h.shape
-        h2 = h.reshape(B * T, C)
+        h2 = BF16.of(h.reshape(B * T, C))                     # kept for dW: bf16 under bf16 (BF16)
         logits = self.logits(h2)                              # (N, V)
         if targets is None:
             return logits.reshape(B, T, self.vocab), None
@@ -506,7 +594,8 @@ class LMHead(Layer):
     def backward_input(self, dloss, ctx):
         # dloss is unused: the gradient scale was applied in forward.
         ln_ctx, h2, dlogits, shape = ctx
-        dh = K.matmul(dlogits, self.wte).reshape(shape)       # (N, C)
+        dlogits = BF16.of(dlogits)                            # read by dh and dW: rounded once under bf16
+        dh = K.matmul(dlogits, BF16.weight(self.wte)).reshape(shape)   # (N, C)
         dx, _ = self.ln_f.backward_input(dh, ln_ctx)
         return dx, (h2, dlogits)
 

@@ -27,7 +27,7 @@ from ringpipe import kernels as K
 from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.model.chain import LayerChain
 from ringpipe.engine.model.gpt import VOCAB_PAD_MULTIPLE, VOCAB_SIZE, _divisor_near, generate
-from ringpipe.engine.model.layers import (WHOLE, Block, Layer, LMHead, attend_cached, causal_attention,
+from ringpipe.engine.model.layers import (BF16, WHOLE, Block, Layer, LMHead, attend_cached, causal_attention,
                                           causal_attention_backward, scatter_add_rows)
 from ringpipe.engine.model.params import ParamSpec
 from ringpipe.engine.model.recipe import ModelRecipe
@@ -196,6 +196,7 @@ class SharedInput(Layer):
             lin.bind(params)
 
     def forward(self, x):
+        x = BF16.of(x)          # under bf16 rounded once for them all, and kept once (BF16)
         outs, ctxs = zip(*(lin.forward(x) for lin in self.linears))
         return list(outs), ctxs
 
@@ -254,9 +255,10 @@ class GroupedQueryAttention(Layer):
         cos, sin = self.rotary.tables(T, x)
         q = K.rope_forward(q.reshape(B, T, H, hd), cos, sin).transpose(0, 2, 1, 3)      # (B, H, T, hd)
         k = K.rope_forward(k.reshape(B, T, Hkv, hd), cos, sin).transpose(0, 2, 1, 3)    # (B, Hkv, T, hd)
-        q = xp.ascontiguousarray(q)
-        k = xp.repeat(k, G, axis=1)                                        # (B, H, T, hd): head h reads h // G
-        v = xp.repeat(v.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3), G, axis=1)
+        # q, k and v are each read by two GEMMs and kept: rounded once under bf16 (BF16)
+        q = BF16.of(xp.ascontiguousarray(q))
+        k = xp.repeat(BF16.of(k), G, axis=1)                               # (B, H, T, hd): head h reads h // G
+        v = xp.repeat(BF16.of(v.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)), G, axis=1)
         scale = 1.0 / math.sqrt(hd)
         y, att = causal_attention(q, k, v, scale)                          # (B, T, H*hd)
         out, o_ctx = self.o.forward(y)

@@ -13,6 +13,7 @@ import numpy as np
 
 from ringpipe import kernels as K
 from ringpipe.engine.model.chain import LayerChain
+from ringpipe.engine.model.layers import bf16_step
 from ringpipe.engine.parallel import NO_SYNC, load_named_state, named_state, state_shapes
 
 
@@ -38,11 +39,12 @@ class LocalModel:
         is final during the last micro-batch's backward."""
         loss = 0.0
         xs, ys = split_micro(self.xp.asarray(x), self.m), split_micro(self.xp.asarray(y), self.m)
-        for i in range(self.m):
-            t0 = time.perf_counter()
-            loss += self.chain.loss_and_grad(xs[i], ys[i], grad_scale,
-                                             on_ready=sync.on_ready if i == self.m - 1 else None)
-            self._event(f"F+B {i}", "compute", t0)
+        with bf16_step(self.chains):       # under bf16: each weight rounded once for the step (layers.py BF16)
+            for i in range(self.m):
+                t0 = time.perf_counter()
+                loss += self.chain.loss_and_grad(xs[i], ys[i], grad_scale,
+                                                 on_ready=sync.on_ready if i == self.m - 1 else None)
+                self._event(f"F+B {i}", "compute", t0)
         t0 = time.perf_counter()
         sync.finish()
         self._event("all-reduce wait", "allreduce", t0)

@@ -59,7 +59,7 @@ import numpy as np
 
 from ringpipe import comm, kernels as K
 from ringpipe.comm.hierarchical import node_key, node_map
-from ringpipe.engine.model.layers import Embedding, Layer, Linear, LMHead, LayerNorm, scatter_add_rows
+from ringpipe.engine.model.layers import BF16, Embedding, Layer, Linear, LMHead, LayerNorm, scatter_add_rows
 from ringpipe.engine.parallel import NO_SYNC, GradSync
 from ringpipe.engine.model.params import ParamSpec, Split
 
@@ -312,9 +312,10 @@ class ColumnParallelLinear(Linear):
         dy2 = dy.reshape(-1, self.c_out)
         if self.gelu:
             dy2 = K.gelu_backward(dy2, pre)                          # (N, C_out/tp) before GELU
-        dx = K.matmul(dy2, self.w).reshape(*dy.shape[:-1], self.c_in)   # (B, T, C_in): this rank's share
+        dy2, (_, _, bias_here) = self.weight_grad_ctx(None, dy2)        # (bf16 BF16: dy rounded once)
+        dx = K.matmul(dy2, BF16.weight(self.w)).reshape(*dy.shape[:-1], self.c_in)   # (B, T, C_in): this rank's share
         x2 = (gathering.wait() if gathering else kept).reshape(-1, self.c_in)
-        return t.reduce_input_grad(dx, super().backward_weight, (x2, dy2))
+        return t.reduce_input_grad(dx, super().backward_weight, (x2, dy2, bias_here))
 
     def backward_weight(self, wctx):
         if wctx is not None:              # None: computed during backward_input
@@ -344,7 +345,7 @@ class SharedInputColumns(Layer):
             c.bind(params)
 
     def forward(self, x):
-        x_in = self.tensor.into_region(x)                            # (B, T, C_in): whole
+        x_in = BF16.of(self.tensor.into_region(x))                   # (B, T, C_in): whole; bf16: rounded once
         # Sequence parallel: keep this rank's part of the input, gather it again in backward.
         kept = x if self.tensor.sequence_parallel else x_in.reshape(-1, self.c_in)
         return [c.forward_local(x_in) for c in self.columns], kept
@@ -352,17 +353,19 @@ class SharedInputColumns(Layer):
     def backward_input(self, dys, kept):
         t = self.tensor
         gathering = t.start(t.all_gather_seq, kept) if t.sequence_parallel else None
-        dy2s = [dy.reshape(-1, c.c_out) for c, dy in zip(self.columns, dys)]
-        dx = K.matmul(dy2s[0], self.columns[0].w)                    # (N, C_in): this rank's share
-        for c, dy2 in zip(self.columns[1:], dy2s[1:]):
-            dx += K.matmul(dy2, c.w)
+        # (dy operand, bias done?) of each: under bf16 dy rounded once for dX and dW (BF16)
+        dy2s = [c.weight_grad_ctx(None, dy.reshape(-1, c.c_out)) for c, dy in zip(self.columns, dys)]
+        dy2s = [(dy2, bias_here) for dy2, (_, _, bias_here) in dy2s]
+        dx = K.matmul(dy2s[0][0], BF16.weight(self.columns[0].w))    # (N, C_in): this rank's share
+        for c, (dy2, _) in zip(self.columns[1:], dy2s[1:]):
+            dx += K.matmul(dy2, BF16.weight(c.w))
         x2 = (gathering.wait() if gathering else kept).reshape(-1, self.c_in)
         return t.reduce_input_grad(dx.reshape(*dys[0].shape[:-1], self.c_in), self._weight_grads, (x2, dy2s))
 
     def _weight_grads(self, wctx):
         x2, dy2s = wctx
-        for c, dy2 in zip(self.columns, dy2s):
-            c.backward_weight((x2, dy2))
+        for c, (dy2, bias_here) in zip(self.columns, dy2s):
+            c.backward_weight((x2, dy2, bias_here))
 
     def backward_weight(self, wctx):
         if wctx is not None:              # None: computed during backward_input
@@ -385,8 +388,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x):
         # x (B, T, C_in/tp) -> y (B, T, C_out), or (B, T/tp, C_out) under sequence parallelism
-        x2 = x.reshape(-1, self.c_in)
-        partial, _ = K.linear_forward(x2, self.w, None)
+        x2 = BF16.of(x.reshape(-1, self.c_in))                      # kept for dW: bf16 under bf16 (BF16)
+        partial, _ = K.linear_forward(x2, BF16.weight(self.w), None)
         y = self.tensor.out_of_region(partial.reshape(*x.shape[:-1], self.c_out))
         if self.has_bias:
             y += self.b
@@ -395,10 +398,10 @@ class RowParallelLinear(Linear):
     def backward_input(self, dy, ctx):
         x2 = ctx
         dy = self.tensor.out_of_region_backward(dy)                 # (B, T, C_out): whole
-        dy2 = dy.reshape(-1, self.c_out)
-        dx = K.matmul(dy2, self.w)                                  # (N, C_in/tp)
         # db from the whole dy: the same on every rank (the bias is replicated)
-        return dx.reshape(*dy.shape[:-1], self.c_in), (x2, dy2)
+        dy2, wctx = self.weight_grad_ctx(x2, dy.reshape(-1, self.c_out))   # (bf16 BF16: dy rounded once)
+        dx = K.matmul(dy2, BF16.weight(self.w))                    # (N, C_in/tp)
+        return dx.reshape(*dy.shape[:-1], self.c_in), wctx
 
 
 def _split(spec, split):
@@ -469,7 +472,7 @@ class VocabParallelHead(LMHead):
         h, ln_ctx = self.ln_f.forward(x)
         h = self.tensor.into_region(h)                       # f, or the whole sequence gathered
         B, T, C = h.shape
-        h2 = h.reshape(B * T, C)
+        h2 = BF16.of(h.reshape(B * T, C))                    # kept for dW: bf16 under bf16 (BF16)
         logits = self.logits(h2, self.lo)                    # (N, V/tp): columns lo ... hi
         if targets is None:                                  # whole, without the in-memory padding
             return self.tensor.gather_columns(logits)[:, :self.vocab].reshape(B, T, self.vocab), None
@@ -478,7 +481,8 @@ class VocabParallelHead(LMHead):
 
     def backward_input(self, dloss, ctx):
         ln_ctx, h2, dlogits, shape = ctx
-        dh = K.matmul(dlogits, self.wte).reshape(shape)       # (N, C): this rank's share
+        dlogits = BF16.of(dlogits)                            # read by dh and dW: rounded once under bf16
+        dh = K.matmul(dlogits, BF16.weight(self.wte)).reshape(shape)   # (N, C): this rank's share
         dh, wctx = self.tensor.reduce_input_grad(dh, super().backward_weight, (h2, dlogits))
         dx, _ = self.ln_f.backward_input(dh, ln_ctx)
         return dx, wctx

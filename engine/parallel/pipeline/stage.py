@@ -17,6 +17,7 @@ from mpi4py import MPI
 
 from ringpipe import comm, kernels as K
 from ringpipe.engine.model.chain import LayerChain
+from ringpipe.engine.model.layers import bf16_step
 from ringpipe.engine.parallel import NO_SYNC, load_named_state, named_state, state_shapes
 from ringpipe.engine.parallel.local import split_micro
 from ringpipe.engine.model.params import ParamBuffer
@@ -84,8 +85,9 @@ class PipelineModel:
                 for lo, hi in sync.kept(a, b):     # (ZeRO-2/3: both ends keep the same chunk of it)
                     comm.allreduce(self.params.grad[lo:hi], self._tied_comm, op="sum")
         x, y = self.xp.asarray(x), self.xp.asarray(y)
-        return self.executor.run(split_micro(x, self.m), split_micro(y, self.m), grad_scale,
-                                 on_ready=sync.on_ready, reduce_grad=gradients_complete)
+        with bf16_step(self.chains):       # under bf16: each weight rounded once for the step (layers.py BF16)
+            return self.executor.run(split_micro(x, self.m), split_micro(y, self.m), grad_scale,
+                                     on_ready=sync.on_ready, reduce_grad=gradients_complete)
 
     def forward_loss(self, x, y):
         x, y = self.xp.asarray(x), self.xp.asarray(y)

@@ -48,9 +48,13 @@ def test_dp_equals_single_process(shared_dir, extra, dtype, tol):
 # With tp, SGD: the key bias's gradient is zero in exact arithmetic (softmax ignores a shift shared by
 # all keys), so it holds only rounding noise, which bf16 makes larger and AdamW (m / sqrt(v)) scales up
 # to lr-sized steps in any layout that sums in another order. SGD keeps that noise at its own size.
+# zero=2/3: the bf16 weight copies (engine/model/layers.py BF16) are made after each update's gather
+# (ZeRO-2) or not at all (ZeRO-3, parameters gathered per layer); tp without sequence parallelism
+# keeps the column layers' inputs in bf16.
 @pytest.mark.parametrize("layout,optimizer", [({}, "adamw"), (dict(pp=2, microbatches=2), "adamw"),
-                                              (dict(tp=2, sequence_parallel=True), "sgd")],
-                         ids=["dp", "dp-x-pp", "dp-x-tp"])
+                                              (dict(tp=2, sequence_parallel=True), "sgd"), (dict(tp=2), "sgd"),
+                                              (dict(zero=2), "adamw"), (dict(zero=3, microbatches=2), "adamw")],
+                         ids=["dp", "dp-x-pp", "dp-x-tp", "dp-x-tp-no-sp", "zero2", "zero3"])
 def test_bf16_matmuls_under_parallelism_equal_single_process(shared_dir, layout, optimizer):
     # bf16 rounding is deterministic, so mixed precision keeps invariant 1 at float32 tolerance.
     if 8 % world.size:

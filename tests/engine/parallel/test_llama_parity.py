@@ -51,6 +51,23 @@ def test_llama_layout_equals_single_process(shared_dir, name):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, sequence_parallel=True), dict(dp=2, zero=3)],
+                         ids=["tp2", "tp2-sp", "dp2-zero3"])
+def test_llama_bf16_matmuls_equal_single_process(shared_dir, layout):
+    """bf16 GEMMs, their operands rounded once where reused (engine/model/layers.py BF16: q, k,
+    v and gate, up read one input rounded once; under tp its column parts): every layout is
+    one process at float32 tolerance (SGD: see test_dp.py's bf16 test)."""
+    if world.size != 2:
+        pytest.skip("written for 2 ranks")
+    name = "-".join(f"{k}{v}" for k, v in layout.items())
+    more = dict(dtype="float32", precision="bf16", optimizer="sgd")
+    ref = reference(base(2, 8, out=os.path.join(shared_dir, f"llama-bf16-ref-{name}-{world.rank}"), **more))
+    grid = train(base(2, 8, out=os.path.join(shared_dir, f"llama-bf16-{name}"), **more, **layout), world)
+    world.Barrier()
+    assert_same_run(grid, ref, 1e-5, holdings=False)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_llama_checkpoint_continues_in_another_layout(shared_dir):
     """Written by pp 2, continued by dp 2 and by one process: both reach the uninterrupted
     single-process trajectory."""
