@@ -440,10 +440,24 @@ def schedule_change(saved: dict, cfg: Config, start_step: int) -> list[str]:
 
 # ---- reporting --------------------------------------------------------------------------------
 
+def bf16_line(training: Run) -> str:
+    """What --precision bf16 does on this machine: which GEMM runs it (kernels.bf16_gemm(): oneDNN's
+    native bf16 GEMM, or the emulation and why) and which operands are rounded once
+    (engine/model/layers.py BF16)."""
+    if training.xp is not np:
+        return "bf16: GEMM operands rounded to bf16 on the GPU (tensor cores), float32 sums and master weights"
+    weights = ("per GEMM: ZeRO-3 gathers them per layer" if training.cfg.zero == 3 and training.grid.size("data") > 1
+               else "once per step, after the update")
+    return (f"{K.bf16_gemm()} | weights rounded to bf16 {weights}; kept activations bf16; float32 sums, "
+            "master weights and optimizer")
+
+
 def start_reporting(training: Run, cleanup) -> None:
     cfg, report, world = training.cfg, training.report, training.world
     report.say(f"ringpipe | {cfg.model} {training.shape.to_dict()} | {training.model.params.size:,} parameters on "
                f"rank 0 | {cfg.dtype}{', bf16 matmuls' if cfg.precision == 'bf16' else ''}")
+    if cfg.precision == "bf16":
+        report.say(bf16_line(training))
     layout = f"dp {training.grid.size('data')} x pp {training.grid.size('pipe')}" + \
         (f" x tp {training.grid.size('tensor')}" if training.grid.size("tensor") > 1 else "")
     described = training.model.describe()

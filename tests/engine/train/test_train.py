@@ -93,6 +93,19 @@ def test_bf16_precision_reaches_every_layer_and_is_restored(tmp_path):
     assert all(a.dtype == np.float32 for a in arrays.values())      # float32 master weights
 
 
+def test_bf16_start_up_line_names_the_gemm(tmp_path, capsys):
+    """--precision bf16 says which GEMM runs it here (kernels.bf16_gemm()) and that the weights
+    are rounded once per step; float32 runs say nothing of bf16."""
+    from ringpipe import kernels
+
+    run(tmp_path, "--steps", "1", name="f32")
+    assert "bf16 GEMM" not in capsys.readouterr().out
+    run(tmp_path, "--steps", "1", "--precision", "bf16", name="bf16")
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("bf16 GEMM: "))
+    assert line.startswith(kernels.bf16_gemm()) and "once per step" in line
+
+
 def test_bf16_precision_needs_float32(tmp_path):
     with pytest.raises(SystemExit, match="--precision bf16 needs --dtype float32"):
         run(tmp_path, "--precision", "bf16", "--dtype", "float64")
