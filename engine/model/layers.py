@@ -579,12 +579,35 @@ class LMHead(Layer):
         h, ln_ctx = self.ln_f.forward(x)
         B, T, C = h.shape
         h2 = BF16.of(h.reshape(B * T, C))                     # kept for dW: bf16 under bf16 (BF16)
+        if targets is not None and need_grad and h2.dtype == np.uint16:
+            loss_sum, dlogits = self.loss_and_bf16_grad(h2, targets.reshape(-1), grad_scale)
+            return loss_sum, (ln_ctx, h2, dlogits, (B, T, C))
         logits = self.logits(h2)                              # (N, V)
         if targets is None:
             return logits.reshape(B, T, self.vocab), None
         losses, dlogits = K.cross_entropy_forward_backward(
             logits, targets.reshape(-1), dlogits=logits if need_grad else None, grad_scale=grad_scale)
         return float(losses.sum()), (ln_ctx, h2, dlogits, (B, T, C))
+
+    BF16_BLOCK_BYTES = 32 << 20          # float32 logits of one block of rows (loss_and_bf16_grad)
+
+    def loss_and_bf16_grad(self, h2, targets, grad_scale):
+        """forward's loss and logits' gradient under bf16 (h2 bf16 bits): the logits a block of
+        rows at a time, each block's gradient rounded to bf16 (what both backward GEMMs read)
+        into one (N, V) bf16 array. The float32 logits, the head's largest array, are never
+        whole: the step's peak memory drops by about N x V x 2 bytes instead of rising by the
+        bf16 copy. Each row's logits and gradient are its own, so the numbers are the same."""
+        N = h2.shape[0]
+        rows = max(1, self.BF16_BLOCK_BYTES // (4 * self.vocab))
+        losses = np.empty(N, np.float32)
+        dlogits = np.empty((N, self.vocab), np.uint16)
+        for lo in range(0, N, rows):
+            hi = min(N, lo + rows)
+            logits = self.logits(h2[lo:hi])                   # (rows, V) float32
+            losses[lo:hi], _ = K.cross_entropy_forward_backward(logits, targets[lo:hi], dlogits=logits,
+                                                                grad_scale=grad_scale)
+            dlogits[lo:hi] = K.to_bf16(logits)
+        return float(losses.sum()), dlogits
 
     def decode(self, x, cache, start):
         """x (B, T, C) -> the logits (B, V) of the last position only: the one sampled from."""
