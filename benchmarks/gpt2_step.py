@@ -2,6 +2,7 @@
 
     python benchmarks/gpt2_step.py [--batch 1 --seq 1024 --steps 5 --warmup 2 --rounds 2 --threads N] [--json PATH]
     python benchmarks/gpt2_step.py --quick          # 2 layers x 64, a few seconds per framework
+    python benchmarks/gpt2_step.py --frameworks ringpipe,ringpipe-bf16,torch-bf16 [--shape small]
 
 One training step = forward + loss + backward + global-norm clip (1.0) + AdamW update
 (betas 0.9/0.95, weight decay 0.1 on the matrices only, constant lr), float32, on one
@@ -10,6 +11,11 @@ fixed batch of random GPT-2 token ids (batch x seq).
     engine.model.gpt.gpt_layers, engine.model.optim.make_optimizer("adamw"), optim.clip), with the
     trainer's process settings (runtime.set_thread_defaults, reuse_freed_memory);
     vocabulary 50257 padded to 50304 rows, the padding's logits masked.
+  * ringpipe-bf16: the same with kernels.set_matmul_precision("bf16") (the trainer's --precision
+    bf16: bf16 GEMMs, float32 sums, master weights and AdamW; kernels.bf16_gemm() says which GEMM).
+  * torch-bf16: the PyTorch model below in float32 with torch.autocast("cpu", torch.bfloat16)
+    around forward and loss (the loss on float32 logits), what a PyTorch user on a bf16 CPU runs.
+  * --shape small: 4 layers x 256, 8 heads, context 256, GPT-2's vocabulary (a small GPT).
   * PyTorch: transformers.GPT2LMHeadModel of the same shape (n_positions = the preset's
     context, dropout 0, vocab_size 50304 = ringpipe's padded rows, so every GEMM has the
     same shape; the 47 extra logits are not masked, which moves the loss at init by
@@ -45,9 +51,10 @@ from _common import (choice_list, measure_steps, median, nonneg_int, output_path
 from _common import run_child as common_run_child  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FRAMEWORKS = ("ringpipe", "torch")
+FRAMEWORKS = ("ringpipe", "torch", "ringpipe-bf16", "torch-bf16")
 GPT2_VOCAB = 50257
 PRESET = "gpt2-124m"                 # engine/model/gpt.py PRESETS: (n_layer, d_model, n_head, context)
+SMALL_SHAPE = (4, 256, 8, 256)       # --shape small
 QUICK_SHAPE = (2, 64, 2, 64)
 QUICK = {"batch": 2, "seq": 64, "steps": 3, "warmup": 1, "rounds": 1}
 DEFAULTS = {"batch": 1, "seq": 1024, "steps": 5, "warmup": 2, "rounds": 2}
@@ -104,7 +111,7 @@ def _blas_threads():
     return None
 
 
-def child_ringpipe(spec):
+def child_ringpipe(spec, precision="float32"):
     from ringpipe.engine.job import runtime
     runtime.set_thread_defaults()          # as `ringpipe train` does, before numpy loads BLAS
     runtime.reuse_freed_memory()
@@ -116,7 +123,7 @@ def child_ringpipe(spec):
     from ringpipe.engine.parallel.local import LocalModel
     import_rss = rss_bytes()
 
-    K.set_matmul_precision("float32")
+    K.set_matmul_precision(precision)
     n_layer, d_model, n_head, context = spec["shape"]
     cfg = GPTConfig(n_layer=n_layer, d_model=d_model, n_head=n_head, context=context, vocab=GPT2_VOCAB)
     dtype = np.dtype(np.float32)
@@ -142,6 +149,8 @@ def child_ringpipe(spec):
     floor, floor_what = memory_floor(Config(model="gpt", batch_size=spec["batch"], seq_len=spec["seq"]), cfg, 1)
     out.update(params=int(params.size), vocab_rows=cfg.padded_vocab, loss_vocab=cfg.vocab,
                flops_per_token=flops_per_token(cfg, spec["seq"]), import_rss_bytes=import_rss,
+               dtype="bf16 matmuls" if precision == "bf16" else "float32",
+               **({"bf16_gemm": K.bf16_gemm()} if precision == "bf16" else {}),
                state_bytes=int(state), memory_floor_bytes=int(floor), memory_floor_what=floor_what,
                threads={"blas": _blas_threads(), **{v: os.environ.get(v) for v in THREAD_VARS},
                         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")},
@@ -149,7 +158,8 @@ def child_ringpipe(spec):
     return out
 
 
-def child_torch(spec):
+def child_torch(spec, bf16=False):
+    import contextlib
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -174,12 +184,14 @@ def child_torch(spec):
                             lr=LR, betas=(0.9, 0.95), eps=1e-8)
     xs, ys = _tokens(spec)
     x, y = torch.from_numpy(xs), torch.from_numpy(ys)
+    cast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
 
     def step():
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        logits = model(input_ids=x, use_cache=False).logits
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        with cast():
+            logits = model(input_ids=x, use_cache=False).logits
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), y.view(-1))
         loss.backward()
         t1 = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -196,6 +208,7 @@ def child_torch(spec):
                  if torch.is_tensor(t) and t.dim() > 0)
     out.update(params=int(sum(p.numel() for p in params)), vocab_rows=vocab_rows, loss_vocab=vocab_rows,
                import_rss_bytes=import_rss, state_bytes=int(state), attn_implementation=model.config._attn_implementation,
+               dtype="bf16 autocast" if bf16 else "float32",
                threads={"torch": torch.get_num_threads(), **{v: os.environ.get(v) for v in THREAD_VARS},
                         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")},
                versions={"torch": torch.__version__, "transformers": transformers.__version__,
@@ -205,7 +218,10 @@ def child_torch(spec):
 
 def child_main(framework, spec_json, result_path):
     spec = json.loads(spec_json)
-    out = child_ringpipe(spec) if framework == "ringpipe" else child_torch(spec)
+    if framework.startswith("ringpipe"):
+        out = child_ringpipe(spec, "bf16" if framework == "ringpipe-bf16" else "float32")
+    else:
+        out = child_torch(spec, bf16=framework == "torch-bf16")
     out["peak_rss_self_bytes"] = _peak_rss_bytes()
     with open(result_path, "w") as fh:
         json.dump(out, fh)
@@ -221,7 +237,7 @@ def row(framework, r, spec, fpt):
     tokens = spec["batch"] * spec["seq"]
     first = r["losses"][0]
     expected = math.log(r["loss_vocab"])
-    return {"framework": framework, "step_s": r["step_s"], "fwd_bwd_s": r["fwd_bwd_s"], "update_s": r["update_s"],
+    return {"framework": framework, "dtype": r["dtype"], "step_s": r["step_s"], "fwd_bwd_s": r["fwd_bwd_s"], "update_s": r["update_s"],
             "tokens_per_s": tokens / r["step_s"], "model_tflops": fpt * tokens / r["step_s"] / 1e12,
             "gemm_gflops": r["gemm_flops"] / 1e9, "fraction_of_gemm": fpt * tokens / r["step_s"] / r["gemm_flops"],
             "peak_rss_gib": r["peak_rss_bytes"] / 2**30, "import_rss_gib": r["import_rss_bytes"] / 2**30,
@@ -233,10 +249,11 @@ def row(framework, r, spec, fpt):
             "params": r["params"], "first_step_s": r["first_step_s"], "step_times_s": r["step_times_s"],
             "losses": r["losses"], "threads": r["threads"], "versions": r["versions"],
             **{k: r[k] for k in ("wall_s", "cpu_s", "involuntary_switches", "load_before", "load_after")},
-            **({"attn_implementation": r["attn_implementation"]} if "attn_implementation" in r else {})}
+            **({"attn_implementation": r["attn_implementation"]} if "attn_implementation" in r else {}),
+            **({"bf16_gemm": r["bf16_gemm"]} if "bf16_gemm" in r else {})}
 
 
-COLUMNS = [("framework", "framework", ""), ("step_s", "step s", ".3f"), ("fwd_bwd_s", "fwd+bwd s", ".3f"),
+COLUMNS = [("framework", "framework", ""), ("dtype", "dtype", ""), ("step_s", "step s", ".3f"), ("fwd_bwd_s", "fwd+bwd s", ".3f"),
            ("update_s", "clip+AdamW s", ".3f"), ("tokens_per_s", "tokens/s", ".0f"),
            ("model_tflops", "model TFLOP/s", ".4f"), ("gemm_gflops", "own GEMM GFLOP/s", ".1f"),
            ("fraction_of_gemm", "of GEMM", ".1%"), ("peak_rss_gib", "peak RSS GiB", ".2f"),
@@ -256,8 +273,12 @@ def parse_args(argv=None):
                    help=f"untimed steps first (default {DEFAULTS['warmup']}; --quick {QUICK['warmup']})")
     p.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1,
                    help="threads for BLAS/OpenMP/Numba and torch, alike for both (default: every core, %(default)s)")
-    p.add_argument("--frameworks", type=choice_list(FRAMEWORKS), default=list(FRAMEWORKS),
-                   help="comma list, run in this order (default ringpipe,torch)")
+    p.add_argument("--frameworks", type=choice_list(FRAMEWORKS), default=["ringpipe", "torch"],
+                   help="comma list, run in this order (default ringpipe,torch; ringpipe-bf16 and torch-bf16: "
+                        "bf16 matmuls and torch's bf16 autocast)")
+    p.add_argument("--shape", choices=(PRESET, "small"), default=PRESET,
+                   help=f"{PRESET} (default) or small: {SMALL_SHAPE[0]} layers x {SMALL_SHAPE[1]}, "
+                        f"{SMALL_SHAPE[2]} heads, context {SMALL_SHAPE[3]}")
     p.add_argument("--rounds", type=positive_int, default=None,
                    help="fresh children per framework, alternating (ringpipe, torch, ringpipe, ...); each row is "
                         f"its fastest round, for a shared machine (default {DEFAULTS['rounds']}; --quick {QUICK['rounds']})")
@@ -276,7 +297,8 @@ def parse_args(argv=None):
         if getattr(args, key) is None:
             setattr(args, key, value)
     from ringpipe.engine.model.gpt import PRESETS       # not in the children: they import what they measure
-    args.shape = QUICK_SHAPE if args.quick else PRESETS[PRESET]
+    args.shape_name = "quick" if args.quick else args.shape
+    args.shape = QUICK_SHAPE if args.quick else SMALL_SHAPE if args.shape == "small" else PRESETS[PRESET]
     if args.seq > args.shape[3]:
         p.error(f"argument --seq: {args.seq} exceeds the model's context {args.shape[3]}")
     return args
@@ -293,10 +315,10 @@ def main(argv=None):
     cfg = GPTConfig(n_layer=n_layer, d_model=d_model, n_head=n_head, context=context, vocab=GPT2_VOCAB)
     fpt = flops_per_token(cfg, args.seq)
     tokens = args.batch * args.seq
-    name = "quick" if args.quick else PRESET
+    name = args.shape_name
     print(f"# GPT-2 train step ({name}: {n_layer} layers x {d_model}, {n_head} heads, context {context}, vocab "
           f"{GPT2_VOCAB} -> {cfg.padded_vocab} rows) | batch {args.batch} x seq {args.seq} = {tokens} tokens/step | "
-          f"float32 | {args.threads} thread(s) | median of {args.steps} steps after {args.warmup} | "
+          f"{', '.join(args.frameworks)} | {args.threads} thread(s) | median of {args.steps} steps after {args.warmup} | "
           f"{fpt * tokens / 1e12:.3f} TFLOP/step (engine.model.gpt.flops_per_token)", flush=True)
     runs = {fw: [] for fw in args.frameworks}
     for n in range(args.rounds):
@@ -324,6 +346,20 @@ def main(argv=None):
               f"({ratio['peak_rss_minus_imports']:.2f}x above the imports), fwd+bwd time "
               f"{ratio['fwd_bwd_s']:.2f}x, clip+AdamW time {ratio['update_s']:.2f}x; own GEMM peak "
               f"{ratio['gemm_flops']:.2f}x")
+    # bf16: ringpipe's against torch's autocast and against its own float32, each round alike
+    pairs = [(a, b) for a, b in (("ringpipe-bf16", "torch-bf16"), ("ringpipe-bf16", "ringpipe"),
+                                 ("torch-bf16", "torch")) if a in by and b in by]
+    bf16_ratios = {}
+    for a, b in pairs:
+        per_round = [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(runs[a], runs[b])]
+        bf16_ratios[f"{a}/{b}"] = {"tokens_per_s": by[a]["tokens_per_s"] / by[b]["tokens_per_s"],
+                                   "tokens_per_s_rounds": per_round,
+                                   "peak_rss": by[a]["peak_rss_gib"] / by[b]["peak_rss_gib"]}
+        print(f"{a} / {b}: tokens/s {bf16_ratios[f'{a}/{b}']['tokens_per_s']:.2f}x (round by round "
+              f"{', '.join(f'{v:.2f}' for v in per_round)}x), peak RSS {bf16_ratios[f'{a}/{b}']['peak_rss']:.2f}x "
+              f"({by[a]['peak_rss_gib']:.2f} vs {by[b]['peak_rss_gib']:.2f} GiB)")
+    if "ringpipe-bf16" in by:
+        print(f"ringpipe-bf16: {by['ringpipe-bf16']['bf16_gemm']}")
     if "ringpipe" in by:
         r = by["ringpipe"]
         print(f"ringpipe's own lower bound (engine.train.config.memory_floor): {r['memory_floor_gib']:.2f} GiB "
@@ -342,7 +378,8 @@ def main(argv=None):
                                "threads": args.threads, "dtype": "float32", "lr": LR,
                                "flops_per_token": fpt, "torch_attn": args.torch_attn,
                                "rounds": args.rounds, "rows": rows, "all_rounds": [r for fw in runs for r in runs[fw]],
-                               "ratio_ringpipe_over_torch": ratio})
+                               "ratio_ringpipe_over_torch": ratio, "bf16_ratios": bf16_ratios,
+                               "frameworks": args.frameworks})
     return 1 if bad else 0
 
 

@@ -71,7 +71,7 @@ class Bf16Operands:
     @staticmethod
     def applies(a):
         """Whether GEMM operands are rounded to bf16 here: bf16 precision, a float32 CPU array."""
-        return K.get_matmul_precision() == "bf16" and isinstance(a, np.ndarray) and a.dtype == np.float32
+        return K.get_matmul_precision() == "bf16" and a.dtype == np.float32 and K.get_array_module(a) is np
 
     def of(self, a):
         """An activation or gradient that several GEMMs read (or a backward keeps): its bf16

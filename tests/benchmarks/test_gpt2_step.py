@@ -90,3 +90,23 @@ def test_refuses_unwritable_json(tmp_path):
     blocker.write_text("")
     r = _run("--quick", "--json", str(blocker / "out.json"))
     assert r.returncode == 2 and r.stdout == "" and "--json" in r.stderr and "cannot write" in r.stderr
+
+
+@pytest.mark.slow
+def test_quick_bf16_rows_and_ratios(tmp_path):
+    """ringpipe-bf16 (bf16 matmuls) next to ringpipe float32 and torch's bf16 autocast: the rows
+    say their dtype and which bf16 GEMM ran, and the bf16 ratios are written."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    out = tmp_path / "gpt2_step_bf16.json"
+    r = _run("--quick", "--threads", "1", "--frameworks", "ringpipe-bf16,ringpipe,torch-bf16", "--json", str(out),
+             timeout=600)
+    assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
+    assert "ringpipe-bf16 / torch-bf16: tokens/s" in r.stdout and "ringpipe-bf16 / ringpipe: tokens/s" in r.stdout
+    data = json.loads(out.read_text())
+    rows = {row["framework"]: row for row in data["rows"]}
+    assert rows["ringpipe-bf16"]["dtype"] == "bf16 matmuls" and rows["ringpipe"]["dtype"] == "float32"
+    assert rows["torch-bf16"]["dtype"] == "bf16 autocast"
+    assert rows["ringpipe-bf16"]["bf16_gemm"].startswith("bf16 GEMM: ")
+    assert all(row["loss_ok"] for row in rows.values())
+    assert set(data["bf16_ratios"]) == {"ringpipe-bf16/torch-bf16", "ringpipe-bf16/ringpipe"}
