@@ -200,18 +200,28 @@ def _c(a):
 # bf16 operands
 
 
-def to_bf16(x):
+def to_bf16(x, out=None):
     """float32 array -> a new C-contiguous uint16 array of its bfloat16 bit patterns
     (round to nearest, ties to even, as round_to_bf16). The GEMMs take it as an operand
-    with no rounding pass: cast a weight once, use it in many GEMMs."""
+    with no rounding pass: cast a weight once, use it in many GEMMs. out: a C-contiguous
+    uint16 array of x's shape to write them into instead (e.g. rows of a larger one)."""
     _array("to_bf16", "x", x)
     if str(x.dtype) != "float32":
         raise KernelDtypeError(f"kernels.to_bf16: x must be float32, got {x.dtype}")
+    if out is not None:
+        _array("to_bf16", "out", out)
+        if str(out.dtype) != "uint16" or tuple(out.shape) != tuple(x.shape) or not out.flags.c_contiguous:
+            raise KernelDtypeError(f"kernels.to_bf16: out must be a C-contiguous uint16 array of shape "
+                                   f"{tuple(x.shape)}, got {out.dtype} {tuple(out.shape)}")
     if is_gpu_array(x):
-        return (round_to_bf16(x).view("uint32") >> 16).astype("uint16")
+        bits = (round_to_bf16(x).view("uint32") >> 16).astype("uint16")
+        if out is None:
+            return bits
+        out[...] = bits
+        return out
     from . import bf16  # numba: loaded on first use
 
-    return bf16.to_bf16(x)
+    return bf16.to_bf16(x, out)
 
 
 def from_bf16(x):

@@ -103,9 +103,9 @@ def bits(x):
     return x if x.dtype == np.uint16 else x.view(np.uint16)
 
 
-def _convert(x, dtype, kernel):
+def _convert(x, dtype, kernel, out=None):
     x = np.asarray(x, dtype=np.float32)
-    out = np.empty(x.shape, dtype)
+    out = np.empty(x.shape, dtype) if out is None else out    # (out: C-contiguous, x's shape)
     if x.size == 0:
         return out
     if x.ndim == 0 or x.strides[-1] != 4:
@@ -115,10 +115,11 @@ def _convert(x, dtype, kernel):
     return out
 
 
-def to_bf16(x):
+def to_bf16(x, out=None):
     """float32 array, any shape or strides -> new C-contiguous uint16 array of its
-    bfloat16 bit patterns (round to nearest, ties to even)."""
-    return _convert(x, np.uint16, _to_bf16_rows)
+    bfloat16 bit patterns (round to nearest, ties to even); or into out (C-contiguous
+    uint16 of x's shape)."""
+    return _convert(x, np.uint16, _to_bf16_rows, out)
 
 
 def round_values(x):

@@ -606,7 +606,7 @@ class LMHead(Layer):
             logits = self.logits(h2[lo:hi])                   # (rows, V) float32
             losses[lo:hi], _ = K.cross_entropy_forward_backward(logits, targets[lo:hi], dlogits=logits,
                                                                 grad_scale=grad_scale)
-            dlogits[lo:hi] = K.to_bf16(logits)
+            K.to_bf16(logits, out=dlogits[lo:hi])
         return float(losses.sum()), dlogits
 
     def decode(self, x, cache, start):

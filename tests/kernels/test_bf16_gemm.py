@@ -166,6 +166,12 @@ def test_to_bf16_rounds_as_round_to_bf16(rng):
     assert np.isnan(kernels.from_bf16(kernels.to_bf16(nan))).all()
     m = x[:4800].reshape(60, 80)
     np.testing.assert_array_equal(kernels.to_bf16(m.T), kernels.to_bf16(np.ascontiguousarray(m.T)))
+    rows = np.zeros((m.shape[1] + 2, m.shape[0]), np.uint16)
+    assert kernels.to_bf16(m.T, out=rows[1:-1]) is not None        # into rows of a larger array
+    np.testing.assert_array_equal(rows[1:-1], kernels.to_bf16(m.T))
+    assert not rows[0].any() and not rows[-1].any()
+    with pytest.raises(kernels.KernelDtypeError, match="C-contiguous uint16"):
+        kernels.to_bf16(m, out=np.zeros(m.shape, np.float32))
     np.testing.assert_array_equal(kernels.to_bf16(m[::3, 1::2]), kernels.to_bf16(np.ascontiguousarray(m[::3, 1::2])))
     np.testing.assert_array_equal(kernels.from_bf16(kernels.to_bf16(m)), kernels.round_to_bf16(m))
     np.testing.assert_array_equal(bf16.round_values(x).view(np.uint32), kernels.round_to_bf16(x).view(np.uint32))
