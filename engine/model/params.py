@@ -121,6 +121,8 @@ def _zeros(size, dtype, xp):
     if xp is not np or size == 0:
         return xp.zeros(size, dtype=dtype)
     pages = mmap.mmap(-1, size * np.dtype(dtype).itemsize, flags=mmap.MAP_PRIVATE)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        pages.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(pages, dtype=dtype, count=size)
 
 
