@@ -256,7 +256,9 @@ def reset():
 
 
 def describe():
-    """One line: which bf16 GEMM this process runs, and why."""
+    """One line: which bf16 GEMM this process runs, and why (it says what the first
+    emulated call's note would: that note is not printed again)."""
+    _state["noted"] = True
     try:
         lib = native()
     except Bf16Unavailable as exc:
