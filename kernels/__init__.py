@@ -420,22 +420,39 @@ def _check_square(op, name, a):
         raise ValueError(f"kernels.{op}: {name} must be (..., T, T), got shape {tuple(a.shape)}")
 
 
-def softmax_causal_forward(scores, scale, out=None, *, backend=None):
+def _check_bf16_out(op, bf16_out, dtype, shape):
+    # a float32 result's bf16 bits: a C-contiguous uint16 array of its shape
+    if bf16_out is None:
+        return
+    _array(op, "bf16_out", bf16_out)
+    if (str(dtype) != "float32" or str(bf16_out.dtype) != "uint16" or tuple(bf16_out.shape) != tuple(shape)
+            or not bf16_out.flags.c_contiguous):
+        raise KernelDtypeError(f"kernels.{op}: bf16_out takes the bf16 bits of a float32 result: a C-contiguous "
+                               f"uint16 array of shape {tuple(shape)}, got {bf16_out.dtype} "
+                               f"{tuple(bf16_out.shape)} for {dtype} inputs")
+
+
+def softmax_causal_forward(scores, scale, out=None, *, bf16_out=None, backend=None):
     """scores (..., T, T) -> probs, softmax over j <= t of scale*scores, exactly 0 for j > t.
-    out may be scores itself (in place)."""
+    out may be scores itself (in place). bf16_out (float32 only): a uint16 array of scores'
+    shape that also gets the probabilities' bf16 bits (as to_bf16), for a bf16 GEMM (att @ v);
+    the Numba kernel writes them in the same pass, the other backends round afterwards."""
     op = "softmax_causal_forward"
     _check_square(op, "scores", scores)
     dt = _float_dtype(op, "scores", scores)
     _same_dtype(op, dt, out=out)
     _shape(op, "out", out, scores.shape)
     _out_ok(op, "out", out)
-    impl = _dispatch(op, (scores, out), backend)
-    return impl(_c(scores), scale, out)
+    _check_bf16_out(op, bf16_out, dt, scores.shape)
+    impl = _dispatch(op, (scores, out, bf16_out), backend)
+    return impl(_c(scores), scale, out, bf16_out=bf16_out)
 
 
-def softmax_causal_backward(dprobs, probs, scale, out=None, *, backend=None):
+def softmax_causal_backward(dprobs, probs, scale, out=None, *, bf16_out=None, backend=None):
     """dscores = scale * probs * (dprobs - sum_j dprobs*probs), 0 above the diagonal.
-    out may be dprobs itself (in place)."""
+    out may be dprobs itself (in place). bf16_out (float32 only, out None): a uint16 array
+    of probs' shape that gets dscores' bf16 bits (as to_bf16) instead, for the bf16 GEMMs
+    of dq and dk, and is returned; the Numba kernel never stores the float32 values."""
     op = "softmax_causal_backward"
     _check_square(op, "probs", probs)
     dt = _float_dtype(op, "probs", probs)
@@ -443,8 +460,11 @@ def softmax_causal_backward(dprobs, probs, scale, out=None, *, backend=None):
     _shape(op, "dprobs", dprobs, probs.shape)
     _shape(op, "out", out, probs.shape)
     _out_ok(op, "out", out)
-    impl = _dispatch(op, (dprobs, probs, out), backend)
-    return impl(_c(dprobs), _c(probs), scale, out)
+    _check_bf16_out(op, bf16_out, dt, probs.shape)
+    if bf16_out is not None and out is not None:
+        raise ValueError(f"kernels.{op}: give out (float32 dscores) or bf16_out (their bf16 bits), not both")
+    impl = _dispatch(op, (dprobs, probs, out, bf16_out), backend)
+    return impl(_c(dprobs), _c(probs), scale, out, bf16_out=bf16_out)
 
 
 # ---------------------------------------------------------------------------

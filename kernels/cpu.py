@@ -61,6 +61,27 @@ def _float32_from_bits(typingctx, bits):
     return sig, codegen
 
 
+@intrinsic
+def _bits_from_float32(typingctx, x):
+    # reinterpret a float32 as its int32 bit pattern (free)
+    sig = types.int32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return sig, codegen
+
+
+@njit(inline="always")
+def _bf16_bits(x):
+    # float32 -> its bf16 bit pattern, the bits kernels.to_bf16 writes (bf16._to_bf16_rows:
+    # nearest, ties to even; NaNs quiet), so a kernel can write a bf16 GEMM's operand itself
+    u = np.int64(_bits_from_float32(x)) & 0xFFFFFFFF
+    r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    q = (u >> 16) | 0x40
+    return np.uint16((q if (u & 0x7FFFFFFF) > 0x7F800000 else r) & 0xFFFF)
+
+
 # module-level numpy scalars are frozen into the kernels as float32 constants
 _F32_EXP_LO = np.float32(-87.33)  # just above log(FLT_MIN): 2^k stays a normal number
 _F32_EXP_HI = np.float32(88.72)  # k = 128 from here on: the 2^k bits become inf
@@ -277,8 +298,9 @@ def _gelu_backward(dout, x, dx):
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def _softmax_causal_forward(scores, scale, out):
-    # scale arrives in the scores dtype so float32 rows stay in float32
+def _softmax_causal_forward(scores, scale, out, bits, want_bits):
+    # scale arrives in the scores dtype so float32 rows stay in float32. want_bits: also
+    # the probabilities' bf16 bits into bits (R, T, T) uint16, from the row still in cache
     R, T, _ = scores.shape
     for rt in prange(R * T):
         r = rt // T
@@ -301,6 +323,12 @@ def _softmax_causal_forward(scores, scale, out):
             o[j] *= inv
         for j in range(t + 1, T):
             o[j] = 0.0
+        if want_bits:
+            b = bits[r, t]
+            for j in range(t + 1):
+                b[j] = _bf16_bits(o[j])
+            for j in range(t + 1, T):
+                b[j] = 0
 
 
 @njit(cache=True, fastmath=False, parallel=True)
@@ -318,6 +346,24 @@ def _softmax_causal_backward(dprobs, probs, scale, out):
             o[j] = scale * p[j] * (dp[j] - dot)
         for j in range(t + 1, T):
             o[j] = 0.0
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def _softmax_causal_backward_bits(dprobs, probs, scale, bits):
+    # as _softmax_causal_backward, but only the bf16 bits of dscores, into bits (R, T, T)
+    # uint16: the float32 values are rounded as they are made, never stored
+    R, T, _ = probs.shape
+    for rt in prange(R * T):
+        r = rt // T
+        t = rt - r * T
+        dp = dprobs[r, t]
+        p = probs[r, t]
+        b = bits[r, t]
+        dot = _row_dot64(dp, p, t + 1)
+        for j in range(t + 1):
+            b[j] = _bf16_bits(np.float32(scale * p[j] * (dp[j] - dot)))
+        for j in range(t + 1, T):
+            b[j] = 0
 
 
 # ---------------------------------------------------------------------------
@@ -549,20 +595,33 @@ def _as_rtt(a):
     return a.reshape(-1, T, T)
 
 
-def softmax_causal_forward(scores, scale, out=None):
+_NO_BITS = np.empty((0, 0, 0), np.uint16)
+
+
+def softmax_causal_forward(scores, scale, out=None, *, bf16_out=None):
+    # bf16_out (kernels.softmax_causal_forward): the bf16 bits too, in the same pass
     if out is None:
         out = np.empty_like(scores)
     if scores.size:
-        _softmax_causal_forward(_as_rtt(scores), scores.dtype.type(scale), _as_rtt(out))
+        bits = _NO_BITS if bf16_out is None else _as_rtt(bf16_out)
+        _softmax_causal_forward(_as_rtt(scores), scores.dtype.type(scale), _as_rtt(out), bits,
+                                bf16_out is not None)
     return out
 
 
-def softmax_causal_backward(dprobs, probs, scale, out=None):
+def softmax_causal_backward(dprobs, probs, scale, out=None, *, bf16_out=None):
+    # bf16_out (kernels.softmax_causal_backward): only the bf16 bits, no float32 out
+    if bf16_out is not None:
+        if probs.size:
+            _softmax_causal_backward_bits(_as_rtt(dprobs), _as_rtt(probs), probs.dtype.type(scale),
+                                          _as_rtt(bf16_out))
+        return bf16_out
     if out is None:
         out = np.empty_like(probs)
     if probs.size:
         _softmax_causal_backward(_as_rtt(dprobs), _as_rtt(probs), probs.dtype.type(scale), _as_rtt(out))
     return out
+
 
 
 def cross_entropy_forward_backward(logits, targets, dlogits=None, grad_scale=1.0):

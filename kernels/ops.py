@@ -50,10 +50,12 @@ OPS = (
        "GELU, tanh approximation, elementwise"),
     Op("gelu_backward", "dout, x, dx=None",
        "dx = gelu'(x) * dout; dx may alias dout"),
-    Op("softmax_causal_forward", "scores, scale, out=None",
-       "probs = softmax over j <= t of scale*scores (..., T, T), 0 above the diagonal; out may be scores"),
-    Op("softmax_causal_backward", "dprobs, probs, scale, out=None",
-       "dscores = scale * probs * (dprobs - sum_j dprobs*probs), 0 above the diagonal; out may be dprobs"),
+    Op("softmax_causal_forward", "scores, scale, out=None, *, bf16_out=None",
+       "probs = softmax over j <= t of scale*scores (..., T, T), 0 above the diagonal; out may be scores; "
+       "bf16_out (uint16) also gets probs' bf16 bits"),
+    Op("softmax_causal_backward", "dprobs, probs, scale, out=None, *, bf16_out=None",
+       "dscores = scale * probs * (dprobs - sum_j dprobs*probs), 0 above the diagonal; out may be dprobs; "
+       "bf16_out (uint16, out None) gets dscores' bf16 bits instead and is returned"),
     Op("cross_entropy_forward_backward", "logits, targets, dlogits=None, grad_scale=1.0",
        "(losses, dlogits): -log softmax(logits)[target] per row; dlogits (may be logits) overwritten with "
        "(softmax - onehot) * grad_scale, or None"),

@@ -172,7 +172,15 @@ def _causal_mask(xp, T):
     return xp.tril(xp.ones((T, T), dtype=bool))
 
 
-def softmax_causal_forward(scores, scale, out=None):
+def write_bf16_bits(x, bf16_out):
+    """bf16_out (uint16, x's shape) = the bf16 bits of float32 x (as kernels.to_bf16); returns it.
+    What a backend without a fused kernel does with a softmax's bf16_out."""
+    xp = get_array_module(x)
+    bf16_out[...] = (round_to_bf16(x).view(xp.uint32) >> 16).astype(xp.uint16)
+    return bf16_out
+
+
+def softmax_causal_forward(scores, scale, out=None, *, bf16_out=None):
     xp = get_array_module(scores)
     T = scores.shape[-1]
     mask = _causal_mask(xp, T)
@@ -181,12 +189,15 @@ def softmax_causal_forward(scores, scale, out=None):
     e = xp.exp(z)  # exp(-inf) = 0 above the diagonal
     probs = e / e.sum(axis=-1, keepdims=True, dtype=xp.float64)
     if out is None:
-        return probs.astype(scores.dtype)
-    out[...] = probs  # safe when out is scores: everything above was a temporary
+        out = probs.astype(scores.dtype)
+    else:
+        out[...] = probs  # safe when out is scores: everything above was a temporary
+    if bf16_out is not None:
+        write_bf16_bits(out, bf16_out)
     return out
 
 
-def softmax_causal_backward(dprobs, probs, scale, out=None):
+def softmax_causal_backward(dprobs, probs, scale, out=None, *, bf16_out=None):
     # softmax Jacobian-vector product: dz_j = p_j (dp_j - sum_k dp_k p_k), then chain through scale
     xp = get_array_module(probs)
     T = probs.shape[-1]
@@ -194,6 +205,8 @@ def softmax_causal_backward(dprobs, probs, scale, out=None):
     # where, not a multiply by the mask: dprobs above the diagonal may hold anything
     dot = xp.where(mask, dprobs * probs, 0.0).sum(axis=-1, keepdims=True, dtype=xp.float64)
     dscores = xp.where(mask, scale * probs * (dprobs - dot), 0.0)
+    if bf16_out is not None:
+        return write_bf16_bits(dscores.astype(probs.dtype), bf16_out)
     if out is None:
         return dscores.astype(probs.dtype)
     out[...] = dscores

@@ -78,6 +78,12 @@ class Bf16Operands:
         bits (a new array) under bf16 on the CPU, else a itself."""
         return K.to_bf16(a) if self.applies(a) else a
 
+    def bits_out(self, a):
+        """Where a fused kernel writes the bf16 bits of a result shaped like the float32 a
+        (kernels' bf16_out=, so no separate rounding pass): a new uint16 array under bf16 on
+        the CPU, else None."""
+        return np.empty(a.shape, np.uint16) if self.applies(a) else None
+
     def weight(self, w):
         """A weight as the GEMMs' operand: its bf16 copy for this step (made once) inside a
         caching step under bf16 on the CPU, else w itself (the GEMM rounds it)."""
@@ -432,12 +438,16 @@ class KVCache:
         return self.k[:, :, :start + T], self.v[:, :, :start + T]
 
 
-def causal_attention_probs(q, k, scale):
+def causal_attention_probs(q, k, scale, bits=False):
     """softmax(scale q k^T, causal): q, k (B, H, T, hd) -> (B, H, T, T). The one place they
     are computed, for the forward and for a backward whose forward did not keep them
-    (selective recomputation): the same kernels calls on the same q and k, the same bits."""
+    (selective recomputation): the same kernels calls on the same q and k, the same bits.
+    bits=True: (att, att's bf16 bits from the same pass under bf16 on the CPU, else None)."""
     att = K.matmul_nt(q, k)                                             # (B, H, T, T)
-    return K.softmax_causal_forward(att, scale, out=att)
+    if not bits:
+        return K.softmax_causal_forward(att, scale, out=att)
+    att_bits = BF16.bits_out(att)    # under bf16 the softmax writes att's bits too, for att @ v
+    return K.softmax_causal_forward(att, scale, out=att, bf16_out=att_bits), att_bits
 
 
 def causal_attention(q, k, v, scale):
@@ -447,8 +457,8 @@ def causal_attention(q, k, v, scale):
     share it."""
     xp = K.get_array_module(q)
     B, H, T, hd = q.shape
-    att = causal_attention_probs(q, k, scale)                           # (B, H, T, T)
-    y = K.matmul(att, v)                                                # (B, H, T, hd)
+    att, att_bits = causal_attention_probs(q, k, scale, bits=True)      # (B, H, T, T)
+    y = K.matmul(att if att_bits is None else att_bits, v)              # (B, H, T, hd)
     return xp.ascontiguousarray(y.transpose(0, 2, 1, 3)).reshape(B, T, H * hd), att
 
 
@@ -459,13 +469,16 @@ def causal_attention_backward(dy, q, k, v, att, scale, dq=None, dk=None, dv=None
     probabilities (selective recomputation); they are computed again here, and dropped after."""
     xp = K.get_array_module(dy)
     B, H, T, hd = q.shape
+    att_bits = None                  # kept probabilities: dv's GEMM rounds them
     if att is None:
-        att = causal_attention_probs(q, k, scale)
+        att, att_bits = causal_attention_probs(q, k, scale, bits=True)
     dy = xp.ascontiguousarray(dy.reshape(B, T, H, hd).transpose(0, 2, 1, 3))  # (B, H, T, hd)
     dy = BF16.of(dy)                 # read by two GEMMs: rounded once under bf16 (BF16)
-    dv = K.matmul_tn(att, dy, out=dv)                                   # dv = att^T dy
+    dv = K.matmul_tn(att if att_bits is None else att_bits, dy, out=dv)      # dv = att^T dy
     datt = K.matmul_nt(dy, v)                                           # (B, H, T, T)
-    datt = BF16.of(K.softmax_causal_backward(datt, att, scale, out=datt))
+    datt_bits = BF16.bits_out(datt)  # under bf16: only datt's bits, for its two GEMMs
+    datt = K.softmax_causal_backward(datt, att, scale, out=None if datt_bits is not None else datt,
+                                     bf16_out=datt_bits)
     dq = K.matmul(datt, k, out=dq)                                      # dq = datt k
     dk = K.matmul_tn(datt, q, out=dk)                                   # dk = datt^T q
     return dq, dk, dv

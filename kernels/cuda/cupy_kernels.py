@@ -429,7 +429,8 @@ def gelu_backward(dout, x, dx=None):
 # causal softmax
 
 
-def softmax_causal_forward(scores, scale, out=None):
+def softmax_causal_forward(scores, scale, out=None, *, bf16_out=None):
+    # bf16_out: rounded afterwards (the GPU's GEMMs round float32 operands themselves)
     if out is None:
         out = cupy.empty_like(scores)
     T = scores.shape[-1]
@@ -437,10 +438,14 @@ def softmax_causal_forward(scores, scale, out=None):
         R = scores.size // T
         _fused("softmax_causal_forward", scores.dtype)((R,), (_pow2_block(T, ROW_BLOCK_MAX),), (
             scores, out, np.int32(T), np.float64(scale)))
+    if bf16_out is not None:
+        _ref.write_bf16_bits(out, bf16_out)
     return out
 
 
-def softmax_causal_backward(dprobs, probs, scale, out=None):
+def softmax_causal_backward(dprobs, probs, scale, out=None, *, bf16_out=None):
+    if bf16_out is not None:
+        return _ref.write_bf16_bits(softmax_causal_backward(dprobs, probs, scale), bf16_out)
     if out is None:
         out = cupy.empty_like(probs)
     T = probs.shape[-1]

@@ -828,7 +828,7 @@ def _rows(a, T):
     return _reshape(a, (a.size // T, T))
 
 
-def softmax_causal_forward(scores, scale, out=None, *, block=None):
+def softmax_causal_forward(scores, scale, out=None, *, bf16_out=None, block=None):
     L = _Launch(scores, out)
     d_out = L.out(out, scores.shape, scores.dtype)
     T = tuple(scores.shape)[-1]
@@ -837,10 +837,15 @@ def softmax_causal_forward(scores, scale, out=None, *, block=None):
         row_kernels(scores.dtype.name)["softmax_causal_forward"][R, _row_block(T, block)](
             _rows(L.dev(scores), T), float(scale), _rows(d_out, T))
     L.finish()
-    return L.result(d_out, out)
+    probs = L.result(d_out, out)
+    if bf16_out is not None:    # rounded afterwards (the GPU's GEMMs round float32 operands themselves)
+        _ref.write_bf16_bits(probs, bf16_out)
+    return probs
 
 
-def softmax_causal_backward(dprobs, probs, scale, out=None, *, block=None):
+def softmax_causal_backward(dprobs, probs, scale, out=None, *, bf16_out=None, block=None):
+    if bf16_out is not None:
+        return _ref.write_bf16_bits(softmax_causal_backward(dprobs, probs, scale, block=block), bf16_out)
     L = _Launch(dprobs, probs, out)
     d_out = L.out(out, probs.shape, probs.dtype)
     T = tuple(probs.shape)[-1]

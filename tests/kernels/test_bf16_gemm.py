@@ -180,6 +180,27 @@ def test_to_bf16_rounds_as_round_to_bf16(rng):
         kernels.to_bf16(m.astype(np.float64))
 
 
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+def test_softmax_bf16_out_is_to_bf16_of_the_float32_result(rng, backend):
+    # the fused softmaxes' bf16 bits (the Numba kernels round in the same pass, the reference
+    # afterwards) are exactly to_bf16 of their float32 results, which stay as they were
+    s = (rng.standard_normal((2, 3, 37, 37)) * 4).astype(np.float32)
+    dp = rng.standard_normal(s.shape).astype(np.float32)
+    p = kernels.softmax_causal_forward(s, 0.3, backend=backend)
+    bits = np.full(s.shape, 7, np.uint16)
+    p2 = kernels.softmax_causal_forward(s.copy(), 0.3, bf16_out=bits, backend=backend)
+    np.testing.assert_array_equal(p2, p)
+    np.testing.assert_array_equal(bits, kernels.to_bf16(p))
+    ds = kernels.softmax_causal_backward(dp, p, 0.3, backend=backend)
+    dbits = np.full(s.shape, 7, np.uint16)
+    assert kernels.softmax_causal_backward(dp, p, 0.3, bf16_out=dbits, backend=backend) is dbits
+    np.testing.assert_array_equal(dbits, kernels.to_bf16(ds))
+    with pytest.raises(kernels.KernelDtypeError, match="bf16_out takes the bf16 bits"):
+        kernels.softmax_causal_forward(s, 0.3, bf16_out=np.zeros(s.shape, np.float32), backend=backend)
+    with pytest.raises(ValueError, match="not both"):
+        kernels.softmax_causal_backward(dp, p, 0.3, out=np.empty_like(p), bf16_out=dbits, backend=backend)
+
+
 @pytest.mark.parametrize("how", ["variable", "no instructions", "no library"])
 def test_fallback_is_the_emulation(rng, monkeypatch, capsys, how):
     if how == "variable":
