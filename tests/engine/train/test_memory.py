@@ -130,6 +130,14 @@ def test_the_start_up_line_says_the_predicted_peak(tmp_path, capsys):
 
 
 def test_memory_report_prints_the_breakdown_and_the_measured_peak(tmp_path, capsys):
+    # The peak is the process's (VmHWM): in a test session that has run bigger models
+    # before, reset it first, so that it is this run's.
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        reset = True
+    except OSError:
+        reset = False
     run(_small(tmp_path, memory_report=True), world=MPI.COMM_SELF)
     said = capsys.readouterr().out
     for item in ("parameters", "weight-decay mask", "gradients", "optimizer state", "activations",
@@ -139,7 +147,8 @@ def test_memory_report_prints_the_breakdown_and_the_measured_peak(tmp_path, caps
     line = next(x for x in said.splitlines() if x.startswith("memory: measured peak"))
     assert "after step 2" in line and "predicted" in line
     ratio = float(line.rsplit(": ", 1)[1].rstrip("x"))
-    assert 0.3 < ratio < 3          # a tiny model: the fixed overhead is nearly all of it
+    if reset:
+        assert 0.3 < ratio < 3      # a tiny model: the fixed overhead is nearly all of it
 
 
 def test_a_node_short_of_memory_is_warned_before_the_first_step(tmp_path, capsys, monkeypatch):
