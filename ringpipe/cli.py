@@ -6,6 +6,8 @@
     ringpipe export ...      write a trained GPT or Llama as a Hugging Face model folder
     ringpipe pipeline ...    print, validate and simulate a pipeline schedule (= python -m ringpipe.pipeline)
     ringpipe finished RUN    did every rank finish? exit 0 yes, 1 no, 2 cannot tell (batch scripts: not the launcher's code)
+    ringpipe top RUN         a live view of a running job, every rank a row (from a login node)
+    ringpipe report RUN --out FILE.html   one self-contained HTML report of a run
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ COMMANDS = {
     "export": ("ringpipe.engine.interop.hf", "write a trained GPT or Llama as a Hugging Face folder (transformers loads it)"),
     "pipeline": ("ringpipe.engine.schedules.__main__", "print, validate and simulate a pipeline schedule"),
     "finished": ("ringpipe.engine.job.rundir", "did every rank of a run finish? (check it, not the launcher's exit code)"),
+    "top": ("ringpipe.engine.monitor.top", "a live view of a running job: every rank's step time, time split, memory"),
+    "report": ("ringpipe.engine.monitor.report", "one self-contained HTML report of a run: loss, speed, every rank"),
 }
 
 COLLECTIVE_TOOLS = {"prepare"}       # train handles its own signals (a stop is a checkpoint)

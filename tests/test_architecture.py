@@ -28,6 +28,8 @@ FORBIDDEN = {
     "engine/job": (E + "model", E + "parallel", E + "schedules", E + "data", E + "train", E + "interop"),
     # A checkpoint is read and written on one process; the step loop is train/'s alone.
     "engine/interop": (E + "parallel", E + "schedules", E + "train"),
+    # Watching a job: measures and files; the tools read files only (no model, no loop).
+    "engine/monitor": (E + "model", E + "parallel", E + "schedules", E + "data", E + "train", E + "interop"),
     "engine/train": (),          # the program: on top, it may import every other folder
 }
 # The narrower names a folder may use inside one it may not: the model raises the engine's

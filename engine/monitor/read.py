@@ -1,0 +1,130 @@
+"""Reading what a run wrote for its watchers: OUT/monitor.json and OUT/metrics.jsonl.
+
+The tools (`ringpipe top`, `ringpipe report`) read a run that may be writing while they
+read, on a shared file system, from another machine: a last line still being written is
+not an error (it is left out), and neither is a run that has not written anything yet.
+Everything read is checked before it is used: a damaged or foreign file gives a
+ReadError that names the file and what to do.
+
+    header = read_header(run_dir)            # monitor.json: layout, ranks, steps (or None)
+    records = read_records(run_dir)          # every whole record of metrics.jsonl
+    recent = tail_records(run_dir)           # the records in the file's last MiB (a live view)
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from ringpipe.engine.job.files import UnreadableFile, open_regular, read_json
+
+HEADER_NAME = "monitor.json"
+METRICS_NAME = "metrics.jsonl"
+FORMAT = "ringpipe-monitor"
+# A metrics.jsonl of a long run is large (a record per step, a per-rank section every
+# interval); the report reads all of it, within this bound.
+RECORDS_LIMIT = 2 << 30
+TAIL_BYTES = 1 << 20
+
+
+class ReadError(ValueError):
+    """A run directory's files cannot be used; the message says which and why."""
+
+
+def header_path(run_dir: str) -> str:
+    return os.path.join(run_dir, HEADER_NAME)
+
+
+def metrics_path(run_dir: str) -> str:
+    return os.path.join(run_dir, METRICS_NAME)
+
+
+def check_run_dir(run_dir: str) -> None:
+    """A folder that holds a run (monitor.json or metrics.jsonl), else ReadError."""
+    if not os.path.isdir(run_dir):
+        raise ReadError(f"{run_dir} is not a folder: name a run directory (the --out of `ringpipe train`)")
+    if not (os.path.exists(header_path(run_dir)) or os.path.exists(metrics_path(run_dir))):
+        raise ReadError(f"{run_dir} holds no {HEADER_NAME} nor {METRICS_NAME}: it is not a run directory, or "
+                        "its run has not started yet (name the --out of `ringpipe train`)")
+
+
+def read_header(run_dir: str) -> dict | None:
+    """monitor.json (what the run is: its ranks, nodes, layout, steps), or None when the run
+    has not written one (an older run, or one not started yet)."""
+    path = header_path(run_dir)
+    if not os.path.exists(path):
+        return None
+    try:
+        header = read_json(path, "the run's monitor header", limit=64 << 20)
+    except UnreadableFile as e:
+        raise ReadError(f"{e}; it is rewritten when the run (re)starts") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise ReadError(f"{path} is not a ringpipe monitor header (no \"format\": \"{FORMAT}\")")
+    return header
+
+
+def _parse_lines(data: bytes, path: str, first_line: int = 1) -> list[dict]:
+    records = []
+    lines = data.split(b"\n")
+    # The last piece is "" after a final newline, or a line still being written: left out.
+    for number, line in enumerate(lines[:-1], start=first_line):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise ReadError(f"{path} line {number} is not a JSON record: it is not a metrics log ringpipe "
+                            "wrote, or it was damaged") from None
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ReadError(f"{path} line {number} is not a step record (no integer \"step\")")
+        records.append(record)
+    return records
+
+
+def read_records(run_dir: str, limit: int = RECORDS_LIMIT) -> list[dict]:
+    """Every whole record of metrics.jsonl, in order ([] when there is none yet)."""
+    path = metrics_path(run_dir)
+    if not os.path.exists(path):
+        return []
+    try:
+        fd = open_regular(path, "the metrics log")
+    except UnreadableFile as e:
+        raise ReadError(str(e)) from None
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise ReadError(f"{path} is {size:,} bytes, more than the {limit:,} this tool reads")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read(size)
+    finally:
+        os.close(fd)
+    return _parse_lines(data, path)
+
+
+def tail_records(run_dir: str, max_bytes: int = TAIL_BYTES) -> list[dict]:
+    """The whole records in the last `max_bytes` of metrics.jsonl: what a live view needs,
+    read in constant time however long the run is."""
+    path = metrics_path(run_dir)
+    if not os.path.exists(path):
+        return []
+    try:
+        fd = open_regular(path, "the metrics log")
+    except UnreadableFile as e:
+        raise ReadError(str(e)) from None
+    try:
+        size = os.fstat(fd).st_size
+        start = max(0, size - max_bytes)
+        data = os.pread(fd, size - start, start)
+    finally:
+        os.close(fd)
+    if start > 0:
+        cut = data.find(b"\n")
+        data = data[cut + 1:] if cut >= 0 else b""     # the first piece is the end of a line cut in two
+    return _parse_lines(data, path, first_line=0)
+
+
+def last_with(records: list[dict], key: str) -> dict | None:
+    """The newest record that has `key` (the last per-rank section: key "ranks")."""
+    for record in reversed(records):
+        if key in record:
+            return record
+    return None
