@@ -1,6 +1,7 @@
 """The trainer: `run(config)` trains on every rank of `world` and returns how it ended.
 
     from ringpipe.engine.train.config import Config
+from ringpipe.engine.train.evaluation import evaluate, sum_over_ranks
     from ringpipe.engine.train.run import run
     result = run(Config(steps=100, layers=2), world=MPI.COMM_WORLD)   # the same call on every rank
 
@@ -25,12 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from ringpipe import comm, kernels as K
+from ringpipe import kernels as K
 from ringpipe.engine.job import checkpoint, lifecycle, rundir
 from ringpipe.engine.train.agreement import BadBatch, agree_batch, batch_error, batch_problem
 from ringpipe.engine.train.assemble import Run, assemble
 from ringpipe.engine.train import memory
 from ringpipe.engine.train.config import Config
+from ringpipe.engine.train.evaluation import evaluate, sum_over_ranks
 from ringpipe.engine.job.errors import Diverged, JobFailure
 from ringpipe.engine.model.optim import clip_scale, lr_at
 from ringpipe.engine.train.reporting import hms, step_record
@@ -151,13 +153,6 @@ def steps(training: Run, batches: Prefetcher, best: Best | None = None) -> tuple
 
 # ---- the pieces of a step -------------------------------------------------------------------
 
-def sum_over_ranks(training: Run, local: float) -> float:
-    """The loss summed over every rank (only the ranks that compute a loss add to it)."""
-    buf = np.array([local])
-    comm.allreduce(buf, training.world, op="sum")
-    return float(buf[0])
-
-
 def refuse_non_finite(training: Run, step: int, **values) -> None:
     """A NaN/inf loss can be followed by a finite one; a NaN gradient norm with a finite
     loss (an overflow in backward) would poison every weight: stop before the update.
@@ -175,26 +170,6 @@ def diverged(training: Run, value, step: int, what: str) -> Diverged:
             "resume from it with <resume> auto." if last else
             "No checkpoint was written yet: lower <lr> or raise <warmup> and start again.")
     return Diverged(f"{what} is {value} at step {step}: training diverged. {then}")
-
-
-def evaluate(training: Run) -> dict:
-    """Validation loss (nats per item) and, for text, bits per byte: comparable across
-    tokenizers, since a token covers bytes_per_token bytes of the text on average."""
-    total = 0.0
-    for i in range(training.cfg.eval_batches):
-        try:
-            batch, error = training.dataset.batch(i, training.cfg.batch_size, *training.rows, split="val"), None
-        except (ValueError, OSError) as e:
-            batch, error = None, e
-        # Agreed before any rank uses it: one 8-byte all-reduce per validation batch,
-        # next to the forward pass it guards (evaluation is not every step).
-        agree_batch(training.world, error)
-        total += training.model.forward_loss(*batch)
-    val = {"val_loss": sum_over_ranks(training, total) / (training.cfg.eval_batches * training.items_per_step)}
-    per_token = getattr(training.dataset, "bytes_per_token", lambda split: None)("val")
-    if per_token:
-        val["val_bpb"] = val["val_loss"] / math.log(2) / per_token
-    return val
 
 
 def report_step(training: Run, record: dict) -> None:
