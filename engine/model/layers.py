@@ -37,6 +37,7 @@ import math
 import numpy as np
 
 from ringpipe import kernels as K
+from ringpipe.engine.job.array_module import to_host
 from ringpipe.engine.model.params import ParamSpec
 
 
@@ -663,7 +664,13 @@ class DenseGELU(Layer):
 
 
 class ClassifierHead(Layer):
-    """Linear to class logits plus fused softmax cross-entropy: x (B, C) -> loss."""
+    """Linear to class logits plus fused softmax cross-entropy: x (B, C) -> loss.
+
+    `confusion`: None, or a host int64 array (n_classes, n_classes) that every forward with
+    targets adds its rows to (confusion_counts): validation sets it (engine/train/evaluation.py)
+    and sums it over the ranks, so the layer itself never communicates."""
+
+    confusion = None
 
     def __init__(self, name, c_in, n_classes):
         self.n_classes = n_classes
@@ -679,6 +686,9 @@ class ClassifierHead(Layer):
         logits, fc_ctx = self.fc.forward(x)
         if targets is None:
             return logits, None
+        if self.confusion is not None:
+            # Before the cross-entropy: with need_grad it overwrites the logits with their gradient.
+            self.confusion += confusion_counts(logits, targets, self.n_classes)
         dlogits = logits if need_grad else None
         losses, dlogits = K.cross_entropy_forward_backward(
             logits, targets.reshape(-1), dlogits=dlogits, grad_scale=grad_scale)
@@ -690,3 +700,14 @@ class ClassifierHead(Layer):
 
     def backward_weight(self, wctx):
         self.fc.backward_weight(wctx)
+
+
+def confusion_counts(logits, targets, n_classes):
+    """(n_classes, n_classes) int64 host counts of the rows of `logits` (B, n_classes):
+    row = true class (targets), column = predicted class, the argmax of the row's logits
+    (on a tie the lowest class, as numpy's argmax). numpy or cupy arrays alike."""
+    xp = K.get_array_module(logits)
+    predicted = logits.argmax(axis=1)
+    pairs = targets.reshape(-1).astype(predicted.dtype) * n_classes + predicted
+    counts = xp.bincount(pairs, minlength=n_classes * n_classes)
+    return np.asarray(to_host(counts), dtype=np.int64).reshape(n_classes, n_classes)

@@ -62,4 +62,4 @@ MLP_RECIPE = ModelRecipe(
     fields_hint="the MLP takes <layers> and <d_model> (hidden width)",
     layers=_layers, flops_per_item=_flops_per_item, memory=memory,
     data="classes", default_data="fashion-mnist", data_path_data="fashion-mnist", unit="examples", rate_unit="ex",
-    fit_to_data=_fit_to_data)
+    fit_to_data=_fit_to_data, classifier=True)

@@ -50,6 +50,8 @@ class ModelRecipe:
     fit_to_data: Callable = _nothing_from_data    # (shape, dataset): set the shape fields the data decides
     generate: Callable | None = None              # text sampling (engine/model/gpt.py generate); None: no text
     blocks: bool = False          # built of transformer blocks (layers.py Block): <recompute> full/selective apply
+    classifier: bool = False      # its head is a ClassifierHead and its shape has n_classes: validation counts a
+    #                               confusion matrix, reports accuracy, per-class precision, recall (train/evaluation.py)
 
     def __post_init__(self):
         # A recipe is checked once, where it is written: a typo here would otherwise

@@ -133,6 +133,8 @@ def _validation(record: dict) -> str:
     line = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
     if "val_bpb" in record:
         line += f" ({record['val_bpb']:.3f} bits/byte)"
+    if "val_accuracy" in record:
+        line += f" | acc {100 * record['val_accuracy']:.1f}%"
     return line
 
 
