@@ -5,10 +5,13 @@ import json
 import os
 import socket
 import stat
+import subprocess
 
 import pytest
 
 from ringpipe.engine.monitor import jobstats
+from tests.support import ROOT
+from tests.test_scripts import FAKE_PY, MPICH_LIB
 
 GiB = 1 << 30
 WALL = 100.0
@@ -207,3 +210,59 @@ def test_unwritable_folder_returns_empty_paths(tmp_path, capsys):
     assert paths == ("", "")
     assert "could not be written" in capsys.readouterr().err
     assert not os.path.exists(str(out) + "/job_summary.json")
+
+
+# ---- slurm/train.sbatch: sacct's lines appended to RUN_DIR/sacct.txt once the step ended ----
+
+def _train_sbatch(tmp_path, sacct_body, srun_rc=0):
+    """slurm/train.sbatch with stand-ins for python, srun, scontrol and sacct (tests/test_scripts.py's
+    python, the MPICH library); srun exits `srun_rc`. sacct_body None: no sacct on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    stand_ins = {"python": FAKE_PY, "srun": f"#!/bin/bash\nexit {srun_rc}\n",
+                 "scontrol": '#!/bin/bash\necho "$*" >> "$FAKE_DIR/scontrol.log"\n'}
+    if sacct_body is not None:
+        stand_ins["sacct"] = "#!/bin/bash\n" + sacct_body
+    for name, text in stand_ins.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RINGPIPE_"))}
+    env.update(PATH=f"{bin_dir}:/usr/bin:/bin", FAKE_DIR=str(tmp_path), FAKE_MPI_LIB=MPICH_LIB,
+               RINGPIPE_PYTHON=str(bin_dir / "python"), RINGPIPE_RUN_DIR=str(tmp_path / "run"),
+               SLURM_JOB_ID="77", SLURM_NTASKS="1")
+    r = subprocess.run(["bash", "slurm/train.sbatch", "--steps", "1"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    sacct_txt = tmp_path / "run" / "sacct.txt"
+    return r, (sacct_txt.read_text() if sacct_txt.exists() else None)
+
+
+SACCT_LINES = ('echo "$*" > "$FAKE_DIR/sacct.args"\n'
+               "echo 'JobID|JobName|State|Elapsed|TotalCPU|CPUTime|MaxRSS|ReqMem|AllocCPUS|NodeList|ExitCode'\n"
+               "echo '77|ringpipe|RUNNING|00:00:09|00:03.000|00:00:18||2000M|2|n1|0:0'\n"
+               "echo '77.0|python|COMPLETED|00:00:08|00:03.000|00:00:16|41M||2|n1|0:0'\n")
+
+
+def test_train_sbatch_appends_sacct_lines_after_the_step(tmp_path):
+    r, text = _train_sbatch(tmp_path, SACCT_LINES)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert text is not None, r.stdout + r.stderr
+    assert "restart 0: the training step exited with 0" in text
+    assert "77.0|python|COMPLETED" in text and text.count("JobID|") == 1
+    assert (tmp_path / "sacct.args").read_text().split()[:3] == ["-j", "77", "--parsable2"]
+
+
+def test_train_sbatch_requeues_as_before_with_accounting(tmp_path):
+    r, text = _train_sbatch(tmp_path, SACCT_LINES, srun_rc=85)
+    assert r.returncode == 0, r.stdout + r.stderr            # requeued: scontrol answered
+    assert (tmp_path / "scontrol.log").read_text().split() == ["requeue", "77"]
+    assert "the training step exited with 85" in text
+
+
+@pytest.mark.parametrize("sacct_body", ["echo 'Slurm accounting storage is disabled' >&2\nexit 1\n", None],
+                         ids=["disabled", "absent"])
+def test_train_sbatch_without_accounting_keeps_its_exit_code(tmp_path, sacct_body):
+    r, text = _train_sbatch(tmp_path, sacct_body, srun_rc=3)
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert text is None
+    if sacct_body:
+        assert "no Slurm accounting (sacct: Slurm accounting storage is disabled)" in r.stdout
