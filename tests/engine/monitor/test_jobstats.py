@@ -59,7 +59,8 @@ def _fake_sacct(tmp_path, body):
 
 
 def _env(path, **fields):
-    return dict(fields, PATH=f"{path}:/usr/bin:/bin")
+    """PATH is `path` alone: a real sacct elsewhere on this machine is never found."""
+    return dict(fields, PATH=path)
 
 
 def _write(tmp_path, env, tots=None, header=HEADER):
@@ -162,7 +163,7 @@ def test_no_sacct_on_path_records_the_reason(tmp_path):
 
 def test_sacct_that_hangs_is_given_up(tmp_path, monkeypatch):
     monkeypatch.setattr(jobstats, "SACCT_TIMEOUT_S", 0.5)
-    path = _fake_sacct(tmp_path, "exec sleep 30\n")
+    path = _fake_sacct(tmp_path, "exec /bin/sleep 30\n")
     s, _ = _write(tmp_path, _env(path, **SLURM_ENV))
     assert "did not answer" in s["sacct"]["reason"]
 
@@ -228,13 +229,25 @@ def _train_sbatch(tmp_path, sacct_body, srun_rc=0):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RINGPIPE_"))}
-    env.update(PATH=f"{bin_dir}:/usr/bin:/bin", FAKE_DIR=str(tmp_path), FAKE_MPI_LIB=MPICH_LIB,
+    env.update(PATH=f"{bin_dir}:{_system_without_sacct(tmp_path)}", FAKE_DIR=str(tmp_path), FAKE_MPI_LIB=MPICH_LIB,
                RINGPIPE_PYTHON=str(bin_dir / "python"), RINGPIPE_RUN_DIR=str(tmp_path / "run"),
                SLURM_JOB_ID="77", SLURM_NTASKS="1")
     r = subprocess.run(["bash", "slurm/train.sbatch", "--steps", "1"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)
     sacct_txt = tmp_path / "run" / "sacct.txt"
     return r, (sacct_txt.read_text() if sacct_txt.exists() else None)
+
+
+def _system_without_sacct(tmp_path):
+    """A folder of links to the system's commands, all but sacct: the script finds what it runs
+    (bash, git, date, timeout, ...) and no real sacct, whether or not this machine has Slurm."""
+    farm = tmp_path / "system"
+    farm.mkdir(exist_ok=True)
+    for folder in ("/usr/local/bin", "/usr/bin", "/bin"):
+        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+            if name != "sacct" and not os.path.lexists(farm / name):
+                os.symlink(os.path.join(folder, name), farm / name)
+    return str(farm)
 
 
 SACCT_LINES = ('echo "$*" > "$FAKE_DIR/sacct.args"\n'
