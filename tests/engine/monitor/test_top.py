@@ -1,0 +1,166 @@
+"""`ringpipe top` (engine/monitor/top.py) on a made-up run (tests/support/monitor_fixture.py):
+the plain-text table, the live view in a real terminal (tmux: keys sent, the screen
+captured), and the refusals."""
+import asyncio
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from ringpipe.engine.monitor import top
+from tests.support import ROOT
+from tests.support.monitor_fixture import write_run
+
+STRAGGLER = 3
+RANKS = 8
+
+
+def _rank_lines(text: str) -> dict[int, str]:
+    """rank -> its row in a plain or captured table (a row starts with the rank, then a node)."""
+    rows = {}
+    for line in text.splitlines():
+        m = re.match(r"\s*(\d+)\s+n\d+\s", line)
+        if m:
+            rows[int(m.group(1))] = line
+    return rows
+
+
+def test_once_shows_every_rank_the_straggler_and_the_eta(tmp_path, capsys):
+    write_run(tmp_path / "run", ranks=RANKS, steps=40, done=20, straggler=STRAGGLER)
+    assert top.main([str(tmp_path / "run"), "--once"]) == 0
+    out = capsys.readouterr().out
+    rows = _rank_lines(out)
+    assert sorted(rows) == list(range(RANKS)), out
+    assert "straggler: compute 1.8x" in rows[STRAGGLER]
+    assert all("straggler" not in rows[r] for r in rows if r != STRAGGLER)
+    assert re.search(r"ETA \d+ s \(0\.50 s/step\)", out), out     # the fixture's steps are 0.5 s apart
+    assert "step 20/40" in out and "8 ranks on 2 nodes" in out and "running" in out
+    assert "stragglers: rank 3 (compute 1.8x)" in out
+
+
+def test_a_folder_that_is_no_run_exits_2(tmp_path):
+    # Through the front door, as a user types it: the message names the folder and what to give.
+    proc = subprocess.run([sys.executable, "-m", "ringpipe", "top", str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "is not a run directory" in proc.stderr and str(tmp_path) in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_run_not_written_yet_waits_and_a_damaged_log_is_shown(tmp_path, capsys):
+    run = tmp_path / "run"
+    write_run(run, ranks=4, steps=40, done=0)
+    assert top.main([str(run), "--once"]) == 0
+    assert "waiting for the run to write metrics.jsonl" in capsys.readouterr().out
+    (run / "metrics.jsonl").write_text('{"step": 1, "time": 1.0}\nnot json\n')
+    view = top.load_view(str(run))                     # the live view shows it, it does not crash
+    assert "is not a JSON record" in view.error
+    assert top.main([str(run), "--once"]) == 2
+
+
+def test_finished_when_every_rank_left_its_marker(tmp_path, capsys):
+    from ringpipe.engine.job.rundir import mark_finished
+    run = str(tmp_path / "run")
+    write_run(run, ranks=2, steps=10)
+    for rank in range(2):
+        mark_finished(run, rank, 2, 10)
+    assert top.load_view(run).state == "finished"
+
+
+def test_the_sort_key_puts_the_slowest_compute_first(tmp_path):
+    # The Textual app headless (no terminal): `s` twice is "compute", the straggler on top.
+    write_run(tmp_path / "run", ranks=RANKS, steps=40, done=20, straggler=STRAGGLER)
+    seen = {}
+
+    def drive(app, path, size):
+        async def go():
+            async with app.run_test(size=size) as pilot:
+                for _ in range(200):
+                    if app.view is not None:
+                        break
+                    await pilot.pause(0.05)
+                await pilot.press("s", "s")
+                table = app.query_one("#ranks")
+                seen["sort"] = app.sort
+                seen["first"] = table.get_row_at(0)[0].plain
+        asyncio.run(go())
+        return 0
+
+    original = top._save_screenshot
+    top._save_screenshot = drive
+    try:
+        assert top.main([str(tmp_path / "run"), "--screenshot", str(tmp_path / "x.svg")]) == 0
+    finally:
+        top._save_screenshot = original
+    assert seen == {"sort": "compute", "first": str(STRAGGLER)}
+
+
+# ---- the live view in a real terminal -----------------------------------------------------
+
+def _wait_for(tmux, predicate, what: str, timeout: float = 60.0, escapes: bool = False) -> str:
+    deadline = time.monotonic() + timeout
+    screen = ""
+    while time.monotonic() < deadline:
+        screen = subprocess.run(tmux + ["capture-pane", "-p"] + (["-e"] if escapes else []) + ["-t", "top"],
+                                capture_output=True, text=True, timeout=30).stdout
+        if predicate(screen):
+            return screen
+        time.sleep(0.3)
+    pytest.fail(f"the screen never showed {what} in {timeout:.0f} s; it showed:\n{screen}")
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (tests/run_all.sh installs it)")
+def test_live_view_in_tmux(tmp_path):
+    run = tmp_path / "run"
+    write_run(run, ranks=RANKS, steps=40, done=20, straggler=STRAGGLER)
+    # A server of our own (-L): nothing else on the machine is touched, and killing it ends all.
+    tmux = ["tmux", "-L", f"ringpipe-top-{uuid.uuid4().hex[:12]}"]
+    command = (f"{shlex.quote(sys.executable)} -m ringpipe top {shlex.quote(str(run))} --interval 0.5; "
+               "echo EXIT=$?; sleep 60")
+    # A pytest process's C-level environment holds COLUMNS=80 and LINES=24 (set below Python:
+    # os.environ lacks them), which a child inherits and Textual would believe over the pane's
+    # size: the server gets os.environ, without them, explicitly.
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    try:
+        subprocess.run(tmux + ["new-session", "-d", "-s", "top", "-x", "160", "-y", "50", "-c", ROOT, command],
+                       check=True, timeout=30, env=env)
+        screen = _wait_for(tmux, lambda s: sorted(_rank_lines(s)) == list(range(RANKS)), "a row for every rank")
+        rows = _rank_lines(screen)
+        assert "straggler: compute 1.8x" in rows[STRAGGLER], screen
+        assert "step 20/40" in screen and "ETA" in screen, screen
+
+        # The straggler's row is drawn in reverse video (SGR 7), the others' cells are not.
+        screen = _wait_for(tmux, lambda s: "straggler:" in s, "the straggler", escapes=True)
+        line = next(line for line in screen.splitlines() if "straggler: compute" in line)
+        assert re.search(r"\x1b\[(?:\d+;)*7(?:;\d+)*m(?:\x1b\[[\d;]*m)*straggler: compute 1\.8x", line), repr(line)
+
+        # The run goes on: five more steps appended to the log are on screen at the next reading.
+        later = tmp_path / "later"
+        write_run(later, ranks=RANKS, steps=40, done=25, straggler=STRAGGLER)
+        new = [line for line in (later / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] > 20]
+        assert len(new) == 5
+        with open(run / "metrics.jsonl", "a") as fh:
+            fh.write("\n".join(new) + "\n")
+        screen = _wait_for(tmux, lambda s: "step 25/40" in s and all(" 25 " in line for line in
+                                                                     _rank_lines(s).values()), "step 25")
+        assert sorted(_rank_lines(screen)) == list(range(RANKS))
+
+        subprocess.run(tmux + ["send-keys", "-t", "top", "q"], check=True, timeout=30)
+        _wait_for(tmux, lambda s: "EXIT=" in s, "the program's end", timeout=30)
+        screen = _wait_for(tmux, lambda s: "EXIT=" in s, "the exit code", timeout=5)
+        assert "EXIT=0" in screen, screen
+    finally:
+        subprocess.run(tmux + ["kill-server"], capture_output=True, timeout=30)
+
+
+def test_help_explains_the_keys(capsys):
+    assert top.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--interval" in out and "--once" in out and "q quit" in out
