@@ -20,8 +20,8 @@ OMPI_PY   := $(OMPI_VENV)/bin/python
 # 1 GB) come with `make test` only; `ringpipe prepare` with a BPE or Hugging Face
 # tokenizer and `ringpipe export` need the data and hf extras, which make test adds. No -q on the installs: pip's lines show what
 # is being downloaded, so a first run is never silent for minutes.
-TRAIN_EXTRAS := mpi,bf16
-TEST_EXTRAS  := mpi,bf16,data,hf,test,plot
+TRAIN_EXTRAS := mpi,bf16,monitor
+TEST_EXTRAS  := mpi,bf16,monitor,data,hf,test,plot,monitor-test
 
 $(VENV)/.installed: setup.py
 	@echo "setting up $(VENV) for training: numpy, numba, mpi4py + MPICH, oneDNN (the CPU's bf16 GEMM) from PyPI (about 135 MB to download, 405 MB installed) ..."

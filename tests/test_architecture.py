@@ -129,6 +129,7 @@ BREAKING = {
     "engine/data": ("from ..model.gpt import GPTConfig\n", "from ..job import files\n"),
     "engine/job": ("def f():\n    from ringpipe.engine.data import shards\n", "from . import rundir\n"),
     "engine/interop": ("from ..train.run import run\n", "from ..train.config import Config\n"),
+    "engine/monitor": ("from ..parallel.data import DataParallel\n", "from ..job.files import read_json\nimport mpi4py\n"),
     "engine/schedules": ("def f():\n    import numpy\n", "from collections import deque\nfrom . import schedule\n"),
     "engine/train": ("from ringpipe.engine import run\n", "from ..interop import hf\nimport mpi4py\n"),
 }

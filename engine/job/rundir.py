@@ -9,6 +9,9 @@ What a run keeps there:
     OUT/logs/rank<R>.log    per-rank logs
     OUT/heartbeat/          watchdog heartbeats
     OUT/tokenizer.json      the tokenizer the run's data was prepared with (travels to exports)
+    OUT/monitor.json        the run's ranks, nodes and layout, for `ringpipe top` and `report` (engine/monitor)
+    OUT/tensorboard/        TensorBoard event files
+    OUT/job_summary.*       per node CPU, memory and time split at the end of a run (and Slurm's sacct)
     OUT/previous/           the run that was there before a fresh start (--overwrite)
 
 Only world rank 0 takes the lock and touches the shared files, the trainer
@@ -39,7 +42,9 @@ PREVIOUS_NAME = "previous"
 # unrelated files a user keeps in the folder are never touched.
 DONE_NAME = "finished"             # OUT/finished/rank{R}.json: that rank ran to the end
 BEST_NAME = "best"                 # OUT/best/: --keep-best's checkpoint (`ringpipe export OUT/best`)
-RUN_ENTRIES = ("checkpoints", BEST_NAME, METRICS_NAME, "logs", "heartbeat", "tokenizer.json", DONE_NAME)
+# The monitor's files (engine/monitor: its header, TensorBoard's event files, the job summary).
+MONITOR_ENTRIES = ("monitor.json", "tensorboard", "job_summary.json", "job_summary.txt", "sacct.txt")
+RUN_ENTRIES = ("checkpoints", BEST_NAME, METRICS_NAME, "logs", "heartbeat", "tokenizer.json", DONE_NAME) + MONITOR_ENTRIES
 
 
 def metrics_path(out_dir: str) -> str:

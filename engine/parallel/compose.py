@@ -16,7 +16,7 @@ def build_rank_model(grid, layers_fn, cfg, dtype, xp, micro_shape, cost_batch, t
     tensor = None
     if grid.size("tensor") > 1:
         tensor = TensorGroup(grid.comm("tensor"), sequence_parallel=cfg.sequence_parallel,
-                             overlap=cfg.tensor_overlap)
+                             overlap=cfg.tensor_overlap, trace=trace)
         if cfg.sequence_parallel:      # between the stages travel this rank's positions only
             micro_shape = (micro_shape[0], micro_shape[1] // tensor.size, *micro_shape[2:])
     if cfg.pipelined:
@@ -34,4 +34,4 @@ def build_rank_model(grid, layers_fn, cfg, dtype, xp, micro_shape, cost_batch, t
     if tensor is not None:
         inner = TensorParallel(inner, tensor, [s for layer in layers_fn(tensor) for s in layer.specs()])
     return DataParallel(inner, grid, zero=cfg.zero, bucket_mb=cfg.bucket_mb, overlap=not cfg.no_overlap,
-                        gather_mode=cfg.zero_gather_mode)
+                        gather_mode=cfg.zero_gather_mode, trace=trace)

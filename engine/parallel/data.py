@@ -19,6 +19,8 @@ With one data-parallel rank it adds nothing and communicates nothing.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ringpipe import comm
@@ -58,8 +60,9 @@ class _BucketSync(GradSync):
 
 
 class DataParallel:
-    def __init__(self, inner, grid, zero=0, bucket_mb=None, overlap=True, gather_mode="use"):
+    def __init__(self, inner, grid, zero=0, bucket_mb=None, overlap=True, gather_mode="use", trace=None):
         self.inner, self.params = inner, inner.params
+        self.trace = trace             # list-like to append (name, category, t0, t1), or None
         self.data_comm = grid.comm("data")
         self.dp, self.index = grid.size("data"), grid.index("data")
         self.stage = int(zero) if self.dp > 1 else 0        # the ZeRO stage (0: none)
@@ -83,7 +86,7 @@ class DataParallel:
             self.sync = _BucketSync(self.buckets, self.owned)
             if self.stage == 3:
                 self.sharded = ShardedParams(self.params, self.buckets.buckets, self.data_comm, inner.chains,
-                                             gather_mode, overlap)
+                                             gather_mode, overlap, trace=trace)
         self.auto_buckets = bucket_mb is None
 
     # ---- this rank's chunks ------------------------------------------------------------------
@@ -137,7 +140,9 @@ class DataParallel:
         # Each rank holds its chunks of the reduced gradients, zeros elsewhere: the
         # squares of its chunks, summed over the replicas, are the norm's.
         part = np.array([self.inner.grad_norm_sq()])
+        t0 = time.perf_counter()
         comm.allreduce(part, self.data_comm, op="sum")
+        self._event("norm all-reduce", "comm", t0)
         return float(part[0])
 
     def scale_grads(self, scale):
@@ -155,8 +160,14 @@ class DataParallel:
         # Under ZeRO the optimizer's state is this rank's chunks, packed one after another.
         opt.step(self.params.data, self.params.grad, lr, chunks=self.owned)
         if self.owned is not None and self.stage < 3:
+            t0 = time.perf_counter()
             for lo, hi, _, _ in self.buckets.buckets:
                 comm.allgather(self.params.data[lo:hi], self.data_comm)
+            self._event("ZeRO parameter all-gather", "comm", t0)
+
+    def _event(self, name, category, t0):
+        if self.trace is not None:
+            self.trace.append((name, category, t0, time.perf_counter()))
 
     def start_identical(self):
         # Every replica initialised identically from the seed; broadcasting the first

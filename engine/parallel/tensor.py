@@ -84,6 +84,7 @@ class _Running:
         t0 = time.perf_counter()
         value = self.future.result()
         self.group.stats["waited_s"] += time.perf_counter() - t0
+        self.group.event("tensor-parallel wait", t0)
         return value
 
 
@@ -100,8 +101,9 @@ class TensorGroup:
     and the buffer bytes of each collective, and the time spent in them.
     """
 
-    def __init__(self, comm_, sequence_parallel=False, overlap=True):
+    def __init__(self, comm_, sequence_parallel=False, overlap=True, trace=None):
         self.comm, self.size, self.index = comm_, comm_.Get_size(), comm_.Get_rank()
+        self.trace = trace             # list-like to append (name, category, t0, t1), or None
         self.sequence_parallel = sequence_parallel
         self.overlap = overlap
         # False when the schedule runs weight gradients as actions of their own (zero-bubble W).
@@ -181,6 +183,13 @@ class TensorGroup:
         self.stats[kind][0] += 1
         self.stats[kind][1] += nbytes
         self.stats["comm_s"] += time.perf_counter() - t0
+        self.event(f"tensor-parallel {kind}", t0)
+
+    def event(self, name, t0):
+        """A span of communication time for the trace and the step's time split (on the
+        communication thread too: the clock counts only the thread that computes)."""
+        if self.trace is not None:
+            self.trace.append((name, "comm", t0, time.perf_counter()))
 
     def allreduce(self, x, op="sum"):
         t0 = time.perf_counter()
@@ -555,7 +564,9 @@ class TensorParallel:
     def grad_norm_sq(self, exclude=()):
         exclude = [*exclude, *(self._replicated if self.tensor.index else [])]
         total = np.array([self.inner.grad_norm_sq(exclude=exclude)])
+        t0 = time.perf_counter()
         comm.allreduce(total, self.tensor.comm, op="sum")
+        self.tensor.event("norm all-reduce", t0)
         return float(total[0])
 
     def named_arrays(self, opt_states):

@@ -102,10 +102,11 @@ class ShardedParams:
     """ZeRO-3's parameters: this rank keeps its chunk of each piece in memory; the
     rest of a piece is gathered while a layer that reads it runs (LayerChain.residency)."""
 
-    def __init__(self, params, buckets, data_comm, chains, gather_mode="use", overlap=True):
+    def __init__(self, params, buckets, data_comm, chains, gather_mode="use", overlap=True, trace=None):
         if gather_mode not in GATHER_MODES:
             raise ValueError(f"gather mode {gather_mode!r}: use one of {GATHER_MODES}")
         self.params, self.mode = params, gather_mode
+        self.trace = trace             # list-like to append (name, category, t0, t1), or None
         self.pieces = [(lo, hi) for lo, hi, _, _ in buckets]
         self.owned = owned_ranges(buckets, data_comm.Get_size(), data_comm.Get_rank())
         piece_of = np.empty(len(params.specs), dtype=np.int64)
@@ -228,7 +229,10 @@ class ShardedParams:
                 raise RuntimeError("ZeRO-3: a parameter all-gather failed") from self._error
         for k in pieces:
             self.queued[k], self.gathered[k] = False, True
-        self.wait_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.wait_s += t1 - t0
+        if self.trace is not None:
+            self.trace.append(("ZeRO-3 gather wait", "comm", t0, t1))
 
     def _done(self, k):
         return k not in self._queue and self._busy != k
@@ -237,7 +241,10 @@ class ShardedParams:
         lo, hi = self.pieces[k]
         t0 = time.perf_counter()
         comm.allgather(self.params.data[lo:hi], self.comm)
-        self.gather_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.gather_s += t1 - t0
+        if self.trace is not None:        # counted where it blocks the compute (without a gather thread)
+            self.trace.append(("ZeRO-3 all-gather", "comm", t0, t1))
         if self._thread is None:
             self.queued[k], self.gathered[k] = False, True
 

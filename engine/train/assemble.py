@@ -8,6 +8,7 @@ state goes through engine/job/agreement.py, so all ranks reach the same verdict.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import sys
@@ -27,6 +28,10 @@ from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.model.optim import lr_at
 from ringpipe.engine.model.registry import names_of
 from ringpipe.engine.train.reporting import Reporter
+from ringpipe.engine.monitor.clock import StepClock
+from ringpipe.engine.monitor.probes import gemm_peak_flops
+from ringpipe.engine.monitor.ranks import RankMonitor
+from ringpipe.engine.monitor.sinks import TENSORBOARD_DIR, MissingLibrary, Sinks
 
 
 @dataclass
@@ -55,6 +60,10 @@ class Run:
     tokenizer: Any = None              # the data's (engine/data/tokenizer.py), None for data without one
     init: Any = None                   # init_from's (GPTConfig, named arrays, tokenizer.json or None)
     tracer: Any = None
+    clock: Any = None                  # this rank's step time split (engine/monitor/clock.py)
+    monitor: Any = None                # the per-rank gathers and stragglers (engine/monitor/ranks.py)
+    sinks: Any = None                  # rank 0's TensorBoard and Prometheus writers (engine/monitor/sinks.py)
+    peak_flops: float | None = None    # a rank's GEMM FLOP/s measured at start-up (MFU's denominator)
     dog: Any = None
     t_start: float = 0.0               # when the first step began
 
@@ -66,6 +75,11 @@ class Run:
     @property
     def items_per_step(self) -> int:
         return self.cfg.batch_size * self.items_per_example
+
+    @property
+    def job_peak_flops(self) -> float | None:
+        """Every rank's measured GEMM peak together: what MFU divides by (None: not measured)."""
+        return self.peak_flops * self.world.Get_size() if self.peak_flops else None
 
     @property
     def grad_scale(self) -> float:
@@ -94,6 +108,7 @@ def assemble(cfg: Config, world, stop, cleanup, render=None) -> Run:
     cleanup.callback(lambda: getattr(training.dataset, "close", lambda: None)())
     build_model(training, cleanup)
     start_reporting(training, cleanup)
+    start_monitoring(training, cleanup)
     return training
 
 
@@ -376,12 +391,15 @@ def build_model(training: Run, cleanup) -> None:
     if cfg.trace:
         from ringpipe.engine.train.trace import Tracer
         training.tracer = Tracer(cfg.trace, training.world)
+    # Every timed span of the layers and the loop goes to the clock (the time split),
+    # and from there to the trace when one is written.
+    training.clock = StepClock(trace=training.tracer.events if training.tracer else None)
     try:
         training.model = build_rank_model(training.grid, layers_fn, cfg, training.dtype, training.xp,
                                           micro_shape=(micro, training.seq_len or 1,
                                                        getattr(training.shape, "d_model", 1)),
                                           cost_batch=lambda: training.dataset.batch(0, cfg.batch_size, 0, micro),
-                                          trace=training.tracer.events if training.tracer else None)
+                                          trace=training.clock)
     except (ScheduleError, ValueError) as e:     # a layout the schedule or the partition cannot make
         raise ConfigError(str(e)) from None
     cleanup.callback(training.model.close)
@@ -497,3 +515,65 @@ def start_reporting(training: Run, cleanup) -> None:
                                            append=bool(training.resume_path))
         for note in report.metrics.notes:
             report.say(note)
+
+
+# ---- watching the job (docs/monitoring.md) --------------------------------------------------
+
+def start_monitoring(training: Run, cleanup) -> None:
+    """The GEMM peak MFU is measured against, the per-rank monitor (collective: it learns
+    which node every rank is on and writes OUT/monitor.json), and rank 0's sinks."""
+    cfg, world, grid, report = training.cfg, training.world, training.grid, training.report
+    if cfg.monitor_every != 0:
+        peak = np.array([gemm_peak_flops(training.xp, training.dtype, cfg.precision)])
+        comm.allreduce(peak, world, op="avg")
+        training.peak_flops = float(peak[0])
+    header = {"start_step": training.start_step, "steps": cfg.steps, "model": cfg.model,
+              "unit": training.recipe.unit, "items_per_step": training.items_per_step, "precision": cfg.precision,
+              "layout": {"dp": grid.size("data"), "pp": grid.size("pipe"), "tp": grid.size("tensor")},
+              "gemm_peak_flops_per_rank": training.peak_flops}
+    coords = {"dp": grid.index("data"), "pp": grid.index("pipe"), "tp": grid.index("tensor")}
+    gpu = None
+    if training.xp is not np:
+        gpu = int(training.xp.cuda.Device().id)
+    training.monitor = agree(world, lambda: RankMonitor(
+        world, out_dir=cfg.out_dir, interval=cfg.monitor_every, ratio=cfg.straggler_ratio,
+        intervals=cfg.straggler_intervals, coords=coords, header=header, say=report.say, gpu_index=gpu),
+        "the monitor header (OUT/monitor.json)")
+
+    def sinks_on_rank0():                 # the sinks stay on rank 0: only their verdict is shared
+        training.sinks = open_sinks(training)
+        cleanup.callback(training.sinks.close)
+    agree_on_rank0(world, sinks_on_rank0, "monitoring sinks")
+    if cfg.monitor_every != 0 and training.peak_flops:
+        report.say(f"monitoring: per-rank numbers every {cfg.monitor_every} steps"
+                   f"{' (about 2 s of steps, set after step ' + str(training.start_step + 2) + ')' if cfg.monitor_every == 'auto' else ''}"
+                   f"; MFU against a GEMM peak of {training.peak_flops / 1e9:.1f} GFLOP/s a rank (measured now, "
+                   f"{cfg.precision}); `ringpipe top {cfg.out_dir}` watches, `ringpipe report {cfg.out_dir} --out "
+                   "report.html` plots")
+
+
+def open_sinks(training: Run):
+    """Rank 0: the sinks asked for. A missing library or a port in use is a ConfigError."""
+    cfg = training.cfg
+    tensorboard = cfg.tensorboard
+    if tensorboard is None:
+        tensorboard = importlib.util.find_spec("tensorboardX") is not None
+        if not tensorboard:
+            training.report.say("TensorBoard: off (tensorboardX is not installed: pip install 'ringpipe[monitor]')")
+    job = os.environ.get("SLURM_JOB_ID") or os.path.basename(os.path.abspath(cfg.out_dir))
+    try:
+        sinks = Sinks.open(cfg.out_dir, training.start_step, tensorboard=tensorboard, textfile=cfg.metrics_textfile,
+                           port=cfg.metrics_port, host=cfg.metrics_host, job=job, say=training.report.say)
+    except MissingLibrary as e:
+        raise ConfigError(str(e)) from None
+    except OSError as e:
+        raise ConfigError(f"<metrics_port> {cfg.metrics_port} on {cfg.metrics_host} cannot be opened "
+                          f"({e.strerror or e}); pick a free port, or leave <metrics_port> out") from None
+    if tensorboard:
+        training.report.say(f"TensorBoard: {os.path.join(cfg.out_dir, TENSORBOARD_DIR)} "
+                            f"(tensorboard --logdir {os.path.join(cfg.out_dir, TENSORBOARD_DIR)})")
+    if cfg.metrics_textfile:
+        training.report.say(f"Prometheus: {cfg.metrics_textfile} (node_exporter's textfile collector)")
+    if cfg.metrics_port is not None:
+        training.report.say(f"Prometheus: http://{cfg.metrics_host}:{cfg.metrics_port}/metrics (rank 0)")
+    return sinks

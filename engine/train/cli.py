@@ -66,7 +66,7 @@ def parse_args(argv=None, prog="ringpipe train"):
                "(python -m ringpipe.train ... is the same command)",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     for add_flags in (_model_flags, _data_flags, _optimization_flags, _parallelism_flags, _output_flags,
-                      _cluster_flags):
+                      _monitoring_flags, _cluster_flags):
         add_flags(p)
     return p.parse_args(argv)
 
@@ -244,6 +244,39 @@ def _output_flags(p):
                    help="print the predicted memory per rank item by item at start-up (parameters, gradients, "
                         "optimizer state, activations, communication buffers; docs/memory.md), and after step 2 "
                         "the measured peak (the largest rank's) next to it")
+
+
+def _monitor_every(text):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of steps or auto, got {text!r}") from None
+
+
+def _monitoring_flags(p):
+    g = p.add_argument_group("monitoring (docs/monitoring.md)")
+    g.add_argument("--monitor-every", type=_monitor_every, default="auto", metavar="N|auto",
+                   help="steps between per-rank measurements (time split, memory, CPU, network): one small "
+                        "gather to rank 0, written to metrics.jsonl's per-rank section and the sinks below; auto "
+                        "(default): about every 2 seconds of steps, under 0.1%% of the step time; 0: off")
+    g.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
+                   help="TensorBoard event files in OUT/tensorboard (tensorboard --logdir OUT/tensorboard); default: "
+                        "on when tensorboardX is installed (pip install 'ringpipe[monitor]')")
+    g.add_argument("--metrics-textfile", default=None, metavar="FILE.prom",
+                   help="write Prometheus metrics to this file (atomically, each interval) for node_exporter's "
+                        "textfile collector; no port is opened")
+    g.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics from rank 0 on this port (bound to --metrics-host)")
+    g.add_argument("--metrics-host", default="127.0.0.1", metavar="ADDR",
+                   help="the address --metrics-port binds (default 127.0.0.1: only this node; 0.0.0.0: every "
+                        "interface)")
+    g.add_argument("--straggler-ratio", type=float, default=1.5, metavar="X",
+                   help="name a rank whose compute time (or data wait, or memory) is X times its peers' median "
+                        "(default 1.5) ...")
+    g.add_argument("--straggler-intervals", type=int, default=3, metavar="K",
+                   help="... for K intervals in a row (default 3)")
 
 
 def _cluster_flags(p):

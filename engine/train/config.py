@@ -102,6 +102,14 @@ class Config:
     sample_tokens: int = 200           # GPT: tokens sampled at the end
     quiet: bool = False
     memory_report: bool = False        # the predicted memory per rank item by item, and the measured peak
+    # ---- monitoring (docs/monitoring.md)
+    monitor_every: int | str = "auto"  # steps between per-rank gathers: N, "auto" (~2 s of steps), 0 (off)
+    tensorboard: bool | None = None    # TensorBoard event files in OUT/tensorboard (None: when tensorboardX is installed)
+    metrics_textfile: str | None = None   # a Prometheus text file (*.prom) for node_exporter's textfile collector
+    metrics_port: int | None = None    # rank 0 serves Prometheus metrics on this port
+    metrics_host: str = "127.0.0.1"    # ... bound to this address (localhost: nothing outside the node reaches it)
+    straggler_ratio: float = 1.5       # a rank's compute (data wait, memory) this many times its peers' median ...
+    straggler_intervals: int = 3       # ... for this many intervals in a row is named a straggler
     # ---- cluster
     watchdog: float = 0.0              # seconds without progress before a report (0: off)
     watchdog_abort: bool = False
@@ -277,10 +285,38 @@ def _check_values(cfg: Config) -> None:
         raise ConfigError(f"<decay_steps> must be >= 1, got {cfg.decay_steps}")
     if cfg.max_data_mb <= 0:
         raise ConfigError(f"<max_data_mb> must be > 0, got {cfg.max_data_mb}")
+    _check_monitoring(cfg)
     if cfg.bucket_mb is not None and cfg.bucket_mb > MAX_BUCKET_MB:
         raise ConfigError(f"<bucket_mb> {cfg.bucket_mb:g} is more than {MAX_BUCKET_MB} MiB (1 TiB); a bucket "
                           "larger than the gradients is one bucket anyway: leave <bucket_mb> out for the "
                           "automatic size, or give a size in MiB")
+
+
+def _check_monitoring(cfg: Config) -> None:
+    every = cfg.monitor_every
+    if every != "auto" and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
+        raise ConfigError(f"<monitor_every> is the steps between per-rank measurements: a whole number >= 0 "
+                          f"(0: off) or auto, got {every!r}")
+    if not cfg.straggler_ratio > 1:
+        raise ConfigError(f"<straggler_ratio> must be > 1 (a rank this many times its peers' median is named), "
+                          f"got {cfg.straggler_ratio}")
+    if cfg.straggler_intervals < 1:
+        raise ConfigError(f"<straggler_intervals> must be >= 1, got {cfg.straggler_intervals}")
+    if cfg.metrics_port is not None and not 0 < cfg.metrics_port < 65536:
+        raise ConfigError(f"<metrics_port> must be a TCP port, 1 to 65535, got {cfg.metrics_port}")
+    if cfg.metrics_textfile is not None:
+        if not cfg.metrics_textfile.endswith(".prom"):
+            raise ConfigError(f"<metrics_textfile> {cfg.metrics_textfile}: node_exporter's textfile collector "
+                              "reads only files named *.prom; name the file so (e.g. "
+                              "/var/lib/node_exporter/textfile/ringpipe.prom)")
+        folder = os.path.dirname(os.path.abspath(cfg.metrics_textfile))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ConfigError(f"<metrics_textfile> {cfg.metrics_textfile}: the folder {folder} does not exist or "
+                              "is not writable; name a file in a folder you can write to (node_exporter's "
+                              "--collector.textfile.directory)")
+        if os.path.isdir(cfg.metrics_textfile):
+            raise ConfigError(f"<metrics_textfile> {cfg.metrics_textfile} is a folder; name a file in it, e.g. "
+                              f"{os.path.join(cfg.metrics_textfile, 'ringpipe.prom')}")
 
 
 def _check_layout(cfg: Config, world_size: int) -> None:

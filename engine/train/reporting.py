@@ -112,12 +112,15 @@ class Reporter:
 
 
 def step_record(step, loss, lr, norm_sq, dt, items_per_step, flops_per_item, unit, hidden=None,
-                epoch=None) -> dict:
+                epoch=None, peak_flops=None) -> dict:
     """One line of metrics.jsonl. unit: what the model counts (its recipe's: "tokens" gives
-    tokens_per_s). epoch: passes over the training split so far (a float), when known."""
-    record = {"step": step, "loss": loss, "lr": lr, "grad_norm": math.sqrt(norm_sq), "step_ms": dt * 1e3,
-              f"{unit}_per_s": items_per_step / dt,
+    tokens_per_s). epoch: passes over the training split so far (a float), when known.
+    peak_flops: the job's (every rank's measured GEMM peak, summed): gives "mfu"."""
+    record = {"step": step, "time": time.time(), "loss": loss, "lr": lr, "grad_norm": math.sqrt(norm_sq),
+              "step_ms": dt * 1e3, f"{unit}_per_s": items_per_step / dt,
               "model_flops_per_s": flops_per_item * items_per_step / dt}
+    if peak_flops:
+        record["mfu"] = record["model_flops_per_s"] / peak_flops
     if epoch is not None:
         record["epoch"] = epoch
     if hidden is not None:

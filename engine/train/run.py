@@ -31,6 +31,8 @@ from ringpipe.engine.job import checkpoint, lifecycle, rundir
 from ringpipe.engine.train.agreement import BadBatch, agree_batch, batch_error, batch_problem
 from ringpipe.engine.train.assemble import Run, assemble
 from ringpipe.engine.train import memory
+from ringpipe.engine.monitor import jobstats
+from ringpipe.engine.monitor.clock import span
 from ringpipe.engine.train.config import Config
 from ringpipe.engine.train.evaluation import evaluate, sum_over_ranks
 from ringpipe.engine.job.errors import Diverged, JobFailure
@@ -103,25 +105,36 @@ def train(training: Run, best: Best | None = None) -> tuple[float, int | None]:
 
 
 def steps(training: Run, batches: Prefetcher, best: Best | None = None) -> tuple[float, int | None]:
-    cfg, model = training.cfg, training.model
+    cfg, model, clock = training.cfg, training.model, training.clock
     loss = float("nan")
     for step in range(training.start_step, cfg.steps):
         t0 = time.perf_counter()
+        clock.begin_step()               # the step's time split: every span below and in the layers
         lr = lr_at(step, cfg.peak_lr, cfg.warmup_steps, cfg.schedule_steps, cfg.min_lr_ratio)
-        x, y = batches.get(step)
-        model.zero_grad()
-        loss = sum_over_ranks(training, model.forward_backward(x, y, training.grad_scale)) / training.items_per_step
-        norm_sq = model.grad_norm_sq()
+        with span(clock, "next batch", "data"):
+            x, y = batches.get(step)
+        with span(clock, "zero gradients", "compute"):
+            model.zero_grad()
+        local_loss = model.forward_backward(x, y, training.grad_scale)
+        with span(clock, "loss all-reduce", "comm"):
+            loss = sum_over_ranks(training, local_loss) / training.items_per_step
+        with span(clock, "gradient norm", "compute"):
+            norm_sq = model.grad_norm_sq()
         refuse_non_finite(training, step + 1, loss=loss, grad_norm=math.sqrt(norm_sq) if norm_sq >= 0 else norm_sq)
-        model.scale_grads(clip_scale(norm_sq, cfg.grad_clip))
-        model.update(training.opt, lr)
+        with span(clock, "update", "compute"):
+            model.scale_grads(clip_scale(norm_sq, cfg.grad_clip))
+            model.update(training.opt, lr)
 
         done = step + 1
         if cfg.memory_report and done == min(cfg.steps, training.start_step + 2):
             memory.report_measured(training, done)     # step 2: the first with the optimizer state in memory
-        record = step_record(done, loss, lr, norm_sq, time.perf_counter() - t0, training.items_per_step,
+        step_s = time.perf_counter() - t0
+        record = step_record(done, loss, lr, norm_sq, step_s, training.items_per_step,
                              training.flops_per_item, training.recipe.unit, model.comm_hidden_fraction(),
-                             epochs_at(training, done))
+                             epochs_at(training, done), peak_flops=training.job_peak_flops)
+        # Every rank, every step (a gather every interval): the per-rank section, stragglers.
+        training.monitor.step_done(done, step_s, clock.end_step(step_s),
+                                   training.items_per_step // training.grid.size("data"), record)
         reported = saved_now = False
         try:
             if done % cfg.eval_period == 0 or done == cfg.steps:
@@ -129,6 +142,8 @@ def steps(training: Run, batches: Prefetcher, best: Best | None = None) -> tuple
                 refuse_non_finite(training, done, validation_loss=record["val_loss"])
             report_step(training, record)
             reported = True
+            if training.sinks is not None:
+                training.sinks.publish(record)         # TensorBoard, Prometheus: a background thread writes
             if "val_loss" in record:
                 keep_if_best(training, best, done, record["val_loss"], loss)
             saved_now = bool(cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done != cfg.steps)
@@ -406,10 +421,22 @@ def finish(training: Run, loss: float, stopped_at: int | None, best: Best | None
                    f"memory ({training.transport.describe()})")
     if training.recipe.generate is not None and cfg.sample_tokens > 0 and arrays is not None and report.is_main:
         sample(training, arrays)
+    summarize_job(training)
     # The last thing every rank does: what `ringpipe finished RUN_DIR` counts.
     world = training.world
     rundir.mark_finished(cfg.out_dir, world.Get_rank(), world.Get_size(), max(cfg.steps, training.start_step))
     return RunResult(max(cfg.steps, training.start_step), loss, 0, None, final, training.model)
+
+
+def summarize_job(training: Run) -> None:
+    """OUT/job_summary.{json,txt}: per node CPU, memory and time split, efficiency, and Slurm's
+    accounting where it answers (collective: one gather of every rank's totals)."""
+    totals = training.monitor.totals_at_end()
+    if training.report.is_main:
+        wall = max(t["wall_s"] for t in totals)
+        json_path, text_path = jobstats.write_summary(training.cfg.out_dir, training.monitor.header, totals, wall)
+        if text_path:
+            training.report.say(f"job summary: {text_path}")
 
 
 def sample(training: Run, arrays: dict) -> None:

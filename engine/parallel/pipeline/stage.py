@@ -12,6 +12,8 @@ owns besides:
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from mpi4py import MPI
 
@@ -104,7 +106,10 @@ class PipelineModel:
         # The last stage's copy of the tied embedding is the first stage's: count it once.
         norm_sq = np.array([K.sum_of_squares(self.params.grad) -
                             sum(K.sum_of_squares(self.params.grad[a:b]) for a, b in [*self._duplicate, *exclude])])
+        t0 = time.perf_counter()
         comm.allreduce(norm_sq, self.pipe_comm, op="sum")
+        if self.executor.trace is not None:     # the stages meet here: a faster one waits
+            self.executor.trace.append(("norm all-reduce", "comm", t0, time.perf_counter()))
         return float(norm_sq[0])
 
     def named_arrays(self, opt_states):

@@ -1,0 +1,205 @@
+"""Where rank 0 sends each step's record besides metrics.jsonl: TensorBoard event files
+and Prometheus (a text file for node_exporter's textfile collector, or a port).
+
+    sinks = Sinks.open(out_dir, start_step, tensorboard=True, textfile=None, port=None, say=print)
+    sinks.publish(record)          # every step, after metrics.jsonl has it: a queue put, nothing more
+    sinks.close()                  # the end of the run: everything queued is written
+
+Encoding events costs about 20 us a scalar in tensorboardX (a Python protobuf per value):
+a dozen a step would be a millisecond of the training thread. So the records go to a
+queue, and one background thread writes them. A sink that fails (a full disk, a port
+taken) says so once and stops; it never stops the training, which metrics.jsonl records.
+
+TensorBoard: OUT/tensorboard/, one event file per (re)start; a resumed run passes
+purge_step, so the steps an interrupted run wrote past its checkpoint are hidden and
+the resumed ones continue the same step axis. Scalars: train/*, val/*, and per rank
+rank_<metric>/rank_<R> (one group per metric: the ranks side by side).
+
+Prometheus: gauges named ringpipe_*, labelled by job (the Slurm job id or the run
+directory's name), and per rank by rank and node. The text file is rewritten
+atomically (prometheus_client writes a temporary file and renames it) at every
+per-rank interval and at the end; the port (rank 0, --metrics-port, bound to
+localhost unless --metrics-host says otherwise) serves the values of the newest step.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+
+from ringpipe.engine.monitor.ranks import SPLIT
+
+TENSORBOARD_DIR = "tensorboard"
+# The step record's scalars and their TensorBoard tags.
+TAGS = {"loss": "train/loss", "lr": "train/learning_rate", "grad_norm": "train/grad_norm",
+        "step_ms": "train/step_ms", "tokens_per_s": "train/tokens_per_s", "examples_per_s": "train/examples_per_s",
+        "model_flops_per_s": "train/model_flops_per_s", "mfu": "train/mfu", "epoch": "train/epoch",
+        "comm_hidden_frac": "train/comm_hidden_fraction", "val_loss": "val/loss", "val_bpb": "val/bits_per_byte",
+        "val_accuracy": "val/accuracy"}
+RANK_VALUES = ("step_ms", "compute_ms", "comm_ms", "bubble_ms", "data_ms", "other_ms", "items_per_s",
+               "rss_bytes", "peak_bytes", "cpu_percent", "net_rx_bytes_per_s", "net_tx_bytes_per_s",
+               "gpu_util_percent", "gpu_mem_bytes")
+
+
+class MissingLibrary(RuntimeError):
+    """A sink was asked for whose library is not installed; the message says what to install."""
+
+
+class TensorBoardSink:
+    def __init__(self, folder: str, start_step: int):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            raise MissingLibrary("TensorBoard event files need the tensorboardX package: pip install "
+                                 "'ringpipe[monitor]' (or tensorboardX), or pass --no-tensorboard") from None
+        # A deep queue: the writer's own thread drains it; a full one would block this thread.
+        self.writer = SummaryWriter(folder, purge_step=start_step or None, max_queue=1000, flush_secs=10)
+
+    def write(self, record: dict) -> None:
+        step, add = record["step"], self.writer.add_scalar
+        for key, tag in TAGS.items():
+            value = record.get(key)
+            if isinstance(value, (int, float)):
+                add(tag, value, step)
+        for which in ("precision", "recall"):
+            for k, value in enumerate(record.get(f"val_{which}") or []):
+                if value is not None:
+                    add(f"val_{which}/class_{k}", value, step)
+        if "val_confusion" in record:
+            rows = record["val_confusion"]
+            table = "| true \\ predicted | " + " | ".join(map(str, range(len(rows)))) + " |\n"
+            table += "|---" * (len(rows) + 1) + "|\n"
+            table += "".join(f"| {i} | " + " | ".join(map(str, row)) + " |\n" for i, row in enumerate(rows))
+            self.writer.add_text("val/confusion", table, step)
+        for row in record.get("ranks", ()):
+            for key in RANK_VALUES:
+                if key in row:
+                    add(f"rank_{key}/rank_{row['rank']:03d}", row[key], step)
+        if "stragglers" in record:
+            add("train/stragglers", len(record["stragglers"]), step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class PrometheusSink:
+    def __init__(self, job: str, textfile: str | None, port: int | None, host: str):
+        try:
+            import prometheus_client as pc
+        except ImportError:
+            raise MissingLibrary("--metrics-textfile and --metrics-port need the prometheus_client package: pip "
+                                 "install 'ringpipe[monitor]' (or prometheus_client)") from None
+        self.pc, self.textfile = pc, textfile
+        self.registry = pc.CollectorRegistry()
+        self.job = job
+
+        def gauge(name, about, labels=()):
+            return pc.Gauge(f"ringpipe_{name}", about, ("job",) + tuple(labels), registry=self.registry)
+        self.step = gauge("step", "the last step done")
+        self.scalars = {key: gauge(name, about) for key, name, about in (
+            ("loss", "loss", "training loss of the last step"),
+            ("lr", "learning_rate", "learning rate of the last step"),
+            ("grad_norm", "grad_norm", "global gradient norm of the last step (before clipping)"),
+            ("step_ms", "step_seconds", "the last step's time in seconds"),
+            ("tokens_per_s", "tokens_per_second", "tokens trained on per second"),
+            ("examples_per_s", "examples_per_second", "examples trained on per second"),
+            ("model_flops_per_s", "model_flops_per_second", "model FLOP/s (6N per token and attention)"),
+            ("mfu", "mfu_ratio", "model FLOP/s over the GEMM peak measured at start-up"),
+            ("val_loss", "val_loss", "the last validation loss"),
+            ("val_bpb", "val_bits_per_byte", "the last validation's bits per byte"),
+            ("val_accuracy", "val_accuracy_ratio", "the last validation's accuracy"))}
+        self.split = gauge("rank_step_part_seconds", "mean seconds per step in each part of the step",
+                           ("rank", "node", "part"))
+        self.rank_values = {key: gauge(name, about, ("rank", "node")) for key, name, about in (
+            ("step_ms", "rank_step_seconds", "the rank's mean step time over the last interval"),
+            ("items_per_s", "rank_items_per_second", "items the rank's replica trained on per second"),
+            ("rss_bytes", "rank_resident_bytes", "the rank's resident memory"),
+            ("peak_bytes", "rank_peak_resident_bytes", "the rank's peak resident memory"),
+            ("cpu_percent", "rank_cpu_percent", "the rank's CPU use (100 = one core)"),
+            ("net_rx_bytes_per_s", "node_network_receive_bytes_per_second", "the rank's node, all but loopback"),
+            ("net_tx_bytes_per_s", "node_network_transmit_bytes_per_second", "the rank's node, all but loopback"),
+            ("gpu_util_percent", "rank_gpu_utilization_percent", "the rank's GPU utilisation (NVML)"),
+            ("gpu_mem_bytes", "rank_gpu_memory_used_bytes", "the rank's GPU memory in use (NVML)"))}
+        self.straggler = gauge("rank_straggler", "1 while the rank is named a straggler", ("rank", "node", "what"))
+        self.named = set()
+        if port is not None:
+            self.pc.start_http_server(port, addr=host, registry=self.registry)
+
+    def write(self, record: dict) -> None:
+        job = self.job
+        self.step.labels(job).set(record["step"])
+        for key, g in self.scalars.items():
+            if isinstance(record.get(key), (int, float)):
+                value = record[key] / 1e3 if key == "step_ms" else record[key]
+                g.labels(job).set(value)
+        if "ranks" not in record:
+            return
+        for row in record["ranks"]:
+            rank, node = str(row["rank"]), row["node"]
+            for part in SPLIT:
+                if f"{part}_ms" in row:
+                    self.split.labels(job, rank, node, part).set(row[f"{part}_ms"] / 1e3)
+            for key, g in self.rank_values.items():
+                if key in row:
+                    g.labels(job, rank, node).set(row[key] / 1e3 if key == "step_ms" else row[key])
+        named = {(str(s["rank"]), s["node"], s["what"]) for s in record.get("stragglers", ())}
+        for labels in self.named | named:
+            self.straggler.labels(job, *labels).set(1 if labels in named else 0)
+        self.named = named
+        if self.textfile:
+            self.pc.write_to_textfile(self.textfile, self.registry)
+
+    def close(self) -> None:
+        if self.textfile:
+            self.pc.write_to_textfile(self.textfile, self.registry)
+
+
+class Sinks:
+    """rank 0's sinks, written by one background thread."""
+
+    def __init__(self, sinks: list, say):
+        self.sinks, self.say = sinks, say
+        self.queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="ringpipe-monitor-sinks", daemon=True)
+        if sinks:
+            self.thread.start()
+
+    @classmethod
+    def open(cls, out_dir: str, start_step: int, *, tensorboard: bool, textfile: str | None, port: int | None,
+             host: str = "127.0.0.1", job: str | None = None, say=print):
+        """The sinks asked for. Raises MissingLibrary when a library is not installed, OSError
+        when a port cannot be bound (both before any step)."""
+        sinks = []
+        if tensorboard:
+            sinks.append(TensorBoardSink(os.path.join(out_dir, TENSORBOARD_DIR), start_step))
+        if textfile or port is not None:
+            sinks.append(PrometheusSink(job or os.path.basename(os.path.abspath(out_dir)), textfile, port, host))
+        return cls(sinks, say)
+
+    def publish(self, record: dict) -> None:
+        if self.sinks:
+            self.queue.put(record)
+
+    def _run(self) -> None:
+        while True:
+            record = self.queue.get()
+            if record is None:
+                return
+            for sink in list(self.sinks):
+                try:
+                    sink.write(record)
+                except Exception as e:            # a sink is a view: it never stops the training
+                    self.sinks.remove(sink)
+                    self.say(f"warning: {type(sink).__name__} stopped after step {record.get('step')}: {e} "
+                             "(metrics.jsonl goes on recording every step)")
+
+    def close(self) -> None:
+        if not self.thread.is_alive():
+            return
+        self.queue.put(None)
+        self.thread.join()
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as e:
+                self.say(f"warning: {type(sink).__name__} could not close: {e}")
