@@ -122,8 +122,9 @@ class PrometheusSink:
             ("gpu_mem_bytes", "rank_gpu_memory_used_bytes", "the rank's GPU memory in use (NVML)"))}
         self.straggler = gauge("rank_straggler", "1 while the rank is named a straggler", ("rank", "node", "what"))
         self.named = set()
+        self.server = None
         if port is not None:
-            self.pc.start_http_server(port, addr=host, registry=self.registry)
+            self.server, _ = self.pc.start_http_server(port, addr=host, registry=self.registry)
 
     def write(self, record: dict) -> None:
         job = self.job
@@ -150,6 +151,9 @@ class PrometheusSink:
             self.pc.write_to_textfile(self.textfile, self.registry)
 
     def close(self) -> None:
+        if self.server is not None:       # the port is free again when run() returns (a library caller's process goes on)
+            self.server.shutdown()
+            self.server.server_close()
         if self.textfile:
             self.pc.write_to_textfile(self.textfile, self.registry)
 
