@@ -406,25 +406,33 @@ def ranks_section(header: dict | None, records: list[dict]) -> str:
     averaged = (f" Columns average {len(col_groups[0])} intervals each." if len(col_groups[0]) > 1 else "")
     out.append(svg.figure("step-heatmap", "Compute time per rank and interval", svg.heatmap(
         values, [group_label(g) for g in rank_groups], col_labels,
-        "Compute time (ms a step) per rank and interval", x_label="step (end of the interval)", y_label="rank",
+        "Compute time (ms a step) per rank and interval", x_label="step (end of the interval)",
         cell_titles=titles),
         "Colour: compute_ms, the rank's compute time a step, its mean over each interval (brighter is slower; "
         f"the time a rank waits for others is not compute, so a slow rank stands out).{averaged}{grouped_note}"
         f"{star}"))
     # The time split: the mean over every interval, per rank.
+    def mean_split(rank):
+        split = {}
+        for part in PARTS:
+            cells = [v for s in sections if (v := number(s["ranks"].get(rank, {}).get(f"{part}_ms"))) is not None]
+            split[part] = sum(cells) / len(cells) if cells else None
+        return split
+
     means = {part: [] for part in PARTS}
     for g in rank_groups:
+        # A group of ranks shows its slowest rank's split (the largest total), as the heat map does.
+        split = max((mean_split(ranks[ri]) for ri in g), key=lambda sp: sum(v for v in sp.values() if v))
         for part in PARTS:
-            cells = [v for s in sections for ri in g
-                     if (v := number(s["ranks"].get(ranks[ri], {}).get(f"{part}_ms"))) is not None]
-            means[part].append(sum(cells) / len(cells) if cells else None)
+            means[part].append(split[part])
     out.append(svg.figure("time-split", f"Time split per rank, mean over all {len(sections)} intervals",
                           svg.stacked_bars([group_label(g) for g in rank_groups],
                                            [(p, means[p]) for p in PARTS],
                                            f"Time split per rank (ms a step), mean over all {len(sections)} "
                                            "intervals", "ms a step", colours=list(PART_COLOURS)),
                           "Each rank's step time split into compute, exposed communication, pipeline bubble, data "
-                          f"wait and the rest (untimed), averaged over every per-rank interval.{grouped_note}{star}"))
+                          f"wait and the rest (untimed), averaged over every per-rank interval.{grouped_note}"
+                          f"{' Groups show their slowest rank.' if grouped_note else ''}{star}"))
     # Memory: the last interval's resident and peak.
     last = sections[-1]
     resident, above = [], []

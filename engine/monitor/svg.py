@@ -27,6 +27,7 @@ WIDTH = 760
 HEIGHT = 300
 # Room around the plot area: tick labels on the left, the legend on top, the x label below.
 LEFT, RIGHT, TOP, BOTTOM = 70, 20, 34, 46
+CHAR_W = 6.6               # about the width of a character at font-size 12 (to fit labels)
 # Okabe and Ito's palette: told apart by colour-blind readers too.
 PALETTE = ("#0072B2", "#D55E00", "#009E73", "#E69F00", "#CC79A7", "#56B4E9", "#000000", "#F0E442")
 MISSING = "#dddddd"        # a heat map cell with no number
@@ -78,7 +79,7 @@ def thin(xs: list, ys: list, limit: int = MAX_POINTS) -> tuple[list, list]:
     """At most `limit` points: every k-th, and always the last (the newest is what one looks for)."""
     if len(xs) <= limit:
         return list(xs), list(ys)
-    k = math.ceil(len(xs) / (limit - 1))
+    k = math.ceil((len(xs) - 1) / (limit - 1))
     keep = list(range(0, len(xs) - 1, k)) + [len(xs) - 1]
     return [xs[i] for i in keep], [ys[i] for i in keep]
 
@@ -223,7 +224,9 @@ def heatmap(values: list[list], row_labels: list[str], col_labels: list[str], ti
     rows, cols = len(values), max((len(r) for r in values), default=0)
     numbers = [v for row in values for v in row if finite(v)]
     out_w = width
-    left, right, top = 90, 90, 12
+    longest = max((len(str(label)) for label in row_labels), default=0)
+    left = max(60, 12 + CHAR_W * longest) + (24 if y_label else 0)
+    right, top = 90, 12
     cell_h = min(28.0, max(3.0, 480 / max(rows, 1)))
     if annotate:
         cell_h = max(cell_h, 22.0)
@@ -284,7 +287,11 @@ def stacked_bars(labels: list[str], parts: list[tuple[str, list]], title: str, v
     n = len(labels)
     totals = [sum(v for _, values in parts if finite(v := values[i]) and v > 0) for i in range(n)]
     _, vmax, ticks = nice_ticks(0.0, max(totals, default=0.0) or 1.0)
-    pw = width - LEFT - RIGHT
+    longest = max((len(str(label)) for label in labels), default=0)
+    # Horizontal: room for the longest label on the left; vertical: the value ticks there.
+    left = max(LEFT, 14 + CHAR_W * longest) if horizontal else LEFT
+    # Vertical: the last column's label is centred under it and must not run off the edge.
+    pw = width - left - (RIGHT if horizontal else max(RIGHT, CHAR_W * longest / 2))
     if horizontal:
         band = min(26.0, max(4.0, 480 / max(n, 1)))
         height = int(TOP + band * n + BOTTOM)
@@ -311,40 +318,40 @@ def stacked_bars(labels: list[str], parts: list[tuple[str, list]], title: str, v
                 continue
             size = scale(v)
             if horizontal:
-                out.append(f'<rect x="{LEFT + scale(start):.2f}" y="{TOP + i * band + band * 0.1:.2f}" '
+                out.append(f'<rect x="{left + scale(start):.2f}" y="{TOP + i * band + band * 0.1:.2f}" '
                            f'width="{size:.2f}" height="{band * 0.8:.2f}" fill="{c}"/>')
             else:
-                out.append(f'<rect x="{LEFT + i * band + band * 0.1:.2f}" y="{TOP + ph - scale(start) - size:.2f}" '
+                out.append(f'<rect x="{left + i * band + band * 0.1:.2f}" y="{TOP + ph - scale(start) - size:.2f}" '
                            f'width="{band * 0.8:.2f}" height="{size:.2f}" fill="{c}"/>')
             start += v
         out.append("</g>")
-    every = max(1, math.ceil((11 if horizontal else 40) / band))
+    every = max(1, math.ceil((11 if horizontal else CHAR_W * longest + 8) / band))
     for i, label in enumerate(labels):
         if i % every:
             continue
         if horizontal:
-            out.append(f'<text x="{LEFT - 6}" y="{TOP + i * band + band / 2 + 4:.1f}" text-anchor="end">{t(label)}</text>')
+            out.append(f'<text x="{left - 6}" y="{TOP + i * band + band / 2 + 4:.1f}" text-anchor="end">{t(label)}</text>')
         else:
-            out.append(f'<text x="{LEFT + i * band + band / 2:.1f}" y="{TOP + ph + 16:.1f}" '
+            out.append(f'<text x="{left + i * band + band / 2:.1f}" y="{TOP + ph + 16:.1f}" '
                        f'text-anchor="middle">{t(label)}</text>')
     for v in ticks:
         if horizontal:
-            x = LEFT + scale(v)
+            x = left + scale(v)
             out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + band * n:.1f}" stroke="#bbb" '
                        f'stroke-dasharray="2,3"/><text x="{x:.1f}" y="{TOP + band * n + 16:.1f}" '
                        f'text-anchor="middle">{t(value_format(v))}</text>')
         else:
             y = TOP + ph - scale(v)
-            out.append(f'<line x1="{LEFT}" x2="{width - RIGHT}" y1="{y:.1f}" y2="{y:.1f}" stroke="#bbb" '
-                       f'stroke-dasharray="2,3"/><text x="{LEFT - 6}" y="{y + 4:.1f}" '
+            out.append(f'<line x1="{left}" x2="{width - RIGHT}" y1="{y:.1f}" y2="{y:.1f}" stroke="#bbb" '
+                       f'stroke-dasharray="2,3"/><text x="{left - 6}" y="{y + 4:.1f}" '
                        f'text-anchor="end">{t(value_format(v))}</text>')
     axis_y = TOP + band * n if horizontal else TOP + ph
     if horizontal:
-        out.append(f'<text x="{LEFT + pw / 2:.1f}" y="{axis_y + 36:.1f}" text-anchor="middle">{t(value_label)}</text>')
+        out.append(f'<text x="{left + pw / 2:.1f}" y="{axis_y + 36:.1f}" text-anchor="middle">{t(value_label)}</text>')
     else:
         out.append(f'<text x="14" y="{TOP + ph / 2:.1f}" text-anchor="middle" '
                    f'transform="rotate(-90 14 {TOP + ph / 2:.1f})">{t(value_label)}</text>')
-    out.append(_legend([name for name, _ in parts], colours, LEFT, 16))
+    out.append(_legend([name for name, _ in parts], colours, left, 16))
     out.append("</svg>")
     return "".join(out)
 
