@@ -25,6 +25,9 @@
 #   9. a tensor-parallel run, --tp 2 --sequence-parallel, two ranks on the GPU (its
 #      overlap thread on, as --tp-overlap auto is for cuda; tokens/s in check.log)
 #  10. a ZeRO-3 run with --recompute full, two ranks on the GPU (tokens/s in check.log)
+#      The float32 run and this one gather per-rank numbers every 5 steps (--monitor-every 5):
+#      NVML's GPU utilisation and memory in train_metrics.jsonl's "ranks", the job summary
+#      (per node CPU, memory, time split, GPU) in check.log
 # Results go to ${OUT:-gpu_results}, at most 8 files (what a device run brings back):
 #   check.log (everything, in order), steps.tsv (step, exit code, seconds), env.txt,
 #   pytest_gpu.xml, gemm.json, train_metrics.jsonl, train_bf16_metrics.jsonl, train_llama_metrics.jsonl
@@ -151,6 +154,8 @@ else
     if have_cupy; then say "=== [cupy] ready"; else say "=== [cupy] STILL NOT USABLE: GPU steps will fail/skip"; status=1; fi
 fi
 "$PY" -c "import pytest" >/dev/null 2>&1 || step "pip-pytest" 60 "$PY" -m pip install --retries 1 --timeout 20 pytest
+# NVML's binding: the monitor's GPU utilisation and memory (skipped where no index is reachable)
+"$PY" -c "import pynvml" >/dev/null 2>&1 || step "pip-nvml" 60 "$PY" -m pip install --retries 1 --timeout 20 nvidia-ml-py
 "$PY" -c "from ringpipe.kernels.cuda import available; print('ringpipe.kernels.cuda.available():', available())" 2>&1 | tee -a "$LOG"
 
 # ---------------------------------------------------------------------------
@@ -168,7 +173,7 @@ train() {
     step "$name" 120 "$PY" -m ringpipe.train --device cuda --steps 30 --out "$TMPD/$name" --overwrite "$@" ${TRAIN_ARGS:-}
     [ -f "$TMPD/$name/metrics.jsonl" ] && cp "$TMPD/$name/metrics.jsonl" "$OUT/$result"
 }
-train train-cuda train_metrics.jsonl
+train train-cuda train_metrics.jsonl --monitor-every 5
 train train-cuda-bf16 train_bf16_metrics.jsonl --precision bf16
 train train-cuda-llama train_llama_metrics.jsonl --model llama --preset llama-tiny
 RINGPIPE_CUDA_AWARE_MPI=0 step "mpi-device-staged" 90 "$MPIEXEC" -n 2 "$PY" tests/support/mpi_scripts/device_comm_check.py
@@ -186,7 +191,8 @@ RINGPIPE_CUDA_AWARE_MPI=0 step "train-cuda-tp2" 120 "$MPIEXEC" -n 2 "$PY" -m rin
 # ZeRO-3 (parameters gathered per layer on the gather thread) with full recomputation on the GPU.
 # shellcheck disable=SC2086
 RINGPIPE_CUDA_AWARE_MPI=0 step "train-cuda-zero3" 120 "$MPIEXEC" -n 2 "$PY" -m ringpipe.train --device cuda --zero 3 \
-    --recompute full --steps 30 --out "$TMPD/train-cuda-zero3" --overwrite ${TRAIN_ARGS:-}
+    --recompute full --steps 30 --monitor-every 5 --out "$TMPD/train-cuda-zero3" --overwrite ${TRAIN_ARGS:-}
+[ -f "$TMPD/train-cuda-zero3/job_summary.txt" ] && cat "$TMPD/train-cuda-zero3/job_summary.txt" >> "$LOG"
 
 # ---------------------------------------------------------------------------
 say "=== summary ($(($(date +%s) - START))s of ${BUDGET}s budget)"
