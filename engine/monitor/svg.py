@@ -321,8 +321,9 @@ def stacked_bars(labels: list[str], parts: list[tuple[str, list]], title: str, v
                 out.append(f'<rect x="{left + scale(start):.2f}" y="{TOP + i * band + band * 0.1:.2f}" '
                            f'width="{size:.2f}" height="{band * 0.8:.2f}" fill="{c}"/>')
             else:
-                out.append(f'<rect x="{left + i * band + band * 0.1:.2f}" y="{TOP + ph - scale(start) - size:.2f}" '
-                           f'width="{band * 0.8:.2f}" height="{size:.2f}" fill="{c}"/>')
+                bar_w = min(band * 0.8, 60.0)        # a few ranks: bars, not walls
+                out.append(f'<rect x="{left + i * band + (band - bar_w) / 2:.2f}" y="{TOP + ph - scale(start) - size:.2f}" '
+                           f'width="{bar_w:.2f}" height="{size:.2f}" fill="{c}"/>')
             start += v
         out.append("</g>")
     every = max(1, math.ceil((11 if horizontal else CHAR_W * longest + 8) / band))
