@@ -24,7 +24,7 @@ TRAIN_EXTRAS := mpi,bf16,monitor
 TEST_EXTRAS  := mpi,bf16,monitor,data,hf,test,plot,monitor-test
 
 $(VENV)/.installed: setup.py
-	@echo "setting up $(VENV) for training: numpy, numba, mpi4py + MPICH, oneDNN (the CPU's bf16 GEMM) from PyPI (about 135 MB to download, 405 MB installed) ..."
+	@echo "setting up $(VENV) for training: numpy, numba, mpi4py + MPICH, oneDNN (the CPU's bf16 GEMM), tensorboardX, prometheus_client and textual (watching a job) from PyPI (about 140 MB to download, 420 MB installed) ..."
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -e '.[$(TRAIN_EXTRAS)]'

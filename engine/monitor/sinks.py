@@ -53,7 +53,11 @@ class TensorBoardSink:
             raise MissingLibrary("TensorBoard event files need the tensorboardX package: pip install "
                                  "'ringpipe[monitor]' (or tensorboardX), or pass --no-tensorboard") from None
         # A deep queue: the writer's own thread drains it; a full one would block this thread.
-        self.writer = SummaryWriter(folder, purge_step=start_step or None, max_queue=1000, flush_secs=10)
+        # The first step the resumed run writes (records count steps done: the checkpoint's own is kept).
+        # The file name holds the second it was made and the host: a resume within the same second
+        # would truncate the earlier file without a suffix of its own.
+        self.writer = SummaryWriter(folder, purge_step=start_step + 1 if start_step else None, max_queue=1000,
+                                    flush_secs=10, filename_suffix=f".step{start_step}.pid{os.getpid()}")
 
     def write(self, record: dict) -> None:
         step, add = record["step"], self.writer.add_scalar

@@ -65,9 +65,6 @@ def nobody_answers(port):
 
 # ---- TensorBoard ---------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="engine/monitor/sinks.py TensorBoardSink passes purge_step=start_step: "
-                   "TensorBoard then hides the checkpoint's own step (5), which the resumed run never writes "
-                   "again; purge_step=start_step + 1 (the first step it writes) keeps it")
 def test_tensorboard_reads_back_every_step_once_after_a_resume(tmp_path):
     """A run of 10 steps, then a resume from its step-5 checkpoint: TensorBoard's reader sees
     train/loss at steps 1..10 once each (purge_step hides what the first run wrote past the
