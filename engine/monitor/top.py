@@ -9,7 +9,8 @@ running, finished or stalled.
 
     load_view(run_dir)      everything shown, read once (pure reading; no terminal)
     plain_text(view)        the same as a plain-text table (--once, and when stdout is no terminal)
-    main(argv, prog)        the command line; the live view is a Textual app (_run_live)
+    make_app(run_dir)       the live view: a Textual app (keys q, s, p)
+    main(argv, prog)        the command line
 
 Import rule: engine/monitor's (job/ only). Textual (the `monitor` extra) is imported only
 for the live view, so `--once` and `--help` work where it is not installed.
@@ -346,7 +347,8 @@ def plain_text(view: View, sort: str = "rank") -> str:
 
 # ---- the live view (Textual) --------------------------------------------------------------
 
-def _run_live(run_dir: str, interval: float, screenshot: str | None, size: tuple[int, int]) -> int:
+def make_app(run_dir: str, interval: float = DEFAULT_INTERVAL):
+    """The live view, a Textual App (app.run() shows it; the tests drive it headless)."""
     # Textual is imported here, not at the top, so that --once and --help need only the
     # base install; the app's class is built here for the same reason.
     from rich.text import Text
@@ -378,7 +380,9 @@ def _run_live(run_dir: str, interval: float, screenshot: str | None, size: tuple
         def compose(self) -> ComposeResult:
             yield Static(id="title")
             yield Static(id="note")
-            yield DataTable(id="ranks", cursor_type="row", zebra_stripes=True)
+            # No padding of the table's own: the cells carry it (a space each side), so a
+            # straggler's whole row is one band of colour, not cells with gaps between them.
+            yield DataTable(id="ranks", cursor_type="row", zebra_stripes=True, cell_padding=0)
             yield Static(id="summary")
             yield Footer()
 
@@ -418,7 +422,7 @@ def _run_live(run_dir: str, interval: float, screenshot: str | None, size: tuple
             if [c[0] for c in shown] != [c[0] for c in self.shown_columns]:
                 table.clear(columns=True)
                 for key, title, right, _ in shown:
-                    table.add_column(Text(title, justify="right" if right else "left"), key=key)
+                    table.add_column(Text(f" {title} ", justify="right" if right else "left"), key=key)
                 self.shown_columns = shown
             # Rows are kept by rank and updated in place, then sorted: the table keeps its
             # scroll position and cursor across refreshes (clear() would reset them).
@@ -427,14 +431,17 @@ def _run_live(run_dir: str, interval: float, screenshot: str | None, size: tuple
                 table.remove_row(key)
             for key, row in rows.items():
                 style = straggler_style if row.straggler else ""
-                cells = [Text(c[3](row), style=style, justify="right" if c[2] else "left") for c in shown]
+                cells = [Text(f" {c[3](row)} ", style=style, justify="right" if c[2] else "left") for c in shown]
                 if key in table.rows:
                     for c, cell in zip(shown, cells):
-                        table.update_cell(key, c[0], cell, update_width=True)
+                        # Widths only grow: a narrower cell would make the table measure its
+                        # whole column again, for every such cell (minutes at 512 ranks).
+                        wider = cell.cell_len > table.columns[c[0]].content_width
+                        table.update_cell(key, c[0], cell, update_width=wider)
                 else:
                     table.add_row(*cells, key=key)
             order = {str(row.rank): i for i, row in enumerate(sort_rows(view.rows, self.sort))}
-            table.sort("rank", key=lambda cell: order[cell.plain])
+            table.sort("rank", key=lambda cell: order[cell.plain.strip()])
 
         def action_cycle_sort(self) -> None:
             self.sort = SORTS[(SORTS.index(self.sort) + 1) % len(SORTS)]
@@ -448,30 +455,29 @@ def _run_live(run_dir: str, interval: float, screenshot: str | None, size: tuple
             if not self.paused:
                 self.load()
 
-    app = TopApp()
-    if screenshot:
-        return _save_screenshot(app, screenshot, size)
-    app.run()
-    return 0
+    return TopApp()
 
 
-def _save_screenshot(app, path: str, size: tuple[int, int]) -> int:
-    """Run the app headless at `size`, wait for its first reading, save an SVG of it
-    (the README's picture: docs/monitoring.md says how it is made)."""
+async def first_reading(app, pilot, timeout: float = 10.0) -> None:
+    """Wait until a headless app (app.run_test()) shows its first reading (a thread's)."""
+    deadline = time.monotonic() + timeout
+    while app.view is None and time.monotonic() < deadline:
+        await pilot.pause(0.05)
+    await pilot.pause(0.1)
+
+
+def save_screenshot(run_dir: str, path: str, size: tuple[int, int]) -> None:
+    """The live view drawn headless at `size` (columns, lines) into an SVG file (the
+    documentation's picture: docs/monitoring.md says how it is made)."""
     import asyncio
+    app = make_app(run_dir)
 
     async def shoot() -> None:
         async with app.run_test(size=size) as pilot:
-            for _ in range(200):           # the first reading is a thread: up to ~10 s
-                if app.view is not None:
-                    break
-                await pilot.pause(0.05)
-            await pilot.pause(0.2)
+            await first_reading(app, pilot)
             app.save_screenshot(os.path.basename(path), os.path.dirname(os.path.abspath(path)))
 
     asyncio.run(shoot())
-    print(f"saved {path}")
-    return 0
 
 
 # ---- the command line ---------------------------------------------------------------------
@@ -545,4 +551,9 @@ def main(argv=None, prog: str = "ringpipe top") -> int:
         print(f"{prog}: error: the live view needs Textual, which is not installed: pip install "
               "'ringpipe[monitor]' (or pip install textual); --once prints the table without it", file=sys.stderr)
         return 2
-    return _run_live(args.run_dir, args.interval, args.screenshot, size)
+    if args.screenshot:
+        save_screenshot(args.run_dir, args.screenshot, size)
+        print(f"saved {args.screenshot}")
+        return 0
+    make_app(args.run_dir, args.interval).run()
+    return 0

@@ -74,35 +74,84 @@ def test_finished_when_every_rank_left_its_marker(tmp_path, capsys):
     assert top.load_view(run).state == "finished"
 
 
+def test_no_new_record_for_long_is_said(tmp_path):
+    run = str(tmp_path / "run")
+    write_run(run, ranks=2, steps=40, done=10)
+    later = time.time() + 3 * 3600
+    assert top.load_view(run, now=later).state == "no progress for 3 h 00 min (stalled?)"
+
+
+def _headless(run_dir, drive, size=(160, 40)):
+    """Run the live view without a terminal; `drive(app, pilot)` after its first reading."""
+    app = top.make_app(str(run_dir))
+
+    async def go():
+        async with app.run_test(size=size) as pilot:
+            await top.first_reading(app, pilot)
+            await drive(app, pilot)
+    asyncio.run(go())
+
+
 def test_the_sort_key_puts_the_slowest_compute_first(tmp_path):
-    # The Textual app headless (no terminal): `s` twice is "compute", the straggler on top.
     write_run(tmp_path / "run", ranks=RANKS, steps=40, done=20, straggler=STRAGGLER)
     seen = {}
 
-    def drive(app, path, size):
-        async def go():
-            async with app.run_test(size=size) as pilot:
-                for _ in range(200):
-                    if app.view is not None:
-                        break
-                    await pilot.pause(0.05)
-                await pilot.press("s", "s")
-                table = app.query_one("#ranks")
-                seen["sort"] = app.sort
-                seen["first"] = table.get_row_at(0)[0].plain
-        asyncio.run(go())
-        return 0
-
-    original = top._save_screenshot
-    top._save_screenshot = drive
-    try:
-        assert top.main([str(tmp_path / "run"), "--screenshot", str(tmp_path / "x.svg")]) == 0
-    finally:
-        top._save_screenshot = original
+    async def drive(app, pilot):
+        await pilot.press("s", "s")           # rank -> step time -> compute
+        seen["sort"] = app.sort
+        seen["first"] = app.query_one("#ranks").get_row_at(0)[0].plain.strip()
+    _headless(tmp_path / "run", drive)
     assert seen == {"sort": "compute", "first": str(STRAGGLER)}
 
 
+def test_512_ranks_refresh_quickly_and_keep_the_scroll(tmp_path):
+    # A refresh updates the rows in place: a table rebuilt (or every column measured again)
+    # loses the user's place, and took 85 s at 512 ranks when cells were remeasured.
+    run = tmp_path / "run"
+    write_run(run, ranks=512, steps=1000, done=300, interval=10, straggler=300, nodes=64)
+    seen = {}
+
+    async def drive(app, pilot):
+        table = app.query_one("#ranks")
+        seen["rows"] = table.row_count
+        await pilot.press("pagedown", "pagedown")
+        await pilot.pause(0.1)
+        seen["scrolled"] = table.scroll_y
+        write_run(run, ranks=512, steps=1000, done=310, interval=10, straggler=300, nodes=64)
+        started = time.monotonic()
+        app.show(top.load_view(str(run)))
+        await pilot.pause(0.1)
+        seen["seconds"] = time.monotonic() - started
+        seen["after"] = table.scroll_y
+        seen["step"] = table.get_row_at(0)[2].plain.strip()
+    _headless(run, drive)
+    assert seen["rows"] == 512 and seen["scrolled"] > 0
+    assert seen["after"] == seen["scrolled"] and seen["step"] == "310"
+    assert seen["seconds"] < 20, seen
+
+
 # ---- the live view in a real terminal -----------------------------------------------------
+
+def _plain(line: str) -> str:
+    return re.sub(r"\x1b\[[\d;]*m", "", line)
+
+
+def _reversed(line: str) -> str:
+    """The text of a captured line (tmux capture-pane -e) drawn in reverse video."""
+    out, reverse = [], False
+    for params, text in re.findall(r"\x1b\[([\d;]*)m([^\x1b]*)", "\x1b[m" + line):
+        codes = [int(p) if p else 0 for p in params.split(";")]
+        i = 0
+        while i < len(codes):
+            if codes[i] in (38, 48):           # a colour: 38;5;N or 38;2;R;G;B, not attributes
+                i += 3 if i + 1 < len(codes) and codes[i + 1] == 5 else 5
+                continue
+            reverse = {0: False, 7: True, 27: False}.get(codes[i], reverse)
+            i += 1
+        if reverse:
+            out.append(text)
+    return "".join(out)
+
 
 def _wait_for(tmux, predicate, what: str, timeout: float = 60.0, escapes: bool = False) -> str:
     deadline = time.monotonic() + timeout
@@ -136,10 +185,12 @@ def test_live_view_in_tmux(tmp_path):
         assert "straggler: compute 1.8x" in rows[STRAGGLER], screen
         assert "step 20/40" in screen and "ETA" in screen, screen
 
-        # The straggler's row is drawn in reverse video (SGR 7), the others' cells are not.
+        # The straggler's row is drawn in reverse video (SGR 7), the others' are not.
         screen = _wait_for(tmux, lambda s: "straggler:" in s, "the straggler", escapes=True)
-        line = next(line for line in screen.splitlines() if "straggler: compute" in line)
-        assert re.search(r"\x1b\[(?:\d+;)*7(?:;\d+)*m(?:\x1b\[[\d;]*m)*straggler: compute 1\.8x", line), repr(line)
+        colored = {rank: line for line in screen.splitlines() for rank in _rank_lines(_plain(line))}
+        assert sorted(colored) == list(range(RANKS)), screen
+        assert "3 n1" in _reversed(colored[STRAGGLER]) and "straggler: compute 1.8x" in _reversed(colored[STRAGGLER])
+        assert all(_reversed(colored[r]).strip() == "" for r in colored if r != STRAGGLER), screen
 
         # The run goes on: five more steps appended to the log are on screen at the next reading.
         later = tmp_path / "later"
