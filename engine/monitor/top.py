@@ -24,8 +24,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from ringpipe.engine.job.rundir import DONE_NAME, FinishedError, finished
-from ringpipe.engine.monitor.read import HEADER_NAME, ReadError, check_run_dir, last_with, metrics_path, read_header, tail_records
+from ringpipe.engine.job.rundir import DONE_NAME, MAX_RANKS, FinishedError, finished
+from ringpipe.engine.monitor.read import (HEADER_NAME, TAIL_BYTES, ReadError, check_run_dir, last_with, metrics_path,
+                                          read_header, tail_records)
 
 DEFAULT_INTERVAL = 2.0
 # The ETA's pace: wall time over the newest records (pauses for validation and checkpoints
@@ -37,6 +38,9 @@ STALL_MIN_S = 60.0
 STALL_STEPS = 10
 SORTS = ("rank", "step time", "compute")      # the `s` key cycles through them, in this order
 TEXT_LIMIT = 40                                # a node name or a field read longer than this is cut
+# The log's tail read each time: 1 MiB, and room for two per-rank sections (a rank's entry is
+# ~400 bytes: 4096 ranks write 1.6 MiB sections, which a fixed 1 MiB would never hold whole).
+RANK_ENTRY_BYTES = 1024
 
 
 @dataclass
@@ -210,7 +214,9 @@ def load_view(run_dir: str, now: float | None = None) -> View:
     view = View(run_dir=run_dir)
     try:
         header = read_header(run_dir)
-        records = tail_records(run_dir)
+        world = header.get("world") if header else None
+        world = world if type(world) is int and 0 < world <= MAX_RANKS else 0
+        records = tail_records(run_dir, TAIL_BYTES + 2 * world * RANK_ENTRY_BYTES)
     except ReadError as e:
         view.error = _text(e, 2000)
         return view
@@ -255,7 +261,7 @@ def load_view(run_dir: str, now: float | None = None) -> View:
         view.facts.append("ETA ?" if not steps else "ETA - (no step times yet)")
     if ranked is None:
         interval = header.get("interval") if header else None
-        view.note = ("no per-rank section yet (rank 0 writes one every "
+        view.note = ("no per-rank section in the log's newest records yet (rank 0 writes one every "
                      + (f"{interval} steps)" if type(interval) is int else "interval; see monitor.json)"))
     elif not view.rows:
         view.note = f"the per-rank section of step {ranked['step']} holds no rank entries ringpipe can read"
