@@ -170,7 +170,8 @@ def test_live_view_in_tmux(tmp_path):
     run = tmp_path / "run"
     write_run(run, ranks=RANKS, steps=40, done=20, straggler=STRAGGLER)
     # A server of our own (-L): nothing else on the machine is touched, and killing it ends all.
-    tmux = ["tmux", "-L", f"ringpipe-top-{uuid.uuid4().hex[:12]}"]
+    name = f"ringpipe-top-{uuid.uuid4().hex[:12]}"
+    tmux = ["tmux", "-L", name]
     command = (f"{shlex.quote(sys.executable)} -m ringpipe top {shlex.quote(str(run))} --interval 0.5; "
                "echo EXIT=$?; sleep 60")
     # A pytest process's C-level environment holds COLUMNS=80 and LINES=24 (set below Python:
@@ -209,6 +210,9 @@ def test_live_view_in_tmux(tmp_path):
         assert "EXIT=0" in screen, screen
     finally:
         subprocess.run(tmux + ["kill-server"], capture_output=True, timeout=30)
+        socket = os.path.join(os.environ.get("TMUX_TMPDIR", "/tmp"), f"tmux-{os.getuid()}", name)
+        if os.path.exists(socket):        # kill-server leaves the socket file behind
+            os.remove(socket)
 
 
 def test_help_explains_the_keys(capsys):
