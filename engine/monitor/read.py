@@ -116,10 +116,11 @@ def tail_records(run_dir: str, max_bytes: int = TAIL_BYTES) -> list[dict]:
         data = os.pread(fd, size - start, start)
     finally:
         os.close(fd)
-    if start > 0:
-        cut = data.find(b"\n")
-        data = data[cut + 1:] if cut >= 0 else b""     # the first piece is the end of a line cut in two
-    return _parse_lines(data, path, first_line=0)
+    if start == 0:
+        return _parse_lines(data, path)
+    cut = data.find(b"\n")
+    data = data[cut + 1:] if cut >= 0 else b""          # the first piece is the end of a line cut in two
+    return _parse_lines(data, path, first_line=0)        # 0: the line numbers are unknown (counted from the cut)
 
 
 def last_with(records: list[dict], key: str) -> dict | None:

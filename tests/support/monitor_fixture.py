@@ -32,7 +32,8 @@ def write_run(folder, ranks=4, steps=40, interval=5, straggler=None, classifier=
         json.dump(header, fh)
     lines, streak = [], 0
     for step in range(1, done + 1):
-        step_ms = 500.0 + 10 * math.sin(step)
+        # A synchronous step lasts as long as its slowest rank's: the others wait (comm).
+        step_ms = (300.0 * (1.8 if straggler is not None else 1.0) + 60.0) + 10 * math.sin(step)
         rec = {"step": step, "time": t0 + step * 0.5, "loss": 4.0 * math.exp(-step / 30) + 1.0,
                "lr": 6e-4, "grad_norm": 1.0, "step_ms": step_ms, f"{unit}_per_s": 4096 / (step_ms / 1e3),
                "model_flops_per_s": 2e11, "mfu": 2e11 / (ranks * 1e11)}
@@ -48,7 +49,7 @@ def write_run(folder, ranks=4, steps=40, interval=5, straggler=None, classifier=
             rows = []
             for r in range(ranks):
                 compute = 300.0 * (1.8 if r == straggler else 1.0)
-                comm = step_ms - compute - 20.0 if r != straggler else 20.0
+                comm = step_ms - compute - 20.0          # bubble, data and other below: 20 ms
                 rows.append({"rank": r, "node": node[r], "step_ms": step_ms, "compute_ms": compute,
                              "comm_ms": max(comm, 1.0), "bubble_ms": 10.0, "data_ms": 5.0, "other_ms": 5.0,
                              "items_per_s": 4096 / (step_ms / 1e3) / layout["dp"], "rss_bytes": 1.0e9 + r * 1e7,
