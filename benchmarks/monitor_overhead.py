@@ -13,8 +13,9 @@ Each round trains the same GPT twice, alternating which goes first, as
 Tokens/s of a run: the tokens of the steps between step 3 and the last step, over the wall
 time between their records (metrics.jsonl's "time": everything the loop does, the gathers,
 the sinks' queue and the metrics line included; the first two steps compile the kernels).
-The table gives each mode's median over the rounds and the on/off ratio of each round
-(its range: the machine's noise). Besides that end-to-end ratio, the "on" child times the
+The table gives each mode's median over the rounds; the verdict is the median of the rounds'
+on/off ratios (a round's two runs are neighbours in time, so the machine's drift between
+rounds cancels), with their range: the machine's noise. Besides that end-to-end ratio, the "on" child times the
 monitor's own calls on rank 0 (RankMonitor.step_done with its gathers, Sinks.publish) and
 the CPU time of the sinks' writer thread: the direct account of what monitoring adds, which
 noise does not blur.
@@ -42,7 +43,12 @@ MODES = ("off", "on")
 
 def child(mode: str, spec: dict, result: str) -> None:
     from mpi4py import MPI
+    from ringpipe.engine.job import runtime
     from ringpipe.engine.monitor import ranks, sinks
+    # As `ringpipe train` does at start-up: without it glibc unmaps every large freed block, and
+    # the page faults of each step's fresh activations move with any other allocation (the
+    # GEMM peak's matrices, the sinks' libraries): 10% between two runs, neither of them the CLI's.
+    runtime.reuse_freed_memory()
     from ringpipe.engine.train.config import Config
     from ringpipe.engine.train.run import run
 
@@ -174,9 +180,10 @@ def main(argv=None) -> int:
                        ("sink_cpu", "sink thread CPU s/run", ".3f")]))
     on = rows[1]
     direct = on["monitor_ms"] / on["step_ms"]
-    median_ratio = rows[1]["tok_s"] / rows[0]["tok_s"]
-    print(f"\non/off tokens/s: median {median_ratio:.4f} ({(1 - median_ratio):+.2%} slower with monitoring); "
-          f"per round {min(ratios):.4f} .. {max(ratios):.4f} (the machine's noise)")
+    median_ratio = statistics.median(ratios)
+    print(f"\non/off tokens/s, the median of the rounds' ratios: {median_ratio:.4f} ({1 - median_ratio:+.2%} slower "
+          f"with monitoring); rounds {min(ratios):.4f} .. {max(ratios):.4f} (the machine's noise); ratio of the "
+          f"medians {rows[1]['tok_s'] / rows[0]['tok_s']:.4f}")
     print(f"direct account: the monitor's calls take {on['monitor_ms']:.3f} ms of a {on['step_ms']:.1f} ms step on "
           f"rank 0 ({direct:.3%}); the sinks' thread used {on['sink_cpu']:.3f} s of CPU in a run")
     if args.json:

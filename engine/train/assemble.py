@@ -545,9 +545,9 @@ def start_monitoring(training: Run, cleanup) -> None:
         cleanup.callback(training.sinks.close)
     agree_on_rank0(world, sinks_on_rank0, "monitoring sinks")
     if cfg.monitor_every != 0 and training.peak_flops:
-        report.say(f"monitoring: per-rank numbers every {cfg.monitor_every} steps"
-                   f"{' (about 2 s of steps, set after step ' + str(training.start_step + 2) + ')' if cfg.monitor_every == 'auto' else ''}"
-                   f"; MFU against a GEMM peak of {training.peak_flops / 1e9:.1f} GFLOP/s a rank (measured now, "
+        every = (f"about every 2 s (the steps between, agreed after step {training.start_step + 2})"
+                 if cfg.monitor_every == "auto" else f"every {cfg.monitor_every} steps")
+        report.say(f"monitoring: per-rank numbers {every}; MFU against a GEMM peak of {training.peak_flops / 1e9:.1f} GFLOP/s a rank (measured now, "
                    f"{cfg.precision}); `ringpipe top {cfg.out_dir}` watches, `ringpipe report {cfg.out_dir} --out "
                    "report.html` plots")
 
