@@ -27,11 +27,12 @@ def build_rank_model(grid, layers_fn, cfg, dtype, xp, micro_shape, cost_batch, t
             # Zero-bubble W actions run the weight gradients later, in the bubbles.
             tensor.weight_grads_early = not inner.schedule.splits_backward
     else:
-        inner = LocalModel(layers_fn(tensor), dtype, cfg.seed, cfg.microbatches, xp=xp, trace=trace)
+        inner = LocalModel(layers_fn(tensor), dtype, cfg.seed, cfg.microbatches, xp=xp, trace=trace,
+                           canonical=cfg.reduce_order == "canonical")
     # Activation recomputation is each layer chain's: every chain this rank holds.
     for chain in (inner.chunks if cfg.pipelined else [inner.chain]):
         chain.set_recompute(cfg.recompute)
     if tensor is not None:
         inner = TensorParallel(inner, tensor, [s for layer in layers_fn(tensor) for s in layer.specs()])
     return DataParallel(inner, grid, zero=cfg.zero, bucket_mb=cfg.bucket_mb, overlap=not cfg.no_overlap,
-                        gather_mode=cfg.zero_gather_mode, trace=trace)
+                        gather_mode=cfg.zero_gather_mode, trace=trace, canonical=cfg.reduce_order == "canonical")

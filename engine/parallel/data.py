@@ -60,7 +60,13 @@ class _BucketSync(GradSync):
 
 
 class DataParallel:
-    def __init__(self, inner, grid, zero=0, bucket_mb=None, overlap=True, gather_mode="use", trace=None):
+    def __init__(self, inner, grid, zero=0, bucket_mb=None, overlap=True, gather_mode="use", trace=None,
+                 canonical=False):
+        """canonical (--reduce-order canonical): every bucket is summed in one fixed pairwise tree
+        over the replicas, ((r0 + r1) + (r2 + r3)) ..., by recursive doubling (comm/small.py: log2(dp)
+        exchanges of the bucket, against the ring's 2(dp-1)/dp of it), whatever its size: with the
+        inner model's pairwise micro-batch tree (LocalModel), the gradient's bits depend on the
+        global batch and its micro-batches only, not on the number of replicas."""
         self.inner, self.params = inner, inner.params
         self.trace = trace             # list-like to append (name, category, t0, t1), or None
         self.data_comm = grid.comm("data")
@@ -78,7 +84,7 @@ class DataParallel:
                 if sharding else ()
             self.buckets = comm.GradBuckets(self.params.grad, self.params.ranges(), comm=self.data_comm,
                                             bucket_bytes=bucket_bytes, first_bucket_bytes=first_bytes,
-                                            op="avg", overlap=overlap,
+                                            op="avg", overlap=overlap, algorithm="small" if canonical else "auto",
                                             collective="reduce_scatter" if sharding else "allreduce",
                                             breaks=breaks, on_reduced=self._keep_chunk if sharding else None)
             if sharding:

@@ -25,8 +25,13 @@ def split_micro(arr, m):
 class LocalModel:
     """An inner model (engine/parallel/__init__.py InnerModel)."""
 
-    def __init__(self, layers, dtype, seed, microbatches=1, xp=np, trace=None):
+    def __init__(self, layers, dtype, seed, microbatches=1, xp=np, trace=None, canonical=False):
+        """canonical: the micro-batches' gradients are summed in a fixed pairwise tree (each
+        computed alone, then ((g0 + g1) + (g2 + g3)) ...), the tree the data axis continues
+        across the replicas under --reduce-order canonical: the sum's bits then depend on the
+        global micro-batches only, not on how many replicas computed them."""
         self.xp = xp
+        self.canonical = canonical and microbatches > 1
         self.chain = LayerChain(layers, dtype=dtype, xp=xp)
         self.chain.params.init(seed)
         self.params = self.chain.params
@@ -39,12 +44,43 @@ class LocalModel:
         is final during the last micro-batch's backward."""
         loss = 0.0
         xs, ys = split_micro(self.xp.asarray(x), self.m), split_micro(self.xp.asarray(y), self.m)
+        if self.canonical:
+            return self._canonical_forward_backward(xs, ys, grad_scale, sync)
         with bf16_step(self.chains):       # under bf16: each weight rounded once for the step (layers.py BF16)
             for i in range(self.m):
                 t0 = time.perf_counter()
                 loss += self.chain.loss_and_grad(xs[i], ys[i], grad_scale,
                                                  on_ready=sync.on_ready if i == self.m - 1 else None)
                 self._event(f"F+B {i}", "compute", t0)
+        t0 = time.perf_counter()
+        sync.finish()
+        self._event("all-reduce wait", "allreduce", t0)
+        return loss
+
+    def _canonical_forward_backward(self, xs, ys, grad_scale, sync):
+        """Each micro-batch's gradient computed into zeroed buffers, then added pairwise as a
+        binary counter adds: a partial sum of 2^k micro-batches meets the one before it of the
+        same size (at most log2(m) + 1 buffers). The reduction cannot start before the last
+        addition: every gradient is final at once (sync.on_ready after the tree)."""
+        loss, partials = 0.0, []            # [(level, buffer)], levels decreasing
+        grad = self.params.grad
+        with bf16_step(self.chains):
+            for i in range(self.m):
+                t0 = time.perf_counter()
+                if i:
+                    self.params.zero_grad()
+                loss += self.chain.loss_and_grad(xs[i], ys[i], grad_scale)
+                level, summed = 0, grad.copy()
+                while partials and partials[-1][0] == level:
+                    _, earlier = partials.pop()
+                    summed = earlier + summed          # the earlier micro-batches first (one fixed tree)
+                    level += 1
+                partials.append((level, summed))
+                self._event(f"F+B {i}", "compute", t0)
+        # m is a power of two (the configuration checks it): one partial sum is left.
+        grad[...] = partials.pop()[1]
+        for index in range(len(self.params.specs)):
+            sync.on_ready(index)
         t0 = time.perf_counter()
         sync.finish()
         self._event("all-reduce wait", "allreduce", t0)

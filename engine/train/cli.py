@@ -198,6 +198,13 @@ def _parallelism_flags(p):
     g.add_argument("--chunks", type=int, default=1, help="model chunks per pipeline rank (interleaved schedule)")
     g.add_argument("--partition", choices=["uniform", "balanced"], default=None,
                    help="split layers evenly (default), or balance measured per-layer cost across stages")
+    g.add_argument("--reduce-order", choices=["fast", "canonical"], default="fast",
+                   help="how the data axis sums gradients: fast (default: the fastest algorithm for the size, "
+                        "ring or recursive doubling; the bits of the sum depend on the number of ranks) or "
+                        "canonical (every micro-batch's gradient summed in one fixed pairwise tree over the global "
+                        "batch: float32 weights bit-identical at --dp 1, 2, 4 with the same global micro-batches, "
+                        "e.g. --dp 1 --microbatches 4 = --dp 2 --microbatches 2; dp and micro-batches powers of two, "
+                        "no pipeline, no ZeRO yet)")
     g.add_argument("--trace", default=None, metavar="DIR",
                    help="write a Chrome/Perfetto trace per rank and a merged DIR/trace.json")
 

@@ -79,6 +79,7 @@ class Config:
     no_overlap: bool = False           # all-reduce after backward instead of during it
     zero: int = 0                      # ZeRO stage over the data axis: 1 optimizer state, 2 + gradients, 3 + parameters
     zero_gather: str = "auto"          # ZeRO-3: use | step | auto (step with a pipeline, else use)
+    reduce_order: str = "fast"         # fast | canonical: gradients summed in one fixed tree (bits independent of dp)
     pp: int = 1                        # pipeline stages
     tp: int = 1                        # tensor-parallel ranks (GPT, Llama): heads, MLP features, vocabulary split
     sequence_parallel: bool = False    # with tp > 1: the stream between the TP regions split along T
@@ -215,6 +216,7 @@ def check(cfg: Config, world_size: int) -> list[str]:
     _check_values(cfg)
     notes = _check_combinations(cfg, cfg.data_parallel(world_size), world_size)
     _check_layout(cfg, world_size)
+    _check_reduce_order(cfg, cfg.data_parallel(world_size))
     return notes + fine_tuning_notes(cfg)
 
 
@@ -317,6 +319,26 @@ def _check_monitoring(cfg: Config) -> None:
         if os.path.isdir(cfg.metrics_textfile):
             raise ConfigError(f"<metrics_textfile> {cfg.metrics_textfile} is a folder; name a file in it, e.g. "
                               f"{os.path.join(cfg.metrics_textfile, 'ringpipe.prom')}")
+
+
+def _check_reduce_order(cfg: Config, dp: int) -> None:
+    """--reduce-order canonical sums the global batch's micro-batches in one pairwise tree: the
+    replicas and each replica's micro-batches must split it into halves (powers of two)."""
+    if cfg.reduce_order not in ("fast", "canonical"):
+        raise ConfigError(f"<reduce_order> is fast or canonical, got {cfg.reduce_order!r}")
+    if cfg.reduce_order != "canonical":
+        return
+    if cfg.pipelined:
+        raise ConfigError("<reduce_order> canonical works with data and tensor parallelism, not with a pipeline "
+                          "yet (the schedule accumulates micro-batches in its own order): leave out <pp> and "
+                          "<chunks>, or use <reduce_order> fast")
+    if cfg.zero:
+        raise ConfigError("<reduce_order> canonical works without ZeRO for now (the gradient norm of sharded "
+                          "gradients is summed in another order): leave out <zero>, or use <reduce_order> fast")
+    for name, value in (("dp", dp), ("microbatches", cfg.microbatches)):
+        if value & (value - 1):
+            raise ConfigError(f"<reduce_order> canonical needs <{name}> to be a power of two (one pairwise tree "
+                              f"over the global batch's micro-batches), got {value}")
 
 
 def _check_layout(cfg: Config, world_size: int) -> None:
