@@ -10,6 +10,30 @@ folded into beta, as a ping-pong of the real buffers measures it):
   hierarchical   2(L-1) alpha_i + 2(L-1)/L n beta_i          reduce-scatter + all-gather in the node
                  + 2(N-1) alpha_x + 2(N-1)/N n beta_x        the L chunks cross the node's link together
 
+What one training step moves, for a model of M bytes and n workers, on the
+busiest link (bytes each way: links are full duplex, and each way carries as
+much as the other in all of these; in + out is twice that):
+
+  flat ring            2(n-1)/n M      (reduce-scatter + all-gather)
+  hierarchical         2(N-1)/N M      on a node's link, N nodes
+  PS, K servers        max(M, n M/K)   a worker pushes M and pulls M; a server, on its
+                                       own node, receives n M/K and sends n M/K
+    single master      n M             K = 1: about n/2 times the ring
+    K = n servers      M               up to 2x better than the ring
+  PS colocated (K = 0) 2(n-1)/n M      every rank pushes (n-1)/n M to the other owners
+                                       and, as a server, sends (n-1)/n M back: the ring's
+
+and its alpha-beta time (ps_time; comm/ps.py: chunks of at most C bytes,
+c = ceil(M/C) of them), one level (the link between the nodes):
+  K servers   2 max(c alpha + M beta, (n c/K) alpha + (n M/K) beta)
+              push, then pull: the global norm is agreed between them, so a step
+              cannot overlap the two; with overlap (no clipping barrier, each
+              bucket's pull under the next one's push) the 2 goes: max(...)
+  colocated   2 ((n-1)/n c alpha + (n-1)/n M beta), with or without overlap (a rank's
+              link carries both its worker's and its server's messages)
+A link handles its messages one after the other (alpha each); the servers'
+norm exchange (K values) is left out.
+
 calibrate() measures both levels with ping-pongs (the first two ranks of the
 first node; the first ranks of the first two nodes), rank 0 fits and broadcasts,
 so every rank holds the same numbers and algorithm="auto" picks the same
@@ -45,7 +69,9 @@ REPEATS = 3
 CACHE_LIMIT_BYTES = 4 << 20           # an entry is ~200 bytes: room for thousands of host layouts
 _fits: dict = {}
 
-__all__ = ["Level", "CostModel", "calibrate", "ENV_CALIBRATION"]
+__all__ = ["Level", "CostModel", "calibrate", "ENV_CALIBRATION", "ring_link_bytes", "hierarchical_link_bytes",
+           "ps_link_bytes", "ring_time", "ps_time"]
+PS_CHUNK_BYTES = 4 << 20              # the parameter server's chunks (comm/ps.py's CHUNK_BYTES): the issue's <= 4 MB
 
 
 class Level(NamedTuple):
@@ -82,6 +108,42 @@ class CostModel(NamedTuple):
     def describe(self) -> str:
         return (f"cost model ({self.nodes} nodes x {self.per_node} ranks): inside a node {self.intra.describe()}; "
                 f"between nodes {self.inter.describe()}")
+
+
+def ring_link_bytes(nbytes: float, p: int) -> float:
+    """Bytes each way on a rank's link in a flat ring all-reduce of nbytes over p ranks."""
+    return 2 * (p - 1) / p * nbytes
+
+
+def hierarchical_link_bytes(nbytes: float, nodes: int) -> float:
+    """Bytes each way on a node's link in the hierarchical all-reduce over `nodes` nodes."""
+    return 2 * (nodes - 1) / nodes * nbytes
+
+
+def ps_link_bytes(nbytes: float, workers: int, servers: int) -> float:
+    """Bytes each way on the busiest link of one parameter-server step: `servers`
+    dedicated servers on their own nodes (1: a single master), or 0: colocated."""
+    if servers == 0:
+        return 2 * (workers - 1) / workers * nbytes
+    return max(nbytes, workers * nbytes / servers)
+
+
+def ring_time(level: Level, nbytes: float, p: int) -> float:
+    """The flat ring's alpha-beta time on one level (CostModel.ring picks the level)."""
+    return 2 * (p - 1) * level.alpha + ring_link_bytes(nbytes, p) * level.beta
+
+
+def ps_time(level: Level, nbytes: float, workers: int, servers: int, chunk_bytes: int = PS_CHUNK_BYTES,
+            overlap: bool = False) -> float:
+    """Alpha-beta time of one parameter-server step (module docstring): push then
+    pull, or (overlap=True) the two at once."""
+    chunks = max(1, math.ceil(nbytes / chunk_bytes))
+    if servers == 0:
+        share = (workers - 1) / workers
+        return 2 * (share * chunks * level.alpha + share * nbytes * level.beta)
+    phase = max(chunks * level.alpha + nbytes * level.beta,
+                workers * chunks / servers * level.alpha + workers * nbytes / servers * level.beta)
+    return phase if overlap else 2 * phase
 
 
 def fit(sizes, times) -> Level:
