@@ -28,6 +28,8 @@ One module per concern:
     context.py      CommContext, our private view of a communicator, and
                     context_for, which keeps one per communicator
     buckets.py      GradBuckets: bucketed all-reduce overlapped with backward
+    ps.py           ParameterServerGroup: the parameter server's push, sum (the small
+                    path's pairwise tree), global norm and pull; ps_layout, its chunks
     grid.py         ProcessGrid: named parallel axes, one communicator each
     abort.py        the abort handler: one rank's uncaught exception ends the job
     device.py       device (GPU) arrays and MPI: direct or staged
@@ -47,6 +49,7 @@ from .buckets import GradBuckets
 from .collectives import allgather, allreduce, get_crossover, reduce_scatter, set_crossover
 from .consistency import check_consistent
 from .grid import ProcessGrid
+from .ps import ParameterServerGroup, PSLayout, ps_layout, ps_ranks
 from .ring import chunk_bounds
 from .settings import check_settings
 
@@ -59,6 +62,10 @@ __all__ = [
     "get_crossover",
     "GradBuckets",
     "ProcessGrid",
+    "ParameterServerGroup",
+    "PSLayout",
+    "ps_layout",
+    "ps_ranks",
     "check_consistent",
     "install_abort_handler",
     "abort_on_error",
