@@ -22,6 +22,12 @@ One step, per rank:
       and the global squared gradient norm    update(c, summed, scale) -> new chunk, Isend to
                                               every worker; the first server sends the norm
 
+The issue's "the next bucket's push overlaps this bucket's pull" cannot
+hold together with its "global norm before any update": no chunk may be
+updated before every chunk is summed, so pulls start after the last push (the
+pushes themselves overlap backward: each leaves as its bucket is final).
+comm/costmodel.py's ps_time models both (overlap=False is this module).
+
 A rank that is worker and server calls push..., serve_step, pull: every
 message is nonblocking and its own pushes reach it as messages like any
 other's, so pushing to itself cannot deadlock.
