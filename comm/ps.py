@@ -22,6 +22,12 @@ One step, per rank:
       and the global squared gradient norm    update(c, summed, scale) -> new chunk, Isend to
                                               every worker; the first server sends the norm
 
+serve_step is reduce() (receive, sum, agree on the norm; the sums in
+`summed`) then send_params(new chunks): a caller that runs its own clipping
+and optimizer between them calls the two (engine/parallel/ps.py, colocated:
+push..., reduce, wait_pushes, then it may write the gradient buffer; its
+update; start_pull, send_params, wait_pull).
+
 The issue's "the next bucket's push overlaps this bucket's pull" cannot
 hold together with its "global norm before any update": no chunk may be
 updated before every chunk is summed, so pulls start after the last push (the
@@ -281,6 +287,8 @@ class ParameterServerGroup:
         self._norm_in = np.zeros(1, dtype=np.float64)
         # Server state.
         self._served = 0                     # steps this server served
+        self.summed = None                   # reduce()'s sums until send_params() sends the step
+        self._norm_sq = 0.0
         self._owned = lay.owned_by(self.rank)
         n_w = len(lay.workers)
         self._inbox = np.empty((len(self._owned), n_w, lay.chunk_elements if self._owned else 0), dtype=dtype)
@@ -407,6 +415,23 @@ class ParameterServerGroup:
         self._pull_params = None
         return float(self._norm_in[0])
 
+    def wait_pushes(self) -> None:
+        """Wait until this step's pushes have left `grad` (every element pushed):
+        the gradient buffer may be written from then on, before wait_pull()
+        (the colocated PS writes its summed chunks there). Their receivers must
+        be receiving: a colocated rank calls it after its own reduce()."""
+        self._ensure_usable()
+        missing = self.layout.n_elements - int(self._covered.sum())
+        if missing:
+            raise ValueError(f"ParameterServerGroup.wait_pushes: {missing} of {self.layout.n_elements} elements "
+                             f"were not pushed this step: push every element first")
+        try:
+            MPI.Request.Waitall(self._push_sends)
+        except BaseException as e:
+            self._abandon(self._pull_recvs, e)
+            raise
+        self._push_sends = []
+
     def pull(self, params: np.ndarray) -> float:
         """start_pull(params) and wait_pull(): blocking; returns the global squared norm."""
         self.start_pull(params)
@@ -436,14 +461,34 @@ class ParameterServerGroup:
         """Receive every worker's push of each owned chunk, sum them (tree_sum,
         then / n for op="avg"), agree on the global norm with the other servers,
         then update(chunk, summed_grad, scale) each owned chunk and send the new
-        values to every worker. Returns the global squared gradient norm."""
+        values to every worker. Returns the global squared gradient norm.
+        reduce() and send_params() are its two halves, for a caller whose own
+        code runs between them (the trainer: clipping and the optimizer)."""
+        norm_sq = self.reduce()
+        try:
+            scale = 1.0 if clip_scale is None else float(clip_scale(norm_sq))
+            new = [update(c, g, scale) for c, g in zip(self._owned, self.summed)]
+        except BaseException as e:
+            self._abandon((), e)
+            raise
+        self.send_params(new)
+        return norm_sq
+
+    def reduce(self) -> float:
+        """serve_step's first half: receive every worker's push of each owned
+        chunk, sum them (tree_sum, then / n for op="avg") and agree on the global
+        squared norm with the other servers (collective among them); returns it.
+        The sums are `summed` (a view per owned chunk, in owned_by order, valid
+        until the next step); send_params() must follow before the next reduce()."""
         self._ensure_usable()
         if not self.is_server:
-            raise ValueError(f"ParameterServerGroup.serve_step: rank {self.rank} is no server "
+            raise ValueError(f"ParameterServerGroup.reduce: rank {self.rank} is no server "
                              f"(servers: {list(self.layout.servers)})")
+        if self.summed is not None:
+            raise ValueError("ParameterServerGroup.reduce: this step is reduced already: send_params() first")
         lay, step = self.layout, self._served
         if self.is_worker and self._covered.sum() != lay.n_elements:
-            raise ValueError("ParameterServerGroup.serve_step: this rank is a worker too and has not pushed "
+            raise ValueError("ParameterServerGroup.reduce: this rank is a worker too and has not pushed "
                              "every element of this step: push every bucket first, or it waits for itself")
         n_w = len(lay.workers)
         recvs: list = []
@@ -466,29 +511,47 @@ class ParameterServerGroup:
                 if self.op == "avg":
                     np.divide(total, n_w, out=total)       # as comm/small.py: after the tree
                 summed.append(total)
-            per_chunk = server_norm_sq(summed)
-            norm_sq = self.global_norm_sq(per_chunk)
-            scale = 1.0 if clip_scale is None else float(clip_scale(norm_sq))
-            for c, g in zip(self._owned, summed):
-                clo, chi = lay.bounds(c)
-                new = update(c, g, scale)
-                if type(new) is not np.ndarray or new.shape != (chi - clo,) or new.dtype != self.dtype \
-                        or not new.flags.c_contiguous:
-                    raise ValueError(f"ParameterServerGroup.serve_step: update({c}, ...) returned "
-                                     f"{getattr(new, 'dtype', type(new).__name__)}{list(getattr(new, 'shape', []))}"
-                                     f": return the chunk's new parameters as a contiguous {self.dtype}"
-                                     f"[{chi - clo}]")
-                reqs = [self.comm.Isend(_wire(new), w, self._tag(c, step, _PULL)) for w in lay.workers]
-                self._param_sends.append((reqs, new))
-            if self.rank == lay.servers[0]:
-                norm_out = np.array([norm_sq], dtype=np.float64)
-                reqs = [self.comm.Isend(norm_out, w, self._tag(0, step, _NORM)) for w in lay.workers]
-                self._param_sends.append((reqs, norm_out))
+            self._norm_sq = self.global_norm_sq(server_norm_sq(summed))
         except BaseException as e:
             self._abandon([r for rs in recvs for r in rs], e)
             raise
+        self.summed = summed
+        return self._norm_sq
+
+    def send_params(self, new) -> None:
+        """serve_step's second half: send each owned chunk's new parameters
+        (new[i] for the i-th owned chunk: a contiguous array of the group's dtype
+        and the chunk's length, unchanged until the next reduce(); it must not
+        share memory with a buffer this rank pulls into) to every worker, and
+        from the first server the global norm."""
+        self._ensure_usable()
+        if self.summed is None:
+            raise ValueError("ParameterServerGroup.send_params: nothing reduced this step: reduce() first")
+        lay, step = self.layout, self._served
+        new = list(new)
+        try:
+            if len(new) != len(self._owned):
+                raise ValueError(f"ParameterServerGroup.send_params: {len(new)} arrays for this server's "
+                                 f"{len(self._owned)} chunks: pass one per owned chunk")
+            for c, values in zip(self._owned, new):
+                clo, chi = lay.bounds(c)
+                if type(values) is not np.ndarray or values.shape != (chi - clo,) or values.dtype != self.dtype \
+                        or not values.flags.c_contiguous:
+                    raise ValueError(f"ParameterServerGroup: chunk {c}'s new parameters (serve_step: what "
+                                     f"update({c}, ...) returned) are {getattr(values, 'dtype', type(values).__name__)}"
+                                     f"{list(getattr(values, 'shape', []))}: give them as a contiguous "
+                                     f"{self.dtype}[{chi - clo}]")
+                reqs = [self.comm.Isend(_wire(values), w, self._tag(c, step, _PULL)) for w in lay.workers]
+                self._param_sends.append((reqs, values))
+            if self.rank == lay.servers[0]:
+                norm_out = np.array([self._norm_sq], dtype=np.float64)
+                reqs = [self.comm.Isend(norm_out, w, self._tag(0, step, _NORM)) for w in lay.workers]
+                self._param_sends.append((reqs, norm_out))
+        except BaseException as e:
+            self._abandon((), e)
+            raise
+        self.summed = None
         self._served += 1
-        return norm_sq
 
     # ---- the end -----------------------------------------------------------------
 

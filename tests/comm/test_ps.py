@@ -147,6 +147,34 @@ def test_one_rank_steps_round_trip():
     g.free()
 
 
+def test_one_rank_reduce_then_send_params():
+    """serve_step's two halves, with the caller's own code between them: the summed chunks
+    written into the pushed gradient buffer itself once wait_pushes() returns (the colocated PS)."""
+    n = 100
+    g = _one_rank_group(n)
+    master = np.arange(n, dtype=np.float32)
+    with pytest.raises(ValueError, match="reduce\\(\\) first"):
+        g.send_params([])
+    for step in range(2):
+        grad = np.full(n, step + 2.0, np.float32)
+        g.push(grad, 0, n)
+        norm_sq = g.reduce()
+        assert norm_sq == n * (step + 2.0) ** 2
+        with pytest.raises(ValueError, match="reduced already"):
+            g.reduce()
+        g.wait_pushes()
+        for c, summed in zip(g.layout.owned_by(0), g.summed):
+            lo, hi = g.layout.bounds(c)
+            grad[lo:hi] = summed * np.float32(0.5)
+            master[lo:hi] -= grad[lo:hi]
+        params = np.zeros(n, np.float32)
+        g.start_pull(params)
+        g.send_params([master[lo:hi].copy() for lo, hi in map(g.layout.bounds, g.layout.owned_by(0))])
+        assert g.wait_pull() == norm_sq
+        assert same_bits(params, master)
+    g.free()
+
+
 def test_one_rank_refuses_misuse():
     n = 100
     g = _one_rank_group(n)
