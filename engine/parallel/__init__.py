@@ -13,9 +13,13 @@
     data.py      DataParallel: wraps either one; gradient buckets all-reduced while
                  backward runs, or under ZeRO reduce-scattered, the update of this
                  rank's chunks, then an all-gather (ZeRO-3: parameters stay sharded)
+    ps.py        ParameterServerData: the data axis as a colocated sharded parameter
+                 server (--sync ps): gradients pushed to the owners of their chunks,
+                 summed there, the owners' update, the new parameters pulled
     zero.py      ZeRO's shards: the chunks a rank keeps, the unit cut, ShardedParams
                  (ZeRO-3's gathers around each layer's use, prefetched)
-    compose.py   build_rank_model: DataParallel(TensorParallel(PipelineModel | LocalModel))
+    compose.py   build_rank_model: DataParallel(TensorParallel(PipelineModel | LocalModel)),
+                 or ParameterServerData(LocalModel)
 
 Every rank model offers the same surface (RankModel below), so the trainer
 knows nothing of buckets, tied communicators, duplicate ranges or shards.

@@ -205,6 +205,15 @@ def _parallelism_flags(p):
                         "batch: float32 weights bit-identical at --dp 1, 2, 4 with the same global micro-batches, "
                         "e.g. --dp 1 --microbatches 4 = --dp 2 --microbatches 2; dp and micro-batches powers of two, "
                         "no pipeline, no ZeRO yet)")
+    g.add_argument("--sync", choices=["allreduce", "ps"], default="allreduce",
+                   help="how the data axis syncs gradients: allreduce (default: every rank sums them, then "
+                        "updates all parameters) or ps (a parameter server: each rank pushes its gradient's 4 MiB "
+                        "chunks to their owners, each owner sums them in a fixed pairwise tree, updates its chunks "
+                        "and every rank pulls the new parameters; the same math and per-rank traffic as the ring, "
+                        "the optimizer state split like --zero 1). Needs dp >= 2; no --zero, --pp, --tp or cuda yet")
+    g.add_argument("--ps-servers", type=int, default=0, metavar="K",
+                   help="with --sync ps: dedicated server ranks. 0 (default, the only one built yet): every "
+                        "data-parallel rank serves its share of the chunks (colocated, sharded)")
     g.add_argument("--trace", default=None, metavar="DIR",
                    help="write a Chrome/Perfetto trace per rank and a merged DIR/trace.json")
 

@@ -80,6 +80,8 @@ class Config:
     zero: int = 0                      # ZeRO stage over the data axis: 1 optimizer state, 2 + gradients, 3 + parameters
     zero_gather: str = "auto"          # ZeRO-3: use | step | auto (step with a pipeline, else use)
     reduce_order: str = "fast"         # fast | canonical: gradients summed in one fixed tree (bits independent of dp)
+    sync: str = "allreduce"            # allreduce | ps: how the data axis syncs (ps: a parameter server)
+    ps_servers: int = 0                # with sync ps: dedicated server ranks (0: every rank serves its chunks)
     pp: int = 1                        # pipeline stages
     tp: int = 1                        # tensor-parallel ranks (GPT, Llama): heads, MLP features, vocabulary split
     sequence_parallel: bool = False    # with tp > 1: the stream between the TP regions split along T
@@ -217,6 +219,7 @@ def check(cfg: Config, world_size: int) -> list[str]:
     notes = _check_combinations(cfg, cfg.data_parallel(world_size), world_size)
     _check_layout(cfg, world_size)
     _check_reduce_order(cfg, cfg.data_parallel(world_size))
+    notes += _check_sync(cfg, cfg.data_parallel(world_size), world_size)
     return notes + fine_tuning_notes(cfg)
 
 
@@ -339,6 +342,50 @@ def _check_reduce_order(cfg: Config, dp: int) -> None:
         if value & (value - 1):
             raise ConfigError(f"<reduce_order> canonical needs <{name}> to be a power of two (one pairwise tree "
                               f"over the global batch's micro-batches), got {value}")
+
+
+def _check_sync(cfg: Config, dp: int, world_size: int) -> list[str]:
+    """--sync ps: the colocated sharded parameter server on the data axis (engine/parallel/ps.py);
+    dedicated server ranks and the other axes come later."""
+    if cfg.sync not in ("allreduce", "ps"):
+        raise ConfigError(f"<sync> is allreduce or ps, got {cfg.sync!r}")
+    if isinstance(cfg.ps_servers, bool) or not isinstance(cfg.ps_servers, int) or cfg.ps_servers < 0:
+        raise ConfigError(f"<ps_servers> is a number of server ranks >= 0, got {cfg.ps_servers!r}")
+    if cfg.sync != "ps":
+        # A refusal, not a note: a user who asked for servers and silently got an all-reduce
+        # would measure the wrong thing.
+        if cfg.ps_servers:
+            raise ConfigError(f"<ps_servers> {cfg.ps_servers} sets the parameter server's ranks, and this run "
+                              "syncs by all-reduce: add <sync> ps, or leave out <ps_servers>")
+        return []
+    if cfg.ps_servers >= world_size:
+        raise ConfigError(f"<ps_servers> {cfg.ps_servers} with {world_size} rank(s) leaves no rank to compute "
+                          f"gradients: launch more ranks than servers, or use <ps_servers> 0 (every rank serves)")
+    if cfg.ps_servers >= 1:
+        raise ConfigError(f"<ps_servers> {cfg.ps_servers}: dedicated server ranks are not built yet: use "
+                          "<ps_servers> 0, the colocated sharded server (every data-parallel rank serves its chunks)")
+    if dp < 2:
+        raise ConfigError(f"<sync> ps needs dp >= 2 (the parameter server sums the data-parallel ranks' gradients), "
+                          f"and this layout has {dp}: launch more ranks (e.g. `mpiexec -n 2 ringpipe train ...`), "
+                          "or leave out <sync>")
+    if cfg.zero:
+        raise ConfigError(f"<sync> ps shards the optimizer state over its servers already: leave out <zero> "
+                          f"{cfg.zero} (or use <sync> allreduce with ZeRO)")
+    if cfg.pipelined:
+        raise ConfigError("<sync> ps works without a pipeline for now (one parameter-server group per pipeline "
+                          "rank comes later: the tied embedding's cross-stage sum must come before the push): leave "
+                          "out <pp> and <chunks>, or use <sync> allreduce")
+    if cfg.tp > 1:
+        raise ConfigError("<sync> ps works without tensor parallelism for now (the tensor ranks' shards of the "
+                          "gradient norm must be summed before the servers agree on it): leave out <tp>, or use "
+                          "<sync> allreduce")
+    if cfg.device != "cpu":
+        raise ConfigError(f"<sync> ps moves host (numpy) buffers only for now: use <device> cpu, or <sync> "
+                          f"allreduce on {cfg.device}")
+    if cfg.bucket_mb is not None:
+        return ["note: <bucket_mb> has no effect with <sync> ps: gradients are pushed per parameter, in the "
+                "parameter server's chunks of <= 4 MiB"]
+    return []
 
 
 def _check_layout(cfg: Config, world_size: int) -> None:
