@@ -25,9 +25,11 @@ import numpy as np
 
 from ringpipe import comm
 from ringpipe.comm.device import Transport, synchronize
+from ringpipe.comm.ps import ordered_sum, server_norm_sq
 from ringpipe.engine.job.array_module import to_host
 from ringpipe.engine.model.optim import make_optimizer
 from ringpipe.engine.parallel import NO_SYNC, GradSync
+from ringpipe.engine.parallel import ps as ps_axis
 from ringpipe.engine.parallel.zero import ShardedParams, bucket_breaks, gather_chunks, owned_ranges
 
 # ZeRO-3 cuts one bucket per unit (a layer's parameters), whatever its size.
@@ -66,7 +68,9 @@ class DataParallel:
         over the replicas, ((r0 + r1) + (r2 + r3)) ..., by recursive doubling (comm/small.py: log2(dp)
         exchanges of the bucket, against the ring's 2(dp-1)/dp of it), whatever its size: with the
         inner model's pairwise micro-batch tree (LocalModel), the gradient's bits depend on the
-        global batch and its micro-batches only, not on the number of replicas."""
+        global batch and its micro-batches only, not on the number of replicas. Without a tensor
+        axis the gradient norm is then the parameter server's (engine/parallel/ps.py): each of its
+        chunks' float64 sum of squares, added in chunk order, so --sync ps gives the same bits."""
         self.inner, self.params = inner, inner.params
         self.trace = trace             # list-like to append (name, category, t0, t1), or None
         self.data_comm = grid.comm("data")
@@ -94,6 +98,11 @@ class DataParallel:
                 self.sharded = ShardedParams(self.params, self.buckets.buckets, self.data_comm, inner.chains,
                                              gather_mode, overlap, trace=trace)
         self.auto_buckets = bucket_mb is None
+        # --reduce-order canonical without a tensor axis: the norm over the PS's chunks (its bounds).
+        self.norm_chunks = None
+        if canonical and grid.size("tensor") == 1:
+            layout = comm.ps_layout(self.params.size, self.params.grad.itemsize, [0], [0], ps_axis.CHUNK_BYTES)
+            self.norm_chunks = [layout.bounds(c) for c in range(layout.n_chunks)]
 
     # ---- this rank's chunks ------------------------------------------------------------------
     def _keep_chunk(self, k):
@@ -141,6 +150,9 @@ class DataParallel:
         return loss
 
     def grad_norm_sq(self):
+        if self.norm_chunks is not None:          # the same on every replica, as the gradients are
+            grad = to_host(self.params.grad)
+            return ordered_sum(server_norm_sq([grad[lo:hi] for lo, hi in self.norm_chunks]))
         if self.owned is None:
             return self.inner.grad_norm_sq()      # the gradients are the same on every replica now
         # Each rank holds its chunks of the reduced gradients, zeros elsewhere: the

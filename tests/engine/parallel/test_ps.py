@@ -87,6 +87,28 @@ def test_checkpoints_continue_between_ps_and_allreduce(shared_dir, monkeypatch, 
                                rtol=TOL, atol=TOL)
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("chunks", list(CHUNKS))
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_ps_float32_bits_equal_canonical_allreduce(shared_dir, monkeypatch, chunks, optimizer):
+    """The PS sums in recursive doubling's tree and its norm is chunk-ordered; --reduce-order
+    canonical all-reduces in that tree and (without a tensor axis) takes the norm over the same
+    chunks: float32 weights, losses and clipped norms equal to the bit."""
+    if world.size & (world.size - 1) or 8 % world.size:
+        pytest.skip("a power of two of ranks dividing the global batch of 8")
+    if CHUNKS[chunks] is not None:
+        monkeypatch.setattr(ps_model, "CHUNK_BYTES", CHUNKS[chunks])
+    cfg = dict(BASE, dtype="float32", steps=6, eval_every=6, microbatches=2, reduce_order="canonical",
+               optimizer=optimizer)
+    ring = train(Config(**cfg, out=os.path.join(shared_dir, f"canonical-{chunks}-{optimizer}")), world)
+    server = train(Config(**cfg, sync="ps", out=os.path.join(shared_dir, f"ps32-{chunks}-{optimizer}")), world)
+    world.Barrier()
+    assert np.array_equal(np.asarray(server.model.params.data), np.asarray(ring.model.params.data))
+    for key in ("loss", "grad_norm"):
+        assert [m[key] for m in metrics(server.out)] == [m[key] for m in metrics(ring.out)], key
+    assert all(m["grad_norm"] > CLIP for m in metrics(server.out)), "clipping must act in this test"
+
+
 # ---- refusals (serial: the configuration's checks) --------------------------------------------
 
 @pytest.mark.parametrize("settings,world_size,says", [
