@@ -27,9 +27,14 @@ worker's. Each rank reads its node's eth0 counters (rx, tx) around each mode, so
 with one rank per emulated node the bytes each link moved are measured too (frames,
 with their TCP/IP headers: a few % above the payload).
 
+  all-to-all x2  the colocated PS's flows without comm/ps.py: twice, every worker sends M/n
+                 to each other worker and receives as much, all at once (plain Isend/Irecv):
+                 a control for what the many-to-many pattern itself costs on the links
+
 The prediction: comm/costmodel.py's formulas, alpha and beta from a ping-pong between
-the first two workers (costmodel's sizes and fit(): alpha from 8 B, beta from the
-1-4 MiB slope; 15 round trips a size, where its start-up calibration takes 3), on the
+the first two workers (costmodel's fit(): alpha from 8 B, beta from the slope between
+4 and 16 MiB, 9 round trips a size; its start-up calibration takes 1-4 MiB and 3, which
+the loaded machine's jitter moves by 10%), on the
 level between nodes when the workers are on different nodes. ring and hierarchical:
 CostModel.ring / .hierarchical; PS: ps_time (push, then pull: comm/ps.py agrees on
 the global norm before any update, so the two cannot overlap) and, in the JSON, the
@@ -62,9 +67,10 @@ from mpi4py import MPI  # noqa: E402
 from _common import (fmt_size, median, nonneg_int, output_path, positive_int, positive_size,  # noqa: E402
                      table, write_json)
 
-ALGORITHMS = ("ring", "hierarchical")
+ALGORITHMS = ("ring", "hierarchical", "all-to-all x2")
 STAT_FILES = ("/sys/class/net/eth0/statistics/rx_bytes", "/sys/class/net/eth0/statistics/tx_bytes")
-PINGPONG_REPEATS = 15
+PINGPONG_REPEATS = 9
+PINGPONG_SIZES = (8, 4 << 20, 16 << 20)   # beta from the 4-16 MiB slope: 105 ms apart at 1 Gbit/s, not 27
 COLUMNS = [("mode", "mode", "s"), ("K", "K", "s"), ("link_pred_MiB", "busiest link MiB (pred)", ".1f"),
            ("link_meas_MiB", "(meas)", ".1f"), ("time_ms", "time ms (median)", ".1f"),
            ("range_ms", "[range]", "s"), ("pred_ms", "predicted ms", ".1f"),
@@ -102,7 +108,7 @@ def parse_args(argv=None):
                    help="the PS modes' server counts K (0: colocated; default 1,n/2,n,0, those the ranks "
                         "beyond the workers can hold)")
     p.add_argument("--no-allreduce", dest="allreduce", action="store_false",
-                   help="leave out the ring and hierarchical all-reduce (the speed-up column needs the ring)")
+                   help="leave out the ring, the hierarchical all-reduce and the all-to-all control (the speed-up column needs the ring)")
     p.add_argument("--chunk-bytes", type=positive_size, default=costmodel.PS_CHUNK_BYTES,
                    help="the PS's chunk size (default 4M, comm/ps.py's)")
     p.add_argument("--push-order", choices=("whole", "rotated"), default="whole",
@@ -136,21 +142,21 @@ def pingpong_level(comm, repeats: int) -> costmodel.Level:
     takes (its 3 let one slow round trip of the loaded machine into the 8-byte alpha)."""
     rank = comm.Get_rank()
     times = []
-    for size in costmodel.SIZES:
+    for size in PINGPONG_SIZES if rank < 2 else ():
         buf = np.zeros(max(size // 8, 1), dtype=np.float64)
         samples = []
         for _ in range(repeats + 1):                 # the first one warms the connection up
-            comm.Barrier()
             t0 = time.perf_counter()
             if rank == 0:
                 comm.Send(buf, dest=1, tag=7)
                 comm.Recv(buf, source=1, tag=7)
-            elif rank == 1:
+            else:
                 comm.Recv(buf, source=0, tag=7)
                 comm.Send(buf, dest=0, tag=7)
             samples.append((time.perf_counter() - t0) / 2)
         times.append(median(samples[1:]))
-    level = costmodel.fit(costmodel.SIZES, times) if rank == 0 else None
+    gentle_barrier(comm)                             # the others sleep meanwhile: the 2 cores go to the two
+    level = costmodel.fit(PINGPONG_SIZES, times) if rank == 0 else None
     return comm.bcast(level, root=0)
 
 
@@ -170,7 +176,7 @@ class Mode:
 
     def __init__(self, name: str, k: int | None, members: list[int]):
         self.name, self.k, self.members = name, k, members
-        self.key = name if k is None else f"ps{k}"
+        self.key = ("alltoall" if name == "all-to-all x2" else name) if k is None else f"ps{k}"
         self.comm = MPI.COMM_NULL
         self.ps = None
         self.times: list[float] = []               # this rank's, per repeat (NaN: not a worker here)
@@ -194,6 +200,11 @@ def run_once(mode: Mode, n: int, grad: np.ndarray, pristine: np.ndarray, params:
     """One synchronisation on this rank (a member of mode); its seconds, NaN on a dedicated server."""
     sub = mode.comm
     me = sub.Get_rank()
+    if mode.name == "all-to-all x2":
+        sub.Barrier()
+        t0 = time.perf_counter()
+        alltoall_twice(sub, pristine, grad)
+        return time.perf_counter() - t0
     if mode.k is None:
         np.copyto(grad, pristine)
         sub.Barrier()
@@ -229,8 +240,26 @@ def run_once(mode: Mode, n: int, grad: np.ndarray, pristine: np.ndarray, params:
     return dt
 
 
+def alltoall_twice(comm, send: np.ndarray, recv: np.ndarray) -> None:
+    """The colocated PS's traffic without comm/ps.py: twice (push, pull), every rank sends
+    block j of `send` to rank j and receives every other rank's block into `recv`, all at once."""
+    p, me = comm.Get_size(), comm.Get_rank()
+    bounds = [(j * send.size // p, (j + 1) * send.size // p) for j in range(p)]
+    for _ in range(2):
+        reqs = []
+        for i in range(1, p):
+            src, dst = (me - i) % p, (me + i) % p
+            reqs.append(comm.Irecv(recv[slice(*bounds[src])], src, 11))
+            reqs.append(comm.Isend(send[slice(*bounds[dst])], dst, 11))
+        MPI.Request.Waitall(reqs)
+
+
 def predictions(mode: Mode, model: costmodel.CostModel, level: costmodel.Level, nbytes: int, n: int,
                 chunk_bytes: int) -> dict:
+    if mode.name == "all-to-all x2":
+        return dict(pred_s=costmodel.ps_time(level, nbytes, n, 0, -(-nbytes // n)),
+                    pred_overlap_s=costmodel.ps_time(level, nbytes, n, 0, -(-nbytes // n)),
+                    link_pred_bytes=costmodel.ps_link_bytes(nbytes, n, 0))
     if mode.k is None:
         time_s = getattr(model, mode.name)(nbytes)
         link = (costmodel.ring_link_bytes(nbytes, n) if mode.name == "ring" or model.nodes < 2
@@ -313,6 +342,7 @@ def main() -> int:
             level = model.inter
         cal.Free()
         wcomm.Free()
+    gentle_barrier(world)                            # the servers sleep through the ping-pong
     model, level = world.bcast((model, level), root=0)
     for m in modes:
         if m.k is not None and m.comm != MPI.COMM_NULL:
@@ -327,7 +357,9 @@ def main() -> int:
         print(f"# ps_vs_ring: {size} ranks on {where}; n = {n} workers (ranks 0..{n - 1}), M = {fmt_size(nbytes)} "
               f"float32, chunks of {fmt_size(args.chunk_bytes)}, PS K = {','.join(map(str, ks))}"
               + (f", link {args.link}" if args.link else ""))
-        print(f"# {model.describe()}; the model uses {level.describe()}")
+        between = "the link between nodes" if model.nodes > 1 else "inside one node"
+        print(f"# alpha-beta model: {level.describe()}, {between} (ping-pong between workers 0 and 1"
+              + ("" if model.intra == model.inter else f"; {model.describe()}") + ")")
         print(f"# {args.repeats} rounds (+{args.warmup} warm-up), modes interleaved; MPI: "
               f"{MPI.Get_library_version().replace(chr(0), '').splitlines()[0].strip()}", flush=True)
 

@@ -1,5 +1,5 @@
 """benchmarks/ps_vs_ring.py: a tiny run under 3 ranks on one machine (2 workers, a dedicated
-server and the colocated PS next to the ring and the hierarchical all-reduce) prints its
+server and the colocated PS next to the ring, the hierarchical all-reduce and the all-to-all control) prints its
 table and writes its JSON, every mode's result equal to the exact average; no timing is
 asserted (the machines are shared). Bad flags and too few ranks are refused before any work."""
 import json
@@ -37,7 +37,7 @@ def test_every_mode_runs_on_one_machine(tmp_path):
     assert "shared memory" in r.stdout and "meas/pred" in r.stdout and "0 wrong element(s) OK" in r.stdout
     data = json.loads(out.read_text())
     assert data["benchmark"] == "ps_vs_ring" and data["workers"] == 2 and not data["emulated"]
-    assert [row["key"] for row in data["rows"]] == ["ring", "hierarchical", "ps1", "ps0"]
+    assert [row["key"] for row in data["rows"]] == ["ring", "hierarchical", "alltoall", "ps1", "ps0"]
     for row in data["rows"]:
         assert row["wrong"] == 0 and len(row["times_ms"]) == 2 and row["time_ms"] > 0 and row["pred_ms"] > 0, row
     by = {row["key"]: row for row in data["rows"]}
