@@ -9,11 +9,12 @@ from ringpipe.engine.parallel.ps import ParameterServerData
 from ringpipe.engine.parallel.tensor import TensorGroup, TensorParallel
 
 
-def build_rank_model(grid, layers_fn, cfg, dtype, xp, micro_shape, cost_batch, trace=None):
+def build_rank_model(grid, layers_fn, cfg, dtype, xp, micro_shape, cost_batch, trace=None, servers=None):
     """This rank's model for the grid's layout: the pipeline (or local) model of
     this rank's (tensor-parallel: split) layers, wrapped by the tensor axis,
     then by the data axis (all-reduce, or --sync ps: the parameter server).
-    layers_fn(tensor) builds the layers for a tensor group (None: whole layers)."""
+    layers_fn(tensor) builds the layers for a tensor group (None: whole layers).
+    servers: --ps-servers K's ps.ServerLink (the grid is then the workers')."""
     tensor = None
     if grid.size("tensor") > 1:
         tensor = TensorGroup(grid.comm("tensor"), sequence_parallel=cfg.sequence_parallel,
@@ -36,6 +37,6 @@ def build_rank_model(grid, layers_fn, cfg, dtype, xp, micro_shape, cost_batch, t
     if tensor is not None:
         inner = TensorParallel(inner, tensor, [s for layer in layers_fn(tensor) for s in layer.specs()])
     if cfg.sync == "ps":       # the configuration refused a pipeline, the tensor axis and ZeRO with it
-        return ParameterServerData(inner, grid, overlap=not cfg.no_overlap, trace=trace)
+        return ParameterServerData(inner, grid, overlap=not cfg.no_overlap, trace=trace, link=servers)
     return DataParallel(inner, grid, zero=cfg.zero, bucket_mb=cfg.bucket_mb, overlap=not cfg.no_overlap,
                         gather_mode=cfg.zero_gather_mode, trace=trace, canonical=cfg.reduce_order == "canonical")

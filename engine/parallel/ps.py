@@ -1,9 +1,11 @@
-"""The data axis as a colocated sharded parameter server (`--sync ps --ps-servers 0`).
+"""The data axis as a parameter server (`--sync ps`): colocated and sharded
+(`--ps-servers 0`), or on K dedicated server ranks (`--ps-servers K`).
 
 ParameterServerData wraps the local model as DataParallel does and offers the
 same RankModel surface, so the trainer drives it alike (compose.py picks it);
-the communication is comm/ps.py's ParameterServerGroup over the data axis,
-every replica both a worker and a server:
+the communication is comm/ps.py's ParameterServerGroup.
+
+Colocated (K = 0): every data-parallel rank is both a worker and a server.
 
 - the cut: the flat buffer in chunks of <= 4 MiB (comm.ps_layout), chunk c
   owned by data-parallel rank c % dp (interleaved: every layer's gradient is
@@ -21,14 +23,36 @@ every replica both a worker and a server:
   then every chunk's new parameters go from its owner to every rank (the pull).
 
 Per step a rank sends (dp-1)/dp of the gradients and receives (dp-1)/dp of the
-parameters: the ring all-reduce's 2(dp-1)/dp M. This is the first half of
-issue 27; dedicated server ranks (--ps-servers K >= 1) reuse the same group
-with other workers and servers, and are refused by the configuration for now.
+parameters: the ring all-reduce's 2(dp-1)/dp M.
+
+Dedicated servers (K >= 1): the last K ranks of the job serve (comm.ps_ranks),
+the others are the workers and train among themselves (engine/train/run.py
+splits the world: every collective of the trainer stays among the workers).
+ServerLink is the two sides' channel over the whole job; serve() is a server
+rank's whole run. The servers hold no model: the first worker sends them, once,
+the flat length and dtype (START), then before the first step the parameters,
+weight-decay mask and (on a resume) optimizer state of their chunks and the
+optimizer's step count (INIT). Every step it tells each server STEP; the
+servers sum their chunks' pushes, agree on the global norm (chunk order, as
+above), clip with cfg.grad_clip, step the optimizer over their chunks with
+lr_at(step) from cfg (no update when the norm is not finite: the workers raise
+Diverged on it), and send the parameters and the norm back. So on a worker
+grad_norm_sq() waits for the pull (parameters and norm come together: the
+servers updated already), scale_grads and update do nothing but count the
+step, and its optimizer is the real one over no elements (its step count and
+state names for checkpoints; the state lives only on the servers). A checkpoint
+asks the servers for their chunks' state (SAVE), so it is whole and loads in any
+layout; STOP ends the servers' loop. The servers block on these control
+messages only, never on a push that will not come: whatever ends the workers
+(the last step, a signal, a bad batch, divergence, an error before the model is
+built) ends with STOP, and the workers' outcome is then broadcast over the job,
+so the servers return the same exit code or raise alike.
+The busiest link is a server's: n M / K each way per step (or a worker's M).
 
 Checkpoints: the optimizer state of the owned chunks gathered whole on the
 first replica (point to point, chunk by chunk), restored from any layout's
 arrays by taking the owned chunks: a PS run resumes an all-reduce run's
-checkpoint and back.
+checkpoint and back, with or without dedicated servers.
 
 Host (numpy) buffers only (comm/ps.py's); no pipeline, no tensor axis yet (the
 configuration refuses them: a tied embedding's cross-stage sum, and the tensor
@@ -38,17 +62,23 @@ Import rule: that of engine/parallel (its __init__.py).
 """
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 from ringpipe import comm
 from ringpipe.comm.device import Transport
 from ringpipe.engine.job.array_module import to_host
-from ringpipe.engine.model.optim import make_optimizer
+from ringpipe.engine.model.optim import clip_scale, lr_at, make_optimizer
 from ringpipe.engine.parallel import GradSync
 
 _STATE_TAG = 1          # the checkpoint gather's messages, on a communicator of their own
+# Dedicated servers: the first worker's control messages (int64 [kind, a, b]) and the
+# arrays that follow them, on ServerLink's own communicator.
+_CONTROL_TAG, _DATA_TAG = 2, 3
+START, INIT, STEP, SAVE, STOP = 1, 2, 3, 4, 5
 # The chunks' size, read when a model is built (tests make it small, so a small model
 # has many chunks: chunks across parameters, every rank a server of several).
 CHUNK_BYTES = comm.ps.CHUNK_BYTES
@@ -69,10 +99,127 @@ class _PushSync(GradSync):
             self.model._push(i)
 
 
-class ParameterServerData:
-    """A RankModel (engine/parallel/__init__.py): the data axis over a colocated sharded PS."""
+class ServerLink:
+    """The dedicated servers' channel (`--ps-servers K`): which ranks of `world`
+    (the whole job) work and which serve, the workers' own communicator, and the
+    first worker's control messages to the servers. Made collectively by every
+    rank of `world`; the trainer on the workers runs over `workers_comm`."""
 
-    def __init__(self, inner, grid, overlap=True, trace=None):
+    def __init__(self, world, n_servers: int):
+        self.world = world
+        self.workers, self.servers = comm.ps_ranks(world.Get_size(), n_servers)
+        self.rank = world.Get_rank()
+        self.is_server = self.rank in self.servers
+        self.is_first_worker = self.rank == self.workers[0]
+        self.channel = world.Dup()            # control messages and the arrays they announce
+        self.workers_comm = world.Split(1 if self.is_server else 0, self.rank)
+        self.stopped = False                  # STOP sent (first worker) or received (a server)
+        self.outcome = None                   # the first worker's: how the run ended (share_outcome)
+
+    # ---- the first worker's side -----------------------------------------------------
+    def tell(self, kind: int, a: int = 0, b: int = 0) -> None:
+        """Send control message `kind` to every server (the first worker only)."""
+        for server in self.servers:
+            self.channel.Send(np.array([kind, a, b], dtype=np.int64), dest=server, tag=_CONTROL_TAG)
+
+    def send(self, server: int, array) -> None:
+        self.channel.Send(np.ascontiguousarray(array), dest=server, tag=_DATA_TAG)
+
+    def stop(self) -> None:
+        """STOP to every server, once: from the model's close(), or from the trainer's end
+        when no model was built (an error before it): no server is left waiting."""
+        if self.is_first_worker and not self.stopped:
+            self.tell(STOP)
+        self.stopped = True
+
+    # ---- a server's side -----------------------------------------------------------------
+    def receive(self) -> tuple[int, int, int]:
+        msg = np.zeros(3, dtype=np.int64)
+        self.channel.Recv(msg, source=self.workers[0], tag=_CONTROL_TAG)
+        return int(msg[0]), int(msg[1]), int(msg[2])
+
+    def receive_array(self, n: int, dtype) -> np.ndarray:
+        a = np.empty(n, dtype=dtype)
+        self.channel.Recv(a, source=self.workers[0], tag=_DATA_TAG)
+        return a
+
+    # ---- the end, every rank -----------------------------------------------------------
+    def share_outcome(self, outcome: dict | None) -> dict:
+        """The workers' outcome (the first worker's `outcome`) on every rank of the job:
+        {"steps_done", "exit_code", "stopped_by"} or {"error": type name, "message": ...}."""
+        return self.channel.bcast(outcome if self.is_first_worker else None, root=self.workers[0])
+
+    def free(self) -> None:
+        for c in (self.workers_comm, self.channel):
+            if c != MPI.COMM_NULL and not MPI.Is_finalized():
+                c.Free()
+
+
+def serve(cfg, link: ServerLink) -> dict:
+    """A dedicated server rank's run (`--ps-servers K`, module docstring): answer the
+    first worker's control messages until STOP; returns the workers' outcome
+    (ServerLink.share_outcome). Optimizer, learning rate and clipping come from cfg."""
+    group = opt = None
+    served = 0
+    try:
+        while True:
+            kind, a, b = link.receive()
+            if kind == STOP:
+                link.stopped = True
+                break
+            if kind == START:            # a: flat length, b: chunk bytes; then the itemsize
+                dtype = np.dtype(f"f{int(link.receive_array(1, np.int64)[0])}")
+                group = comm.ParameterServerGroup(link.world, link.workers, link.servers, a, dtype,
+                                                  chunk_bytes=b, op="avg")
+                owned = [group.layout.bounds(c) for c in group.layout.owned_by(link.rank)]
+                size = sum(hi - lo for lo, hi in owned)
+            elif kind == INIT:           # a: the optimizer's step count, b: 1 when its state follows
+                master = link.receive_array(size, dtype)        # this server's chunks, packed
+                mask = link.receive_array(size, np.uint8)
+                opt = make_optimizer(cfg.optimizer, size, dtype, np, mask, cfg.weight_decay)
+                for buf in opt.state().values():
+                    if b:
+                        buf[...] = link.receive_array(size, dtype)
+                opt.step_count = a
+            elif kind == STEP:           # a: the workers' step count, which must be ours
+                if a != opt.step_count:
+                    raise RuntimeError(f"parameter server rank {link.rank}: the workers are at update {a}, this "
+                                       f"server at {opt.step_count}: their messages no longer line up")
+                norm_sq = group.reduce()
+                if math.isfinite(norm_sq):      # else no update: the workers raise Diverged on this norm
+                    # The step count is the trainer's step index: one update a step, and every
+                    # checkpoint records the two equal (its step and opt_step_count).
+                    lr = lr_at(opt.step_count, cfg.peak_lr, cfg.warmup_steps, cfg.schedule_steps, cfg.min_lr_ratio)
+                    grad = np.concatenate(group.summed) if group.summed else np.zeros(0, dtype=dtype)
+                    scale = clip_scale(norm_sq, cfg.grad_clip)
+                    if scale != 1.0:
+                        grad *= scale
+                    opt.step(master, grad, lr)
+                at, chunks = 0, []
+                for lo, hi in owned:
+                    chunks.append(master[at:at + hi - lo])
+                    at += hi - lo
+                group.send_params(chunks)
+                served += 1
+            elif kind == SAVE:           # every optimizer state, chunk by chunk, to the first worker
+                at = 0
+                for lo, hi in owned:
+                    for buf in opt.state().values():
+                        link.send(link.workers[0], buf[at:at + hi - lo])
+                    at += hi - lo
+            else:
+                raise RuntimeError(f"parameter server rank {link.rank}: unknown control message {kind}")
+    finally:
+        if group is not None and link.stopped:
+            group.free()
+    return link.share_outcome(None)
+
+
+class ParameterServerData:
+    """A RankModel (engine/parallel/__init__.py): the data axis over a parameter server,
+    colocated and sharded (link None) or on dedicated server ranks (link: a ServerLink)."""
+
+    def __init__(self, inner, grid, overlap=True, trace=None, link=None):
         self.inner, self.params = inner, inner.params
         self.trace = trace             # list-like to append (name, category, t0, t1), or None
         self.data_comm = grid.comm("data")
@@ -83,16 +230,29 @@ class ParameterServerData:
             raise ValueError("ParameterServerData: the parameter server moves host (numpy) buffers only")
         self.overlap = overlap
         self.stage = 0                 # nothing sharded between steps but the optimizer state (the harness asks)
-        ranks = list(range(self.dp))
-        self.group = comm.ParameterServerGroup(self.data_comm, ranks, ranks, self.params.size, self.params.dtype,
-                                               chunk_bytes=CHUNK_BYTES, op="avg")
+        self.link = link
+        if link is None:
+            ranks = list(range(self.dp))
+            self.group = comm.ParameterServerGroup(self.data_comm, ranks, ranks, self.params.size,
+                                                   self.params.dtype, chunk_bytes=CHUNK_BYTES, op="avg")
+            self.me = self.data_comm.Get_rank()
+        else:
+            if link.is_first_worker:
+                link.tell(START, self.params.size, CHUNK_BYTES)
+                for server in link.servers:
+                    link.send(server, np.array([np.dtype(self.params.dtype).itemsize], dtype=np.int64))
+            self.group = comm.ParameterServerGroup(link.world, link.workers, link.servers, self.params.size,
+                                                   self.params.dtype, chunk_bytes=CHUNK_BYTES, op="avg")
+            self.me = link.rank
         self.layout = self.group.layout
-        self.me = self.data_comm.Get_rank()
-        self.owned_chunks = list(self.layout.owned_by(self.me))
+        self.owned_chunks = list(self.layout.owned_by(self.me))      # none for a worker of dedicated servers
         self.owned = [self.layout.bounds(c) for c in self.owned_chunks]    # the optimizer's chunks
         self.ranges = self.params.ranges()
         self._pushed = np.zeros(len(self.ranges), dtype=bool)
         self._norm_sq = None
+        self._opt = None               # dedicated: the (empty) optimizer whose step count the servers share
+        self._servers_ready = False    # dedicated: INIT sent
+        self._restored = None          # dedicated, first worker: the checkpoint's optimizer state until INIT
         self.state_comm = self.data_comm.Dup()      # the checkpoint gather's point-to-point messages
 
     # ---- a step ------------------------------------------------------------------------
@@ -107,6 +267,15 @@ class ParameterServerData:
 
     def forward_backward(self, x, y, grad_scale):
         self._pushed[:] = False
+        if self.link is not None:
+            self._start_servers()
+            if self.link.is_first_worker:
+                self.link.tell(STEP, self._opt.step_count)
+            loss = self.inner.forward_backward(x, y, grad_scale, sync=_PushSync(self))
+            # The servers update as soon as every push is in: the pull (the new parameters
+            # and the norm) is posted now and waited for in grad_norm_sq.
+            self.group.start_pull(self.params.data)
+            return loss
         loss = self.inner.forward_backward(x, y, grad_scale, sync=_PushSync(self))
         t0 = time.perf_counter()
         self._norm_sq = self.group.reduce()      # this rank as a server: its chunks summed, the global norm
@@ -124,10 +293,15 @@ class ParameterServerData:
         return self.inner.forward_loss(x, y)
 
     def grad_norm_sq(self):
+        if self.link is not None:
+            t0 = time.perf_counter()
+            self._norm_sq = self.group.wait_pull()     # the servers clipped and updated already
+            self._event("PS push, server update and pull", "comm", t0)
         return self._norm_sq
 
     def scale_grads(self, scale):
-        """Multiply the gradients this rank updates from (its chunks) by `scale` (clipping)."""
+        """Multiply the gradients this rank updates from (its chunks) by `scale` (clipping);
+        a worker of dedicated servers owns none: they clipped."""
         if scale == 1.0:
             return
         for a, b in self.owned:
@@ -135,11 +309,14 @@ class ParameterServerData:
 
     def make_optimizer(self, name, weight_decay):
         mask = self.params.decay_mask(self.owned)
-        return make_optimizer(name, len(mask), self.params.dtype, self.params.xp, mask, weight_decay)
+        self._opt = make_optimizer(name, len(mask), self.params.dtype, self.params.xp, mask, weight_decay)
+        return self._opt
 
     def update(self, opt, lr):
         # The optimizer's state is this rank's chunks, packed one after another (as ZeRO-1's).
         opt.step(self.params.data, self.params.grad, lr, chunks=self.owned)
+        if self.link is not None:
+            return       # the servers updated, the parameters are pulled: only the step was counted
         t0 = time.perf_counter()
         data = self.params.data
         self.group.start_pull(data)
@@ -157,6 +334,43 @@ class ParameterServerData:
         # Every replica initialised identically from the seed; broadcasting the first
         # one's copy makes that a guarantee rather than an assumption.
         Transport(self.params.xp).in_place(self.params.data, lambda buf: self.data_comm.Bcast(buf, root=0))
+
+    # ---- dedicated servers: their start ------------------------------------------------------
+    def _server_chunks(self, server):
+        return [self.layout.bounds(c) for c in self.layout.owned_by(server)]
+
+    def _start_servers(self):
+        """INIT, once, before the first step or checkpoint: each server's chunks of the
+        parameters (as they are after start_identical or a restore), their weight-decay
+        mask, the optimizer's step count and, on a resume, its state."""
+        if self._servers_ready:
+            return
+        self._servers_ready = True
+        link = self.link
+        if not link.is_first_worker:
+            return
+        link.tell(INIT, self._opt.step_count, int(self._restored is not None))
+        data = self.params.data
+        for server in link.servers:
+            chunks = self._server_chunks(server)
+            link.send(server, np.concatenate([data[lo:hi] for lo, hi in chunks] or [data[:0]]))
+            link.send(server, self.params.decay_mask(chunks))
+            if self._restored is not None:
+                for state_name in self._opt.state_names:
+                    flat = self._restored[state_name]
+                    link.send(server, np.concatenate([flat[lo:hi] for lo, hi in chunks] or [flat[:0]]))
+        self._restored = None
+
+    def _gather_from_servers(self):
+        """The servers' optimizer state, whole, on the first worker (SAVE)."""
+        link, names = self.link, self._opt.state_names
+        full = {name: np.zeros(self.params.size, dtype=self.params.dtype) for name in names}
+        link.tell(SAVE)
+        for server in link.servers:          # each server sends its chunks in order, every state of each
+            for lo, hi in self._server_chunks(server):
+                for name in names:
+                    link.channel.Recv(full[name][lo:hi], source=server, tag=_DATA_TAG)
+        return full
 
     # ---- checkpoint state ----------------------------------------------------------------
     def _gather_to_first(self, packed):
@@ -181,6 +395,11 @@ class ParameterServerData:
         return flat
 
     def gather_state(self, opt):
+        if self.link is not None:
+            self._start_servers()
+            if not self.link.is_first_worker:
+                return {}
+            return self.inner.named_arrays(self._gather_from_servers())
         full = {name: self._gather_to_first(to_host(buf)) for name, buf in opt.state().items()}
         # Every replica holds the same parameters: the first one gathers the arrays.
         return self.inner.named_arrays(full) if self.me == 0 else {}
@@ -190,6 +409,10 @@ class ParameterServerData:
 
     def restore_state(self, arrays, opt):
         full = self.inner.load_named(arrays, opt.state_names)
+        if self.link is not None:
+            # The servers get their chunks of it before the first step (INIT).
+            self._restored = full if self.link.is_first_worker else None
+            return
         for state_name, buf in opt.state().items():
             flat = full.pop(state_name)           # (its memory goes before the next is packed)
             parts = [flat[a:b] for a, b in self.owned] or [flat[:0]]     # (a rank may own no chunk)
@@ -199,10 +422,15 @@ class ParameterServerData:
     def describe(self):
         lay = self.layout
         largest = lay.chunk_elements * lay.itemsize if lay.n_chunks > 1 else lay.n_elements * lay.itemsize
+        if self.link is None:
+            where = (f"parameter server, colocated and sharded over {self.dp} ranks: {lay.n_chunks} chunk(s) of "
+                     f"<= {largest / 2**20:.2f} MiB, {len(self.owned)} owned here (their optimizer state only)")
+        else:
+            where = (f"parameter server on dedicated rank(s) {lay.servers[0]}-{lay.servers[-1]}: {lay.n_chunks} "
+                     f"chunk(s) of <= {largest / 2**20:.2f} MiB interleaved over them; they hold the master weights "
+                     f"and the optimizer state, clip and update")
         parts = [self.inner.describe(),
-                 f"parameter server, colocated and sharded over {self.dp} ranks: {lay.n_chunks} chunk(s) of "
-                 f"<= {largest / 2**20:.2f} MiB, {len(self.owned)} owned here (their optimizer state only); "
-                 f"gradients pushed {'as backward makes them' if self.overlap else 'after backward'}, "
+                 f"{where}; gradients pushed {'as backward makes them' if self.overlap else 'after backward'}, "
                  f"parameters pulled after the update"]
         return " | ".join(p for p in parts if p)
 
@@ -216,6 +444,8 @@ class ParameterServerData:
         return None
 
     def close(self):
+        if self.link is not None:
+            self.link.stop()       # the servers leave their loop and free the group with us
         self.group.free()
         self.state_comm.Free()
         self.inner.close()

@@ -63,6 +63,7 @@ class Run:
     clock: Any = None                  # this rank's step time split (engine/monitor/clock.py)
     monitor: Any = None                # the per-rank gathers and stragglers (engine/monitor/ranks.py)
     sinks: Any = None                  # rank 0's TensorBoard and Prometheus writers (engine/monitor/sinks.py)
+    servers: Any = None                # --ps-servers K: the parallel/ps.py ServerLink (world is then the workers')
     peak_flops: float | None = None    # a rank's GEMM FLOP/s measured at start-up (MFU's denominator)
     dog: Any = None
     t_start: float = 0.0               # when the first step began
@@ -87,17 +88,19 @@ class Run:
         return 1.0 / ((self.rows[1] - self.rows[0]) * self.items_per_example)
 
 
-def assemble(cfg: Config, world, stop, cleanup, render=None) -> Run:
+def assemble(cfg: Config, world, stop, cleanup, render=None, servers=None) -> Run:
+    """servers: with --ps-servers K, the ServerLink; `world` is then the workers' communicator."""
     check_same_config(cfg, world)
     agree(world, comm.check_settings, "RINGPIPE_* settings", hint="is the environment the same on every node?")
-    notes = config_checks.check(cfg, world.Get_size()) + runtime.unknown_variables()
+    ranks = servers.world.Get_size() if servers is not None else world.Get_size()    # the servers' included
+    notes = config_checks.check(cfg, ranks) + runtime.unknown_variables()
     # Tensor innermost: a tensor group is consecutive ranks, on one node as launchers place them.
-    grid = comm.ProcessGrid(world, [("pipe", cfg.pp), ("data", cfg.data_parallel(world.Get_size())),
-                                    ("tensor", cfg.tp)])
+    grid = comm.ProcessGrid(world, [("pipe", cfg.pp), ("data", cfg.data_parallel(ranks)), ("tensor", cfg.tp)])
     cleanup.callback(grid.free)
     report = Reporter(world.Get_rank() == 0, cfg.quiet, cfg.steps, cfg.log_every, render)
     cleanup.callback(report.close)
-    training = Run(cfg, world, grid, stop, report, ckpt_dir=os.path.join(cfg.out_dir, "checkpoints"))
+    training = Run(cfg, world, grid, stop, report, ckpt_dir=os.path.join(cfg.out_dir, "checkpoints"),
+                   servers=servers)
     for note in notes:
         report.say(note)
     own_run_directory(training, cleanup)
@@ -399,7 +402,7 @@ def build_model(training: Run, cleanup) -> None:
                                           micro_shape=(micro, training.seq_len or 1,
                                                        getattr(training.shape, "d_model", 1)),
                                           cost_batch=lambda: training.dataset.batch(0, cfg.batch_size, 0, micro),
-                                          trace=training.clock)
+                                          trace=training.clock, servers=training.servers)
     except (ScheduleError, ValueError) as e:     # a layout the schedule or the partition cannot make
         raise ConfigError(str(e)) from None
     cleanup.callback(training.model.close)
@@ -479,9 +482,12 @@ def start_reporting(training: Run, cleanup) -> None:
     layout = f"dp {training.grid.size('data')} x pp {training.grid.size('pipe')}" + \
         (f" x tp {training.grid.size('tensor')}" if training.grid.size("tensor") > 1 else "")
     described = training.model.describe()
+    ranks = f"{world.Get_size()} ranks: {layout}"
+    if training.servers is not None:
+        ranks = (f"{training.servers.world.Get_size()} ranks: {world.Get_size()} workers ({layout}) + "
+                 f"{len(training.servers.servers)} parameter server(s)")
     report.say(f"data {training.dataset.name} | global batch {cfg.batch_size} x {training.items_per_example} = "
-               f"{training.items_per_step} {training.recipe.unit}/step | {world.Get_size()} "
-               f"ranks: {layout}{f' | {described}' if described else ''}")
+               f"{training.items_per_step} {training.recipe.unit}/step | {ranks}{f' | {described}' if described else ''}")
     memory.report_at_start(training)        # the predicted peak per rank; a warning if the node lacks it
     if comm.launcher.prepared:
         report.say(f"MPI: {comm.launcher.prepared}")

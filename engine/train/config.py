@@ -118,8 +118,13 @@ class Config:
     watchdog_abort: bool = False
 
     # ---- defaults that depend on other settings ---------------------------------------
+    def workers(self, world_size: int) -> int:
+        """The ranks that train: all but --sync ps's dedicated servers (the last <ps_servers> ranks)."""
+        return world_size - (self.ps_servers if self.sync == "ps" else 0)
+
     def data_parallel(self, world_size: int) -> int:
-        return self.dp if self.dp is not None else max(1, world_size // (self.pp * max(1, self.tp)))
+        """dp of a `world_size`-rank job (the dedicated parameter servers' ranks included)."""
+        return self.dp if self.dp is not None else max(1, self.workers(world_size) // (self.pp * max(1, self.tp)))
 
     @property
     def tensor_overlap(self) -> bool:
@@ -216,6 +221,7 @@ def check(cfg: Config, world_size: int) -> list[str]:
     every rank: it depends on the configuration and the world size only); return
     notes for settings that have no effect in this layout."""
     _check_values(cfg)
+    _check_servers(cfg, world_size)
     notes = _check_combinations(cfg, cfg.data_parallel(world_size), world_size)
     _check_layout(cfg, world_size)
     _check_reduce_order(cfg, cfg.data_parallel(world_size))
@@ -344,9 +350,8 @@ def _check_reduce_order(cfg: Config, dp: int) -> None:
                               f"over the global batch's micro-batches), got {value}")
 
 
-def _check_sync(cfg: Config, dp: int, world_size: int) -> list[str]:
-    """--sync ps: the colocated sharded parameter server on the data axis (engine/parallel/ps.py);
-    dedicated server ranks and the other axes come later."""
+def _check_servers(cfg: Config, world_size: int) -> None:
+    """<sync> and <ps_servers> themselves, before anything counts the workers (cfg.workers)."""
     if cfg.sync not in ("allreduce", "ps"):
         raise ConfigError(f"<sync> is allreduce or ps, got {cfg.sync!r}")
     if isinstance(cfg.ps_servers, bool) or not isinstance(cfg.ps_servers, int) or cfg.ps_servers < 0:
@@ -357,17 +362,24 @@ def _check_sync(cfg: Config, dp: int, world_size: int) -> list[str]:
         if cfg.ps_servers:
             raise ConfigError(f"<ps_servers> {cfg.ps_servers} sets the parameter server's ranks, and this run "
                               "syncs by all-reduce: add <sync> ps, or leave out <ps_servers>")
-        return []
+        return
     if cfg.ps_servers >= world_size:
         raise ConfigError(f"<ps_servers> {cfg.ps_servers} with {world_size} rank(s) leaves no rank to compute "
-                          f"gradients: launch more ranks than servers, or use <ps_servers> 0 (every rank serves)")
-    if cfg.ps_servers >= 1:
-        raise ConfigError(f"<ps_servers> {cfg.ps_servers}: dedicated server ranks are not built yet: use "
-                          "<ps_servers> 0, the colocated sharded server (every data-parallel rank serves its chunks)")
+                          f"gradients: launch more ranks than servers (the last <ps_servers> ranks serve), or use "
+                          "<ps_servers> 0 (every rank serves)")
+
+
+def _check_sync(cfg: Config, dp: int, world_size: int) -> list[str]:
+    """--sync ps: the parameter server on the data axis (engine/parallel/ps.py), colocated
+    or on <ps_servers> dedicated ranks; the other axes come later."""
+    if cfg.sync != "ps":
+        return []
     if dp < 2:
-        raise ConfigError(f"<sync> ps needs dp >= 2 (the parameter server sums the data-parallel ranks' gradients), "
-                          f"and this layout has {dp}: launch more ranks (e.g. `mpiexec -n 2 ringpipe train ...`), "
-                          "or leave out <sync>")
+        servers = (f" and {cfg.ps_servers} of the {world_size} ranks serve, so the workers' layout has {dp}: launch "
+                   f"at least {cfg.ps_servers + 2} ranks for <ps_servers> {cfg.ps_servers}" if cfg.ps_servers else
+                   f", and this layout has {dp}: launch more ranks (e.g. `mpiexec -n 2 ringpipe train ...`)")
+        raise ConfigError(f"<sync> ps needs dp >= 2 (the parameter server sums the data-parallel ranks' gradients)"
+                          f"{servers}, or leave out <sync>")
     if cfg.zero:
         raise ConfigError(f"<sync> ps shards the optimizer state over its servers already: leave out <zero> "
                           f"{cfg.zero} (or use <sync> allreduce with ZeRO)")
@@ -394,13 +406,19 @@ def _check_layout(cfg: Config, world_size: int) -> None:
     if cfg.tp < 1:
         raise ConfigError(f"<tp> must be >= 1, got {cfg.tp}")
     model_parallel = cfg.pp * cfg.tp
-    if cfg.dp is None and world_size % model_parallel:
+    workers = cfg.workers(world_size)         # the ranks less --sync ps's dedicated servers
+    if cfg.dp is None and workers % model_parallel:
         what = f"<pp> {cfg.pp} pipeline stages" + (f" x <tp> {cfg.tp} tensor-parallel ranks" if cfg.tp > 1 else "")
         raise ConfigError(f"{world_size} ranks do not split into {what}; launch a multiple of {model_parallel} "
                           f"ranks (ranks = dp x pp x tp)")
     dp = cfg.data_parallel(world_size)
-    if dp < 1 or dp * model_parallel != world_size:
+    if dp < 1 or dp * model_parallel != workers:
         tp = f" x <tp> {cfg.tp}" if cfg.tp > 1 else ""
+        servers = world_size - workers
+        if servers:
+            raise ConfigError(f"<dp> {dp} x <pp> {cfg.pp}{tp} = {dp * model_parallel} does not match the {workers} "
+                              f"workers of this job ({world_size} ranks less <ps_servers> {servers}): launch "
+                              f"dp x pp x tp + ps_servers ranks, e.g. mpiexec -n {dp * model_parallel + servers}")
         raise ConfigError(f"<dp> {dp} x <pp> {cfg.pp}{tp} = {dp * model_parallel} does not match the {world_size} "
                           f"ranks of this job (launch dp x pp x tp ranks, e.g. mpiexec -n {dp * model_parallel})")
     if cfg.chunks > 1 and cfg.schedule_name != "interleaved":

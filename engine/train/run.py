@@ -35,7 +35,10 @@ from ringpipe.engine.monitor import jobstats
 from ringpipe.engine.monitor.clock import span
 from ringpipe.engine.train.config import Config
 from ringpipe.engine.train.evaluation import evaluate, sum_over_ranks
-from ringpipe.engine.job.errors import Diverged, JobFailure
+from ringpipe.engine.job.errors import ConfigError, Diverged, JobFailure
+from ringpipe.engine.parallel.ps import ServerLink, serve
+from ringpipe.engine.train import config as config_checks
+from ringpipe.engine.train.agreement import check_same_config
 from ringpipe.engine.model.optim import clip_scale, lr_at
 from ringpipe.engine.train.reporting import hms, step_record
 from ringpipe.engine.data.shards import Prefetcher
@@ -66,10 +69,55 @@ def run(cfg: Config, world=None, stop=None, render=None) -> RunResult:
         # The precision is the kernels' module-wide GEMM default: the layers never pass one.
         cleanup.callback(K.set_matmul_precision, K.get_matmul_precision())
         K.set_matmul_precision(cfg.precision)
-        training = assemble(cfg, world, stop, cleanup, render)
+        servers = None
+        if cfg.sync == "ps" and cfg.ps_servers:
+            # Dedicated parameter servers: the last K ranks serve, the others train among
+            # themselves (`world` becomes theirs); see engine/parallel/ps.py.
+            servers = split_for_servers(cfg, world, cleanup)
+            if servers.is_server:
+                return served(serve(cfg, servers))
+            world = servers.workers_comm
+        training = assemble(cfg, world, stop, cleanup, render, servers)
         best = Best.from_manifest(training.manifest) if cfg.best_kept else None
         loss, stopped_at = train(training, best)
-        return finish(training, loss, stopped_at, best)
+        result = finish(training, loss, stopped_at, best)
+        if servers is not None:
+            servers.outcome = {"steps_done": result.steps_done, "exit_code": result.exit_code,
+                               "stopped_by": result.stopped_by}
+        return result
+
+
+# ---- dedicated parameter servers (--sync ps --ps-servers K) -----------------------------------
+
+def split_for_servers(cfg: Config, world, cleanup) -> ServerLink:
+    """Refuse a bad layout on every rank before any work, then split the job: the last
+    K ranks serve. On the workers, the servers learn how the run ended when it does
+    (the outcome, or the error every worker raised), after the model is closed."""
+    check_same_config(cfg, world)
+    config_checks.check(cfg, world.Get_size())
+    link = ServerLink(world, cfg.ps_servers)
+    cleanup.callback(link.free)
+    if not link.is_server:
+        cleanup.push(lambda kind, error, tb: tell_servers(link, error))    # runs after model.close()
+    return link
+
+
+def tell_servers(link: ServerLink, error) -> bool:
+    link.stop()            # (when no model was built: an error before it)
+    if error is not None:
+        link.outcome = {"error": type(error).__name__, "message": str(error)}
+    link.share_outcome(link.outcome)
+    return False           # the error, if any, goes on
+
+
+def served(outcome: dict) -> RunResult:
+    """A server rank's RunResult: the workers' outcome, or their error raised here too
+    (the same class for a refusal or a divergence, so every rank exits alike)."""
+    if "error" in outcome:
+        kinds = {"ConfigError": ConfigError, "Diverged": Diverged}
+        raise kinds.get(outcome["error"], JobFailure)(
+            f"the workers stopped ({outcome['error']}: {outcome['message']}); this parameter server with them")
+    return RunResult(outcome["steps_done"], float("nan"), outcome["exit_code"], outcome["stopped_by"])
 
 
 @dataclass
