@@ -373,11 +373,12 @@ def render_text(s: dict) -> str:
                 f"      Cluster: {slurm.get('cluster') or '?'}", f"     Nodelist: {slurm.get('nodelist') or '?'}",
                 f"        Tasks: {slurm.get('ntasks') or '?'} x {slurm.get('cpus_per_task') or 1} CPUs"]
     else:
-        out.append("     Slurm: not a Slurm job")
+        out.append("        Slurm: not a Slurm job")
     layout = s.get("layout") or {}
     shape = " x ".join(f"{k} {v}" for k, v in layout.items()) if isinstance(layout, dict) else ""
     out += [f"        Model: {s.get('model') or '?'} ({s.get('precision') or '?'}), "
-            f"{job['ranks']} ranks on {job['nodes']} nodes" + (f" ({shape})" if shape else ""),
+            f"{job['ranks']} rank{'s' if job['ranks'] != 1 else ''} on {job['nodes']} "
+            f"node{'s' if job['nodes'] != 1 else ''}" + (f" ({shape})" if shape else ""),
             f"        Steps: {job.get('steps') if job.get('steps') is not None else '?'} this run "
             f"(from step {s.get('start_step')} to {s.get('steps')})",
             f"    Wall time: {_hms(job['wall_s'])}", ""]

@@ -161,6 +161,8 @@ class RankMonitor:
             if self.rank == 0:
                 self.header["interval"] = self.interval
                 self.write_header()
+                self.say(f"monitoring: per-rank numbers every {self.interval} steps (the slowest step {done} took "
+                         f"{float(slowest[0]):.3g} s; about {AUTO_SECONDS:g} s an interval)")
         if done == self.agree_at or done == self.steps or (self.interval and done % self.interval == 0):
             self._gather(record, items_per_replica)
 

@@ -40,6 +40,8 @@ def metrics_path(run_dir: str) -> str:
 
 def check_run_dir(run_dir: str) -> None:
     """A folder that holds a run (monitor.json or metrics.jsonl), else ReadError."""
+    if not os.path.exists(run_dir):
+        raise ReadError(f"{run_dir} does not exist: name a run directory (the --out of `ringpipe train`)")
     if not os.path.isdir(run_dir):
         raise ReadError(f"{run_dir} is not a folder: name a run directory (the --out of `ringpipe train`)")
     if not (os.path.exists(header_path(run_dir)) or os.path.exists(metrics_path(run_dir))):
@@ -62,7 +64,9 @@ def read_header(run_dir: str) -> dict | None:
     return header
 
 
-def _parse_lines(data: bytes, path: str, first_line: int = 1) -> list[dict]:
+def _parse_lines(data: bytes, path: str, first_line: int = 1, skipped: list | None = None) -> list[dict]:
+    """The records of whole lines. A line that is not a step record raises ReadError, or, with
+    `skipped` (a list), is left out and its line number appended there."""
     records = []
     lines = data.split(b"\n")
     # The last piece is "" after a final newline, or a line still being written: left out.
@@ -72,9 +76,14 @@ def _parse_lines(data: bytes, path: str, first_line: int = 1) -> list[dict]:
         try:
             record = json.loads(line)
         except (UnicodeDecodeError, json.JSONDecodeError):
-            raise ReadError(f"{path} line {number} is not a JSON record: it is not a metrics log ringpipe "
-                            "wrote, or it was damaged") from None
+            record = None
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            if skipped is not None:
+                skipped.append(number)
+                continue
+            if record is None:
+                raise ReadError(f"{path} line {number} is not a JSON record: it is not a metrics log ringpipe "
+                                "wrote, or it was damaged")
             raise ReadError(f"{path} line {number} is not a step record (no integer \"step\")")
         records.append(record)
     return records
@@ -100,9 +109,10 @@ def read_records(run_dir: str, limit: int = RECORDS_LIMIT) -> list[dict]:
     return _parse_lines(data, path)
 
 
-def tail_records(run_dir: str, max_bytes: int = TAIL_BYTES) -> list[dict]:
+def tail_records(run_dir: str, max_bytes: int = TAIL_BYTES, skipped: list | None = None) -> list[dict]:
     """The whole records in the last `max_bytes` of metrics.jsonl: what a live view needs,
-    read in constant time however long the run is."""
+    read in constant time however long the run is. skipped: see _parse_lines (a live view
+    shows the good records around a damaged line)."""
     path = metrics_path(run_dir)
     if not os.path.exists(path):
         return []
@@ -117,10 +127,10 @@ def tail_records(run_dir: str, max_bytes: int = TAIL_BYTES) -> list[dict]:
     finally:
         os.close(fd)
     if start == 0:
-        return _parse_lines(data, path)
+        return _parse_lines(data, path, skipped=skipped)
     cut = data.find(b"\n")
     data = data[cut + 1:] if cut >= 0 else b""          # the first piece is the end of a line cut in two
-    return _parse_lines(data, path, first_line=0)        # 0: the line numbers are unknown (counted from the cut)
+    return _parse_lines(data, path, first_line=0, skipped=skipped)   # 0: line numbers counted from the cut
 
 
 def last_with(records: list[dict], key: str) -> dict | None:

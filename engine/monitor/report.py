@@ -138,6 +138,12 @@ def rank_sections(records: list[dict]) -> list[dict]:
     return sections
 
 
+def steps_of(section: dict) -> int:
+    """The steps a per-rank section averages over (1 where the record does not say)."""
+    steps = section.get("interval_steps")
+    return steps if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0 else 1
+
+
 def straggler_rows(records: list[dict]) -> list[dict]:
     """Every (rank, what) the run named as a straggler: when first and last, the worst ratio."""
     named: dict[tuple, dict] = {}
@@ -295,7 +301,7 @@ def classifier_section(records: list[dict]) -> str:
     if acc_y:
         out.append(svg.figure("accuracy", "Validation accuracy", svg.line_chart(
             [Series("val accuracy", acc_x, acc_y, markers=True)], "step", "accuracy (%)",
-            "Validation accuracy against steps", y_format=lambda v: f"{v:.3g}%"),
+            "Validation accuracy against steps", y_format=lambda v: f"{v:.3g}%", y_limits=(0.0, 100.0)),
             "The share of validation examples classified right."))
     matrix = last.get("val_confusion") if last else None
     if not (isinstance(matrix, list) and matrix and all(isinstance(row, list) for row in matrix)):
@@ -359,6 +365,8 @@ def ranks_section(header: dict | None, records: list[dict]) -> str:
     if not sections:
         why = ("this run's metrics.jsonl has no per-rank section (an older run, written before the monitor, "
                "or one that has not reached its first interval)")
+        if header and header.get("interval") == 0:
+            why = "the run was started with --monitor-every 0 (per-rank measurements off)"
         for name in ("step-heatmap", "time-split", "memory"):
             out.append(note(name, f"No {name.replace('-', ' ')} plot: {why}."))
         return "".join(out)
@@ -383,7 +391,7 @@ def ranks_section(header: dict | None, records: list[dict]) -> str:
         row_values, row_titles = [], []
         for cg in col_groups:
             first = sections[cg[0]]
-            start = first["step"] - (first["interval_steps"] if isinstance(first["interval_steps"], int) else 1) + 1
+            start = first["step"] - steps_of(first) + 1
             end = sections[cg[-1]]["step"]
             per_rank = []
             for ri in g:
@@ -404,19 +412,29 @@ def ranks_section(header: dict | None, records: list[dict]) -> str:
         titles.append(row_titles)
     col_labels = [str(sections[cg[-1]]["step"]) for cg in col_groups]
     averaged = (f" Columns average {len(col_groups[0])} intervals each." if len(col_groups[0]) > 1 else "")
+    # The colours span the later columns: the first interval holds the step that compiles the
+    # kernels (several times a step's compute), which would leave every later cell one colour.
+    later = [v for row in values for v in row[1:] if v is not None]
+    scale = (min(later), max(later)) if len(col_groups) > 1 and later else None
+    scaled = (" The first column (the step that compiles the kernels) is left out of the colour scale; a cell "
+              "beyond it takes the brightest colour." if scale else "")
     out.append(svg.figure("step-heatmap", "Compute time per rank and interval", svg.heatmap(
         values, [group_label(g) for g in rank_groups], col_labels,
         "Compute time (ms a step) per rank and interval", x_label="step (end of the interval)",
-        cell_titles=titles),
+        cell_titles=titles, scale=scale),
         "Colour: compute_ms, the rank's compute time a step, its mean over each interval (brighter is slower; "
-        f"the time a rank waits for others is not compute, so a slow rank stands out).{averaged}{grouped_note}"
-        f"{star}"))
+        f"the time a rank waits for others is not compute, so a slow rank stands out).{averaged}{scaled}"
+        f"{grouped_note}{star}"))
     # The time split: the mean over every interval, per rank.
     def mean_split(rank):
+        """The mean per step over the run: each interval weighted by its steps (the first,
+        short one holds the compiling step and must not count as much as a long one)."""
         split = {}
         for part in PARTS:
-            cells = [v for s in sections if (v := number(s["ranks"].get(rank, {}).get(f"{part}_ms"))) is not None]
-            split[part] = sum(cells) / len(cells) if cells else None
+            cells = [(v, steps_of(s)) for s in sections
+                     if (v := number(s["ranks"].get(rank, {}).get(f"{part}_ms"))) is not None]
+            weight = sum(w for _, w in cells)
+            split[part] = sum(v * w for v, w in cells) / weight if weight else None
         return split
 
     means = {part: [] for part in PARTS}
@@ -549,5 +567,6 @@ def main(argv=None, prog: str = "ringpipe report") -> int:
         print(f"{prog}: error: cannot write {out} ({e.strerror or e}); check the folder's permissions and "
               "free space, or name another --out", file=sys.stderr)
         return 2
-    print(f"{prog}: wrote {out} ({len(page.encode()) / 1024:.0f} KiB; {len(records)} step records)")
+    steps = len({r["step"] for r in records})       # a resumed run wrote some steps twice
+    print(f"{prog}: wrote {out} ({len(page.encode()) / 1024:.0f} KiB; {steps} steps)")
     return 0

@@ -120,10 +120,13 @@ class PrometheusSink:
             ("rss_bytes", "rank_resident_bytes", "the rank's resident memory"),
             ("peak_bytes", "rank_peak_resident_bytes", "the rank's peak resident memory"),
             ("cpu_percent", "rank_cpu_percent", "the rank's CPU use (100 = one core)"),
-            ("net_rx_bytes_per_s", "node_network_receive_bytes_per_second", "the rank's node, all but loopback"),
-            ("net_tx_bytes_per_s", "node_network_transmit_bytes_per_second", "the rank's node, all but loopback"),
             ("gpu_util_percent", "rank_gpu_utilization_percent", "the rank's GPU utilisation (NVML)"),
             ("gpu_mem_bytes", "rank_gpu_memory_used_bytes", "the rank's GPU memory in use (NVML)"))}
+        # The node's network is the node's: one series a node, not one a rank (a sum by node would
+        # count it once per rank).
+        self.node_values = {key: gauge(name, about, ("node",)) for key, name, about in (
+            ("net_rx_bytes_per_s", "node_network_receive_bytes_per_second", "the node's interfaces but loopback"),
+            ("net_tx_bytes_per_s", "node_network_transmit_bytes_per_second", "the node's interfaces but loopback"))}
         self.straggler = gauge("rank_straggler", "1 while the rank is named a straggler", ("rank", "node", "what"))
         self.named = set()
         self.server = None
@@ -147,6 +150,9 @@ class PrometheusSink:
             for key, g in self.rank_values.items():
                 if key in row:
                     g.labels(job, rank, node).set(row[key] / 1e3 if key == "step_ms" else row[key])
+            for key, g in self.node_values.items():
+                if key in row:
+                    g.labels(job, node).set(row[key])          # every rank of a node reads the same counters
         named = {(str(s["rank"]), s["node"], s["what"]) for s in record.get("stragglers", ())}
         for labels in self.named | named:
             self.straggler.labels(job, *labels).set(1 if labels in named else 0)

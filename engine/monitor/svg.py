@@ -139,9 +139,11 @@ def _legend(names: list[str], colours: list[str], x: float, y: float) -> str:
 
 
 def line_chart(series: list[Series], x_label: str, y_label: str, title: str, log_y: bool = False,
-               x_format=fmt, y_format=fmt, width: int = WIDTH, height: int = HEIGHT) -> str:
+               x_format=fmt, y_format=fmt, width: int = WIDTH, height: int = HEIGHT,
+               y_limits: tuple | None = None) -> str:
     """Several series against one x axis; log_y for values spanning decades (a loss). Points
-    whose y is missing (or not positive on a log axis) leave a gap."""
+    whose y is missing (or not positive on a log axis) leave a gap. y_limits: (lo, hi) the
+    axis never goes past (a percentage: 0 and 100)."""
     cleaned = []
     for s in series:
         xs, ys = thin(s.xs, s.ys)
@@ -156,6 +158,11 @@ def line_chart(series: list[Series], x_label: str, y_label: str, title: str, log
         return "".join(out)
     x0, x1, xticks = nice_ticks(min(all_x), max(all_x))
     y0, y1, yticks = log_ticks(min(all_y), max(all_y)) if log_y else nice_ticks(min(all_y), max(all_y))
+    if y_limits and not log_y:
+        y0, y1 = max(y0, y_limits[0]), min(y1, y_limits[1])
+        if not y1 > y0:
+            y0, y1 = y_limits
+        yticks = [y for y in yticks if y0 <= y <= y1] or [y0, y1]
 
     def px(x):
         return LEFT + (x - x0) / (x1 - x0) * pw
@@ -218,9 +225,11 @@ def _axes(xticks, yticks, px, py, x_format, y_format, x_label, y_label, width, h
 
 def heatmap(values: list[list], row_labels: list[str], col_labels: list[str], title: str, x_label: str = "",
             y_label: str = "", cell_titles: list[list[str]] | None = None, annotate: bool = False,
-            value_format=fmt, width: int = WIDTH) -> str:
+            value_format=fmt, width: int = WIDTH, scale: tuple | None = None) -> str:
     """A grid of coloured cells (rows top to bottom), a colour scale on the right. annotate
-    writes each cell's number in it (a confusion matrix); cell_titles are the hover texts."""
+    writes each cell's number in it (a confusion matrix); cell_titles are the hover texts.
+    scale: (lo, hi) of the colours (default: the numbers' range); a cell outside takes the
+    end's colour (its hover text keeps its number)."""
     rows, cols = len(values), max((len(r) for r in values), default=0)
     numbers = [v for row in values for v in row if finite(v)]
     out_w = width
@@ -236,7 +245,7 @@ def heatmap(values: list[list], row_labels: list[str], col_labels: list[str], ti
     if not numbers or cols == 0:
         out.append(f'<text x="{out_w / 2}" y="{height / 2}" text-anchor="middle">no data</text></svg>')
         return "".join(out)
-    lo, hi = min(numbers), max(numbers)
+    lo, hi = scale if scale else (min(numbers), max(numbers))
     span = hi - lo or 1.0
     pw = out_w - left - right
     cell_w = pw / cols
@@ -244,7 +253,7 @@ def heatmap(values: list[list], row_labels: list[str], col_labels: list[str], ti
         y = top + i * cell_h
         for j, v in enumerate(row):
             x = left + j * cell_w
-            fill = colour((v - lo) / span) if finite(v) else MISSING
+            fill = colour(min(1.0, max(0.0, (v - lo) / span))) if finite(v) else MISSING
             hover = cell_titles[i][j] if cell_titles else (value_format(v) if finite(v) else "no number")
             # A hair wider than the cell: no white seams between neighbours at fractional widths.
             out.append(f'<rect x="{x:.2f}" y="{y:.2f}" width="{cell_w + 0.3:.2f}" height="{cell_h + 0.3:.2f}" '

@@ -216,7 +216,8 @@ def load_view(run_dir: str, now: float | None = None) -> View:
         header = read_header(run_dir)
         world = header.get("world") if header else None
         world = world if type(world) is int and 0 < world <= MAX_RANKS else 0
-        records = tail_records(run_dir, TAIL_BYTES + 2 * world * RANK_ENTRY_BYTES)
+        damaged: list = []
+        records = tail_records(run_dir, TAIL_BYTES + 2 * world * RANK_ENTRY_BYTES, skipped=damaged)
     except ReadError as e:
         view.error = _text(e, 2000)
         return view
@@ -224,6 +225,10 @@ def load_view(run_dir: str, now: float | None = None) -> View:
         view.error = _text(f"cannot read {e.filename or run_dir} ({e.strerror or e}); check the path and its "
                            "permissions", 2000)
         return view
+    if damaged:
+        # The good records around them still show; the report (which reads every line) refuses.
+        view.error = (f"{len(damaged)} damaged line(s) in the log's tail skipped (not step records); the "
+                      "other records are shown")
     if header:
         view.facts.append(f"model {_text(header.get('model', '?'))}")
         view.facts.append(_layout(header))
@@ -261,8 +266,12 @@ def load_view(run_dir: str, now: float | None = None) -> View:
         view.facts.append("ETA ?" if not steps else "ETA - (no step times yet)")
     if ranked is None:
         interval = header.get("interval") if header else None
-        view.note = ("no per-rank section in the log's newest records yet (rank 0 writes one every "
-                     + (f"{interval} steps)" if type(interval) is int else "interval; see monitor.json)"))
+        if interval == 0:
+            view.note = ("no per-rank sections: the run was started with --monitor-every 0 (per-rank "
+                         "measurements off); the header's numbers come from rank 0's step records")
+        else:
+            view.note = ("no per-rank section in the log's newest records yet (rank 0 writes one every "
+                         + (f"{interval} steps)" if type(interval) is int else "interval; see monitor.json)"))
     elif not view.rows:
         view.note = f"the per-rank section of step {ranked['step']} holds no rank entries ringpipe can read"
     return view
@@ -546,7 +555,11 @@ def main(argv=None, prog: str = "ringpipe top") -> int:
         once = True
     if once:
         view = load_view(args.run_dir)
-        print(plain_text(view))
+        try:
+            print(plain_text(view), flush=True)
+        except BrokenPipeError:          # `ringpipe top RUN --once | head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
         if view.error:
             print(f"{prog}: error: {view.error}", file=sys.stderr)
             return 2

@@ -533,7 +533,8 @@ def start_monitoring(training: Run, cleanup) -> None:
         peak = np.array([gemm_peak_flops(training.xp, training.dtype, cfg.precision)])
         comm.allreduce(peak, world, op="avg")
         training.peak_flops = float(peak[0])
-    header = {"start_step": training.start_step, "steps": cfg.steps, "model": cfg.model,
+    # A resume past <steps> does nothing more: the run's last step is the checkpoint's.
+    header = {"start_step": training.start_step, "steps": max(cfg.steps, training.start_step), "model": cfg.model,
               "unit": training.recipe.unit, "items_per_step": training.items_per_step, "precision": cfg.precision,
               "layout": {"dp": grid.size("data"), "pp": grid.size("pipe"), "tp": grid.size("tensor")},
               "gemm_peak_flops_per_rank": training.peak_flops}
@@ -550,7 +551,10 @@ def start_monitoring(training: Run, cleanup) -> None:
         training.sinks = open_sinks(training)
         cleanup.callback(training.sinks.close)
     agree_on_rank0(world, sinks_on_rank0, "monitoring sinks")
-    if cfg.monitor_every != 0 and training.peak_flops:
+    if cfg.monitor_every == 0:
+        report.say("monitoring: per-rank measurements off (<monitor_every> 0): metrics.jsonl has rank 0's step "
+                   "records only; `ringpipe top` and `ringpipe report` show those")
+    elif training.peak_flops:
         every = (f"about every 2 s (the steps between, agreed after step {training.start_step + 2})"
                  if cfg.monitor_every == "auto" else f"every {cfg.monitor_every} steps")
         report.say(f"monitoring: per-rank numbers {every}; MFU against a GEMM peak of {training.peak_flops / 1e9:.1f} GFLOP/s a rank (measured now, "

@@ -276,7 +276,8 @@ def _monitoring_flags(p):
     g.add_argument("--monitor-every", type=_monitor_every, default="auto", metavar="N|auto",
                    help="steps between per-rank measurements (time split, memory, CPU, network): one small "
                         "gather to rank 0, written to metrics.jsonl's per-rank section and the sinks below; auto "
-                        "(default): about every 2 seconds of steps, under 0.1%% of the step time; 0: off")
+                        "(default): about every 2 seconds of steps, about 0.1%% of the step time (measured: "
+                        "benchmarks/monitor_overhead.py); 0: off")
     g.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
                    help="TensorBoard event files in OUT/tensorboard (tensorboard --logdir OUT/tensorboard); default: "
                         "on when tensorboardX is installed (pip install 'ringpipe[monitor]')")

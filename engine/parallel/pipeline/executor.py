@@ -167,6 +167,14 @@ class PipelineExecutor:
         self._event(str(a), "compute", t0)
 
     def _reduce_grad(self, step, index, a):
+        if self.s.p > 1:
+            # The stages reach the end of the schedule at different times (the last stage's
+            # backward work ends first): the wait for the others is the schedule's drain, part of
+            # its bubble. Waited for here (a barrier of the pipeline), it is counted as bubble, not
+            # as the tied embedding's or the data axis's all-reduce that comes next.
+            t0 = time.perf_counter()
+            self.comm.Barrier()
+            self._event("pipeline drain", "recv", t0)
         t0 = time.perf_counter()
         if step.reduce_grad is not None:
             step.reduce_grad()

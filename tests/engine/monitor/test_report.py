@@ -255,7 +255,7 @@ def test_help_and_refusals(tmp_path, capsys):
     assert report.main([str(tmp_path / "empty"), "--out", str(tmp_path / "r.html")]) == 2
     assert "not a run directory" in capsys.readouterr().err
     assert report.main([str(tmp_path / "nowhere"), "--out", str(tmp_path / "r.html")]) == 2
-    assert "is not a folder" in capsys.readouterr().err
+    assert "does not exist" in capsys.readouterr().err
     run = tmp_path / "run"
     write_run(run, ranks=2, steps=10, interval=5)
     # --out a folder, or in a folder that does not exist.

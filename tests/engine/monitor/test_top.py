@@ -59,10 +59,13 @@ def test_a_run_not_written_yet_waits_and_a_damaged_log_is_shown(tmp_path, capsys
     write_run(run, ranks=4, steps=40, done=0)
     assert top.main([str(run), "--once"]) == 0
     assert "waiting for the run to write metrics.jsonl" in capsys.readouterr().out
-    (run / "metrics.jsonl").write_text('{"step": 1, "time": 1.0}\nnot json\n')
+    (run / "metrics.jsonl").write_text('{"step": 1, "time": 1.0, "loss": 3.0}\nnot json\n'
+                                       '{"step": 2, "time": 2.0, "loss": 2.5}\n')
     view = top.load_view(str(run))                     # the live view shows it, it does not crash
-    assert "is not a JSON record" in view.error
-    assert top.main([str(run), "--once"]) == 2
+    assert "1 damaged line(s)" in view.error
+    assert top.main([str(run), "--once"]) == 2         # the file is damaged: said, with the good records
+    out = capsys.readouterr().out
+    assert "step 2/40" in out and "loss 2.5000" in out, out
 
 
 def test_finished_when_every_rank_left_its_marker(tmp_path, capsys):
