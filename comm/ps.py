@@ -30,9 +30,20 @@ update; start_pull, send_params, wait_pull).
 
 The issue's "the next bucket's push overlaps this bucket's pull" cannot
 hold together with its "global norm before any update": no chunk may be
-updated before every chunk is summed, so pulls start after the last push (the
-pushes themselves overlap backward: each leaves as its bucket is final).
-comm/costmodel.py's ps_time models both (overlap=False is this module).
+updated before every chunk is summed, so with clipping pulls start after the
+last push (the pushes themselves overlap backward: each leaves as its bucket
+is final). comm/costmodel.py's ps_time models both (overlap=False: serve_step).
+
+Without clipping (--grad-clip 0) no update needs the norm, and
+serve_streamed(update) overlaps the two: it posts every push receive, then,
+chunk by chunk in chunk order (workers push in chunk order, so waiting in
+that order still overlaps), sums each chunk in the same fixed tree as soon as
+all its pushes are in, updates it with scale 1.0 and sends it back at once:
+chunk c travels back while chunk c + 1 still arrives (ps_time overlap=True).
+The norm is still computed, per chunk in chunk order, and agreed after the
+last chunk, for reporting only. The workers change nothing but the order:
+start_pull before the first push (push_and_pull does both), so the returned
+chunks land while they still push. Same bits as serve_step with scale 1.
 
 A rank that is worker and server calls push..., serve_step, pull: every
 message is nonblocking and its own pushes reach it as messages like any
@@ -236,6 +247,8 @@ class ParameterServerGroup:
     master weights themselves are fine). clip_scale(norm_sq) -> the factor
     for update (1.0 without it), e.g. engine's optim.clip_scale with max_norm.
     `summed_grad` is a view of a receive buffer, valid until the next step.
+    Without clipping, serve_streamed(update) instead overlaps push and pull
+    (the workers: push_and_pull, or start_pull before the pushes; wait_pull).
     """
 
     def __init__(self, comm, workers, servers, n_elements: int, dtype, chunk_bytes: int = CHUNK_BYTES,
@@ -437,6 +450,19 @@ class ParameterServerGroup:
         self.start_pull(params)
         return self.wait_pull()
 
+    def push_and_pull(self, grad: np.ndarray, params: np.ndarray, buckets=None) -> None:
+        """The streamed step's worker half, up to the wait: start_pull(params)
+        first, so chunks that a server (serve_streamed) returns land while this
+        rank still pushes, then push(grad, lo, hi) for each bucket (default:
+        the whole buffer). wait_pull() follows (after serve_streamed on a
+        colocated rank)."""
+        if np.may_share_memory(params, grad):
+            raise ValueError("ParameterServerGroup.push_and_pull: params shares memory with grad, whose sends "
+                             "may still read it: pull into another buffer")
+        self.start_pull(params)
+        for lo, hi in buckets if buckets is not None else [(0, self.layout.n_elements)]:
+            self.push(grad, lo, hi)
+
     # ---- server side -------------------------------------------------------------
 
     def global_norm_sq(self, per_chunk: np.ndarray) -> float:
@@ -518,6 +544,15 @@ class ParameterServerGroup:
         self.summed = summed
         return self._norm_sq
 
+    def _check_new(self, c: int, values) -> None:
+        clo, chi = self.layout.bounds(c)
+        if type(values) is not np.ndarray or values.shape != (chi - clo,) or values.dtype != self.dtype \
+                or not values.flags.c_contiguous:
+            raise ValueError(f"ParameterServerGroup: chunk {c}'s new parameters (serve_step: what "
+                             f"update({c}, ...) returned) are {getattr(values, 'dtype', type(values).__name__)}"
+                             f"{list(getattr(values, 'shape', []))}: give them as a contiguous "
+                             f"{self.dtype}[{chi - clo}]")
+
     def send_params(self, new) -> None:
         """serve_step's second half: send each owned chunk's new parameters
         (new[i] for the i-th owned chunk: a contiguous array of the group's dtype
@@ -534,13 +569,7 @@ class ParameterServerGroup:
                 raise ValueError(f"ParameterServerGroup.send_params: {len(new)} arrays for this server's "
                                  f"{len(self._owned)} chunks: pass one per owned chunk")
             for c, values in zip(self._owned, new):
-                clo, chi = lay.bounds(c)
-                if type(values) is not np.ndarray or values.shape != (chi - clo,) or values.dtype != self.dtype \
-                        or not values.flags.c_contiguous:
-                    raise ValueError(f"ParameterServerGroup: chunk {c}'s new parameters (serve_step: what "
-                                     f"update({c}, ...) returned) are {getattr(values, 'dtype', type(values).__name__)}"
-                                     f"{list(getattr(values, 'shape', []))}: give them as a contiguous "
-                                     f"{self.dtype}[{chi - clo}]")
+                self._check_new(c, values)
                 reqs = [self.comm.Isend(_wire(values), w, self._tag(c, step, _PULL)) for w in lay.workers]
                 self._param_sends.append((reqs, values))
             if self.rank == lay.servers[0]:
@@ -552,6 +581,61 @@ class ParameterServerGroup:
             raise
         self.summed = None
         self._served += 1
+
+    def serve_streamed(self, update: Callable[[int, np.ndarray, float], np.ndarray]) -> float:
+        """serve_step without clipping, push and pull overlapped (module
+        docstring): post every push receive, then for each owned chunk in chunk
+        order wait for all its pushes, sum them (tree_sum, / n for op="avg"; the
+        same bits as reduce()), take its sum of squares, call update(chunk,
+        summed_grad, 1.0) and send the result to every worker at once. After the
+        last chunk the servers agree on the global squared norm (collective
+        among them), the first one sends it, and it is returned: for reporting,
+        never used to scale. update's contract is serve_step's."""
+        self._ensure_usable()
+        if not self.is_server:
+            raise ValueError(f"ParameterServerGroup.serve_streamed: rank {self.rank} is no server "
+                             f"(servers: {list(self.layout.servers)})")
+        if self.summed is not None:
+            raise ValueError("ParameterServerGroup.serve_streamed: reduce() ran this step and send_params() did "
+                             "not follow: finish that step with send_params() first")
+        lay, step = self.layout, self._served
+        if self.is_worker and self._covered.sum() != lay.n_elements:
+            raise ValueError("ParameterServerGroup.serve_streamed: this rank is a worker too and has not pushed "
+                             "every element of this step: push every bucket first, or it waits for itself")
+        n_w = len(lay.workers)
+        recvs: list = []
+        try:
+            # The last step's parameter sends must be done before update() may change their arrays.
+            for reqs, _ in self._param_sends:
+                MPI.Request.Waitall(reqs)
+            self._param_sends = []
+            for i, c in enumerate(self._owned):
+                clo, chi = lay.bounds(c)
+                rows = self._inbox[i, :, :chi - clo]
+                recvs.append([self.comm.Irecv(_wire(rows[w]), src, self._tag(c, step, _PUSH))
+                              for w, src in enumerate(lay.workers)])
+            norm_parts = np.empty(len(self._owned), dtype=np.float64)
+            for i, c in enumerate(self._owned):
+                MPI.Request.Waitall(recvs[i])
+                clo, chi = lay.bounds(c)
+                total = tree_sum(self._inbox[i, :, :chi - clo])
+                if self.op == "avg":
+                    np.divide(total, n_w, out=total)       # as comm/small.py: after the tree
+                norm_parts[i] = server_norm_sq([total])[0]  # before update(), which may write `total`
+                values = update(c, total, 1.0)
+                self._check_new(c, values)
+                reqs = [self.comm.Isend(_wire(values), w, self._tag(c, step, _PULL)) for w in lay.workers]
+                self._param_sends.append((reqs, values))
+            self._norm_sq = self.global_norm_sq(norm_parts)
+            if self.rank == lay.servers[0]:
+                norm_out = np.array([self._norm_sq], dtype=np.float64)
+                reqs = [self.comm.Isend(norm_out, w, self._tag(0, step, _NORM)) for w in lay.workers]
+                self._param_sends.append((reqs, norm_out))
+        except BaseException as e:
+            self._abandon([r for rs in recvs for r in rs], e)
+            raise
+        self._served += 1
+        return self._norm_sq
 
     # ---- the end -----------------------------------------------------------------
 

@@ -364,3 +364,117 @@ def test_ps_one_chunk_per_step_and_large_chunks():
 def test_ps_mismatched_arguments_raise_on_every_rank():
     with pytest.raises(RuntimeError, match="ParameterServerGroup"):
         ParameterServerGroup(WORLD, list(range(P)), list(range(P)), 100 + (RANK == 1), np.float32)
+
+
+# ---- MPI: the streamed step (no clipping) -----------------------------------------------------
+
+
+def _streamed_vs_blocking(workers, servers, op="avg", n=1000, steps=3, chunk_bytes=64):
+    """Two groups, the same pushes: one served by reduce()+send_params() with scale 1,
+    the other by serve_streamed(); the workers must pull the same bits and norms."""
+    problems = []
+    groups = {how: ParameterServerGroup(WORLD, workers, servers, n, np.float32, chunk_bytes=chunk_bytes, op=op)
+              for how in ("blocking", "streamed")}
+    lay = groups["blocking"].layout
+    masters = {how: np.random.default_rng(7).standard_normal(n).astype(np.float32) for how in groups}
+    pulled = {how: np.empty(n, np.float32) for how in groups}
+    for step in range(steps):
+        norms = {}
+        for how, g in groups.items():
+            master = masters[how]
+
+            def update(c, s, scale):
+                lo, hi = lay.bounds(c)
+                master[lo:hi] -= np.float32(0.01 * scale) * s
+                return master[lo:hi]
+            grad = None
+            if g.is_worker:
+                rng = np.random.default_rng(1000 * step + RANK)
+                grad = (rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4, size=n)).astype(np.float32)
+            if how == "blocking":
+                if g.is_worker:
+                    for lo, hi in _buckets(n):
+                        g.push(grad, lo, hi)
+                if g.is_server:
+                    g.reduce()
+                    g.send_params([update(c, s, 1.0) for c, s in zip(lay.owned_by(RANK), g.summed)])
+                if g.is_worker:
+                    norms[how] = g.pull(pulled[how])
+            else:
+                if g.is_worker:
+                    g.push_and_pull(grad, pulled[how], _buckets(n))
+                if RANK == lay.servers[-1] and step == 1:
+                    time.sleep(0.05)       # one server late: the next pushes queue up meanwhile
+                norm_served = g.serve_streamed(update) if g.is_server else None
+                if g.is_worker:
+                    norms[how] = g.wait_pull()
+                if norm_served is not None and g.is_worker and norm_served != norms[how]:
+                    problems.append(f"step {step}: serve_streamed returned {norm_served!r}, pulled {norms[how]!r}")
+        if groups["blocking"].is_worker:
+            if not same_bits(pulled["blocking"], pulled["streamed"]):
+                problems.append(f"step {step}: streamed parameters differ from reduce()+send_params()")
+            if norms["blocking"] != norms["streamed"]:
+                problems.append(f"step {step}: streamed norm {norms['streamed']!r} != {norms['blocking']!r}")
+    for g in groups.values():
+        g.free()
+    return problems
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("config", ["colocated", "dedicated", "mixed"])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_ps_streamed_same_bits_as_reduce_then_send(config, op):
+    if config == "colocated":
+        workers, servers = list(range(P)), list(range(P))
+    elif config == "dedicated":
+        workers, servers = list(range(P // 2)), list(range(P // 2, P))
+    else:
+        if P < 4:
+            pytest.skip("workers that are partly servers need 4 ranks")
+        workers, servers = list(range(P)), [1, 3]
+    agree([f"{config}, op={op}: {p}" for p in _streamed_vs_blocking(workers, servers, op)])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ps_streamed_steps_do_not_mix():
+    # Many short steps, one server slow on every other step: a worker's next push
+    # meets the previous step's returns in flight; each step must pull its own values.
+    workers, servers = (list(range(P)), list(range(P))) if P == 2 else (list(range(P // 2)), list(range(P // 2, P)))
+    problems = []
+    n = 300
+    g = ParameterServerGroup(WORLD, workers, servers, n, np.float64, chunk_bytes=40, op="sum")
+    lay = g.layout
+    params = np.empty(n)
+    for step in range(8):
+        if g.is_worker:
+            grad = np.full(n, float(step + 1))
+            g.push_and_pull(grad, params)
+        if g.is_server:
+            if RANK == lay.servers[0] and step % 2:
+                time.sleep(0.02)
+            g.serve_streamed(lambda c, s, scale: s)         # the params: the summed gradient itself
+        if g.is_worker:
+            norm = g.wait_pull()
+            want = float(len(workers) * (step + 1))
+            if not np.all(params == want):
+                problems.append(f"step {step}: pulled {sorted(set(params.tolist()))[:3]}, want {want}")
+            if norm != n * want * want:
+                problems.append(f"step {step}: norm {norm} != {n * want * want}")
+    g.free()
+    agree(problems)
+
+
+def test_one_rank_streamed_refuses_misuse():
+    g = _one_rank_group()
+    grad = np.ones(100, np.float32)
+    with pytest.raises(ValueError, match="shares memory"):
+        g.push_and_pull(grad, grad)
+    params = np.zeros(100, np.float32)
+    g.start_pull(params)
+    g.push(grad, 0, 50)
+    with pytest.raises(ValueError, match="has not pushed every element"):
+        g.serve_streamed(lambda c, s, scale: s)
+    g.push(grad, 50, 100)                  # the refusal left the step usable: finish it
+    assert g.serve_streamed(lambda c, s, scale: s * np.float32(2)) == 100.0
+    assert g.wait_pull() == 100.0 and np.all(params == 2)
+    g.free()
