@@ -63,6 +63,7 @@ Import rule: that of engine/parallel (its __init__.py).
 from __future__ import annotations
 
 import math
+import sys
 import time
 
 import numpy as np
@@ -209,6 +210,12 @@ def serve(cfg, link: ServerLink) -> dict:
                     at += hi - lo
             else:
                 raise RuntimeError(f"parameter server rank {link.rank}: unknown control message {kind}")
+    except Exception:
+        # The abort handler that ends the job names the rank only, and the workers' ranks
+        # look alike: say that this one is a server, and how far it got.
+        print(f"error: parameter server rank {link.rank} failed after serving {served} update(s); "
+              f"the job ends (its error follows)", file=sys.stderr, flush=True)
+        raise
     finally:
         if group is not None and link.stopped:
             group.free()
