@@ -123,10 +123,12 @@ class RankMonitor:
         self.total_steps = 0
         self.gpu_util = []
         node = socket.gethostname()
-        table = world.gather((node, coords), root=0)         # once: who runs where (a few bytes a rank)
+        # Once: who runs where (a few bytes a rank). The pid maps a launcher's "pid 1234 killed"
+        # to its rank when a rank dies before it can say anything.
+        table = world.gather((node, os.getpid(), coords), root=0)
         self.header = None
         if self.rank == 0:
-            ranks = [{"rank": r, "node": n, **c} for r, (n, c) in enumerate(table)]
+            ranks = [{"rank": r, "node": n, "pid": pid, **c} for r, (n, pid, c) in enumerate(table)]
             stages: dict[int, list[int]] = {}
             for entry in ranks:
                 stages.setdefault(entry.get("pp", 0), []).append(entry["rank"])
