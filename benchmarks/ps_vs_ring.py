@@ -17,6 +17,9 @@ Modes, each on the same n workers (ranks 0..n-1 of the world) and float32 buffer
                  the servers reduce (sum, the global norm) and send the parameters back
                  (an identity update: no optimizer), the workers pull
   PS, K = 0      the colocated sharded PS: every worker also serves 1/n of the chunks
+  PS streamed    (--streamed, for each K above) the overlapped step of runs without clipping:
+                 the workers post the pull before pushing (push_and_pull), the servers
+                 serve_streamed: each chunk summed and sent back once all its pushes are in
 
 Method: one round runs every mode once, in an order rotated each round, so the
 machine's noise hits them alike (--warmup rounds first, not counted). Before each
@@ -39,7 +42,8 @@ level between nodes when the workers are on different nodes. ring and hierarchic
 CostModel.ring / .hierarchical; PS: ps_time (push, then pull: comm/ps.py agrees on
 the global norm before any update, so the two cannot overlap) and, in the JSON, the
 same with overlap=True (push and pull at once on the full-duplex link: the issue's
-"PS with K = n ahead of the ring", out of reach of comm/ps.py's global-norm rule).
+"PS with K = n ahead of the ring"), which the streamed modes are predicted with: only
+without clipping, when no update waits for the global norm.
 Bytes on the busiest link, each way: ring_link_bytes, hierarchical_link_bytes,
 ps_link_bytes (max(M, nM/K); the colocated PS 2(n-1)/n M).
 The model leaves out the CPU's work (the servers' sums and norms, copies), which on
@@ -109,6 +113,9 @@ def parse_args(argv=None):
                         "beyond the workers can hold)")
     p.add_argument("--no-allreduce", dest="allreduce", action="store_false",
                    help="leave out the ring, the hierarchical all-reduce and the all-to-all control (the speed-up column needs the ring)")
+    p.add_argument("--streamed", action="store_true",
+                   help="also run each PS mode streamed (serve_streamed: push and pull overlapped, the "
+                        "step of runs without gradient clipping)")
     p.add_argument("--chunk-bytes", type=positive_size, default=costmodel.PS_CHUNK_BYTES,
                    help="the PS's chunk size (default 4M, comm/ps.py's)")
     p.add_argument("--push-order", choices=("whole", "rotated"), default="whole",
@@ -174,9 +181,10 @@ def link_counters(enabled: bool) -> np.ndarray:
 class Mode:
     """One way of synchronising: its name, K, the world ranks taking part, and per repeat its run."""
 
-    def __init__(self, name: str, k: int | None, members: list[int]):
-        self.name, self.k, self.members = name, k, members
-        self.key = ("alltoall" if name == "all-to-all x2" else name) if k is None else f"ps{k}"
+    def __init__(self, name: str, k: int | None, members: list[int], streamed: bool = False):
+        self.name, self.k, self.members, self.streamed = name, k, members, streamed
+        self.key = (("alltoall" if name == "all-to-all x2" else name) if k is None
+                    else f"ps{k}" + ("s" if streamed else ""))
         self.comm = MPI.COMM_NULL
         self.ps = None
         self.times: list[float] = []               # this rank's, per repeat (NaN: not a worker here)
@@ -184,11 +192,14 @@ class Mode:
         self.wrong = 0
 
 
-def build_modes(world, n: int, ks: list[int], allreduce: bool) -> list[Mode]:
+def build_modes(world, n: int, ks: list[int], allreduce: bool, streamed: bool = False) -> list[Mode]:
     workers = list(range(n))
     modes = [Mode(a, None, workers) for a in ALGORITHMS] if allreduce else []
     for k in ks:
         modes.append(Mode("PS colocated" if k == 0 else "PS dedicated", k, workers + list(range(n, n + k))))
+    for k in ks if streamed else ():
+        modes.append(Mode("PS coloc. streamed" if k == 0 else "PS streamed", k, workers + list(range(n, n + k)),
+                          streamed=True))
     rank = world.Get_rank()
     for m in modes:                                  # collective over the world, in the same order everywhere
         m.comm = world.Split(0 if rank in m.members else MPI.UNDEFINED, rank)
@@ -226,7 +237,11 @@ def run_once(mode: Mode, n: int, grad: np.ndarray, pristine: np.ndarray, params:
                 for i in range(chunks):
                     ps.push(pristine, *ps.layout.bounds((me + i) % chunks))
         if ps.is_server:
-            ps.serve_step(lambda chunk, summed, scale: summed)   # identity update: communication only
+            identity = lambda chunk, summed, scale: summed   # noqa: E731  (communication only)
+            if mode.streamed:
+                ps.serve_streamed(identity)
+            else:
+                ps.serve_step(identity)
         if is_worker:
             ps.wait_pull()
         dt = time.perf_counter() - t0
@@ -265,6 +280,15 @@ def predictions(mode: Mode, model: costmodel.CostModel, level: costmodel.Level, 
         link = (costmodel.ring_link_bytes(nbytes, n) if mode.name == "ring" or model.nodes < 2
                 else costmodel.hierarchical_link_bytes(nbytes, model.nodes))
         return dict(pred_s=time_s, pred_overlap_s=time_s, link_pred_bytes=link)
+    overlapped = costmodel.ps_time(level, nbytes, n, mode.k, chunk_bytes, overlap=True)
+    if mode.streamed:
+        # ps_time(overlap=True) counts push and pull fully at once; a server can only send a
+        # chunk back once it has all of it, so its last chunk's return is not overlapped:
+        # with j chunks per server, (1 + 1/j) times that (j = 1: no overlap at all).
+        per_server = -(-max(1, -(-nbytes // chunk_bytes)) // mode.k) if mode.k else None
+        return dict(pred_s=overlapped, pred_overlap_s=overlapped,
+                    pred_fill_s=overlapped * (1 + 1 / per_server) if per_server else None,
+                    link_pred_bytes=costmodel.ps_link_bytes(nbytes, n, mode.k))
     return dict(pred_s=costmodel.ps_time(level, nbytes, n, mode.k, chunk_bytes),
                 pred_overlap_s=costmodel.ps_time(level, nbytes, n, mode.k, chunk_bytes, overlap=True),
                 link_pred_bytes=costmodel.ps_link_bytes(nbytes, n, mode.k))
@@ -274,12 +298,13 @@ def plot(path: str, rows: list[dict], title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    labels = [r["mode"] if r["K"] == "-" else f"{r['mode']}\nK={r['K']}" for r in rows]
+    # one word a line: eleven modes side by side do not fit their names on one line
+    labels = [r["mode"].replace(" ", "\n") + ("" if r["K"] == "-" else f"\nK={r['K']}") for r in rows]
     x = np.arange(len(rows))
     meas = np.array([r["time_ms"] for r in rows])
     lo = meas - np.array([r["min_ms"] for r in rows])
     hi = np.array([r["max_ms"] for r in rows]) - meas
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, ax = plt.subplots(figsize=(max(8, 0.8 * len(rows)), 4.6))
     ax.bar(x - 0.2, meas, 0.4, yerr=[lo, hi], capsize=3, label="measured (median, range)")
     ax.bar(x + 0.2, [r["pred_ms"] for r in rows], 0.4, label="alpha-beta model")
     ax.set_xticks(x, labels, fontsize=8)
@@ -319,7 +344,7 @@ def main() -> int:
     emulated = len(set(hosts)) > 1
     counters = emulated and all(os.path.exists(p) for p in STAT_FILES)
     counters = world.allreduce(int(counters), op=MPI.MIN) == 1
-    modes = build_modes(world, n, ks, args.allreduce)
+    modes = build_modes(world, n, ks, args.allreduce, args.streamed)
 
     nbytes = args.bytes - args.bytes % 4
     elems = max(1, nbytes // 4)
@@ -400,6 +425,7 @@ def main() -> int:
                    link_meas_MiB=None if busiest is None else busiest / 2**20,
                    time_ms=med * 1e3, min_ms=float(slowest.min()) * 1e3, max_ms=float(slowest.max()) * 1e3,
                    pred_ms=pred["pred_s"] * 1e3, pred_overlap_ms=pred["pred_overlap_s"] * 1e3,
+                   pred_fill_ms=None if pred.get("pred_fill_s") is None else pred["pred_fill_s"] * 1e3,
                    ratio=med / pred["pred_s"], wrong=wrong, times_ms=[t * 1e3 for t in slowest],
                    node_bytes_per_sync={f"rank{r}@{hosts[r]}": per_sync[r] for r in members} if counters else None)
         row["range_ms"] = f"[{row['min_ms']:.0f}-{row['max_ms']:.0f}]"
@@ -412,15 +438,22 @@ def main() -> int:
     print("# busiest link: bytes each way on the most loaded node's link per synchronisation (pred: the model; "
           "meas: max of its eth0 rx, tx" + (")" if counters else "; not measured on one host)"))
     print("# vs ring: the ring's median time / this mode's (> 1: faster than the ring)")
-    print("# predicted with push and pull overlapped (not what comm/ps.py does): "
-          + "  ".join(f"{r['key']}: {r['pred_overlap_ms']:.0f} ms" for r in rows if r["K"] != "-"))
+    print("# predicted with push and pull overlapped (serve_step cannot, serve_streamed does; the streamed rows' "
+          "prediction): " + "  ".join(f"{r['key']}: {r['pred_overlap_ms']:.0f} ms" for r in rows
+                                      if r["K"] != "-" and not r["key"].endswith("s")))
+    fill = [r for r in rows if r["pred_fill_ms"] is not None]
+    if fill:
+        print("# streamed, with the pipeline's fill (a server returns its last chunk only after it all arrived: "
+              "x (1 + 1/its chunks)): " + "  ".join(f"{r['key']}: {r['pred_fill_ms']:.0f} ms "
+                                                      f"(meas/fill {r['time_ms'] / r['pred_fill_ms']:.2f})"
+                                                      for r in fill))
     bad = sum(r["wrong"] for r in rows)
     print(f"# results checked against the exact average on the last round: {bad} wrong element(s) "
           f"{'OK' if bad == 0 else 'FAILED'}")
     title = (f"{n} workers, M = {fmt_size(nbytes)}, " + (f"emulated nodes, link {args.link or '?'}" if emulated
                                                           else "one host (shared memory)"))
     out = dict(benchmark="ps_vs_ring", ranks=size, workers=n, servers=ks, bytes=nbytes, dtype="float32",
-               chunk_bytes=args.chunk_bytes, push_order=args.push_order, repeats=args.repeats, warmup=args.warmup, link=args.link,
+               chunk_bytes=args.chunk_bytes, push_order=args.push_order, streamed=args.streamed, repeats=args.repeats, warmup=args.warmup, link=args.link,
                emulated=emulated, link_counters=counters, hosts=hosts, host=socket.gethostname(),
                cost_model=model.to_dict(), level=level._asdict(), rows=rows)
     if args.json:
