@@ -44,6 +44,9 @@ The norm is still computed, per chunk in chunk order, and agreed after the
 last chunk, for reporting only. The workers change nothing but the order:
 start_pull before the first push (push_and_pull does both), so the returned
 chunks land while they still push. Same bits as serve_step with scale 1.
+Chunk order overlaps only when the workers push in chunk order (as
+benchmarks/ps_vs_ring.py does); the trainer pushes from the buffer's end as
+backward runs, so it would need the chunks taken as they arrive (Waitsome).
 
 A rank that is worker and server calls push..., serve_step, pull: every
 message is nonblocking and its own pushes reach it as messages like any
