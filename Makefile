@@ -21,10 +21,10 @@ OMPI_PY   := $(OMPI_VENV)/bin/python
 # tokenizer and `ringpipe export` need the data and hf extras, which make test adds. No -q on the installs: pip's lines show what
 # is being downloaded, so a first run is never silent for minutes.
 TRAIN_EXTRAS := mpi,bf16,monitor
-TEST_EXTRAS  := mpi,bf16,monitor,data,hf,test,plot,monitor-test
+TEST_EXTRAS  := mpi,bf16,monitor,data,hf,test,plot
 
 $(VENV)/.installed: setup.py
-	@echo "setting up $(VENV) for training: numpy, numba, mpi4py + MPICH, oneDNN (the CPU's bf16 GEMM), tensorboardX, prometheus_client and textual (watching a job) from PyPI (about 140 MB to download, 420 MB installed) ..."
+	@echo "setting up $(VENV) for training: numpy, numba, mpi4py + MPICH, oneDNN (the CPU's bf16 GEMM), TensorBoard, prometheus_client and textual (watching a job) from PyPI (about 165 MB to download, 500 MB installed) ..."
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -e '.[$(TRAIN_EXTRAS)]'

@@ -60,12 +60,11 @@ setup(
         "gpu": ["cupy-cuda12x"],
         "gpu13": ["cupy-cuda13x"],
         "plot": ["matplotlib"],
-        # Watching a job (docs/monitoring.md): TensorBoard event files (tensorboardX; crc32c makes
-        # its checksums fast), Prometheus (prometheus_client), `ringpipe top` (textual). The
-        # trainer runs without them: TensorBoard is then off, --metrics-* say what to install.
-        "monitor": ["tensorboardX>=2.6", "crc32c", "prometheus_client>=0.20", "textual>=0.80"],
-        # The tests read TensorBoard's files back with TensorBoard's own reader.
-        "monitor-test": ["tensorboard"],
+        # Watching a job (docs/monitoring.md): TensorBoard's own event writer (the tensorboard
+        # package, which also gives the `tensorboard` command; tensorboardX imports torch when it is
+        # installed), Prometheus (prometheus_client), `ringpipe top` (textual). The trainer runs
+        # without them: TensorBoard is then off, --metrics-* say what to install.
+        "monitor": ["tensorboard>=2.14", "prometheus_client>=0.20", "textual>=0.80"],
     },
     entry_points={"console_scripts": ["ringpipe=ringpipe.cli:main",
                                       "ringpipe-train=ringpipe.engine.train.cli:main"]},

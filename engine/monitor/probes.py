@@ -121,11 +121,11 @@ class Probe:
         return values
 
 
-def gemm_peak_flops(xp, dtype, precision: str, n: int = 1024, repeats: int = 3) -> float:
+def gemm_peak_flops(xp, dtype, precision: str, n: int = 768, repeats: int = 3) -> float:
     """FLOP/s of an n x n x n GEMM through the kernels the layers use, in the run's dtype
     and precision: the peak MFU is measured against (the best of `repeats`, after one
     warm-up). Every rank measures at once, so ranks sharing a node's cores share them here
-    too. About 0.1 s on a CPU core; milliseconds on a GPU."""
+    too. About 0.05 s on a CPU core (n = 768: large enough for BLAS to reach its pace); milliseconds on a GPU."""
     from ringpipe import kernels as K
     from ringpipe.comm.device import synchronize
     a = xp.full((n, n), 0.5, dtype=dtype)          # the values do not matter to the time (no denormals)

@@ -5,8 +5,8 @@ and Prometheus (a text file for node_exporter's textfile collector, or a port).
     sinks.publish(record)          # every step, after metrics.jsonl has it: a queue put, nothing more
     sinks.close()                  # the end of the run: everything queued is written
 
-Encoding events costs about 20 us a scalar in tensorboardX (a Python protobuf per value):
-a dozen a step would be a millisecond of the training thread. So the records go to a
+Encoding events costs tens of microseconds a scalar (a Python protobuf per value): a dozen a
+step would be a millisecond of the training thread. So the records go to a
 queue, and one background thread writes them. A sink that fails (a full disk, a port
 taken) says so once and stops; it never stops the training, which metrics.jsonl records.
 
@@ -23,9 +23,11 @@ localhost unless --metrics-host says otherwise) serves the values of the newest 
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import queue
 import threading
+import time
 
 from ringpipe.engine.monitor.ranks import SPLIT
 
@@ -46,44 +48,77 @@ class MissingLibrary(RuntimeError):
 
 
 class TensorBoardSink:
+    """Event files through TensorBoard's own writer (the `tensorboard` package's EventFileWriter
+    and protos, as torch.utils.tensorboard uses them: no TensorFlow, no PyTorch). tensorboardX
+    was the first choice, and was dropped: it imports torch whenever torch is installed (2 s and
+    195 MiB on rank 0, measured here). The writer is made on the sinks' thread at the first
+    record, so its import (0.6 s) never delays the start-up."""
+
     def __init__(self, folder: str, start_step: int):
-        try:
-            from tensorboardX import SummaryWriter
-        except ImportError:
-            raise MissingLibrary("TensorBoard event files need the tensorboardX package: pip install "
-                                 "'ringpipe[monitor]' (or tensorboardX), or pass --no-tensorboard") from None
-        # A deep queue: the writer's own thread drains it; a full one would block this thread.
-        # The first step the resumed run writes (records count steps done: the checkpoint's own is kept).
+        if importlib.util.find_spec("tensorboard") is None:
+            raise MissingLibrary("TensorBoard event files need the tensorboard package: pip install "
+                                 "'ringpipe[monitor]' (or tensorboard), or pass --no-tensorboard")
+        self.folder, self.start_step = folder, start_step
+        self.writer = None
+
+    def _open(self):
+        from tensorboard.compat.proto import event_pb2
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
         # The file name holds the second it was made and the host: a resume within the same second
         # would truncate the earlier file without a suffix of its own.
-        self.writer = SummaryWriter(folder, purge_step=start_step + 1 if start_step else None, max_queue=1000,
-                                    flush_secs=10, filename_suffix=f".step{start_step}.pid{os.getpid()}")
+        self.writer = EventFileWriter(self.folder, max_queue_size=1000, flush_secs=10,
+                                      filename_suffix=f".step{self.start_step}.pid{os.getpid()}")
+        if self.start_step:
+            # A resumed run: TensorBoard hides what an interrupted run wrote from the first step this
+            # one writes on (records count steps done: the checkpoint's own step is kept).
+            purge = self.start_step + 1
+            self.writer.add_event(event_pb2.Event(step=purge, wall_time=time.time(), session_log=event_pb2.SessionLog(
+                status=event_pb2.SessionLog.START)))
+
+    def _scalars(self, step: int, values: list) -> None:
+        from tensorboard.compat.proto import event_pb2, summary_pb2
+        summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=tag, simple_value=float(v))
+                                             for tag, v in values])
+        self.writer.add_event(event_pb2.Event(summary=summary, step=step, wall_time=time.time()))
+
+    def _text(self, step: int, tag: str, text: str) -> None:
+        from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+        meta = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="text"))
+        tensor = tensor_pb2.TensorProto(dtype=types_pb2.DT_STRING, string_val=[text.encode()],
+                                        tensor_shape=tensor_shape_pb2.TensorShapeProto(
+                                            dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=1)]))
+        summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(tag=tag, metadata=meta, tensor=tensor)])
+        self.writer.add_event(event_pb2.Event(summary=summary, step=step, wall_time=time.time()))
 
     def write(self, record: dict) -> None:
-        step, add = record["step"], self.writer.add_scalar
+        if self.writer is None:
+            self._open()
+        step, values = record["step"], []
         for key, tag in TAGS.items():
             value = record.get(key)
             if isinstance(value, (int, float)):
-                add(tag, value, step)
+                values.append((tag, value))
         for which in ("precision", "recall"):
             for k, value in enumerate(record.get(f"val_{which}") or []):
                 if value is not None:
-                    add(f"val_{which}/class_{k}", value, step)
+                    values.append((f"val_{which}/class_{k}", value))
+        for row in record.get("ranks", ()):
+            for key in RANK_VALUES:
+                if key in row:
+                    values.append((f"rank_{key}/rank_{row['rank']:03d}", row[key]))
+        if "stragglers" in record:
+            values.append(("train/stragglers", len(record["stragglers"])))
+        self._scalars(step, values)                  # one event a step: its scalars together
         if "val_confusion" in record:
             rows = record["val_confusion"]
             table = "| true \\ predicted | " + " | ".join(map(str, range(len(rows)))) + " |\n"
             table += "|---" * (len(rows) + 1) + "|\n"
             table += "".join(f"| {i} | " + " | ".join(map(str, row)) + " |\n" for i, row in enumerate(rows))
-            self.writer.add_text("val/confusion", table, step)
-        for row in record.get("ranks", ()):
-            for key in RANK_VALUES:
-                if key in row:
-                    add(f"rank_{key}/rank_{row['rank']:03d}", row[key], step)
-        if "stragglers" in record:
-            add("train/stragglers", len(record["stragglers"]), step)
+            self._text(step, "val/confusion", table)
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
 
 class PrometheusSink:

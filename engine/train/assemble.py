@@ -567,9 +567,9 @@ def open_sinks(training: Run):
     cfg = training.cfg
     tensorboard = cfg.tensorboard
     if tensorboard is None:
-        tensorboard = importlib.util.find_spec("tensorboardX") is not None
+        tensorboard = importlib.util.find_spec("tensorboard") is not None
         if not tensorboard:
-            training.report.say("TensorBoard: off (tensorboardX is not installed: pip install 'ringpipe[monitor]')")
+            training.report.say("TensorBoard: off (the tensorboard package is not installed: pip install 'ringpipe[monitor]')")
     job = os.environ.get("SLURM_JOB_ID") or os.path.basename(os.path.abspath(cfg.out_dir))
     try:
         sinks = Sinks.open(cfg.out_dir, training.start_step, tensorboard=tensorboard, textfile=cfg.metrics_textfile,

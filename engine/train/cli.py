@@ -280,7 +280,7 @@ def _monitoring_flags(p):
                         "benchmarks/monitor_overhead.py); 0: off")
     g.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
                    help="TensorBoard event files in OUT/tensorboard (tensorboard --logdir OUT/tensorboard); default: "
-                        "on when tensorboardX is installed (pip install 'ringpipe[monitor]')")
+                        "on when the tensorboard package is installed (pip install 'ringpipe[monitor]')")
     g.add_argument("--metrics-textfile", default=None, metavar="FILE.prom",
                    help="write Prometheus metrics to this file (atomically, each interval) for node_exporter's "
                         "textfile collector; no port is opened")

@@ -107,7 +107,7 @@ class Config:
     memory_report: bool = False        # the predicted memory per rank item by item, and the measured peak
     # ---- monitoring (docs/monitoring.md)
     monitor_every: int | str = "auto"  # steps between per-rank gathers: N, "auto" (~2 s of steps), 0 (off)
-    tensorboard: bool | None = None    # TensorBoard event files in OUT/tensorboard (None: when tensorboardX is installed)
+    tensorboard: bool | None = None    # TensorBoard event files in OUT/tensorboard (None: when tensorboard is installed)
     metrics_textfile: str | None = None   # a Prometheus text file (*.prom) for node_exporter's textfile collector
     metrics_port: int | None = None    # rank 0 serves Prometheus metrics on this port
     metrics_host: str = "127.0.0.1"    # ... bound to this address (localhost: nothing outside the node reaches it)
