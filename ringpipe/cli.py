@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import os
 import sys
 
 COMMANDS = {
@@ -37,7 +38,10 @@ def usage() -> str:
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage())
+        try:
+            print(usage(), flush=True)
+        except BrokenPipeError:          # `ringpipe --help | head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
