@@ -314,9 +314,15 @@ def _predict_rank(cfg, shape, seq_len, dp, pipe_rank) -> Breakdown:
         b.items["gradients"] = grads
         b.notes["gradients"] = "whole"
     optimizer = states * s * P / (dp if sharded else 1)
+    held = f" / {dp} (ZeRO-{zero})" if sharded else ""
+    if getattr(cfg, "sync", "allreduce") == "ps" and dp > 1:
+        # The parameter server: a colocated rank keeps its chunks' state (1/dp, as ZeRO-1),
+        # a worker beside dedicated servers none (the servers hold it).
+        dedicated = bool(getattr(cfg, "ps_servers", 0))
+        optimizer = 0 if dedicated else states * s * P / dp
+        held = " on the parameter servers, none here" if dedicated else f" / {dp} (--sync ps: this rank's chunks)"
     b.items["optimizer state"] = optimizer
-    b.notes["optimizer state"] = (f"{cfg.optimizer}: {states} x {s} B a parameter"
-                                  + (f" / {dp} (ZeRO-{zero})" if sharded else ""))
+    b.notes["optimizer state"] = f"{cfg.optimizer}: {states} x {s} B a parameter{held}"
     b.items["activations"] = activations
     b.notes["activations"] = (f"{rows} x {T} tokens a micro-batch, {sum(flight.values())} in flight"
                               + (f", recompute {recompute}" if recompute != "none" else ""))
