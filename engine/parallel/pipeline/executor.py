@@ -91,8 +91,11 @@ class PipelineExecutor:
         for index, a in enumerate(self.actions):
             if a.is_compute and step.sends:
                 # Large messages go by rendezvous, which only advances while the
-                # sender is inside MPI: poke the progress engine before computing.
+                # sender is inside MPI: poke the progress engine before computing
+                # (a shared-memory MPI copies the message right here: communication).
+                t0 = time.perf_counter()
                 MPI.Request.Testall([req for req, _ in step.sends])
+                self._event("progress sends", "send", t0)
             self._handlers[a.kind](step, index, a)
         t0 = time.perf_counter()
         MPI.Request.Waitall([req for req, _ in step.sends])
@@ -104,10 +107,12 @@ class PipelineExecutor:
 
     # ---- the handlers, one per action kind ---------------------------------------------
     def _recv(self, step, index, a):
+        t0 = time.perf_counter()
         peer, _ = self.s.peer(self.rank, a)
         buf = self.transport.recv_buffer(self.act_shape, self.dtype)
         req = self.comm.Irecv(buf, source=peer, tag=self._tag(a))
         step.received[a.kind][(a.mb, a.chunk)] = (buf, req)
+        self._event(f"post {a}", "send", t0)        # posting a receive: communication, not the bubble
 
     def _send(self, step, index, a):
         t0 = time.perf_counter()
