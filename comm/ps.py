@@ -509,43 +509,68 @@ class ParameterServerGroup:
         squared norm with the other servers (collective among them); returns it.
         The sums are `summed` (a view per owned chunk, in owned_by order, valid
         until the next step); send_params() must follow before the next reduce()."""
-        self._ensure_usable()
-        if not self.is_server:
-            raise ValueError(f"ParameterServerGroup.reduce: rank {self.rank} is no server "
-                             f"(servers: {list(self.layout.servers)})")
-        if self.summed is not None:
-            raise ValueError("ParameterServerGroup.reduce: this step is reduced already: send_params() first")
-        lay, step = self.layout, self._served
-        if self.is_worker and self._covered.sum() != lay.n_elements:
-            raise ValueError("ParameterServerGroup.reduce: this rank is a worker too and has not pushed "
-                             "every element of this step: push every bucket first, or it waits for itself")
-        n_w = len(lay.workers)
+        self._begin_serving("reduce", "this step is reduced already: send_params() first")
         recvs: list = []
         try:
-            # The last step's parameter sends: done once the workers pulled, which they
-            # did before pushing this step; their arrays may change from now on.
-            for reqs, _ in self._param_sends:
-                MPI.Request.Waitall(reqs)
-            self._param_sends = []
-            for i, c in enumerate(self._owned):
-                clo, chi = lay.bounds(c)
-                rows = self._inbox[i, :, :chi - clo]
-                recvs.append([self.comm.Irecv(_wire(rows[w]), src, self._tag(c, step, _PUSH))
-                              for w, src in enumerate(lay.workers)])
-            summed = []
-            for i, c in enumerate(self._owned):
-                MPI.Request.Waitall(recvs[i])
-                clo, chi = lay.bounds(c)
-                total = tree_sum(self._inbox[i, :, :chi - clo])
-                if self.op == "avg":
-                    np.divide(total, n_w, out=total)       # as comm/small.py: after the tree
-                summed.append(total)
+            recvs = self._post_push_receives()
+            summed = [self._summed_chunk(i, c, recvs[i]) for i, c in enumerate(self._owned)]
             self._norm_sq = self.global_norm_sq(server_norm_sq(summed))
         except BaseException as e:
             self._abandon([r for rs in recvs for r in rs], e)
             raise
         self.summed = summed
         return self._norm_sq
+
+    def _begin_serving(self, what: str, pending: str) -> None:
+        """The checks before a server's step (reduce, serve_streamed); `pending`: what to say
+        when reduce() ran this step and send_params() did not follow."""
+        self._ensure_usable()
+        if not self.is_server:
+            raise ValueError(f"ParameterServerGroup.{what}: rank {self.rank} is no server "
+                             f"(servers: {list(self.layout.servers)})")
+        if self.summed is not None:
+            raise ValueError(f"ParameterServerGroup.{what}: {pending}")
+        if self.is_worker and self._covered.sum() != self.layout.n_elements:
+            raise ValueError(f"ParameterServerGroup.{what}: this rank is a worker too and has not pushed "
+                             "every element of this step: push every bucket first, or it waits for itself")
+
+    def _post_push_receives(self) -> list:
+        """Every worker's push of each owned chunk, posted: [requests per owned chunk]. First
+        the last step's parameter sends are waited for: done once the workers pulled, which
+        they did before pushing this step; their arrays may change from now on."""
+        lay, step = self.layout, self._served
+        for reqs, _ in self._param_sends:
+            MPI.Request.Waitall(reqs)
+        self._param_sends = []
+        recvs = []
+        for i, c in enumerate(self._owned):
+            clo, chi = lay.bounds(c)
+            rows = self._inbox[i, :, :chi - clo]
+            recvs.append([self.comm.Irecv(_wire(rows[w]), src, self._tag(c, step, _PUSH))
+                          for w, src in enumerate(lay.workers)])
+        return recvs
+
+    def _summed_chunk(self, i: int, c: int, requests) -> np.ndarray:
+        """Owned chunk c (the i-th) once its pushes are in: their tree_sum, then / n for op="avg"."""
+        MPI.Request.Waitall(requests)
+        clo, chi = self.layout.bounds(c)
+        total = tree_sum(self._inbox[i, :, :chi - clo])
+        if self.op == "avg":
+            np.divide(total, len(self.layout.workers), out=total)       # as comm/small.py: after the tree
+        return total
+
+    def _send_chunk(self, c: int, values) -> None:
+        """Chunk c's new parameters to every worker (checked first)."""
+        self._check_new(c, values)
+        reqs = [self.comm.Isend(_wire(values), w, self._tag(c, self._served, _PULL)) for w in self.layout.workers]
+        self._param_sends.append((reqs, values))
+
+    def _send_norm(self) -> None:
+        """The first server sends the global squared norm to every worker."""
+        if self.rank == self.layout.servers[0]:
+            norm_out = np.array([self._norm_sq], dtype=np.float64)
+            reqs = [self.comm.Isend(norm_out, w, self._tag(0, self._served, _NORM)) for w in self.layout.workers]
+            self._param_sends.append((reqs, norm_out))
 
     def _check_new(self, c: int, values) -> None:
         clo, chi = self.layout.bounds(c)
@@ -565,20 +590,14 @@ class ParameterServerGroup:
         self._ensure_usable()
         if self.summed is None:
             raise ValueError("ParameterServerGroup.send_params: nothing reduced this step: reduce() first")
-        lay, step = self.layout, self._served
         new = list(new)
         try:
             if len(new) != len(self._owned):
                 raise ValueError(f"ParameterServerGroup.send_params: {len(new)} arrays for this server's "
                                  f"{len(self._owned)} chunks: pass one per owned chunk")
             for c, values in zip(self._owned, new):
-                self._check_new(c, values)
-                reqs = [self.comm.Isend(_wire(values), w, self._tag(c, step, _PULL)) for w in lay.workers]
-                self._param_sends.append((reqs, values))
-            if self.rank == lay.servers[0]:
-                norm_out = np.array([self._norm_sq], dtype=np.float64)
-                reqs = [self.comm.Isend(norm_out, w, self._tag(0, step, _NORM)) for w in lay.workers]
-                self._param_sends.append((reqs, norm_out))
+                self._send_chunk(c, values)
+            self._send_norm()
         except BaseException as e:
             self._abandon((), e)
             raise
@@ -594,46 +613,18 @@ class ParameterServerGroup:
         last chunk the servers agree on the global squared norm (collective
         among them), the first one sends it, and it is returned: for reporting,
         never used to scale. update's contract is serve_step's."""
-        self._ensure_usable()
-        if not self.is_server:
-            raise ValueError(f"ParameterServerGroup.serve_streamed: rank {self.rank} is no server "
-                             f"(servers: {list(self.layout.servers)})")
-        if self.summed is not None:
-            raise ValueError("ParameterServerGroup.serve_streamed: reduce() ran this step and send_params() did "
-                             "not follow: finish that step with send_params() first")
-        lay, step = self.layout, self._served
-        if self.is_worker and self._covered.sum() != lay.n_elements:
-            raise ValueError("ParameterServerGroup.serve_streamed: this rank is a worker too and has not pushed "
-                             "every element of this step: push every bucket first, or it waits for itself")
-        n_w = len(lay.workers)
+        self._begin_serving("serve_streamed", "reduce() ran this step and send_params() did not follow: finish "
+                            "that step with send_params() first")
         recvs: list = []
         try:
-            # The last step's parameter sends must be done before update() may change their arrays.
-            for reqs, _ in self._param_sends:
-                MPI.Request.Waitall(reqs)
-            self._param_sends = []
-            for i, c in enumerate(self._owned):
-                clo, chi = lay.bounds(c)
-                rows = self._inbox[i, :, :chi - clo]
-                recvs.append([self.comm.Irecv(_wire(rows[w]), src, self._tag(c, step, _PUSH))
-                              for w, src in enumerate(lay.workers)])
+            recvs = self._post_push_receives()
             norm_parts = np.empty(len(self._owned), dtype=np.float64)
             for i, c in enumerate(self._owned):
-                MPI.Request.Waitall(recvs[i])
-                clo, chi = lay.bounds(c)
-                total = tree_sum(self._inbox[i, :, :chi - clo])
-                if self.op == "avg":
-                    np.divide(total, n_w, out=total)       # as comm/small.py: after the tree
+                total = self._summed_chunk(i, c, recvs[i])
                 norm_parts[i] = server_norm_sq([total])[0]  # before update(), which may write `total`
-                values = update(c, total, 1.0)
-                self._check_new(c, values)
-                reqs = [self.comm.Isend(_wire(values), w, self._tag(c, step, _PULL)) for w in lay.workers]
-                self._param_sends.append((reqs, values))
+                self._send_chunk(c, update(c, total, 1.0))
             self._norm_sq = self.global_norm_sq(norm_parts)
-            if self.rank == lay.servers[0]:
-                norm_out = np.array([self._norm_sq], dtype=np.float64)
-                reqs = [self.comm.Isend(norm_out, w, self._tag(0, step, _NORM)) for w in lay.workers]
-                self._param_sends.append((reqs, norm_out))
+            self._send_norm()
         except BaseException as e:
             self._abandon([r for rs in recvs for r in rs], e)
             raise
