@@ -89,24 +89,29 @@ def _parse_lines(data: bytes, path: str, first_line: int = 1, skipped: list | No
     return records
 
 
-def read_records(run_dir: str, limit: int = RECORDS_LIMIT) -> list[dict]:
-    """Every whole record of metrics.jsonl, in order ([] when there is none yet)."""
-    path = metrics_path(run_dir)
-    if not os.path.exists(path):
-        return []
+def _read_metrics(path: str, last: int | None = None, limit: int | None = None) -> tuple[bytes, int]:
+    """(bytes, offset they start at) of the metrics log: its last `last` bytes, or all of it
+    (refused past `limit`)."""
     try:
         fd = open_regular(path, "the metrics log")
     except UnreadableFile as e:
         raise ReadError(str(e)) from None
     try:
         size = os.fstat(fd).st_size
-        if size > limit:
+        if limit is not None and size > limit:
             raise ReadError(f"{path} is {size:,} bytes, more than the {limit:,} this tool reads")
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            data = fh.read(size)
+        start = max(0, size - last) if last is not None else 0
+        return os.pread(fd, size - start, start), start
     finally:
         os.close(fd)
-    return _parse_lines(data, path)
+
+
+def read_records(run_dir: str, limit: int = RECORDS_LIMIT) -> list[dict]:
+    """Every whole record of metrics.jsonl, in order ([] when there is none yet)."""
+    path = metrics_path(run_dir)
+    if not os.path.exists(path):
+        return []
+    return _parse_lines(_read_metrics(path, limit=limit)[0], path)
 
 
 def tail_records(run_dir: str, max_bytes: int = TAIL_BYTES, skipped: list | None = None) -> list[dict]:
@@ -116,16 +121,7 @@ def tail_records(run_dir: str, max_bytes: int = TAIL_BYTES, skipped: list | None
     path = metrics_path(run_dir)
     if not os.path.exists(path):
         return []
-    try:
-        fd = open_regular(path, "the metrics log")
-    except UnreadableFile as e:
-        raise ReadError(str(e)) from None
-    try:
-        size = os.fstat(fd).st_size
-        start = max(0, size - max_bytes)
-        data = os.pread(fd, size - start, start)
-    finally:
-        os.close(fd)
+    data, start = _read_metrics(path, last=max_bytes)
     if start == 0:
         return _parse_lines(data, path, skipped=skipped)
     cut = data.find(b"\n")
