@@ -38,10 +38,11 @@ compares the two for every ZeRO stage and recomputation mode.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from ringpipe.engine.monitor.probes import peak_bytes, resident_bytes
 
 # What a ringpipe rank holds before its model counts for anything: the interpreter,
 # numpy, Numba and the kernels it compiled (loaded from its on-disk cache), mpi4py and
@@ -377,24 +378,9 @@ def _param_list(layers, bounds, mine, tp):
 
 # ---- measured -----------------------------------------------------------------------------------
 
-def peak_rss() -> int:
-    """This process's peak resident memory so far (VmHWM), in bytes; 0 where unknown."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def current_rss() -> int:
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
+# This process's peak (VmHWM) and current resident memory: the monitor's probes, by the
+# names this module's callers use.
+peak_rss, current_rss = peak_bytes, resident_bytes
 
 
 def mem_available() -> int | None:
