@@ -113,3 +113,14 @@ def assert_same_run(par: Trained, ref: Trained, tol: float, *, grad_norm: bool =
     par_arrays, manifest = checkpoint.load(os.path.join(par.out, "checkpoints"))
     assert_same_arrays(par_arrays, final_arrays(ref.out), tol, "checkpoint")
     return manifest
+
+
+def assert_continues(tail: str, whole: str, resumed_at: int, steps: int, tol: float, what: str = "") -> None:
+    """The run in `tail`, resumed from a checkpoint of step `resumed_at`, ended where the
+    uninterrupted run in `whole` did: its final checkpoint (step `steps`) and the losses of
+    the steps it ran."""
+    arrays, manifest = checkpoint.load(os.path.join(tail, "checkpoints"))
+    assert manifest["step"] == steps
+    assert_same_arrays(arrays, final_arrays(whole), tol, what)
+    np.testing.assert_allclose([m["loss"] for m in metrics(tail)], [m["loss"] for m in metrics(whole)][resumed_at:],
+                               rtol=tol, atol=tol)
