@@ -71,7 +71,18 @@ our messages never meet the caller's) with the tag ((chunk * 2 + step parity)
 so a message of another chunk, kind or step is never taken for it. Parity is
 enough: a worker pushes step t+2 only after pulling all of step t+1, which
 the servers send only after receiving all of step t+1's pushes, so they hold
-no step t receive any more.
+no step t receive any more. With steps in flight (end_step, below) a tag may
+repeat between steps; MPI's order between one sender and one receiver on
+one tag keeps them apart, the servers serving steps in order.
+
+Staleness and asynchrony (the engine's --ps-mode; the math changes):
+- Bounded staleness: a worker ends a step (end_step) without waiting for its
+  pull, each step's pull into a buffer of its own, and later completes them
+  oldest first (wait_oldest): it computes on parameters some updates old.
+  The servers do not change: every step is summed and updated as above.
+- mode="async" (a group's mode, the same on every rank): the servers apply
+  each worker's push of a chunk alone, as it arrives (serve_async), and send
+  that worker the chunk so updated; there is no sum and no global norm.
 
 Memory: a server receives into one buffer per (owned chunk, worker), n times
 its share of the parameters (n M / K; M in the colocated case): simple, and
@@ -93,6 +104,7 @@ nothing of ringpipe.engine or ringpipe.kernels.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -255,7 +267,7 @@ class ParameterServerGroup:
     """
 
     def __init__(self, comm, workers, servers, n_elements: int, dtype, chunk_bytes: int = CHUNK_BYTES,
-                 op: str = "avg"):
+                 op: str = "avg", mode: str = "sync"):
         self.broken: str | None = None       # why our messages no longer line up, if they do not
         self._abandoned: list = []
         self._param_sends: list = []         # (requests, the arrays they send): kept alive until done
@@ -264,9 +276,11 @@ class ParameterServerGroup:
         self.server_comm = MPI.COMM_NULL
         try:
             dtype = np.dtype(dtype)
-            args = (n_elements, dtype.str, op, chunk_bytes, tuple(workers), tuple(servers))
+            args = (n_elements, dtype.str, op, chunk_bytes, tuple(workers), tuple(servers), mode)
             check_consistent(self.comm, "ParameterServerGroup(n_elements, dtype, op, chunk_bytes, workers, "
-                             "servers)", args)
+                             "servers, mode)", args)
+            if mode not in ("sync", "async"):
+                raise ValueError(f"ParameterServerGroup: mode {mode!r}: use 'sync' or 'async'")
             if dtype not in _FLOATS:
                 raise ValueError(f"ParameterServerGroup: dtype {dtype} is not float16, float32 or float64")
             if op not in ("sum", "avg"):
@@ -292,6 +306,7 @@ class ParameterServerGroup:
             raise
         self.dtype = dtype
         self.op = op
+        self.mode = mode
         lay = self.layout
         # Worker state for the step under way.
         self._step = 0                       # steps this worker pulled
@@ -301,6 +316,9 @@ class ParameterServerGroup:
         self._pull_recvs: list = []
         self._pull_params = None             # kept alive while its receives are posted
         self._norm_in = np.zeros(1, dtype=np.float64)
+        # Steps whose pushes are made and pull posted, not yet waited for (end_step), oldest
+        # first: (pull receives, push sends, the pull's params, its norm buffer) each.
+        self._in_flight: deque = deque()
         # Server state.
         self._served = 0                     # steps this server served
         self.summed = None                   # reduce()'s sums until send_params() sends the step
@@ -332,7 +350,7 @@ class ParameterServerGroup:
                     req.Cancel()
                 except MPI.Exception:
                     pass
-        self._abandoned.append((list(receives), self._push_sends, self._param_sends))
+        self._abandoned.append((list(receives), self._push_sends, self._param_sends, list(self._in_flight)))
         self.broken = f"{type(e).__name__}: {e}"
 
     def _check_flat(self, name: str, a, writeable: bool = False) -> None:
@@ -401,16 +419,18 @@ class ParameterServerGroup:
             for c in range(lay.n_chunks):
                 clo, chi = lay.bounds(c)
                 recvs.append(self.comm.Irecv(_wire(params[clo:chi]), lay.owner(c), self._tag(c, step, _PULL)))
-            recvs.append(self.comm.Irecv(self._norm_in, lay.servers[0], self._tag(0, step, _NORM)))
+            if self.mode == "sync":         # (async: no global norm; each worker has its own)
+                recvs.append(self.comm.Irecv(self._norm_in, lay.servers[0], self._tag(0, step, _NORM)))
         except BaseException as e:
             self._abandon(recvs, e)
             raise
         self._pull_params = params
         self._pull_recvs = recvs
 
-    def wait_pull(self) -> float:
+    def wait_pull(self) -> float | None:
         """Wait for this step's pull (start_pull) and pushes; returns the global
-        squared gradient norm (before clipping), the same on every rank."""
+        squared gradient norm (before clipping), the same on every rank (None
+        in mode "async": the servers agree on no norm)."""
         self._ensure_usable()
         if not self._pull_recvs:
             raise ValueError("ParameterServerGroup.wait_pull: no pull posted: start_pull(params) first")
@@ -425,11 +445,69 @@ class ParameterServerGroup:
         except BaseException as e:
             self._abandon(self._pull_recvs, e)
             raise
+        norm = float(self._norm_in[0]) if self.mode == "sync" else None
+        self._next_step()
+        return norm
+
+    def _next_step(self) -> None:
         self._step += 1
         self._grad, self._pushed, self._push_sends, self._pull_recvs = None, [], [], []
         self._covered[:] = 0
         self._pull_params = None
-        return float(self._norm_in[0])
+
+    # Bounded staleness (engine's --ps-mode ssp:S): a worker goes on to its next step while
+    # the pulls of its last ones are still on their way, each into a buffer of its own.
+
+    def end_step(self) -> None:
+        """This step's pushes are all made and its pull posted (start_pull into a buffer that
+        nothing else reads or writes until wait_oldest() returns it): go on to the next step
+        without waiting. wait_oldest() completes the steps so ended, oldest first. Before the
+        pushed gradient buffer is written again, wait_sent(). The servers serve steps in
+        order, and MPI delivers one sender's messages of one tag in order, so the pulls of
+        several steps in flight (their tags' step parity may repeat) land where they should."""
+        self._ensure_usable()
+        if not self._pull_recvs:
+            raise ValueError("ParameterServerGroup.end_step: no pull posted: start_pull(params) first")
+        missing = self.layout.n_elements - int(self._covered.sum())
+        if missing:
+            raise ValueError(f"ParameterServerGroup.end_step: {missing} of {self.layout.n_elements} elements "
+                             "were not pushed this step: push every element first")
+        self._in_flight.append((self._pull_recvs, self._push_sends, self._pull_params, self._norm_in))
+        self._norm_in = np.zeros(1, dtype=np.float64)
+        self._next_step()
+
+    @property
+    def in_flight(self) -> int:
+        """Steps ended (end_step) whose pulls were not waited for yet."""
+        return len(self._in_flight)
+
+    def wait_oldest(self) -> float | None:
+        """Wait for the oldest step in flight (end_step): its pull has landed in the buffer
+        given to start_pull. Returns that step's global squared norm (None in mode "async")."""
+        self._ensure_usable()
+        if not self._in_flight:
+            raise ValueError("ParameterServerGroup.wait_oldest: no step in flight: end_step() first")
+        recvs, sends, _, norm_in = self._in_flight[0]
+        try:
+            MPI.Request.Waitall(recvs)
+            MPI.Request.Waitall(sends)
+        except BaseException as e:
+            self._abandon(recvs, e)
+            raise
+        self._in_flight.popleft()
+        return float(norm_in[0]) if self.mode == "sync" else None
+
+    def wait_sent(self) -> None:
+        """Wait until the pushes of every step in flight have left their gradient buffer
+        (it may be written from then on). They complete once the servers receive them,
+        which they do in step order: it waits for no pull."""
+        self._ensure_usable()
+        for _, sends, _, _ in self._in_flight:
+            try:
+                MPI.Request.Waitall(sends)
+            except BaseException as e:
+                self._abandon([r for recvs, _, _, _ in self._in_flight for r in recvs], e)
+                raise
 
     def wait_pushes(self) -> None:
         """Wait until this step's pushes have left `grad` (every element pushed):
@@ -522,9 +600,13 @@ class ParameterServerGroup:
         return self._norm_sq
 
     def _begin_serving(self, what: str, pending: str) -> None:
-        """The checks before a server's step (reduce, serve_streamed); `pending`: what to say
-        when reduce() ran this step and send_params() did not follow."""
+        """The checks before a server's step (reduce, serve_streamed, serve_async); `pending`:
+        what to say when reduce() ran this step and send_params() did not follow."""
         self._ensure_usable()
+        if (self.mode == "async") != (what == "serve_async"):
+            raise ValueError(f"ParameterServerGroup.{what}: this group's mode is {self.mode!r}: "
+                             + ("serve each step with serve_async()" if self.mode == "async" else
+                                "serve_async() needs a group made with mode='async'"))
         if not self.is_server:
             raise ValueError(f"ParameterServerGroup.{what}: rank {self.rank} is no server "
                              f"(servers: {list(self.layout.servers)})")
@@ -631,6 +713,36 @@ class ParameterServerGroup:
         self._served += 1
         return self._norm_sq
 
+    def serve_async(self, update: Callable[[int, int, np.ndarray], np.ndarray]) -> None:
+        """Mode "async": apply each worker's push as it arrives. Every push of this step is
+        posted; whichever (owned chunk c, worker w) lands first goes first: update(c, i,
+        grad) with i the worker's index in `workers` and `grad` that worker's chunk alone
+        (a view of the receive buffer, valid during the call) returns the chunk's new
+        parameters, sent to that worker only (a fresh array: the next worker's update must
+        not change it while it travels). So a worker pulls the chunk with its own update
+        and those that arrived before it: the order, and so the bits, vary from run to run.
+        No sum, no global norm, none sent."""
+        self._begin_serving("serve_async", "unreachable")
+        lay, n_w = self.layout, len(self.layout.workers)
+        recvs: list = []
+        try:
+            recvs = [r for rs in self._post_push_receives() for r in rs]
+            while True:
+                k = MPI.Request.Waitany(recvs)
+                if k == MPI.UNDEFINED:
+                    break
+                i, w = divmod(k, n_w)
+                c = self._owned[i]
+                clo, chi = lay.bounds(c)
+                values = update(c, w, self._inbox[i, w, :chi - clo])
+                self._check_new(c, values)
+                req = self.comm.Isend(_wire(values), lay.workers[w], self._tag(c, self._served, _PULL))
+                self._param_sends.append(([req], values))
+        except BaseException as e:
+            self._abandon(recvs, e)
+            raise
+        self._served += 1
+
     # ---- the end -----------------------------------------------------------------
 
     def free(self) -> None:
@@ -640,7 +752,10 @@ class ParameterServerGroup:
                 MPI.Request.Waitall(reqs)
             if getattr(self, "_push_sends", None):
                 MPI.Request.Waitall(self._push_sends)
-            self._param_sends, self._push_sends = [], []
+            for recvs, sends, _, _ in getattr(self, "_in_flight", ()):    # the servers send every step's pull
+                MPI.Request.Waitall(recvs)
+                MPI.Request.Waitall(sends)
+            self._param_sends, self._push_sends, self._in_flight = [], [], deque()
         for name in ("server_comm", "comm"):
             c = getattr(self, name, MPI.COMM_NULL)
             # Free() leaves COMM_NULL behind, so a second free() does nothing.

@@ -6,6 +6,7 @@ from ringpipe.engine.parallel.data import DataParallel
 from ringpipe.engine.parallel.local import LocalModel
 from ringpipe.engine.parallel.pipeline.stage import PipelineModel
 from ringpipe.engine.parallel.ps import ParameterServerData
+from ringpipe.engine.parallel.ps_modes import AsynchronousPS, BoundedStalenessPS
 from ringpipe.engine.parallel.tensor import TensorGroup, TensorParallel
 
 
@@ -37,6 +38,11 @@ def build_rank_model(grid, layers_fn, cfg, dtype, xp, micro_shape, cost_batch, t
     if tensor is not None:
         inner = TensorParallel(inner, tensor, [s for layer in layers_fn(tensor) for s in layer.specs()])
     if cfg.sync == "ps":       # the configuration refused a pipeline, the tensor axis and ZeRO with it
+        mode, bound = cfg.ps_mode_parts
+        if mode == "ssp" and bound > 0:      # (dedicated servers: the configuration's checks)
+            return BoundedStalenessPS(inner, grid, bound, overlap=not cfg.no_overlap, trace=trace, link=servers)
+        if mode == "async":
+            return AsynchronousPS(inner, grid, cfg.grad_clip, overlap=not cfg.no_overlap, trace=trace, link=servers)
         return ParameterServerData(inner, grid, overlap=not cfg.no_overlap, trace=trace, link=servers)
     return DataParallel(inner, grid, zero=cfg.zero, bucket_mb=cfg.bucket_mb, overlap=not cfg.no_overlap,
                         gather_mode=cfg.zero_gather_mode, trace=trace, canonical=cfg.reduce_order == "canonical")

@@ -79,7 +79,7 @@ _STATE_TAG = 1          # the checkpoint gather's messages, on a communicator of
 # Dedicated servers: the first worker's control messages (int64 [kind, a, b]) and the
 # arrays that follow them, on ServerLink's own communicator.
 _CONTROL_TAG, _DATA_TAG = 2, 3
-START, INIT, STEP, SAVE, STOP = 1, 2, 3, 4, 5
+START, INIT, STEP, SAVE, STOP, FETCH = 1, 2, 3, 4, 5, 6
 # The chunks' size, read when a model is built (tests make it small, so a small model
 # has many chunks: chunks across parameters, every rank a server of several).
 CHUNK_BYTES = comm.ps.CHUNK_BYTES
@@ -159,8 +159,9 @@ class ServerLink:
 def serve(cfg, link: ServerLink) -> dict:
     """A dedicated server rank's run (`--ps-servers K`, module docstring): answer the
     first worker's control messages until STOP; returns the workers' outcome
-    (ServerLink.share_outcome). Optimizer, learning rate and clipping come from cfg."""
-    group = opt = None
+    (ServerLink.share_outcome). Optimizer, learning rate and clipping come from cfg;
+    under --ps-mode async (ps_modes.py) each worker's push is an update of its own."""
+    group = state = None
     served = 0
     try:
         while True:
@@ -168,46 +169,34 @@ def serve(cfg, link: ServerLink) -> dict:
             if kind == STOP:
                 link.stopped = True
                 break
-            if kind == START:            # a: flat length, b: chunk bytes; then the itemsize
-                dtype = np.dtype(f"f{int(link.receive_array(1, np.int64)[0])}")
+            if kind == START:            # a: flat length, b: chunk bytes; then the itemsize and async
+                itemsize, asynchronous = (int(v) for v in link.receive_array(2, np.int64))
+                dtype = np.dtype(f"f{itemsize}")
                 group = comm.ParameterServerGroup(link.world, link.workers, link.servers, a, dtype,
-                                                  chunk_bytes=b, op="avg")
+                                                  chunk_bytes=b, op="avg", mode="async" if asynchronous else "sync")
                 owned = [group.layout.bounds(c) for c in group.layout.owned_by(link.rank)]
-                size = sum(hi - lo for lo, hi in owned)
             elif kind == INIT:           # a: the optimizer's step count, b: 1 when its state follows
-                master = link.receive_array(size, dtype)        # this server's chunks, packed
-                mask = link.receive_array(size, np.uint8)
-                opt = make_optimizer(cfg.optimizer, size, dtype, np, mask, cfg.weight_decay)
-                for buf in opt.state().values():
-                    if b:
-                        buf[...] = link.receive_array(size, dtype)
-                opt.step_count = a
+                state = _ServerState(cfg, link, owned, dtype, a, b, len(link.workers), group.mode == "async")
             elif kind == STEP:           # a: the workers' step count, which must be ours
-                if a != opt.step_count:
+                if a != state.steps:
                     raise RuntimeError(f"parameter server rank {link.rank}: the workers are at update {a}, this "
-                                       f"server at {opt.step_count}: their messages no longer line up")
-                norm_sq = group.reduce()
-                if math.isfinite(norm_sq):      # else no update: the workers raise Diverged on this norm
-                    # The step count is the trainer's step index: one update a step, and every
-                    # checkpoint records the two equal (its step and opt_step_count).
-                    lr = lr_at(opt.step_count, cfg.peak_lr, cfg.warmup_steps, cfg.schedule_steps, cfg.min_lr_ratio)
-                    grad = np.concatenate(group.summed) if group.summed else np.zeros(0, dtype=dtype)
-                    scale = clip_scale(norm_sq, cfg.grad_clip)
-                    if scale != 1.0:
-                        grad *= scale
-                    opt.step(master, grad, lr)
-                at, chunks = 0, []
-                for lo, hi in owned:
-                    chunks.append(master[at:at + hi - lo])
-                    at += hi - lo
-                group.send_params(chunks)
+                                       f"server at {state.steps}: their messages no longer line up")
+                lr = lr_at(state.steps, cfg.peak_lr, cfg.warmup_steps, cfg.schedule_steps, cfg.min_lr_ratio)
+                if group.mode == "async":
+                    index = {c: i for i, c in enumerate(group.layout.owned_by(link.rank))}
+                    group.serve_async(lambda c, w, grad: state.apply_one(index[c], grad, lr))
+                else:
+                    state.apply_sum(group, lr)
+                state.steps += 1
                 served += 1
             elif kind == SAVE:           # every optimizer state, chunk by chunk, to the first worker
-                at = 0
-                for lo, hi in owned:
-                    for buf in opt.state().values():
-                        link.send(link.workers[0], buf[at:at + hi - lo])
-                    at += hi - lo
+                for i in range(len(owned)):
+                    for buf in state.chunk_state(i):
+                        link.send(link.workers[0], buf)
+            elif kind == FETCH:          # async: every worker gets this server's parameters
+                for w in link.workers:
+                    for i in range(len(owned)):
+                        link.send(w, state.chunk(i))
             else:
                 raise RuntimeError(f"parameter server rank {link.rank}: unknown control message {kind}")
     except Exception:
@@ -222,11 +211,72 @@ def serve(cfg, link: ServerLink) -> dict:
     return link.share_outcome(None)
 
 
+class _ServerState:
+    """A dedicated server's master weights of its chunks (packed, in owned order) and
+    the optimizer state: one optimizer over them all, or under async one per chunk
+    (each counts its own updates). Received at INIT: the parameters, their weight-decay
+    mask and, when `restored`, every optimizer state."""
+
+    def __init__(self, cfg, link, owned, dtype, steps, restored, n_workers, asynchronous):
+        size = sum(hi - lo for lo, hi in owned)
+        self.steps = steps                  # the workers' step count (one sync update a step)
+        self.n_workers = n_workers
+        self.grad_clip = cfg.grad_clip
+        self.master = link.receive_array(size, dtype)
+        mask = link.receive_array(size, np.uint8)
+        self.spans, at = [], 0              # each owned chunk's [lo, hi) in the packed arrays
+        for lo, hi in owned:
+            self.spans.append((at, at + hi - lo))
+            at += hi - lo
+        pieces = self.spans if asynchronous else [(0, size)]
+        self.opts = [make_optimizer(cfg.optimizer, hi - lo, dtype, np, mask[lo:hi], cfg.weight_decay)
+                     for lo, hi in pieces]
+        if restored:                        # sent packed over every chunk, one state after another
+            for name in self.opts[0].state_names:
+                flat = link.receive_array(size, dtype)
+                for opt, (lo, hi) in zip(self.opts, pieces):
+                    opt.state()[name][...] = flat[lo:hi]
+        for opt in self.opts:               # async: n updates a step
+            opt.step_count = steps * (n_workers if asynchronous else 1)
+
+    def chunk(self, i):
+        lo, hi = self.spans[i]
+        return self.master[lo:hi]
+
+    def chunk_state(self, i):
+        """Chunk i's optimizer state arrays, in state_names order."""
+        if len(self.opts) > 1:
+            return list(self.opts[i].state().values())
+        lo, hi = self.spans[i]
+        return [buf[lo:hi] for buf in self.opts[0].state().values()]
+
+    def apply_sum(self, group, lr) -> None:
+        """sync and ssp: the step's sum over every worker, clipped by the global norm."""
+        norm_sq = group.reduce()
+        if math.isfinite(norm_sq):      # else no update: the workers raise Diverged on this norm
+            # The step count is the trainer's step index: one update a step, and every
+            # checkpoint records the two equal (its step and opt_step_count).
+            grad = np.concatenate(group.summed) if group.summed else np.zeros(0, dtype=self.master.dtype)
+            scale = clip_scale(norm_sq, self.grad_clip)
+            if scale != 1.0:
+                grad *= scale
+            self.opts[0].step(self.master, grad, lr)
+        group.send_params([self.chunk(i) for i in range(len(self.spans))])
+
+    def apply_one(self, i, grad, lr):
+        """async: one worker's (clipped) gradient of chunk i, applied alone with lr / n; the
+        chunk's new values, a copy (the next worker's update must not change it in flight)."""
+        if np.isfinite(grad).all():     # (the workers stop on a non-finite norm before pushing)
+            self.opts[i].step(self.chunk(i), grad, lr / self.n_workers)
+        return self.chunk(i).copy()
+
+
 class ParameterServerData:
     """A RankModel (engine/parallel/__init__.py): the data axis over a parameter server,
     colocated and sharded (link None) or on dedicated server ranks (link: a ServerLink)."""
 
-    def __init__(self, inner, grid, overlap=True, trace=None, link=None):
+    def __init__(self, inner, grid, overlap=True, trace=None, link=None, mode="sync"):
+        """mode: the group's, "async" for ps_modes.AsynchronousPS (dedicated servers only)."""
         self.inner, self.params = inner, inner.params
         self.trace = trace             # list-like to append (name, category, t0, t1), or None
         self.data_comm = grid.comm("data")
@@ -247,9 +297,10 @@ class ParameterServerData:
             if link.is_first_worker:
                 link.tell(START, self.params.size, CHUNK_BYTES)
                 for server in link.servers:
-                    link.send(server, np.array([np.dtype(self.params.dtype).itemsize], dtype=np.int64))
+                    link.send(server, np.array([np.dtype(self.params.dtype).itemsize, int(mode == "async")],
+                                               dtype=np.int64))
             self.group = comm.ParameterServerGroup(link.world, link.workers, link.servers, self.params.size,
-                                                   self.params.dtype, chunk_bytes=CHUNK_BYTES, op="avg")
+                                                   self.params.dtype, chunk_bytes=CHUNK_BYTES, op="avg", mode=mode)
             self.me = link.rank
         self.layout = self.group.layout
         self.owned_chunks = list(self.layout.owned_by(self.me))      # none for a worker of dedicated servers

@@ -488,6 +488,9 @@ def start_reporting(training: Run, cleanup) -> None:
                  f"{len(training.servers.servers)} parameter server(s)")
     report.say(f"data {training.dataset.name} | global batch {cfg.batch_size} x {training.items_per_example} = "
                f"{training.items_per_step} {training.recipe.unit}/step | {ranks}{f' | {described}' if described else ''}")
+    if cfg.inexact_mode:
+        report.say(f"note: parameter-server mode {cfg.inexact_mode} changes the math: the losses and weights are not "
+                   "those of sync (or of any other layout); every progress line and metrics record says so")
     memory.report_at_start(training)        # the predicted peak per rank; a warning if the node lacks it
     if comm.launcher.prepared:
         report.say(f"MPI: {comm.launcher.prepared}")
@@ -537,7 +540,8 @@ def start_monitoring(training: Run, cleanup) -> None:
     header = {"start_step": training.start_step, "steps": max(cfg.steps, training.start_step), "model": cfg.model,
               "unit": training.recipe.unit, "items_per_step": training.items_per_step, "precision": cfg.precision,
               "layout": {"dp": grid.size("data"), "pp": grid.size("pipe"), "tp": grid.size("tensor")},
-              "gemm_peak_flops_per_rank": training.peak_flops}
+              "gemm_peak_flops_per_rank": training.peak_flops, "sync": cfg.sync,
+              "ps_mode": cfg.ps_mode if cfg.sync == "ps" else None, "exact": cfg.inexact_mode is None}
     coords = {"dp": grid.index("data"), "pp": grid.index("pipe"), "tp": grid.index("tensor")}
     gpu = None
     if training.xp is not np:

@@ -212,8 +212,15 @@ def _parallelism_flags(p):
                         "and every rank pulls the new parameters; the same math and per-rank traffic as the ring, "
                         "the optimizer state split like --zero 1). Needs dp >= 2; no --zero, --pp, --tp or cuda yet")
     g.add_argument("--ps-servers", type=int, default=0, metavar="K",
-                   help="with --sync ps: dedicated server ranks. 0 (default, the only one built yet): every "
-                        "data-parallel rank serves its share of the chunks (colocated, sharded)")
+                   help="with --sync ps: dedicated server ranks, the last K of the job (launch K more ranks; "
+                        "they hold the master weights and the optimizer state, clip and update). 0 (default): "
+                        "every data-parallel rank serves its share of the chunks (colocated, sharded)")
+    g.add_argument("--ps-mode", default="sync", metavar="MODE",
+                   help="with --sync ps --ps-servers K >= 1: sync (default: every step sums every worker's "
+                        "gradient, the all-reduce's math exactly), ssp:S (bounded staleness: a step computes on "
+                        "parameters S updates old while the pulls travel; repeats bit for bit, but not sync's "
+                        "math) or async (each worker's gradient applied alone as it arrives, lr / workers each; "
+                        "varies run to run). ssp and async change the math: the log and metrics say so")
     g.add_argument("--trace", default=None, metavar="DIR",
                    help="write a Chrome/Perfetto trace per rank and a merged DIR/trace.json")
 

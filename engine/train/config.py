@@ -82,6 +82,7 @@ class Config:
     reduce_order: str = "fast"         # fast | canonical: gradients summed in one fixed tree (bits independent of dp)
     sync: str = "allreduce"            # allreduce | ps: how the data axis syncs (ps: a parameter server)
     ps_servers: int = 0                # with sync ps: dedicated server ranks (0: every rank serves its chunks)
+    ps_mode: str = "sync"              # with sync ps: sync | ssp:S (bounded staleness) | async (ps_modes.py)
     pp: int = 1                        # pipeline stages
     tp: int = 1                        # tensor-parallel ranks (GPT, Llama): heads, MLP features, vocabulary split
     sequence_parallel: bool = False    # with tp > 1: the stream between the TP regions split along T
@@ -118,6 +119,18 @@ class Config:
     watchdog_abort: bool = False
 
     # ---- defaults that depend on other settings ---------------------------------------
+    @property
+    def ps_mode_parts(self) -> tuple[str, int]:
+        """<ps_mode> as ("sync", 0), ("ssp", S) or ("async", 0) (parse_ps_mode)."""
+        return parse_ps_mode(self.ps_mode)
+
+    @property
+    def inexact_mode(self) -> str | None:
+        """<ps_mode> when it changes the math (ssp:S with S > 0, async), else None: the
+        run's header, log lines and metrics carry it as a label."""
+        mode, bound = self.ps_mode_parts
+        return self.ps_mode if mode == "async" or bound > 0 else None
+
     def workers(self, world_size: int) -> int:
         """The ranks that train: all but --sync ps's dedicated servers (the last <ps_servers> ranks)."""
         return world_size - (self.ps_servers if self.sync == "ps" else 0)
@@ -222,6 +235,7 @@ def check(cfg: Config, world_size: int) -> list[str]:
     notes for settings that have no effect in this layout."""
     _check_values(cfg)
     _check_servers(cfg, world_size)
+    _check_ps_mode(cfg)
     notes = _check_combinations(cfg, cfg.data_parallel(world_size), world_size)
     _check_layout(cfg, world_size)
     _check_reduce_order(cfg, cfg.data_parallel(world_size))
@@ -367,6 +381,40 @@ def _check_servers(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"<ps_servers> {cfg.ps_servers} with {world_size} rank(s) leaves no rank to compute "
                           f"gradients: launch more ranks than servers (the last <ps_servers> ranks serve), or use "
                           "<ps_servers> 0 (every rank serves)")
+
+
+def parse_ps_mode(text: str) -> tuple[str, int]:
+    """("sync", 0), ("ssp", S) or ("async", 0) from <ps_mode>'s text; ConfigError saying
+    what to pass otherwise."""
+    if text in ("sync", "async"):
+        return text, 0
+    if text == "ssp" or str(text).startswith("ssp:"):
+        bound = text[4:]
+        if not bound:
+            raise ConfigError("<ps_mode> ssp needs its bound: ssp:S, S the updates a worker may run ahead of the "
+                              "slowest (e.g. <ps_mode> ssp:2; ssp:0 is sync)")
+        if not (bound.isascii() and bound.isdigit()):
+            raise ConfigError(f"<ps_mode> ssp:S takes a whole number of updates >= 0 as S, got {bound!r} "
+                              "(e.g. ssp:2)")
+        return "ssp", int(bound)
+    raise ConfigError(f"<ps_mode> is sync, ssp:S (bounded staleness) or async, got {text!r}")
+
+
+def _check_ps_mode(cfg: Config) -> None:
+    """<ps_mode>: its text, and the modes that change the math only on dedicated servers."""
+    mode, bound = parse_ps_mode(cfg.ps_mode)
+    if mode == "sync" or (mode == "ssp" and bound == 0):
+        return
+    if cfg.sync != "ps":
+        raise ConfigError(f"<ps_mode> {cfg.ps_mode} is a parameter server's mode, and this run syncs by "
+                          "all-reduce: add <sync> ps <ps_servers> K, or leave out <ps_mode>")
+    if not cfg.ps_servers:
+        raise ConfigError(f"<ps_mode> {cfg.ps_mode} needs dedicated servers (<ps_servers> 1 or more): a "
+                          "colocated server is the worker itself, which serves every step in lockstep with the "
+                          "others. Add <ps_servers> K (K more ranks), or use <ps_mode> sync")
+    if cfg.reduce_order == "canonical":
+        raise ConfigError(f"<ps_mode> {cfg.ps_mode} changes the math, and <reduce_order> canonical promises "
+                          "bits that do not depend on the layout: leave out one of them")
 
 
 def _check_sync(cfg: Config, dp: int, world_size: int) -> list[str]:

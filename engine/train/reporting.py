@@ -83,7 +83,7 @@ class Reporter:
         rate = record.get("tokens_per_s", record.get("examples_per_s"))
         line = (f"step {done:>{len(str(self.steps))}}/{self.steps} | loss {record['loss']:.4f} | "
                 f"lr {record['lr']:.2e} | {_rate(rate)} {items_name}/s | {dt * 1e3:.0f} ms | ETA {eta}"
-                f"{_epoch(record)}{_validation(record)}")
+                f"{_epoch(record)}{_validation(record)}{_mode(record)}")
         self.say(line)
         if self.log:
             self.log.info(line)
@@ -126,6 +126,11 @@ def step_record(step, loss, lr, norm_sq, dt, items_per_step, flops_per_item, uni
     if hidden is not None:
         record["comm_hidden_frac"] = hidden
     return record
+
+
+def _mode(record: dict) -> str:
+    """A parameter-server mode that changes the math, on every line it shaped."""
+    return f" | ps {record['ps_mode']} (not sync's math)" if "ps_mode" in record else ""
 
 
 def _epoch(record: dict) -> str:

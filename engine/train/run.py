@@ -180,6 +180,8 @@ def steps(training: Run, batches: Prefetcher, best: Best | None = None) -> tuple
         record = step_record(done, loss, lr, norm_sq, step_s, training.items_per_step,
                              training.flops_per_item, training.recipe.unit, model.comm_hidden_fraction(),
                              epochs_at(training, done), peak_flops=training.job_peak_flops)
+        if cfg.inexact_mode:
+            record["ps_mode"] = cfg.inexact_mode          # this run's losses are not sync's (ps_modes.py)
         # Every rank, every step (a gather every interval): the per-rank section, stragglers.
         training.monitor.step_done(done, step_s, clock.end_step(step_s),
                                    training.items_per_step // training.grid.size("data"), record)
