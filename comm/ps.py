@@ -581,23 +581,39 @@ class ParameterServerGroup:
         self.send_params(new)
         return norm_sq
 
-    def reduce(self) -> float:
+    def reduce(self, norm_exclude=()) -> float:
         """serve_step's first half: receive every worker's push of each owned
         chunk, sum them (tree_sum, then / n for op="avg") and agree on the global
         squared norm with the other servers (collective among them); returns it.
         The sums are `summed` (a view per owned chunk, in owned_by order, valid
-        until the next step); send_params() must follow before the next reduce()."""
+        until the next step); send_params() must follow before the next reduce().
+        norm_exclude: (lo, hi) ranges of the flat buffer left out of the norm (the
+        caller counts them elsewhere: a pipeline's second copy of a tied weight)."""
         self._begin_serving("reduce", "this step is reduced already: send_params() first")
         recvs: list = []
         try:
             recvs = self._post_push_receives()
             summed = [self._summed_chunk(i, c, recvs[i]) for i, c in enumerate(self._owned)]
-            self._norm_sq = self.global_norm_sq(server_norm_sq(summed))
+            self._norm_sq = self.global_norm_sq(server_norm_sq(self._norm_counted(summed, norm_exclude)))
         except BaseException as e:
             self._abandon([r for rs in recvs for r in rs], e)
             raise
         self.summed = summed
         return self._norm_sq
+
+    def _norm_counted(self, summed, exclude) -> list:
+        """The owned chunks' sums as the norm counts them: the elements in `exclude`
+        ((lo, hi) ranges of the flat buffer) zeroed, in copies of the chunks they cut."""
+        counted = []
+        for c, total in zip(self._owned, summed):
+            clo, chi = self.layout.bounds(c)
+            cuts = [(max(lo, clo) - clo, min(hi, chi) - clo) for lo, hi in exclude if max(lo, clo) < min(hi, chi)]
+            if cuts:
+                total = total.copy()
+                for a, b in cuts:
+                    total[a:b] = 0
+            counted.append(total)
+        return counted
 
     def _begin_serving(self, what: str, pending: str) -> None:
         """The checks before a server's step (reduce, serve_streamed, serve_async); `pending`:

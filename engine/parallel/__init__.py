@@ -13,13 +13,14 @@
     data.py      DataParallel: wraps either one; gradient buckets all-reduced while
                  backward runs, or under ZeRO reduce-scattered, the update of this
                  rank's chunks, then an all-gather (ZeRO-3: parameters stay sharded)
-    ps.py        ParameterServerData: the data axis as a colocated sharded parameter
-                 server (--sync ps): gradients pushed to the owners of their chunks,
-                 summed there, the owners' update, the new parameters pulled
+    ps.py        ParameterServerData: the data axis as a parameter server (--sync ps),
+                 colocated and sharded or on dedicated ranks: gradients pushed to the
+                 owners of their chunks, summed there, the owners' update, the new
+                 parameters pulled
     zero.py      ZeRO's shards: the chunks a rank keeps, the unit cut, ShardedParams
                  (ZeRO-3's gathers around each layer's use, prefetched)
     compose.py   build_rank_model: DataParallel(TensorParallel(PipelineModel | LocalModel)),
-                 or ParameterServerData(LocalModel)
+                 or ParameterServerData(the same inner models; dedicated servers: LocalModel)
 
 Every rank model offers the same surface (RankModel below), so the trainer
 knows nothing of buckets, tied communicators, duplicate ranges or shards.
@@ -51,6 +52,14 @@ from ringpipe.engine.model.params import ParamBuffer
 class GradSync:
     """How an outer axis reduces gradients while an inner one computes them.
     The default does nothing (no outer axis reduces anything)."""
+
+    # Where the inner model sums its separate ranges (the tied embedding, between the
+    # first and the last stage). False: after finish(), the parts kept() names (the
+    # all-reduce reduces each end's copy over the data axis first). True: before finish(),
+    # their on_ready held back until the sum is in, so the outer axis sees them final once
+    # (the parameter server pushes a gradient as it is final: a sum after the push would
+    # come too late).
+    sum_separate_first = False
 
     def on_ready(self, param_index: int) -> None:
         """The gradient of parameter `param_index` (in the ParamBuffer) is final on this rank."""
@@ -150,6 +159,17 @@ class InnerModel(Protocol):
     def grad_norm_sq(self, exclude=()) -> float:
         """The squared gradient norm over this axis and those inside it, leaving out the
         (lo, hi) ranges of params.data in `exclude` (counted elsewhere)."""
+
+    def norm_excluded(self) -> list:
+        """(lo, hi) ranges of params this rank leaves out of the gradient norm because
+        another rank of this axis, or of one inside it, counts them (the last stage's copy
+        of the tied embedding; the replicated parameters on every tensor rank but the first).
+        For an outer axis that takes its part of the norm itself (the parameter server:
+        over the chunks it summed), then sums it with sum_norm."""
+
+    def sum_norm(self, part: float) -> float:
+        """This rank's part of the squared gradient norm (its gradients less norm_excluded()),
+        summed over this axis and those inside it (collective): the whole model's."""
 
     def named_arrays(self, opt_states: dict) -> dict:
         """Named host arrays ("param/<name>", "opt/<state>/<name>") from the parameters

@@ -37,7 +37,7 @@ def build_rank_model(grid, layers_fn, cfg, dtype, xp, micro_shape, cost_batch, t
         chain.set_recompute(cfg.recompute)
     if tensor is not None:
         inner = TensorParallel(inner, tensor, [s for layer in layers_fn(tensor) for s in layer.specs()])
-    if cfg.sync == "ps":       # the configuration refused a pipeline, the tensor axis and ZeRO with it
+    if cfg.sync == "ps":       # any inner model colocated; dedicated servers and ZeRO: the configuration's checks
         mode, bound = cfg.ps_mode_parts
         if mode == "ssp" and bound > 0:      # (dedicated servers: the configuration's checks)
             return BoundedStalenessPS(inner, grid, bound, overlap=not cfg.no_overlap, trace=trace, link=servers)

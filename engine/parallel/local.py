@@ -99,6 +99,12 @@ class LocalModel:
         grad = self.params.grad
         return float(K.sum_of_squares(grad)) - sum(float(K.sum_of_squares(grad[a:b])) for a, b in exclude)
 
+    def norm_excluded(self):
+        return []
+
+    def sum_norm(self, part):
+        return part          # the whole model is here
+
     def named_arrays(self, opt_states):
         return named_state(self.params, opt_states)
 

@@ -25,6 +25,17 @@ Colocated (K = 0): every data-parallel rank is both a worker and a server.
 Per step a rank sends (dp-1)/dp of the gradients and receives (dp-1)/dp of the
 parameters: the ring all-reduce's 2(dp-1)/dp M.
 
+With a pipeline or a tensor axis the data axis is one group per (pipeline,
+tensor) coordinate (grid.comm("data")), each serving the chunks of its own
+flat buffer: one parameter-server group per stage and tensor rank. Two things
+cross the groups: the tied embedding's gradient is summed between the first
+and last stage before it is pushed (the pipeline holds back its on_ready:
+GradSync.sum_separate_first), and each group's norm leaves out what another
+stage or tensor rank counts (inner.norm_excluded(): the last stage's copy of
+wte, the replicated parameters on all tensor ranks but the first) and is then
+summed over the pipeline and tensor ranks (inner.sum_norm). Without them the
+norm is the group's alone, unchanged to the bit.
+
 Dedicated servers (K >= 1): the last K ranks of the job serve (comm.ps_ranks),
 the others are the workers and train among themselves (engine/train/run.py
 splits the world: every collective of the trainer stays among the workers).
@@ -54,9 +65,9 @@ first replica (point to point, chunk by chunk), restored from any layout's
 arrays by taking the owned chunks: a PS run resumes an all-reduce run's
 checkpoint and back, with or without dedicated servers.
 
-Host (numpy) buffers only (comm/ps.py's); no pipeline, no tensor axis yet (the
-configuration refuses them: a tied embedding's cross-stage sum, and the tensor
-ranks' shards of the norm, must come before the push).
+Host (numpy) buffers only (comm/ps.py's). Dedicated servers work with the data
+axis alone (the configuration refuses a pipeline or tensor axis with them: their
+servers would need one group per stage and tensor rank); colocated, any layout.
 
 Import rule: that of engine/parallel (its __init__.py).
 """
@@ -87,6 +98,9 @@ CHUNK_BYTES = comm.ps.CHUNK_BYTES
 
 class _PushSync(GradSync):
     """Pushes each parameter's gradient as the inner model says it is final."""
+
+    # A pipeline's tied embedding is pushed once both stages' parts are summed.
+    sum_separate_first = True
 
     def __init__(self, model):
         self.model = model
@@ -293,6 +307,9 @@ class ParameterServerData:
             self.group = comm.ParameterServerGroup(self.data_comm, ranks, ranks, self.params.size,
                                                    self.params.dtype, chunk_bytes=CHUNK_BYTES, op="avg")
             self.me = self.data_comm.Get_rank()
+            # Pipeline and tensor axes: this group's part of the norm leaves out what another
+            # stage or tensor rank counts, and is summed over them (inner.sum_norm).
+            self.norm_excluded = inner.norm_excluded()
         else:
             if link.is_first_worker:
                 link.tell(START, self.params.size, CHUNK_BYTES)
@@ -336,8 +353,10 @@ class ParameterServerData:
             return loss
         loss = self.inner.forward_backward(x, y, grad_scale, sync=_PushSync(self))
         t0 = time.perf_counter()
-        self._norm_sq = self.group.reduce()      # this rank as a server: its chunks summed, the global norm
+        # This rank as a server: its chunks summed, and the norm of this group's buffer.
+        part = self.group.reduce(norm_exclude=self.norm_excluded)
         self.group.wait_pushes()                 # this rank's gradient has left: its buffer may be written
+        self._norm_sq = self.inner.sum_norm(part)    # over the pipeline and tensor ranks (none: itself)
         grad, at = self.params.grad, 0
         for (lo, hi), summed in zip(self.owned, self.group.summed):
             grad[at:lo] = 0                      # what it does not own: not its to clip or update

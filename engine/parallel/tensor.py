@@ -509,6 +509,7 @@ class _PartialSums(GradSync):
 
     def __init__(self, outer, params, tensor, partial):
         self.outer, self.params, self.tensor, self.partial = outer, params, tensor, partial
+        self.sum_separate_first = outer.sum_separate_first
 
     def on_ready(self, index):
         if index in self.partial:
@@ -562,8 +563,20 @@ class TensorParallel:
         return loss if self.tensor.index == 0 else 0.0
 
     def grad_norm_sq(self, exclude=()):
-        exclude = [*exclude, *(self._replicated if self.tensor.index else [])]
-        total = np.array([self.inner.grad_norm_sq(exclude=exclude)])
+        return self._sum_over_group(self.inner.grad_norm_sq(exclude=[*exclude, *self._counted_elsewhere()]))
+
+    def _counted_elsewhere(self):
+        # The replicated parameters' gradients are the same on every rank of the group: the first counts them.
+        return self._replicated if self.tensor.index else []
+
+    def norm_excluded(self):
+        return [*self.inner.norm_excluded(), *self._counted_elsewhere()]
+
+    def sum_norm(self, part):
+        return self._sum_over_group(self.inner.sum_norm(part))
+
+    def _sum_over_group(self, value):
+        total = np.array([value])
         t0 = time.perf_counter()
         comm.allreduce(total, self.tensor.comm, op="sum")
         self.tensor.event("norm all-reduce", t0)

@@ -210,11 +210,13 @@ def _parallelism_flags(p):
                         "updates all parameters) or ps (a parameter server: each rank pushes its gradient's 4 MiB "
                         "chunks to their owners, each owner sums them in a fixed pairwise tree, updates its chunks "
                         "and every rank pulls the new parameters; the same math and per-rank traffic as the ring, "
-                        "the optimizer state split like --zero 1). Needs dp >= 2; no --zero, --pp, --tp or cuda yet")
+                        "the optimizer state split like --zero 1; with --pp/--tp one server group per stage and "
+                        "tensor rank). Needs dp >= 2; no --zero or cuda yet")
     g.add_argument("--ps-servers", type=int, default=0, metavar="K",
                    help="with --sync ps: dedicated server ranks, the last K of the job (launch K more ranks; "
-                        "they hold the master weights and the optimizer state, clip and update). 0 (default): "
-                        "every data-parallel rank serves its share of the chunks (colocated, sharded)")
+                        "they hold the master weights and the optimizer state, clip and update; no --pp or --tp "
+                        "yet). 0 (default): every data-parallel rank serves its share of the chunks (colocated, "
+                        "sharded)")
     g.add_argument("--ps-mode", default="sync", metavar="MODE",
                    help="with --sync ps --ps-servers K >= 1: sync (default: every step sums every worker's "
                         "gradient, the all-reduce's math exactly), ssp:S (bounded staleness: a step computes on "

@@ -419,7 +419,7 @@ def _check_ps_mode(cfg: Config) -> None:
 
 def _check_sync(cfg: Config, dp: int, world_size: int) -> list[str]:
     """--sync ps: the parameter server on the data axis (engine/parallel/ps.py), colocated
-    or on <ps_servers> dedicated ranks; the other axes come later."""
+    (with any pipeline and tensor axis) or on <ps_servers> dedicated ranks (data axis alone)."""
     if cfg.sync != "ps":
         return []
     if dp < 2:
@@ -431,14 +431,14 @@ def _check_sync(cfg: Config, dp: int, world_size: int) -> list[str]:
     if cfg.zero:
         raise ConfigError(f"<sync> ps shards the optimizer state over its servers already: leave out <zero> "
                           f"{cfg.zero} (or use <sync> allreduce with ZeRO)")
-    if cfg.pipelined:
-        raise ConfigError("<sync> ps works without a pipeline for now (one parameter-server group per pipeline "
-                          "rank comes later: the tied embedding's cross-stage sum must come before the push): leave "
-                          "out <pp> and <chunks>, or use <sync> allreduce")
-    if cfg.tp > 1:
-        raise ConfigError("<sync> ps works without tensor parallelism for now (the tensor ranks' shards of the "
-                          "gradient norm must be summed before the servers agree on it): leave out <tp>, or use "
-                          "<sync> allreduce")
+    if cfg.ps_servers and (cfg.pipelined or cfg.tp > 1):
+        # Colocated, each (stage, tensor rank) serves its own buffer; dedicated servers hold one group only.
+        axes = " and ".join(name for name, used in (("a pipeline (<pp>, <chunks>)", cfg.pipelined),
+                                                    (f"<tp> {cfg.tp}", cfg.tp > 1)) if used)
+        raise ConfigError(f"<sync> ps with <ps_servers> {cfg.ps_servers} (dedicated server ranks) works with the "
+                          f"data axis alone for now, not with {axes}: use <ps_servers> 0 with <pp>/<tp> (every "
+                          "data-parallel rank serves, one server group per pipeline stage and tensor rank), or "
+                          "leave out <pp>, <chunks> and <tp>")
     if cfg.device != "cpu":
         raise ConfigError(f"<sync> ps moves host (numpy) buffers only for now: use <device> cpu, or <sync> "
                           f"allreduce on {cfg.device}")

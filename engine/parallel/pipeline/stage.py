@@ -6,7 +6,9 @@ training and, with a forward-only schedule, for evaluation. What the axis
 owns besides:
 - the tied embedding: the first and the last virtual stage both hold "wte"
   when they sit on different ranks; their gradients are summed between the
-  two, and the last one's copy is left out of the gradient norm;
+  two (after the data axis's all-reduce, or before its parameter server's
+  push: GradSync.sum_separate_first), and the last one's copy is left out of
+  the gradient norm;
 - the gradient norm: every rank's part, summed over the pipeline;
 - checkpoint state: each rank's named arrays gathered on pipeline rank 0.
 """
@@ -70,18 +72,33 @@ class PipelineModel:
         self.evaluator = PipelineExecutor(evaluation, rank, self.pipe_comm, self.chunks, act_shape, dtype, xp=xp)
 
         first_rank, last_rank = 0, (n_stages - 1) % p
-        self._tied, self._duplicate, self._tied_comm = [], [], None
+        self._tied, self._tied_index, self._duplicate, self._tied_comm = [], set(), [], None
         if first_rank != last_rank:
             holds_wte = "wte" in self.params
             color = 0 if rank in (first_rank, last_rank) and holds_wte else MPI.UNDEFINED
             self._tied_comm = self.pipe_comm.Split(color, rank)
             if color == 0:
                 self._tied = [self.params.offsets["wte"]]
+                self._tied_index = {self.params.names().index("wte")}
                 if rank == last_rank:
                     self._duplicate = list(self._tied)
 
     def forward_backward(self, x, y, grad_scale, sync=NO_SYNC):
+        on_ready = sync.on_ready
+        if sync.sum_separate_first and self._tied_index:
+            # The tied embedding's gradient is final only once both ends' parts are summed.
+            def on_ready(index):
+                if index not in self._tied_index:
+                    sync.on_ready(index)
+
         def gradients_complete():          # the schedule's REDUCE_GRAD
+            if sync.sum_separate_first:
+                for a, b in self._tied:
+                    comm.allreduce(self.params.grad[a:b], self._tied_comm, op="sum")
+                for index in sorted(self._tied_index):
+                    sync.on_ready(index)
+                sync.finish()
+                return
             sync.finish()
             for a, b in self._tied:
                 for lo, hi in sync.kept(a, b):     # (ZeRO-2/3: both ends keep the same chunk of it)
@@ -89,7 +106,7 @@ class PipelineModel:
         x, y = self.xp.asarray(x), self.xp.asarray(y)
         with bf16_step(self.chains):       # under bf16: each weight rounded once for the step (layers.py BF16)
             return self.executor.run(split_micro(x, self.m), split_micro(y, self.m), grad_scale,
-                                     on_ready=sync.on_ready, reduce_grad=gradients_complete)
+                                     on_ready=on_ready, reduce_grad=gradients_complete)
 
     def forward_loss(self, x, y):
         x, y = self.xp.asarray(x), self.xp.asarray(y)
@@ -103,9 +120,16 @@ class PipelineModel:
         return list(self._tied)
 
     def grad_norm_sq(self, exclude=()):
+        grad = self.params.grad
+        return self.sum_norm(K.sum_of_squares(grad) -
+                             sum(K.sum_of_squares(grad[a:b]) for a, b in [*self.norm_excluded(), *exclude]))
+
+    def norm_excluded(self):
         # The last stage's copy of the tied embedding is the first stage's: count it once.
-        norm_sq = np.array([K.sum_of_squares(self.params.grad) -
-                            sum(K.sum_of_squares(self.params.grad[a:b]) for a, b in [*self._duplicate, *exclude])])
+        return list(self._duplicate)
+
+    def sum_norm(self, part):
+        norm_sq = np.array([part])
         t0 = time.perf_counter()
         comm.allreduce(norm_sq, self.pipe_comm, op="sum")
         if self.executor.trace is not None:     # the stages meet here: a faster one waits
