@@ -6,7 +6,8 @@ DP 2 checkpoint continues in an all-reduce PP 2 x DP 2 run and back on the same 
 
 Run with `mpiexec -n 4 python tests/support/mpi_pytest.py -m mpi --with-mpi
 tests/engine/parallel/test_ps_grid.py`; the configuration checks run serially. The parity
-harness: tests/support/parity.py. (PP 2 x TP 2 x DP 2 needs 8 ranks: not here.)
+harness: tests/support/parity.py. (PP 2 x TP 2 x DP 2 needs 8 ranks: not here; run by hand
+it gives the same, with and without sequence parallelism.)
 """
 import os
 import re
@@ -33,13 +34,15 @@ BASE = dict(data="synthetic", layers=2, d_model=16, heads=2, context=16, batch_s
 SMALL_CHUNKS = 1000
 
 
-def ps_equals_one_process(shared_dir, monkeypatch, tag, chunk_bytes, **layout):
+def ps_equals_one_process(shared_dir, monkeypatch, tag, chunk_bytes, model=None, **layout):
+    """model: settings of both runs (layers, micro-batches) that differ from BASE."""
     if world.size != 4:
         pytest.skip("written for 4 ranks (a model-parallel axis of 2 x dp 2)")
     if chunk_bytes is not None:
         monkeypatch.setattr(ps_model, "CHUNK_BYTES", chunk_bytes)
-    ref = reference(Config(**BASE, out=os.path.join(shared_dir, f"ref-{tag}-{world.rank}")))
-    par = train(Config(**BASE, **layout, dp=2, sync="ps", out=os.path.join(shared_dir, tag)), world)
+    cfg = dict(BASE, **(model or {}))
+    ref = reference(Config(**cfg, out=os.path.join(shared_dir, f"ref-{tag}-{world.rank}")))
+    par = train(Config(**cfg, **layout, dp=2, sync="ps", out=os.path.join(shared_dir, tag)), world)
     world.Barrier()
     assert isinstance(par.model, ps_model.ParameterServerData)
     # Losses, validation, grad norms (every parameter counted once: they set the clipping),
@@ -55,7 +58,10 @@ def ps_equals_one_process(shared_dir, monkeypatch, tag, chunk_bytes, **layout):
     ("1f1b", SMALL_CHUNKS, {}),
     ("zbh1", SMALL_CHUNKS, {}),
     ("1f1b", SMALL_CHUNKS, dict(no_overlap=True)),
-], ids=["1f1b-one-chunk", "1f1b-small-chunks", "zbh1-small-chunks", "1f1b-small-chunks-no-overlap"])
+    # Two model chunks a rank: the tied wte between virtual stages 0 and 3, ranks 0 and 1.
+    ("interleaved", SMALL_CHUNKS, dict(chunks=2, model=dict(layers=4, microbatches=4))),
+], ids=["1f1b-one-chunk", "1f1b-small-chunks", "zbh1-small-chunks", "1f1b-small-chunks-no-overlap",
+        "interleaved-small-chunks"])
 def test_ps_with_a_pipeline_equals_one_process(shared_dir, monkeypatch, schedule, chunk_bytes, more):
     par = ps_equals_one_process(shared_dir, monkeypatch, f"pp-{schedule}-{chunk_bytes}-{len(more)}", chunk_bytes,
                                 pp=2, schedule=schedule, **more)
