@@ -44,9 +44,9 @@ The norm is still computed, per chunk in chunk order, and agreed after the
 last chunk, for reporting only. The workers change nothing but the order:
 start_pull before the first push (push_and_pull does both), so the returned
 chunks land while they still push. Same bits as serve_step with scale 1.
-Chunk order overlaps only when the workers push in chunk order (as
-benchmarks/ps_vs_ring.py does); the trainer pushes from the buffer's end as
-backward runs, so it would need the chunks taken as they arrive (Waitsome).
+The chunks are taken as their pushes complete (Waitsome), so it overlaps in
+any push order: the trainer's (from the buffer's end, as backward runs) or a
+benchmark's (chunk order).
 
 A rank that is worker and server calls push..., serve_step, pull: every
 message is nonblocking and its own pushes reach it as messages like any
@@ -604,16 +604,17 @@ class ParameterServerGroup:
     def _norm_counted(self, summed, exclude) -> list:
         """The owned chunks' sums as the norm counts them: the elements in `exclude`
         ((lo, hi) ranges of the flat buffer) zeroed, in copies of the chunks they cut."""
-        counted = []
-        for c, total in zip(self._owned, summed):
-            clo, chi = self.layout.bounds(c)
-            cuts = [(max(lo, clo) - clo, min(hi, chi) - clo) for lo, hi in exclude if max(lo, clo) < min(hi, chi)]
-            if cuts:
-                total = total.copy()
-                for a, b in cuts:
-                    total[a:b] = 0
-            counted.append(total)
-        return counted
+        return [self._counted(c, total, exclude) for c, total in zip(self._owned, summed)]
+
+    def _counted(self, c: int, total: np.ndarray, exclude) -> np.ndarray:
+        """Chunk c's sum as the norm counts it (_norm_counted, one chunk)."""
+        clo, chi = self.layout.bounds(c)
+        cuts = [(max(lo, clo) - clo, min(hi, chi) - clo) for lo, hi in exclude if max(lo, clo) < min(hi, chi)]
+        if cuts:
+            total = total.copy()
+            for a, b in cuts:
+                total[a:b] = 0
+        return total
 
     def _begin_serving(self, what: str, pending: str) -> None:
         """The checks before a server's step (reduce, serve_streamed, serve_async); `pending`:
@@ -663,11 +664,13 @@ class ParameterServerGroup:
         reqs = [self.comm.Isend(_wire(values), w, self._tag(c, self._served, _PULL)) for w in self.layout.workers]
         self._param_sends.append((reqs, values))
 
-    def _send_norm(self) -> None:
-        """The first server sends the global squared norm to every worker."""
+    def _send_norm(self, step: int | None = None) -> None:
+        """The first server sends the global squared norm of step `step` (default: the one
+        being served) to every worker."""
         if self.rank == self.layout.servers[0]:
             norm_out = np.array([self._norm_sq], dtype=np.float64)
-            reqs = [self.comm.Isend(norm_out, w, self._tag(0, self._served, _NORM)) for w in self.layout.workers]
+            step = self._served if step is None else step
+            reqs = [self.comm.Isend(norm_out, w, self._tag(0, step, _NORM)) for w in self.layout.workers]
             self._param_sends.append((reqs, norm_out))
 
     def _check_new(self, c: int, values) -> None:
@@ -679,13 +682,16 @@ class ParameterServerGroup:
                              f"{list(getattr(values, 'shape', []))}: give them as a contiguous "
                              f"{self.dtype}[{chi - clo}]")
 
-    def send_params(self, new) -> None:
+    def send_params(self, new, norm_sq: float | None = None) -> None:
         """serve_step's second half: send each owned chunk's new parameters
         (new[i] for the i-th owned chunk: a contiguous array of the group's dtype
         and the chunk's length, unchanged until the next reduce(); it must not
         share memory with a buffer this rank pulls into) to every worker, and
-        from the first server the global norm."""
+        from the first server the global norm (norm_sq, when given: a caller whose norm
+        covers more than this group, e.g. several groups' added)."""
         self._ensure_usable()
+        if norm_sq is not None:
+            self._norm_sq = float(norm_sq)
         if self.summed is None:
             raise ValueError("ParameterServerGroup.send_params: nothing reduced this step: reduce() first")
         new = list(new)
@@ -702,32 +708,58 @@ class ParameterServerGroup:
         self.summed = None
         self._served += 1
 
-    def serve_streamed(self, update: Callable[[int, np.ndarray, float], np.ndarray]) -> float:
+    def serve_streamed(self, update: Callable[[int, np.ndarray, float], np.ndarray], norm_exclude=(),
+                       send_norm: bool = True) -> float:
         """serve_step without clipping, push and pull overlapped (module
-        docstring): post every push receive, then for each owned chunk in chunk
-        order wait for all its pushes, sum them (tree_sum, / n for op="avg"; the
-        same bits as reduce()), take its sum of squares, call update(chunk,
-        summed_grad, 1.0) and send the result to every worker at once. After the
-        last chunk the servers agree on the global squared norm (collective
-        among them), the first one sends it, and it is returned: for reporting,
-        never used to scale. update's contract is serve_step's."""
+        docstring): post every push receive, then take the owned chunks as their
+        pushes complete (the trainer pushes from the buffer's end while backward
+        runs, a benchmark may push in chunk order: either way a chunk goes back as
+        soon as all its copies are in), sum each (tree_sum, / n for op="avg"; the
+        same bits as reduce()), take its sum of squares (less norm_exclude, as
+        reduce()), call update(chunk, summed_grad, 1.0) and send the result to
+        every worker at once. After the last chunk the servers agree on the global
+        squared norm (collective among them) and it is returned: for reporting,
+        never used to scale. The first server sends it, unless send_norm is False
+        (the caller adds several groups' norms, then calls send_norm()).
+        update's contract is serve_step's."""
         self._begin_serving("serve_streamed", "reduce() ran this step and send_params() did not follow: finish "
                             "that step with send_params() first")
         recvs: list = []
         try:
             recvs = self._post_push_receives()
+            n_w = len(self.layout.workers)
+            flat = [r for rs in recvs for r in rs]          # owned chunk i's pushes: flat[i * n_w:(i + 1) * n_w]
+            missing = [n_w] * len(self._owned)
             norm_parts = np.empty(len(self._owned), dtype=np.float64)
-            for i, c in enumerate(self._owned):
-                total = self._summed_chunk(i, c, recvs[i])
-                norm_parts[i] = server_norm_sq([total])[0]  # before update(), which may write `total`
-                self._send_chunk(c, update(c, total, 1.0))
+            while True:
+                done = MPI.Request.Waitsome(flat)
+                if done is None or not done:               # (every request completed)
+                    break
+                for k in done:
+                    i = k // n_w
+                    missing[i] -= 1
+                    if missing[i]:
+                        continue
+                    c = self._owned[i]
+                    total = self._summed_chunk(i, c, [])     # its pushes are in
+                    # Before update(), which may write `total`.
+                    norm_parts[i] = server_norm_sq([self._counted(c, total, norm_exclude)])[0]
+                    self._send_chunk(c, update(c, total, 1.0))
             self._norm_sq = self.global_norm_sq(norm_parts)
-            self._send_norm()
+            if send_norm:
+                self._send_norm()
         except BaseException as e:
-            self._abandon([r for rs in recvs for r in rs], e)
+            self._abandon(recvs and [r for rs in recvs for r in rs], e)
             raise
         self._served += 1
         return self._norm_sq
+
+    def send_norm(self, norm_sq: float) -> None:
+        """After serve_streamed(send_norm=False): the first server sends `norm_sq` (e.g.
+        several groups' norms added) as this step's global norm."""
+        self._ensure_usable()
+        self._norm_sq = float(norm_sq)
+        self._send_norm(self._served - 1)        # the step serve_streamed served
 
     def serve_async(self, update: Callable[[int, int, np.ndarray], np.ndarray]) -> None:
         """Mode "async": apply each worker's push as it arrives. Every push of this step is

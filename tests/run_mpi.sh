@@ -71,12 +71,15 @@ mpi_pass() {  # mpi_pass N [pytest args]: the MPI tests under N ranks
 }
 
 # One dp x pp x tp = 2 x 2 x 2 layout (sequence parallel, ZB-H1) under 8 oversubscribed
-# ranks: all three axes at once, plain and under ZeRO-2/3 with recomputation. About 35 s
-# on 2 cores, so MPICH's pass only by default.
+# ranks: all three axes at once, plain and under ZeRO-2/3 with recomputation; and the
+# parameter server's dedicated ranks beside PP 2 x DP 2 and TP 2 x DP 2 (5 and 6 of the 8).
+# About 60 s on 2 cores, so MPICH's pass only by default.
 mpi_pass_8() {
     timeout 600 "${launch[@]}" -n 8 "$PY" tests/support/mpi_pytest.py -q -m mpi --with-mpi \
         tests/engine/parallel/test_tensor.py tests/engine/parallel/test_zero.py \
-        -k "(equals_one_process and 2-2-2-True-zbh1) or test_dp_pp_tp_with_zero3" "$@" | tr -d '\000'
+        tests/engine/parallel/test_ps_servers.py \
+        -k "(equals_one_process and 2-2-2-True-zbh1) or test_dp_pp_tp_with_zero3 or pipeline_and_tensor_axes \
+or pipeline_servers_checkpoint" "$@" | tr -d '\000'
     return "${PIPESTATUS[0]}"
 }
 

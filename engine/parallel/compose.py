@@ -43,6 +43,7 @@ def build_rank_model(grid, layers_fn, cfg, dtype, xp, micro_shape, cost_batch, t
             return BoundedStalenessPS(inner, grid, bound, overlap=not cfg.no_overlap, trace=trace, link=servers)
         if mode == "async":
             return AsynchronousPS(inner, grid, cfg.grad_clip, overlap=not cfg.no_overlap, trace=trace, link=servers)
-        return ParameterServerData(inner, grid, overlap=not cfg.no_overlap, trace=trace, link=servers)
+        return ParameterServerData(inner, grid, overlap=not cfg.no_overlap, trace=trace, link=servers,
+                                   streamed=cfg.grad_clip <= 0)
     return DataParallel(inner, grid, zero=cfg.zero, bucket_mb=cfg.bucket_mb, overlap=not cfg.no_overlap,
                         gather_mode=cfg.zero_gather_mode, trace=trace, canonical=cfg.reduce_order == "canonical")

@@ -40,14 +40,24 @@ Dedicated servers (K >= 1): the last K ranks of the job serve (comm.ps_ranks),
 the others are the workers and train among themselves (engine/train/run.py
 splits the world: every collective of the trainer stays among the workers).
 ServerLink is the two sides' channel over the whole job; serve() is a server
-rank's whole run. The servers hold no model: the first worker sends them, once,
-the flat length and dtype (START), then before the first step the parameters,
-weight-decay mask and (on a resume) optimizer state of their chunks and the
-optimizer's step count (INIT). Every step it tells each server STEP; the
-servers sum their chunks' pushes, agree on the global norm (chunk order, as
-above), clip with cfg.grad_clip, step the optimizer over their chunks with
+rank's whole run. The servers hold no model. There is one group per
+(pipeline, tensor) coordinate, over its data-parallel workers and every
+server (a coordinate communicator each; without those axes, one): the first
+worker sends the servers, once, the coordinates' count and each one's lead
+(its data index 0), and each lead its coordinate's flat length, dtype,
+workers and the ranges its norm leaves out (START); then before the first
+step each lead sends the parameters, weight-decay mask and (on a resume)
+optimizer state of each server's chunks, the first worker the optimizer's
+step count (INIT). Every step the first worker tells each server STEP; the
+servers sum every coordinate's chunks' pushes, agree on each coordinate's
+norm (chunk order, as above) and add them in coordinate order (the global
+norm), clip with cfg.grad_clip, step the optimizer over their chunks with
 lr_at(step) from cfg (no update when the norm is not finite: the workers raise
-Diverged on it), and send the parameters and the norm back. So on a worker
+Diverged on it), and send the parameters and the norm back. Without clipping
+(cfg.grad_clip 0) no update waits for the norm: the servers stream the step
+(comm/ps.py serve_streamed: each chunk updated and sent back as soon as every
+worker pushed it, while later chunks still arrive) and the workers post their
+pull before backward, into a buffer of their own (`streamed`). So on a worker
 grad_norm_sq() waits for the pull (parameters and norm come together: the
 servers updated already), scale_grads and update do nothing but count the
 step, and its optimizer is the real one over no elements (its step count and
@@ -65,9 +75,8 @@ first replica (point to point, chunk by chunk), restored from any layout's
 arrays by taking the owned chunks: a PS run resumes an all-reduce run's
 checkpoint and back, with or without dedicated servers.
 
-Host (numpy) buffers only (comm/ps.py's). Dedicated servers work with the data
-axis alone (the configuration refuses a pipeline or tensor axis with them: their
-servers would need one group per stage and tensor rank); colocated, any layout.
+Host (numpy) buffers only (comm/ps.py's); any layout of pipeline and tensor
+axes, colocated or on dedicated servers.
 
 Import rule: that of engine/parallel (its __init__.py).
 """
@@ -82,6 +91,7 @@ from mpi4py import MPI
 
 from ringpipe import comm
 from ringpipe.comm.device import Transport
+from ringpipe.comm.ps import ordered_sum
 from ringpipe.engine.job.array_module import to_host
 from ringpipe.engine.model.optim import clip_scale, lr_at, make_optimizer
 from ringpipe.engine.parallel import GradSync
@@ -90,6 +100,7 @@ _STATE_TAG = 1          # the checkpoint gather's messages, on a communicator of
 # Dedicated servers: the first worker's control messages (int64 [kind, a, b]) and the
 # arrays that follow them, on ServerLink's own communicator.
 _CONTROL_TAG, _DATA_TAG = 2, 3
+_COORDINATE_TAG_BASE = 100      # Create_group's tag for coordinate p's communicator: 100 + p
 START, INIT, STEP, SAVE, STOP, FETCH = 1, 2, 3, 4, 5, 6
 # The chunks' size, read when a model is built (tests make it small, so a small model
 # has many chunks: chunks across parameters, every rank a server of several).
@@ -153,10 +164,23 @@ class ServerLink:
         self.channel.Recv(msg, source=self.workers[0], tag=_CONTROL_TAG)
         return int(msg[0]), int(msg[1]), int(msg[2])
 
-    def receive_array(self, n: int, dtype) -> np.ndarray:
+    def receive_array(self, n: int, dtype, source: int | None = None) -> np.ndarray:
+        """An array the first worker (or `source`, a coordinate's lead) sent after a control message."""
         a = np.empty(n, dtype=dtype)
-        self.channel.Recv(a, source=self.workers[0], tag=_DATA_TAG)
+        self.channel.Recv(a, source=self.workers[0] if source is None else source, tag=_DATA_TAG)
         return a
+
+    # ---- every rank ----------------------------------------------------------------------
+    def coordinate_comm(self, coordinate: int, workers) -> MPI.Comm:
+        """The communicator of one (pipeline, tensor) coordinate's workers (world ranks,
+        sorted) and every server: its ranks are the workers in order, then the servers.
+        Collective over those ranks only: a server makes one per coordinate, in order."""
+        ranks = sorted(int(w) for w in workers) + list(self.servers)
+        group = self.world.Get_group().Incl(ranks)
+        try:
+            return self.world.Create_group(group, tag=_COORDINATE_TAG_BASE + coordinate)
+        finally:
+            group.Free()
 
     # ---- the end, every rank -----------------------------------------------------------
     def share_outcome(self, outcome: dict | None) -> dict:
@@ -174,8 +198,10 @@ def serve(cfg, link: ServerLink) -> dict:
     """A dedicated server rank's run (`--ps-servers K`, module docstring): answer the
     first worker's control messages until STOP; returns the workers' outcome
     (ServerLink.share_outcome). Optimizer, learning rate and clipping come from cfg;
-    under --ps-mode async (ps_modes.py) each worker's push is an update of its own."""
-    group = state = None
+    under --ps-mode async (ps_modes.py) each worker's push is an update of its own.
+    A server serves every (pipeline, tensor) coordinate's group (one without those axes);
+    the global norm is theirs added in coordinate order."""
+    coordinates: list[_Coordinate] = []
     served = 0
     try:
         while True:
@@ -183,34 +209,48 @@ def serve(cfg, link: ServerLink) -> dict:
             if kind == STOP:
                 link.stopped = True
                 break
-            if kind == START:            # a: flat length, b: chunk bytes; then the itemsize and async
-                itemsize, asynchronous = (int(v) for v in link.receive_array(2, np.int64))
-                dtype = np.dtype(f"f{itemsize}")
-                group = comm.ParameterServerGroup(link.world, link.workers, link.servers, a, dtype,
-                                                  chunk_bytes=b, op="avg", mode="async" if asynchronous else "sync")
-                owned = [group.layout.bounds(c) for c in group.layout.owned_by(link.rank)]
+            if kind == START:            # a: the coordinates, b: chunk bytes; then their leads
+                leads = link.receive_array(a, np.int64)
+                coordinates = [_Coordinate(link, p, int(lead), b) for p, lead in enumerate(leads)]
             elif kind == INIT:           # a: the optimizer's step count, b: 1 when its state follows
-                state = _ServerState(cfg, link, owned, dtype, a, b, len(link.workers), group.mode == "async")
+                for c in coordinates:
+                    c.state = _ServerState(cfg, link, c.owned, c.group.dtype, a, b, c.n_workers,
+                                           c.group.mode == "async", source=c.lead, per_chunk=streamed(cfg, c))
             elif kind == STEP:           # a: the workers' step count, which must be ours
-                if a != state.steps:
+                steps = coordinates[0].state.steps
+                if a != steps:
                     raise RuntimeError(f"parameter server rank {link.rank}: the workers are at update {a}, this "
-                                       f"server at {state.steps}: their messages no longer line up")
-                lr = lr_at(state.steps, cfg.peak_lr, cfg.warmup_steps, cfg.schedule_steps, cfg.min_lr_ratio)
-                if group.mode == "async":
-                    index = {c: i for i, c in enumerate(group.layout.owned_by(link.rank))}
-                    group.serve_async(lambda c, w, grad: state.apply_one(index[c], grad, lr))
+                                       f"server at {steps}: their messages no longer line up")
+                lr = lr_at(steps, cfg.peak_lr, cfg.warmup_steps, cfg.schedule_steps, cfg.min_lr_ratio)
+                if coordinates[0].group.mode == "async":
+                    for c in coordinates:
+                        c.group.serve_async(lambda chunk, w, grad, c=c: c.state.apply_one(c.index[chunk], grad, lr))
+                elif streamed(cfg, coordinates[0]):
+                    # No clipping: no update waits for the norm, each chunk goes back once summed.
+                    norms = [c.group.serve_streamed(lambda chunk, grad, _, c=c: c.state.apply_chunk(c.index[chunk],
+                                                                                                    grad, lr),
+                                                    norm_exclude=c.excluded, send_norm=False) for c in coordinates]
+                    norm_sq = norms[0] if len(norms) == 1 else ordered_sum(norms)
+                    for c in coordinates:
+                        c.group.send_norm(norm_sq)
                 else:
-                    state.apply_sum(group, lr)
-                state.steps += 1
+                    norms = [c.group.reduce(norm_exclude=c.excluded) for c in coordinates]
+                    norm_sq = norms[0] if len(norms) == 1 else ordered_sum(norms)
+                    for c in coordinates:
+                        c.state.apply_sum(c.group, lr, norm_sq)
+                for c in coordinates:
+                    c.state.steps += 1
                 served += 1
-            elif kind == SAVE:           # every optimizer state, chunk by chunk, to the first worker
-                for i in range(len(owned)):
-                    for buf in state.chunk_state(i):
-                        link.send(link.workers[0], buf)
+            elif kind == SAVE:           # every optimizer state, chunk by chunk, to each coordinate's lead
+                for c in coordinates:
+                    for i in range(len(c.owned)):
+                        for buf in c.state.chunk_state(i):
+                            link.send(c.lead, buf)
             elif kind == FETCH:          # async: every worker gets this server's parameters
-                for w in link.workers:
-                    for i in range(len(owned)):
-                        link.send(w, state.chunk(i))
+                for c in coordinates:
+                    for w in c.workers:
+                        for i in range(len(c.owned)):
+                            link.send(w, c.state.chunk(i))
             else:
                 raise RuntimeError(f"parameter server rank {link.rank}: unknown control message {kind}")
     except Exception:
@@ -220,34 +260,69 @@ def serve(cfg, link: ServerLink) -> dict:
               f"the job ends (its error follows)", file=sys.stderr, flush=True)
         raise
     finally:
-        if group is not None and link.stopped:
-            group.free()
+        if link.stopped:
+            for c in coordinates:
+                c.free()
     return link.share_outcome(None)
+
+
+def streamed(cfg, coordinate) -> bool:
+    """Whether the servers stream a sync step: without clipping (the workers then post
+    their pull before they push: ParameterServerData's `streamed`)."""
+    return coordinate.group.mode == "sync" and cfg.grad_clip <= 0
+
+
+class _Coordinate:
+    """A server's part of one (pipeline, tensor) coordinate: its group over that
+    coordinate's workers and the servers, the chunks it owns, the ranges left out of the
+    norm, and (from INIT) its _ServerState. Made from what the lead sends at START."""
+
+    def __init__(self, link, p, lead, chunk_bytes):
+        size, itemsize, asynchronous, n_workers, n_excluded = (
+            int(v) for v in link.receive_array(5, np.int64, source=lead))
+        self.lead = lead
+        self.workers = [int(w) for w in link.receive_array(n_workers, np.int64, source=lead)]
+        self.excluded = [tuple(int(v) for v in pair) for pair in
+                         link.receive_array(2 * n_excluded, np.int64, source=lead).reshape(-1, 2)]
+        self.n_workers = n_workers
+        self.comm = link.coordinate_comm(p, self.workers)
+        self.group = comm.ParameterServerGroup(self.comm, range(n_workers),
+                                               range(n_workers, n_workers + len(link.servers)), size,
+                                               np.dtype(f"f{itemsize}"), chunk_bytes=chunk_bytes, op="avg",
+                                               mode="async" if asynchronous else "sync")
+        mine = self.group.layout.owned_by(self.comm.Get_rank())
+        self.owned = [self.group.layout.bounds(c) for c in mine]
+        self.index = {c: i for i, c in enumerate(mine)}      # chunk -> its place among the owned
+        self.state = None
+
+    def free(self):
+        self.group.free()
+        self.comm.Free()
 
 
 class _ServerState:
     """A dedicated server's master weights of its chunks (packed, in owned order) and
-    the optimizer state: one optimizer over them all, or under async one per chunk
-    (each counts its own updates). Received at INIT: the parameters, their weight-decay
+    the optimizer state: one optimizer over them all, or one per chunk (async: each
+    counts its own updates; a streamed sync step updates each chunk as it is summed). Received at INIT: the parameters, their weight-decay
     mask and, when `restored`, every optimizer state."""
 
-    def __init__(self, cfg, link, owned, dtype, steps, restored, n_workers, asynchronous):
+    def __init__(self, cfg, link, owned, dtype, steps, restored, n_workers, asynchronous, source, per_chunk=False):
         size = sum(hi - lo for lo, hi in owned)
         self.steps = steps                  # the workers' step count (one sync update a step)
         self.n_workers = n_workers
         self.grad_clip = cfg.grad_clip
-        self.master = link.receive_array(size, dtype)
-        mask = link.receive_array(size, np.uint8)
+        self.master = link.receive_array(size, dtype, source)
+        mask = link.receive_array(size, np.uint8, source)
         self.spans, at = [], 0              # each owned chunk's [lo, hi) in the packed arrays
         for lo, hi in owned:
             self.spans.append((at, at + hi - lo))
             at += hi - lo
-        pieces = self.spans if asynchronous else [(0, size)]
+        pieces = self.spans if asynchronous or per_chunk else [(0, size)]
         self.opts = [make_optimizer(cfg.optimizer, hi - lo, dtype, np, mask[lo:hi], cfg.weight_decay)
                      for lo, hi in pieces]
         if restored:                        # sent packed over every chunk, one state after another
             for name in self.opts[0].state_names:
-                flat = link.receive_array(size, dtype)
+                flat = link.receive_array(size, dtype, source)
                 for opt, (lo, hi) in zip(self.opts, pieces):
                     opt.state()[name][...] = flat[lo:hi]
         for opt in self.opts:               # async: n updates a step
@@ -264,9 +339,9 @@ class _ServerState:
         lo, hi = self.spans[i]
         return [buf[lo:hi] for buf in self.opts[0].state().values()]
 
-    def apply_sum(self, group, lr) -> None:
-        """sync and ssp: the step's sum over every worker, clipped by the global norm."""
-        norm_sq = group.reduce()
+    def apply_sum(self, group, lr, norm_sq) -> None:
+        """sync and ssp, after group.reduce(): the step's sum over every worker, clipped by
+        the global norm (every coordinate's), which goes to the workers with the parameters."""
         if math.isfinite(norm_sq):      # else no update: the workers raise Diverged on this norm
             # The step count is the trainer's step index: one update a step, and every
             # checkpoint records the two equal (its step and opt_step_count).
@@ -275,7 +350,15 @@ class _ServerState:
             if scale != 1.0:
                 grad *= scale
             self.opts[0].step(self.master, grad, lr)
-        group.send_params([self.chunk(i) for i in range(len(self.spans))])
+        group.send_params([self.chunk(i) for i in range(len(self.spans))], norm_sq=norm_sq)
+
+    def apply_chunk(self, i, grad, lr):
+        """sync without clipping, streamed: chunk i's sum over every worker, updated alone
+        (one optimizer per chunk: the bits of one step over them packed); the chunk's new
+        values (the master weights' view: sent as they are until the next step)."""
+        if np.isfinite(grad).all():     # (a non-finite norm stops the workers: keep the weights finite)
+            self.opts[i].step(self.chunk(i), grad, lr)
+        return self.chunk(i)
 
     def apply_one(self, i, grad, lr):
         """async: one worker's (clipped) gradient of chunk i, applied alone with lr / n; the
@@ -289,8 +372,11 @@ class ParameterServerData:
     """A RankModel (engine/parallel/__init__.py): the data axis over a parameter server,
     colocated and sharded (link None) or on dedicated server ranks (link: a ServerLink)."""
 
-    def __init__(self, inner, grid, overlap=True, trace=None, link=None, mode="sync"):
-        """mode: the group's, "async" for ps_modes.AsynchronousPS (dedicated servers only)."""
+    def __init__(self, inner, grid, overlap=True, trace=None, link=None, mode="sync", streamed=False):
+        """mode: the group's, "async" for ps_modes.AsynchronousPS (dedicated servers only).
+        streamed: dedicated servers without clipping (serve()'s `streamed`): the pull is
+        posted before backward pushes, into a buffer of its own (the parameters are still in
+        use), and copied into the parameters once complete."""
         self.inner, self.params = inner, inner.params
         self.trace = trace             # list-like to append (name, category, t0, t1), or None
         self.data_comm = grid.comm("data")
@@ -302,6 +388,9 @@ class ParameterServerData:
         self.overlap = overlap
         self.stage = 0                 # nothing sharded between steps but the optimizer state (the harness asks)
         self.link = link
+        self.streamed = streamed and link is not None
+        self._landing = np.empty_like(self.params.data) if self.streamed else None
+        self.leads = False             # dedicated: this rank is its coordinate's lead (_join_servers)
         if link is None:
             ranks = list(range(self.dp))
             self.group = comm.ParameterServerGroup(self.data_comm, ranks, ranks, self.params.size,
@@ -311,14 +400,7 @@ class ParameterServerData:
             # stage or tensor rank counts, and is summed over them (inner.sum_norm).
             self.norm_excluded = inner.norm_excluded()
         else:
-            if link.is_first_worker:
-                link.tell(START, self.params.size, CHUNK_BYTES)
-                for server in link.servers:
-                    link.send(server, np.array([np.dtype(self.params.dtype).itemsize, int(mode == "async")],
-                                               dtype=np.int64))
-            self.group = comm.ParameterServerGroup(link.world, link.workers, link.servers, self.params.size,
-                                                   self.params.dtype, chunk_bytes=CHUNK_BYTES, op="avg", mode=mode)
-            self.me = link.rank
+            self._join_servers(grid, link, mode)
         self.layout = self.group.layout
         self.owned_chunks = list(self.layout.owned_by(self.me))      # none for a worker of dedicated servers
         self.owned = [self.layout.bounds(c) for c in self.owned_chunks]    # the optimizer's chunks
@@ -327,7 +409,7 @@ class ParameterServerData:
         self._norm_sq = None
         self._opt = None               # dedicated: the (empty) optimizer whose step count the servers share
         self._servers_ready = False    # dedicated: INIT sent
-        self._restored = None          # dedicated, first worker: the checkpoint's optimizer state until INIT
+        self._restored = None          # dedicated, a lead: the checkpoint's optimizer state until INIT
         self.state_comm = self.data_comm.Dup()      # the checkpoint gather's point-to-point messages
 
     # ---- a step ------------------------------------------------------------------------
@@ -346,10 +428,13 @@ class ParameterServerData:
             self._start_servers()
             if self.link.is_first_worker:
                 self.link.tell(STEP, self._opt.step_count)
+            if self.streamed:       # each chunk comes back as soon as every worker pushed it
+                self.group.start_pull(self._landing)
             loss = self.inner.forward_backward(x, y, grad_scale, sync=_PushSync(self))
             # The servers update as soon as every push is in: the pull (the new parameters
             # and the norm) is posted now and waited for in grad_norm_sq.
-            self.group.start_pull(self.params.data)
+            if not self.streamed:
+                self.group.start_pull(self.params.data)
             return loss
         loss = self.inner.forward_backward(x, y, grad_scale, sync=_PushSync(self))
         t0 = time.perf_counter()
@@ -373,6 +458,8 @@ class ParameterServerData:
         if self.link is not None:
             t0 = time.perf_counter()
             self._norm_sq = self.group.wait_pull()     # the servers clipped and updated already
+            if self.streamed:
+                self.params.data[...] = self._landing
             self._event("PS push, server update and pull", "comm", t0)
         return self._norm_sq
 
@@ -413,8 +500,41 @@ class ParameterServerData:
         Transport(self.params.xp).in_place(self.params.data, lambda buf: self.data_comm.Bcast(buf, root=0))
 
     # ---- dedicated servers: their start ------------------------------------------------------
-    def _server_chunks(self, server):
-        return [self.layout.bounds(c) for c in self.layout.owned_by(server)]
+    def _join_servers(self, grid, link, mode):
+        """START: one group per (pipeline, tensor) coordinate, over its data-parallel workers
+        and every server (collective over the workers; the servers, in serve(), make every
+        coordinate's). The first worker sends the coordinates' count and their leads (the
+        world rank of each one's data index 0); each lead sends its coordinate's flat length,
+        itemsize, mode, workers and the ranges its norm leaves out (another stage or tensor
+        rank counts them: inner.norm_excluded())."""
+        here = (grid.index("pipe"), grid.index("tensor"))
+        everyone = link.workers_comm.allgather((here, self.index, link.rank))
+        coordinates = sorted({c for c, _, _ in everyone})
+        self.coordinate = coordinates.index(here)
+        workers = sorted(r for c, _, r in everyone if c == here)
+        leads = [next(r for c, d, r in everyone if c == k and d == 0) for k in coordinates]
+        self.leads = leads[self.coordinate] == link.rank      # this coordinate's data index 0
+        if link.is_first_worker:
+            link.tell(START, len(coordinates), CHUNK_BYTES)
+            for server in link.servers:
+                link.send(server, np.array(leads, dtype=np.int64))
+        if self.leads:
+            excluded = np.array(self.inner.norm_excluded(), dtype=np.int64).reshape(-1)
+            head = np.array([self.params.size, np.dtype(self.params.dtype).itemsize, int(mode == "async"),
+                             len(workers), len(excluded) // 2], dtype=np.int64)
+            for server in link.servers:
+                for array in (head, np.array(workers, dtype=np.int64), excluded):
+                    link.send(server, array)
+        self.coordinate_comm = link.coordinate_comm(self.coordinate, workers)
+        n = len(workers)
+        self.group = comm.ParameterServerGroup(self.coordinate_comm, range(n), range(n, n + len(link.servers)),
+                                               self.params.size, self.params.dtype, chunk_bytes=CHUNK_BYTES,
+                                               op="avg", mode=mode)
+        self.me = self.coordinate_comm.Get_rank()
+
+    def _server_chunks(self, i):
+        """The (lo, hi) of server i's chunks (link.servers[i]; in the group, rank workers + i)."""
+        return [self.layout.bounds(c) for c in self.layout.owned_by(self.layout.servers[i])]
 
     def _start_servers(self):
         """INIT, once, before the first step or checkpoint: each server's chunks of the
@@ -424,12 +544,13 @@ class ParameterServerData:
             return
         self._servers_ready = True
         link = self.link
-        if not link.is_first_worker:
+        if link.is_first_worker:
+            link.tell(INIT, self._opt.step_count, int(self._restored is not None))
+        if not self.leads:
             return
-        link.tell(INIT, self._opt.step_count, int(self._restored is not None))
         data = self.params.data
-        for server in link.servers:
-            chunks = self._server_chunks(server)
+        for i, server in enumerate(link.servers):
+            chunks = self._server_chunks(i)
             link.send(server, np.concatenate([data[lo:hi] for lo, hi in chunks] or [data[:0]]))
             link.send(server, self.params.decay_mask(chunks))
             if self._restored is not None:
@@ -439,12 +560,13 @@ class ParameterServerData:
         self._restored = None
 
     def _gather_from_servers(self):
-        """The servers' optimizer state, whole, on the first worker (SAVE)."""
+        """The servers' optimizer state of this coordinate, whole, on its lead (SAVE)."""
         link, names = self.link, self._opt.state_names
         full = {name: np.zeros(self.params.size, dtype=self.params.dtype) for name in names}
-        link.tell(SAVE)
-        for server in link.servers:          # each server sends its chunks in order, every state of each
-            for lo, hi in self._server_chunks(server):
+        if link.is_first_worker:
+            link.tell(SAVE)
+        for i, server in enumerate(link.servers):   # each sends its chunks in order, every state of each
+            for lo, hi in self._server_chunks(i):
                 for name in names:
                     link.channel.Recv(full[name][lo:hi], source=server, tag=_DATA_TAG)
         return full
@@ -474,7 +596,7 @@ class ParameterServerData:
     def gather_state(self, opt):
         if self.link is not None:
             self._start_servers()
-            if not self.link.is_first_worker:
+            if not self.leads:
                 return {}
             return self.inner.named_arrays(self._gather_from_servers())
         full = {name: self._gather_to_first(to_host(buf)) for name, buf in opt.state().items()}
@@ -488,7 +610,7 @@ class ParameterServerData:
         full = self.inner.load_named(arrays, opt.state_names)
         if self.link is not None:
             # The servers get their chunks of it before the first step (INIT).
-            self._restored = full if self.link.is_first_worker else None
+            self._restored = full if self.leads else None
             return
         for state_name, buf in opt.state().items():
             flat = full.pop(state_name)           # (its memory goes before the next is packed)
@@ -503,7 +625,8 @@ class ParameterServerData:
             where = (f"parameter server, colocated and sharded over {self.dp} ranks: {lay.n_chunks} chunk(s) of "
                      f"<= {largest / 2**20:.2f} MiB, {len(self.owned)} owned here (their optimizer state only)")
         else:
-            where = (f"parameter server on dedicated rank(s) {lay.servers[0]}-{lay.servers[-1]}: {lay.n_chunks} "
+            where = (f"parameter server on dedicated rank(s) {self.link.servers[0]}-{self.link.servers[-1]}: "
+                     f"{lay.n_chunks} "
                      f"chunk(s) of <= {largest / 2**20:.2f} MiB interleaved over them; they hold the master weights "
                      f"and the optimizer state, clip and update")
         parts = [self.inner.describe(),
@@ -524,5 +647,7 @@ class ParameterServerData:
         if self.link is not None:
             self.link.stop()       # the servers leave their loop and free the group with us
         self.group.free()
+        if self.link is not None:
+            self.coordinate_comm.Free()
         self.state_comm.Free()
         self.inner.close()

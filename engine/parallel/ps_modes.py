@@ -150,7 +150,12 @@ class AsynchronousPS(ParameterServerData):
     def forward_backward(self, x, y, grad_scale):
         self._start_servers()
         loss = self.inner.forward_backward(x, y, grad_scale, sync=_NoPush())
-        self._own_norm_sq = float(K.sum_of_squares(self.params.grad))
+        # Its own gradient's norm: with a pipeline or tensor axis, over every stage and tensor
+        # rank of its model (each part counted once), as the global norm is.
+        grad = self.params.grad
+        part = float(K.sum_of_squares(grad)) - sum(float(K.sum_of_squares(grad[a:b]))
+                                                   for a, b in self.inner.norm_excluded())
+        self._own_norm_sq = self.inner.sum_norm(part)
         return loss
 
     def grad_norm_sq(self):
@@ -186,8 +191,8 @@ class AsynchronousPS(ParameterServerData):
         link = self.link
         if link.is_first_worker:
             link.tell(FETCH)
-        for server in link.servers:
-            for lo, hi in self._server_chunks(server):
+        for i, server in enumerate(link.servers):
+            for lo, hi in self._server_chunks(i):
                 link.channel.Recv(self.params.data[lo:hi], source=server, tag=_DATA_TAG)
         self._fetched = True
         self._event("PS fetch of the servers' parameters", "comm", t0)

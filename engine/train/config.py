@@ -431,14 +431,6 @@ def _check_sync(cfg: Config, dp: int, world_size: int) -> list[str]:
     if cfg.zero:
         raise ConfigError(f"<sync> ps shards the optimizer state over its servers already: leave out <zero> "
                           f"{cfg.zero} (or use <sync> allreduce with ZeRO)")
-    if cfg.ps_servers and (cfg.pipelined or cfg.tp > 1):
-        # Colocated, each (stage, tensor rank) serves its own buffer; dedicated servers hold one group only.
-        axes = " and ".join(name for name, used in (("a pipeline (<pp>, <chunks>)", cfg.pipelined),
-                                                    (f"<tp> {cfg.tp}", cfg.tp > 1)) if used)
-        raise ConfigError(f"<sync> ps with <ps_servers> {cfg.ps_servers} (dedicated server ranks) works with the "
-                          f"data axis alone for now, not with {axes}: use <ps_servers> 0 with <pp>/<tp> (every "
-                          "data-parallel rank serves, one server group per pipeline stage and tensor rank), or "
-                          "leave out <pp>, <chunks> and <tp>")
     if cfg.device != "cpu":
         raise ConfigError(f"<sync> ps moves host (numpy) buffers only for now: use <device> cpu, or <sync> "
                           f"allreduce on {cfg.device}")

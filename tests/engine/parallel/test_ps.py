@@ -112,8 +112,6 @@ def test_ps_float32_bits_equal_canonical_allreduce(shared_dir, monkeypatch, chun
     (dict(sync="ps", ps_servers=4), 4, "leaves no rank to compute gradients"),
     (dict(sync="ps", ps_servers=-1), 4, "server ranks >= 0"),
     (dict(sync="ps", zero=1), 2, "shards the optimizer state over its servers already"),
-    (dict(sync="ps", ps_servers=1, pp=2, microbatches=2), 5, "not with a pipeline (pp, chunks): use ps_servers 0"),
-    (dict(sync="ps", ps_servers=1, tp=2), 5, "not with tp 2: use ps_servers 0 with pp/tp"),
     (dict(sync="ps", device="cuda"), 2, "host (numpy) buffers only"),
     (dict(ps_servers=1), 4, "add sync ps"),
     (dict(sync="gossip"), 2, "allreduce or ps"),

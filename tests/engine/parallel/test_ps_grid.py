@@ -10,12 +10,10 @@ harness: tests/support/parity.py. (PP 2 x TP 2 x DP 2 needs 8 ranks: not here; r
 it gives the same, with and without sequence parallelism.)
 """
 import os
-import re
 
 import pytest
 from mpi4py import MPI
 
-from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.parallel import ps as ps_model
 from ringpipe.engine.parallel.pipeline.stage import PipelineModel
 from ringpipe.engine.parallel.tensor import TensorParallel
@@ -116,11 +114,12 @@ def test_colocated_servers_take_any_layout(settings, world_size):
     assert check(Config(data="synthetic", batch_size=8, sync="ps", **settings), world_size) == []
 
 
-@pytest.mark.parametrize("settings,says", [
-    (dict(pp=2, microbatches=2), "not with a pipeline (pp, chunks): use ps_servers 0 with pp/tp"),
-    (dict(tp=2), "not with tp 2: use ps_servers 0 with pp/tp"),
-    (dict(tp=2, pp=2, microbatches=2), "not with a pipeline (pp, chunks) and tp 2"),
+@pytest.mark.parametrize("settings,world_size,servers", [
+    (dict(pp=2, microbatches=2), 5, 1),
+    (dict(tp=2), 6, 2),
+    (dict(tp=2, pp=2, microbatches=2), 9, 1),
 ])
-def test_dedicated_servers_refuse_model_parallel_axes(settings, says):
-    with pytest.raises(ConfigError, match=re.escape(says)):
-        check(Config(data="synthetic", batch_size=8, sync="ps", ps_servers=1, **settings), 9)
+def test_dedicated_servers_take_any_layout(settings, world_size, servers):
+    """One server group per (stage, tensor rank) on the dedicated servers too (their parity:
+    test_ps_servers.py's 8-rank tests)."""
+    assert check(Config(data="synthetic", batch_size=8, sync="ps", ps_servers=servers, **settings), world_size) == []

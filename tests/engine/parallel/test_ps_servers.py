@@ -82,6 +82,82 @@ def test_servers_equal_one_process(shared_dir, monkeypatch, layout, optimizer, c
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("layout", ["2+1", "2+2"])
+def test_streamed_servers_equal_one_process(shared_dir, monkeypatch, layout):
+    """Without clipping the servers stream (each chunk updated and sent back as soon as every
+    worker pushed it, the workers' pull posted before backward): the same math."""
+    needs_4_ranks()
+    ranks, servers = LAYOUTS[layout]
+    monkeypatch.setattr(ps_model, "CHUNK_BYTES", 1000)
+    cfg = dict(BASE, optimizer="adamw", microbatches=2, grad_clip=0.0)
+    ref = reference(Config(**cfg, out=os.path.join(shared_dir, f"ref-streamed-{world.rank}")))
+    comm = job(ranks)
+    if comm is not None:
+        out = os.path.join(shared_dir, f"streamed-{layout}")
+        result = run(Config(**cfg, sync="ps", ps_servers=servers, out=out), world=comm)
+        assert result.steps_done == 3 and result.exit_code == 0
+        if comm.rank < ranks - servers:
+            from tests.support.parity import Trained
+            assert result.model.streamed
+            assert_same_run(Trained(result.model, out), ref, TOL, grad_norm=True)
+        comm.Free()
+    world.Barrier()
+
+
+# Pipeline and tensor axes with dedicated servers: one group per (stage, tensor rank), every
+# server in each; the tied embedding summed between the stages before its push; the global
+# norm the coordinates' added. (ranks, servers, layout): on the first 5 or 6 of 8 ranks.
+GRID_LAYOUTS = {"pp2-dp2+1": (5, 1, dict(pp=2, microbatches=2)), "pp2-dp2+2": (6, 2, dict(pp=2, microbatches=2)),
+                "tp2-dp2+1": (5, 1, dict(tp=2)),
+                "pp2-dp2+2-streamed": (6, 2, dict(pp=2, microbatches=2, grad_clip=0.0))}
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", list(GRID_LAYOUTS))
+def test_servers_with_pipeline_and_tensor_axes(shared_dir, monkeypatch, layout):
+    """PP 2 x DP 2 with 1 and 2 servers, TP 2 x DP 2 with 1, as one process (float64 1e-10, clipping
+    on every step): tests/run_mpi.sh's 8-rank pass selects it."""
+    if world.size != 8:
+        pytest.skip("5 and 6 of 8 ranks")
+    ranks, servers, axes = GRID_LAYOUTS[layout]
+    monkeypatch.setattr(ps_model, "CHUNK_BYTES", 1000)
+    cfg = dict(dict(BASE, batch_size=8, optimizer="adamw"), **axes)
+    cfg["microbatches"] = axes.get("microbatches", 1)
+    ref = reference(Config(**dict(cfg, pp=1, tp=1), out=os.path.join(shared_dir, f"ref-{layout}-{world.rank}")))
+    comm = job(ranks)
+    if comm is not None:
+        out = os.path.join(shared_dir, layout)
+        result = run(Config(**cfg, sync="ps", ps_servers=servers, out=out), world=comm)
+        assert result.steps_done == 3 and result.exit_code == 0
+        if comm.rank < ranks - servers:
+            from tests.support.parity import Trained
+            assert_same_run(Trained(result.model, out), ref, TOL, grad_norm=True, holdings=False)
+            if cfg["grad_clip"]:
+                assert all(m["grad_norm"] > CLIP for m in metrics(out)), "clipping must act in this test"
+        comm.Free()
+    world.Barrier()
+
+
+@pytest.mark.mpi(min_size=8)
+def test_pipeline_servers_checkpoint_continues_in_allreduce(shared_dir, monkeypatch):
+    """PP 2 x DP 2 + 1 server checkpointed at step 3, continued by an all-reduce PP 2 x DP 2 run
+    to step 6, ends where an uninterrupted all-reduce run does (8-rank pass)."""
+    if world.size != 8:
+        pytest.skip("5 of 8 ranks, then 4")
+    monkeypatch.setattr(ps_model, "CHUNK_BYTES", 1000)
+    steps = dict(BASE, batch_size=8, steps=6, eval_every=6, microbatches=2, optimizer="adamw", pp=2)
+    whole, head, tail = (os.path.join(shared_dir, name) for name in ("whole", "head", "tail"))
+    for out, ranks, more in ((whole, 4, {}), (head, 5, dict(sync="ps", ps_servers=1, checkpoint_every=3)),
+                             (tail, 4, dict(resume=os.path.join(head, "checkpoints", "ckpt_00000003.json")))):
+        comm = job(ranks)
+        if comm is not None:
+            run(Config(**steps, out=out, **more), world=comm)
+            comm.Free()
+        world.Barrier()
+    assert_continues(tail, whole, 3, 6, TOL, "pp 2 x dp 2 + 1 server, then all-reduce")
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("first,then", [("ps", "allreduce"), ("allreduce", "ps")])
 def test_checkpoints_continue_between_servers_and_allreduce(shared_dir, monkeypatch, first, then):
     """A run checkpointed at step 3 by 2 workers + 1 server (3 ranks), continued to step 6 by an
