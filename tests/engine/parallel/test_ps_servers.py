@@ -106,17 +106,17 @@ def test_streamed_servers_equal_one_process(shared_dir, monkeypatch, layout):
 
 # Pipeline and tensor axes with dedicated servers: one group per (stage, tensor rank), every
 # server in each; the tied embedding summed between the stages before its push; the global
-# norm the coordinates' added. (ranks, servers, layout): on the first 5 or 6 of 8 ranks.
+# norm the coordinates' added; and DP 4 alone. (ranks, servers, layout): the first 5 or 6 of 8 ranks.
 GRID_LAYOUTS = {"pp2-dp2+1": (5, 1, dict(pp=2, microbatches=2)), "pp2-dp2+2": (6, 2, dict(pp=2, microbatches=2)),
-                "tp2-dp2+1": (5, 1, dict(tp=2)),
+                "tp2-dp2+1": (5, 1, dict(tp=2)), "dp4+1": (5, 1, dict()), "dp4+2": (6, 2, dict(microbatches=2)),
                 "pp2-dp2+2-streamed": (6, 2, dict(pp=2, microbatches=2, grad_clip=0.0))}
 
 
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("layout", list(GRID_LAYOUTS))
 def test_servers_with_pipeline_and_tensor_axes(shared_dir, monkeypatch, layout):
-    """PP 2 x DP 2 with 1 and 2 servers, TP 2 x DP 2 with 1, as one process (float64 1e-10, clipping
-    on every step): tests/run_mpi.sh's 8-rank pass selects it."""
+    """PP 2 x DP 2 with 1 and 2 servers, TP 2 x DP 2 with 1, DP 4 with 1 and 2, as one process (float64
+    1e-10, clipping on every step): tests/run_mpi.sh's 8-rank pass selects it."""
     if world.size != 8:
         pytest.skip("5 and 6 of 8 ranks")
     ranks, servers, axes = GRID_LAYOUTS[layout]
