@@ -17,10 +17,12 @@
                  colocated and sharded or on dedicated ranks: gradients pushed to the
                  owners of their chunks, summed there, the owners' update, the new
                  parameters pulled
+    ps_modes.py  the parameter server's modes that change the math, on dedicated
+                 servers: bounded staleness (--ps-mode ssp:S) and async
     zero.py      ZeRO's shards: the chunks a rank keeps, the unit cut, ShardedParams
                  (ZeRO-3's gathers around each layer's use, prefetched)
     compose.py   build_rank_model: DataParallel(TensorParallel(PipelineModel | LocalModel)),
-                 or ParameterServerData(the same inner models; dedicated servers: LocalModel)
+                 or ParameterServerData(the same inner models), ps_modes.py's for ssp and async
 
 Every rank model offers the same surface (RankModel below), so the trainer
 knows nothing of buckets, tied communicators, duplicate ranges or shards.
