@@ -48,7 +48,9 @@ trainer clips, so no update starts before the global norm, --grad-clip 1.0 by de
 model times one whole synchronisation without the CPU's work (the servers' sums, the optimizer
 on the servers, copies) and without overlap with backward: measured/model below 1 is hidden
 communication, above 1 the CPU's work and the links' loss under many flows (ps_vs_ring's
-all-to-all control).
+all-to-all control). Beside it, "chunks' model": the same formula with each link's bytes
+from comm/ps.py's own chunks (chunk c on server c % K: 7 chunks of <= 4 MiB over 4 servers
+put 2 on the busiest, 1.3x its even share), where ps_time spreads the bytes evenly.
 
 The children get OMP_NUM_THREADS=1 (and OpenBLAS, Numba, MKL): one thread per rank, since
 the emulated nodes share the machine's cores (8 ranks on 2 cores at K = 4).
@@ -86,8 +88,9 @@ COLUMNS = [("mode", "mode", "s"), ("K", "K", "s"), ("tokens_per_s", "tokens/s", 
            ("tokens_range", "[range]", "s"), ("comm_ms", "comm ms/step", ".1f"), ("comm_range", "[range]", "s"),
            ("step_ms", "step ms", ".1f"), ("compute_ms", "compute ms", ".1f"),
            ("link_MiB", "worker link MiB/step", ".1f"), ("link_model_MiB", "(model)", ".1f"),
-           ("pred_ms", "model comm ms", ".1f"),
-           ("ratio", "comm/model", ".2f"), ("vs_ring", "vs ring", ".2f")]
+           ("pred_ms", "model comm ms", ".1f"), ("ratio", "comm/model", ".2f"),
+           ("pred_chunks_ms", "chunks' model ms", ".1f"), ("ratio_chunks", "comm/chunks'", ".2f"),
+           ("vs_ring", "vs ring", ".2f")]
 
 
 def server_counts(text: str) -> list[int]:
@@ -144,6 +147,28 @@ def parse_args(argv=None):
 
 # ---- the model's child job: alpha and beta by ping-pong, the predictions ----------------------
 
+def chunked_ps_time(level, layout) -> tuple[float, int]:
+    """costmodel.ps_time (push, then pull) for the chunks as comm/ps.py lays them out: chunk c
+    on server c % K, so a server holds ceil(chunks / K) or floor of them (the last one shorter),
+    where ps_time spreads the bytes evenly (nM/K on a server's link). Each phase lasts as
+    long as its busiest link: a server's, receiving its chunks from every other worker (and
+    sending them back in the pull), or a worker's, sending the chunks it does not own.
+    Returns (seconds, bytes on the busiest link in one phase: with dedicated servers its bytes
+    each way per step; colocated, a node sends in both phases)."""
+    def nbytes(chunks):
+        return sum(hi - lo for lo, hi in map(layout.bounds, chunks)) * layout.itemsize
+    links = []                                       # (messages, bytes) each way on a node's link
+    for server in layout.servers:
+        owned = list(layout.owned_by(server))
+        others = sum(1 for w in layout.workers if w != server)
+        links.append((others * len(owned), others * nbytes(owned)))
+    for worker in layout.workers:
+        sent = [c for c in range(layout.n_chunks) if layout.owner(c) != worker]
+        links.append((len(sent), nbytes(sent)))
+    phase = max(messages * level.alpha + size * level.beta for messages, size in links)
+    return 2 * phase, max(size for _, size in links)
+
+
 def calibrate(spec: dict) -> int:
     """Under MPI on the n workers' nodes: ps_vs_ring's ping-pong and predictions, written to
     spec["result"] by rank 0. Imported here, not at the top: ps_vs_ring initializes MPI."""
@@ -151,6 +176,7 @@ def calibrate(spec: dict) -> int:
     from mpi4py import MPI
     from ringpipe.comm import costmodel
     from ringpipe.comm.context import context_for
+    from ringpipe.comm.ps import ps_layout
 
     world = MPI.COMM_WORLD
     n = world.Get_size()
@@ -161,6 +187,7 @@ def calibrate(spec: dict) -> int:
     # One rank per node (or all on one): one level, as ps_vs_ring builds it.
     model = costmodel.CostModel(level, level, nodes.n_nodes, nodes.sizes[0])
     out = dict(level=level._asdict(), cost_model=model.to_dict(), nodes=nodes.n_nodes, modes={})
+    elements = spec["bytes"] // 4
     for key, k in spec["modes"]:
         mode = (ps_vs_ring.Mode("ring", None, list(range(n))) if k is None else
                 ps_vs_ring.Mode("PS colocated" if k == 0 else "PS dedicated", k, list(range(n + k))))
@@ -170,6 +197,10 @@ def calibrate(spec: dict) -> int:
         # dedicated servers the push and the pull of its M (the servers' links carry nM/K).
         out["modes"][key]["worker_link_bytes"] = (costmodel.ring_link_bytes(spec["bytes"], n) if not k
                                                   else spec["bytes"])
+        if k is not None:
+            servers = range(n, n + k) if k else range(n)
+            layout = ps_layout(elements, 4, range(n), servers, spec["chunk_bytes"])
+            out["modes"][key]["pred_chunks_s"], out["modes"][key]["link_chunks_bytes"] = chunked_ps_time(level, layout)
     tmp = f"{spec['result']}.tmp-{os.getpid()}"
     write_json(tmp, out)
     os.replace(tmp, spec["result"])
@@ -393,6 +424,9 @@ def main() -> int:
         row.update(pred_ms=pred["pred_s"] * 1e3, pred_overlap_ms=pred["pred_overlap_s"] * 1e3,
                    link_pred_MiB=pred["link_pred_bytes"] / 2**20, link_model_MiB=pred["worker_link_bytes"] / 2**20)
         row["ratio"] = row["comm_ms"] / row["pred_ms"]
+        if "pred_chunks_s" in pred:
+            row.update(pred_chunks_ms=pred["pred_chunks_s"] * 1e3, link_chunks_MiB=pred["link_chunks_bytes"] / 2**20,
+                       ratio_chunks=row["comm_ms"] / (pred["pred_chunks_s"] * 1e3))
         row["vs_ring"] = None if ring is None else row["tokens_per_s"] / ring["tokens_per_s"]
     level = model["level"]
     load_end = os.getloadavg()
@@ -406,7 +440,11 @@ def main() -> int:
           "(the workers' mean, median over the steps), median over the rounds [range of the rounds]")
     print("# worker link MiB/step: the busiest worker node's eth0 a step, max of rx and tx (the monitor's rate x the "
           "step time); model: a worker's bytes each way. The busiest link of all, the model's: "
-          + "  ".join(f"{r['key']} {r['link_pred_MiB']:.1f}" for r in rows) + " (a server's; not measured)")
+          + "  ".join(f"{r['key']} {r['link_pred_MiB']:.1f}" for r in rows) + " (a server's; not measured); "
+          "with comm/ps.py's chunks (c on server c % K): " + "  ".join(f"{r['key']} {r['link_chunks_MiB']:.1f}"
+                                                                      for r in rows if r["K"] not in ("-", "0")))
+    print(f"# chunks' model: the same, each link's bytes from comm/ps.py's chunks ({-(-nbytes // (4 << 20))} of "
+          "<= 4 MiB, chunk c on server c % K) instead of ps_time's even nM/K")
     print("# model comm: one synchronisation of the gradient (ring; PS push then pull), no overlap with backward, "
           "no CPU work; vs ring: tokens/s over the allreduce runs'")
     print(f"# load average {load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end")
