@@ -324,6 +324,11 @@ def _predict_rank(cfg, shape, seq_len, dp, pipe_rank) -> Breakdown:
         held = " on the parameter servers, none here" if dedicated else f" / {dp} (--sync ps: this rank's chunks)"
     b.items["optimizer state"] = optimizer
     b.notes["optimizer state"] = f"{cfg.optimizer}: {states} x {s} B a parameter{held}"
+    pulls = _pull_copies(cfg) if getattr(cfg, "sync", "allreduce") == "ps" and dp > 1 else 0
+    if pulls:
+        b.items["parameter pulls in flight"] = pulls * s * P
+        b.notes["parameter pulls in flight"] = (f"{pulls} more cop{'ies' if pulls > 1 else 'y'} of the parameters: "
+                                                "the pulls land beside the parameters in use")
     b.items["activations"] = activations
     b.notes["activations"] = (f"{rows} x {T} tokens a micro-batch, {sum(flight.values())} in flight"
                               + (f", recompute {recompute}" if recompute != "none" else ""))
@@ -348,7 +353,7 @@ def _predict_rank(cfg, shape, seq_len, dp, pipe_rank) -> Breakdown:
     base = FIXED_OVERHEAD_BYTES + comm_buffers + b.items["weight-decay mask"]
     # ParamBuffer.init draws each parameter whole in float64, then casts it (12 B an element).
     b.phases["init"] = base + s * P + (8 + s) * largest_param
-    persistent = b.items["parameters"] + optimizer
+    persistent = b.items["parameters"] + optimizer + b.items.get("parameter pulls in flight", 0)
     b.phases["backward"] = base + persistent + grads + flying + activations + gathered
     b.phases["update"] = base + persistent + (grads if zero < 2 else s * P / dp)
     # The writer (world rank 0, pipeline rank 0) holds every stage's arrays whole: the
@@ -361,6 +366,18 @@ def _predict_rank(cfg, shape, seq_len, dp, pipe_rank) -> Breakdown:
     b.items = {k: int(v) for k, v in b.items.items()}
     b.phases = {k: int(v) for k, v in b.phases.items()}
     return b
+
+
+def _pull_copies(cfg) -> int:
+    """Dedicated parameter servers: the parameter copies a worker's pulls land in beside its
+    parameters (engine/parallel/ps.py, ps_modes.py): ssp:S up to S + 1, a streamed sync step
+    (no clipping) 1, otherwise none (the pull lands after backward, in the parameters)."""
+    if not getattr(cfg, "ps_servers", 0):
+        return 0
+    mode, bound = cfg.ps_mode_parts
+    if mode == "ssp" and bound:
+        return bound + 1
+    return 1 if mode == "sync" and cfg.grad_clip <= 0 else 0
 
 
 def _param_list(layers, bounds, mine, tp):

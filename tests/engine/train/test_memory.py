@@ -36,6 +36,16 @@ def test_zero_2_keeps_whole_gradients_over_several_micro_batches():
     assert _per_parameter(cfg, 4) == pytest.approx(4 + 4 + 8 / 4)
 
 
+@pytest.mark.parametrize("settings,copies", [(dict(), 0), (dict(grad_clip=0.0), 1), (dict(ps_mode="ssp:2"), 3),
+                                             (dict(ps_mode="async"), 0)])
+def test_the_parameter_servers_workers_hold_their_pulls(settings, copies):
+    """A worker beside dedicated servers holds no optimizer state; its pulls land beside the
+    parameters when the step streams (no clipping) or runs ahead (ssp:S: up to S + 1)."""
+    b = memory.predict(Config(sync="ps", ps_servers=1, batch_size=8, seq_len=64, **settings), GPT_124M, 64, 4)
+    assert b.items["optimizer state"] == 0
+    assert b.items.get("parameter pulls in flight", 0) == copies * b.items["parameters"]
+
+
 def test_one_data_parallel_rank_shards_nothing():
     assert _per_parameter(Config(zero=3, batch_size=2, seq_len=64), 1) == pytest.approx(16)
 
