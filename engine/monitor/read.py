@@ -135,3 +135,29 @@ def last_with(records: list[dict], key: str) -> dict | None:
         if key in record:
             return record
     return None
+
+
+def sync_text(header: dict | None) -> str | None:
+    """How the run's data axis synced, from the header (None: not recorded): "all-reduce",
+    or the parameter server with its servers and mode, a mode that changes the math said so."""
+    if not isinstance(header, dict) or not isinstance(header.get("sync"), str):
+        return None
+    if header["sync"] != "ps":
+        return "all-reduce"
+    servers = header.get("parameter_servers")
+    where = (f"{len(servers)} dedicated server rank(s)" if isinstance(servers, list) and servers
+             else "colocated servers")
+    mode = header.get("ps_mode")
+    exact = "" if header.get("exact", True) else " (not sync's math)"
+    return f"parameter server, {where}, mode {mode if isinstance(mode, str) else '?'}{exact}"[:200]
+
+
+def job_ranks(header: dict | None) -> int | None:
+    """The job's ranks: the trainer's world, plus its dedicated parameter servers (which
+    write completion markers too). None when the header does not say."""
+    world = header.get("world") if isinstance(header, dict) else None
+    if type(world) is not int or world <= 0:
+        return None
+    servers = header.get("parameter_servers")
+    return world + (len(servers) if isinstance(servers, list) else 0)
+

@@ -209,6 +209,12 @@ def table(head: list[str] | None, rows: list[list]) -> str:
     return "".join(out)
 
 
+def _servers(header: dict) -> str:
+    """ " + K parameter server(s)" for a run with dedicated servers (not in `world`)."""
+    servers = header.get("parameter_servers")
+    return f" + {len(servers)} parameter server(s)" if isinstance(servers, list) and servers else ""
+
+
 def summary(run_dir: str, header: dict | None, records: list[dict]) -> str:
     header = header or {}
     unit = rate_key(header, records).split("_")[0]
@@ -223,13 +229,16 @@ def summary(run_dir: str, header: dict | None, records: list[dict]) -> str:
     wall = wall_seconds(records)
     rows = [["model", header.get("model", "not recorded (no monitor.json)")],
             ["layout", layout_text],
-            ["ranks / nodes", f"{world} / {len(nodes) if nodes else '?'}"],
+            ["ranks / nodes", f"{world}{_servers(header)} / {len(nodes) if nodes else '?'}"],
             ["steps done / total", f"{steps_done} / {header.get('steps', '?')}"],
             ["last loss", f"{loss[0]:.4f} (step {loss[1]})" if loss else "none yet"],
             ["last val loss", f"{val[0]:.4f} (step {val[1]})" if val else "none yet"],
             [f"{unit}/s, median", fmt(rate) if rate is not None else "none yet"],
             ["MFU, median", f"{100 * mfu:.1f}%" if mfu is not None else "not measured"],
             ["wall time", duration(wall) if wall is not None else "none yet"]]
+    sync = read.sync_text(header)
+    if sync:
+        rows.append(["gradient sync", sync])
     if header.get("precision"):
         rows.append(["precision", header["precision"]])
     slurm = header.get("slurm")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from ringpipe.engine.job.rundir import DONE_NAME, MAX_RANKS, FinishedError, finished
 from ringpipe.engine.monitor.read import (HEADER_NAME, TAIL_BYTES, ReadError, check_run_dir, last_with, metrics_path,
-                                          read_header, tail_records)
+                                          job_ranks, read_header, sync_text, tail_records)
 
 DEFAULT_INTERVAL = 2.0
 # The ETA's pace: wall time over the newest records (pauses for validation and checkpoints
@@ -115,9 +115,8 @@ def _pace(records: list[dict]) -> float | None:
 def _state(run_dir: str, header: dict | None, last: dict | None, pace: float | None, now: float) -> str:
     """running, finished (every rank's completion marker), or no progress for a while."""
     if os.path.isdir(os.path.join(run_dir, DONE_NAME)):
-        world = header.get("world") if header else None
         try:
-            done, _ = finished(run_dir, world if type(world) is int and world > 0 else None)
+            done, _ = finished(run_dir, job_ranks(header))
         except (FinishedError, OSError) as e:
             return f"completion markers unreadable ({_text(e, 200)})"
         if done:
@@ -152,8 +151,10 @@ def _ranks_and_nodes(header: dict | None, rows: list[RankRow]) -> str:
         nodes = nodes or {row.node for row in rows}
     if ranks is None:
         return ""
-    return f"{ranks} rank{'s' if ranks != 1 else ''}" + (f" on {len(nodes)} node{'s' if len(nodes) != 1 else ''}"
-                                                         if nodes else "")
+    servers = header.get("parameter_servers") if header else None
+    plus = f" + {len(servers)} parameter server(s)" if isinstance(servers, list) and servers else ""
+    return f"{ranks} rank{'s' if ranks != 1 else ''}{plus}" + (
+        f" on {len(nodes)} node{'s' if len(nodes) != 1 else ''}" if nodes else "")
 
 
 def _rows(record: dict) -> list[RankRow]:
@@ -232,6 +233,9 @@ def load_view(run_dir: str, now: float | None = None) -> View:
     if header:
         view.facts.append(f"model {_text(header.get('model', '?'))}")
         view.facts.append(_layout(header))
+        sync = sync_text(header)
+        if sync:
+            view.facts.append(sync)
     else:
         view.facts.append(f"no {HEADER_NAME}: model and layout unknown")
     ranked = last_with(records, "ranks")

@@ -92,6 +92,7 @@ from mpi4py import MPI
 from ringpipe import comm
 from ringpipe.comm.device import Transport
 from ringpipe.comm.ps import ordered_sum
+from ringpipe.engine.job import lifecycle
 from ringpipe.engine.job.array_module import to_host
 from ringpipe.engine.model.optim import clip_scale, lr_at, make_optimizer
 from ringpipe.engine.parallel import GradSync
@@ -140,6 +141,7 @@ class ServerLink:
         self.channel = world.Dup()            # control messages and the arrays they announce
         self.workers_comm = world.Split(1 if self.is_server else 0, self.rank)
         self.stopped = False                  # STOP sent (first worker) or received (a server)
+        self.server_places: list = []         # the servers' {"rank", "node", "pid"} (the trainer fills it)
         self.outcome = None                   # the first worker's: how the run ended (share_outcome)
 
     # ---- the first worker's side -----------------------------------------------------
@@ -203,15 +205,24 @@ def serve(cfg, link: ServerLink) -> dict:
     the global norm is theirs added in coordinate order."""
     coordinates: list[_Coordinate] = []
     served = 0
+    log = None
     try:
         while True:
             kind, a, b = link.receive()
             if kind == STOP:
                 link.stopped = True
+                if log is not None:
+                    log.info("stopped by the workers after serving %d update(s)", served)
                 break
             if kind == START:            # a: the coordinates, b: chunk bytes; then their leads
                 leads = link.receive_array(a, np.int64)
                 coordinates = [_Coordinate(link, p, int(lead), b) for p, lead in enumerate(leads)]
+                # The workers made the run folder by now: this rank's log beside theirs.
+                log = lifecycle.setup_rank_logging(cfg.out_dir, link.rank, link.world.Get_size())
+                log.info("parameter server rank %d of %d: %s", link.rank, link.world.Get_size(),
+                         "; ".join(f"coordinate {c.p}: {len(c.owned)} of {c.group.layout.n_chunks} chunk(s), "
+                                   f"{sum(hi - lo for lo, hi in c.owned)} elements, mode {c.group.mode}"
+                                   for c in coordinates))
             elif kind == INIT:           # a: the optimizer's step count, b: 1 when its state follows
                 for c in coordinates:
                     c.state = _ServerState(cfg, link, c.owned, c.group.dtype, a, b, c.n_workers,
@@ -242,6 +253,8 @@ def serve(cfg, link: ServerLink) -> dict:
                     c.state.steps += 1
                 served += 1
             elif kind == SAVE:           # every optimizer state, chunk by chunk, to each coordinate's lead
+                if log is not None:
+                    log.info("checkpoint: optimizer state of update %d sent", served)
                 for c in coordinates:
                     for i in range(len(c.owned)):
                         for buf in c.state.chunk_state(i):
@@ -278,6 +291,7 @@ class _Coordinate:
     norm, and (from INIT) its _ServerState. Made from what the lead sends at START."""
 
     def __init__(self, link, p, lead, chunk_bytes):
+        self.p = p
         size, itemsize, asynchronous, n_workers, n_excluded = (
             int(v) for v in link.receive_array(5, np.int64, source=lead))
         self.lead = lead
@@ -625,13 +639,20 @@ class ParameterServerData:
             where = (f"parameter server, colocated and sharded over {self.dp} ranks: {lay.n_chunks} chunk(s) of "
                      f"<= {largest / 2**20:.2f} MiB, {len(self.owned)} owned here (their optimizer state only)")
         else:
-            where = (f"parameter server on dedicated rank(s) {self.link.servers[0]}-{self.link.servers[-1]}: "
+            ranks = (f"rank {self.link.servers[0]}" if len(self.link.servers) == 1 else
+                     f"ranks {self.link.servers[0]}-{self.link.servers[-1]}")
+            where = (f"parameter server on dedicated {ranks}: "
                      f"{lay.n_chunks} "
                      f"chunk(s) of <= {largest / 2**20:.2f} MiB interleaved over them; they hold the master weights "
                      f"and the optimizer state, clip and update")
+        if self.link is not None and lay.n_chunks < len(self.link.servers):
+            where += (f" ({len(self.link.servers) - lay.n_chunks} server(s) own no chunk of this model: fewer "
+                      f"servers would do)")
+        pulled = ("each chunk pulled as soon as every worker pushed it (streamed: no clipping)" if self.streamed
+                  else "parameters pulled after the update")
         parts = [self.inner.describe(),
                  f"{where}; gradients pushed {'as backward makes them' if self.overlap else 'after backward'}, "
-                 f"parameters pulled after the update"]
+                 f"{pulled}"]
         return " | ".join(p for p in parts if p)
 
     def summary(self):

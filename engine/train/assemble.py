@@ -541,7 +541,8 @@ def start_monitoring(training: Run, cleanup) -> None:
               "unit": training.recipe.unit, "items_per_step": training.items_per_step, "precision": cfg.precision,
               "layout": {"dp": grid.size("data"), "pp": grid.size("pipe"), "tp": grid.size("tensor")},
               "gemm_peak_flops_per_rank": training.peak_flops, "sync": cfg.sync,
-              "ps_mode": cfg.ps_mode if cfg.sync == "ps" else None, "exact": cfg.inexact_mode is None}
+              "ps_mode": cfg.ps_mode if cfg.sync == "ps" else None, "exact": cfg.inexact_mode is None,
+              "parameter_servers": training.servers.server_places if training.servers is not None else []}
     coords = {"dp": grid.index("data"), "pp": grid.index("pipe"), "tp": grid.index("tensor")}
     gpu = None
     if training.xp is not np:

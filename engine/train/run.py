@@ -20,6 +20,7 @@ import contextlib
 import math
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -75,7 +76,7 @@ def run(cfg: Config, world=None, stop=None, render=None) -> RunResult:
             # themselves (`world` becomes theirs); see engine/parallel/ps.py.
             servers = split_for_servers(cfg, world, cleanup)
             if servers.is_server:
-                return served(serve(cfg, servers))
+                return served(serve(cfg, servers), cfg, servers)
             world = servers.workers_comm
         training = assemble(cfg, world, stop, cleanup, render, servers)
         best = Best.from_manifest(training.manifest) if cfg.best_kept else None
@@ -97,6 +98,10 @@ def split_for_servers(cfg: Config, world, cleanup) -> ServerLink:
     config_checks.check(cfg, world.Get_size())
     link = ServerLink(world, cfg.ps_servers)
     cleanup.callback(link.free)
+    # Where the servers run (monitor.json's header names them: a user who must find one,
+    # or kill it, has its node and pid): one small gather, every rank.
+    me = {"rank": link.rank, "node": socket.gethostname(), "pid": os.getpid()}
+    link.server_places = [m for m in world.allgather(me) if m["rank"] in link.servers]
     if not link.is_server:
         cleanup.push(lambda kind, error, tb: tell_servers(link, error))    # runs after model.close()
     return link
@@ -110,13 +115,17 @@ def tell_servers(link: ServerLink, error) -> bool:
     return False           # the error, if any, goes on
 
 
-def served(outcome: dict) -> RunResult:
+def served(outcome: dict, cfg: Config, link: ServerLink) -> RunResult:
     """A server rank's RunResult: the workers' outcome, or their error raised here too
-    (the same class for a refusal or a divergence, so every rank exits alike)."""
+    (the same class for a refusal or a divergence, so every rank exits alike). A run the
+    workers finished gets this rank's completion marker too (`ringpipe finished` counts
+    every rank of the job)."""
     if "error" in outcome:
         kinds = {"ConfigError": ConfigError, "Diverged": Diverged}
         raise kinds.get(outcome["error"], JobFailure)(
             f"the workers stopped ({outcome['error']}: {outcome['message']}); this parameter server with them")
+    if outcome["exit_code"] == 0 and outcome["stopped_by"] is None:
+        rundir.mark_finished(cfg.out_dir, link.rank, link.world.Get_size(), outcome["steps_done"])
     return RunResult(outcome["steps_done"], float("nan"), outcome["exit_code"], outcome["stopped_by"])
 
 
@@ -472,8 +481,9 @@ def finish(training: Run, loss: float, stopped_at: int | None, best: Best | None
     if training.recipe.generate is not None and cfg.sample_tokens > 0 and arrays is not None and report.is_main:
         sample(training, arrays)
     summarize_job(training)
-    # The last thing every rank does: what `ringpipe finished RUN_DIR` counts.
-    world = training.world
+    # The last thing every rank does: what `ringpipe finished RUN_DIR` counts. With dedicated
+    # parameter servers the job's ranks and rank numbers (the servers mark theirs: served()).
+    world = training.servers.world if training.servers is not None else training.world
     rundir.mark_finished(cfg.out_dir, world.Get_rank(), world.Get_size(), max(cfg.steps, training.start_step))
     return RunResult(max(cfg.steps, training.start_step), loss, 0, None, final, training.model)
 

@@ -222,3 +222,17 @@ def test_help_explains_the_keys(capsys):
     assert top.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert "--interval" in out and "--once" in out and "q quit" in out
+
+
+def test_the_gradient_sync_and_the_parameter_servers_are_named():
+    """A run's header says how it synced; dedicated servers count among the job's ranks
+    (their completion markers too) and ssp/async are said to change the math."""
+    from ringpipe.engine.monitor.read import job_ranks, sync_text
+    servers = [{"rank": 2, "node": "n3", "pid": 1}, {"rank": 3, "node": "n4", "pid": 2}]
+    header = {"world": 2, "sync": "ps", "ps_mode": "ssp:2", "exact": False, "parameter_servers": servers}
+    assert sync_text(header) == "parameter server, 2 dedicated server rank(s), mode ssp:2 (not sync's math)"
+    assert job_ranks(header) == 4
+    assert sync_text({"sync": "ps", "ps_mode": "sync", "exact": True}) == \
+        "parameter server, colocated servers, mode sync"
+    assert sync_text({"sync": "allreduce"}) == "all-reduce" and sync_text({}) is None
+    assert job_ranks({"world": 3}) == 3 and job_ranks({}) is None

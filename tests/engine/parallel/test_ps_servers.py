@@ -15,6 +15,7 @@ import re
 import pytest
 from mpi4py import MPI
 
+from ringpipe.engine.job import rundir
 from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.parallel import ps as ps_model
 from ringpipe.engine.train.config import Config, check
@@ -102,6 +103,9 @@ def test_streamed_servers_equal_one_process(shared_dir, monkeypatch, layout):
             assert_same_run(Trained(result.model, out), ref, TOL, grad_norm=True)
         comm.Free()
     world.Barrier()
+    if world.rank == 0:        # every rank of the job, servers included, marked the run finished
+        done, why = rundir.finished(os.path.join(shared_dir, f"streamed-{layout}"), ranks)
+        assert done, why
 
 
 # Pipeline and tensor axes with dedicated servers: one group per (stage, tensor rank), every
