@@ -214,8 +214,8 @@ def _parallelism_flags(p):
                         "tensor rank). Needs dp >= 2; no --zero or cuda yet")
     g.add_argument("--ps-servers", type=int, default=0, metavar="K",
                    help="with --sync ps: dedicated server ranks, the last K of the job (launch K more ranks; "
-                        "they hold the master weights and the optimizer state, clip and update; no --pp or --tp "
-                        "yet). 0 (default): every data-parallel rank serves its share of the chunks (colocated, "
+                        "they hold the master weights and the optimizer state, clip and update; with --pp/--tp "
+                        "they serve every stage and tensor rank; without clipping they stream the step). 0 (default): every data-parallel rank serves its share of the chunks (colocated, "
                         "sharded)")
     g.add_argument("--ps-mode", default="sync", metavar="MODE",
                    help="with --sync ps --ps-servers K >= 1: sync (default: every step sums every worker's "

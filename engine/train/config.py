@@ -434,10 +434,17 @@ def _check_sync(cfg: Config, dp: int, world_size: int) -> list[str]:
     if cfg.device != "cpu":
         raise ConfigError(f"<sync> ps moves host (numpy) buffers only for now: use <device> cpu, or <sync> "
                           f"allreduce on {cfg.device}")
+    notes = []
+    mode, bound = parse_ps_mode(cfg.ps_mode)
+    if mode == "ssp" and bound and cfg.eval_period <= bound:
+        exact = " (sync's math)" if cfg.eval_period == 1 else ""
+        notes.append(f"note: validation every {cfg.eval_period} step(s) waits for the updates in flight (a drain), "
+                     f"so a step runs at most {cfg.eval_period - 1} update(s) behind, not <ps_mode> ssp:{bound}'s "
+                     f"{bound}{exact}: raise <eval_every> above {bound} to measure ssp:{bound}")
     if cfg.bucket_mb is not None:
-        return ["note: <bucket_mb> has no effect with <sync> ps: gradients are pushed per parameter, in the "
+        return notes + ["note: <bucket_mb> has no effect with <sync> ps: gradients are pushed per parameter, in the "
                 "parameter server's chunks of <= 4 MiB"]
-    return []
+    return notes
 
 
 def _check_layout(cfg: Config, world_size: int) -> None:

@@ -146,6 +146,13 @@ def test_refusals(settings, says):
         check(Config(data="synthetic", batch_size=12, **settings), 4)
 
 
+def test_validation_as_often_as_the_bound_is_noted():
+    """Every validation drains ssp's pulls: as often as the bound, the bound is never reached."""
+    notes = check(Config(data="synthetic", batch_size=12, steps=6, sync="ps", ps_servers=1, ps_mode="ssp:2"), 4)
+    assert any("at most 0 update(s) behind" in n and "sync's math" in n for n in notes)
+    assert check(Config(data="synthetic", batch_size=12, steps=30, sync="ps", ps_servers=1, ps_mode="ssp:2"), 4) == []
+
+
 def test_labels():
     assert Config(sync="ps", ps_servers=1, ps_mode="ssp:3").inexact_mode == "ssp:3"
     assert Config(sync="ps", ps_servers=1, ps_mode="async").inexact_mode == "async"
