@@ -60,11 +60,15 @@ def table(rows: list[dict], columns: list[tuple], header: bool = True) -> str:
 
 
 def write_json(path: str, obj) -> None:
+    """`obj` as JSON at `path`, whole or not at all (a temp file beside it, then one rename):
+    a benchmark stopped while writing leaves no half file where an older result stood."""
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
-    with open(path, "w") as f:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
         json.dump(obj, f, indent=1, sort_keys=False)
         f.write("\n")
+    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------

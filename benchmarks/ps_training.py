@@ -201,9 +201,7 @@ def calibrate(spec: dict) -> int:
             servers = range(n, n + k) if k else range(n)
             layout = ps_layout(elements, 4, range(n), servers, spec["chunk_bytes"])
             out["modes"][key]["pred_chunks_s"], out["modes"][key]["link_chunks_bytes"] = chunked_ps_time(level, layout)
-    tmp = f"{spec['result']}.tmp-{os.getpid()}"
-    write_json(tmp, out)
-    os.replace(tmp, spec["result"])
+    write_json(spec["result"], out)       # whole or not at all
     return 0
 
 
@@ -454,9 +452,7 @@ def main() -> int:
                load_start=load_start[0], load_end=load_end[0], level=level, cost_model=model["cost_model"],
                argv=sys.argv[1:], rows=rows)
     if args.json:
-        tmp = f"{args.json}.tmp-{os.getpid()}"
-        write_json(tmp, out)
-        os.replace(tmp, args.json)      # whole or not at all
+        write_json(args.json, out)      # whole or not at all
         print(f"# wrote {args.json}")
     if args.plot:
         where = f"emulated nodes, link {args.link or '?'}" if args.launcher == "nodes" else "one host (shared memory)"

@@ -457,9 +457,7 @@ def main() -> int:
                emulated=emulated, link_counters=counters, hosts=hosts, host=socket.gethostname(),
                cost_model=model.to_dict(), level=level._asdict(), rows=rows)
     if args.json:
-        tmp = f"{args.json}.tmp-{os.getpid()}"
-        write_json(tmp, out)
-        os.replace(tmp, args.json)      # whole or not at all
+        write_json(args.json, out)      # whole or not at all
         print(f"# wrote {args.json}")
     if args.plot:
         plot(args.plot, rows, title)
