@@ -124,3 +124,13 @@ def assert_continues(tail: str, whole: str, resumed_at: int, steps: int, tol: fl
     assert_same_arrays(arrays, final_arrays(whole), tol, what)
     np.testing.assert_allclose([m["loss"] for m in metrics(tail)], [m["loss"] for m in metrics(whole)][resumed_at:],
                                rtol=tol, atol=tol)
+
+
+def job(ranks: int):
+    """A communicator of the world's first `ranks` ranks (collective over the world; None on
+    the others, which sit the run out): a layout smaller than the test's launch."""
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    comm = world.Split(0 if world.rank < ranks else MPI.UNDEFINED, world.rank)
+    return None if comm == MPI.COMM_NULL else comm
+

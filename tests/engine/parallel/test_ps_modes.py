@@ -27,7 +27,7 @@ from ringpipe.engine.parallel.ps_modes import AsynchronousPS, BoundedStalenessPS
 from ringpipe.engine.train.config import Config, check
 from ringpipe.engine.train.run import run
 
-from tests.support.parity import assert_continues, final_arrays, losses, metrics
+from tests.support.parity import assert_continues, final_arrays, job, losses, metrics
 
 world = MPI.COMM_WORLD
 # A clip above this model's early norms and below its later ones would make the modes'
@@ -35,11 +35,6 @@ world = MPI.COMM_WORLD
 BASE = dict(data="synthetic", layers=2, d_model=16, heads=2, context=16, batch_size=8, steps=6, dtype="float64",
             sample_tokens=0, quiet=True, overwrite=True, eval_every=3, eval_batches=1, grad_clip=0.05,
             monitor_every=0, tensorboard=False, optimizer="adamw", microbatches=2)
-
-
-def job(ranks):
-    comm = world.Split(0 if world.rank < ranks else MPI.UNDEFINED, world.rank)
-    return None if comm == MPI.COMM_NULL else comm
 
 
 def needs_4_ranks():

@@ -21,7 +21,7 @@ from ringpipe.engine.parallel import ps as ps_model
 from ringpipe.engine.train.config import Config, check
 from ringpipe.engine.train.run import run
 
-from tests.support.parity import assert_continues, assert_same_run, metrics, reference
+from tests.support.parity import Trained, assert_continues, assert_same_run, job, metrics, reference
 
 world = MPI.COMM_WORLD
 TOL = 1e-10
@@ -35,12 +35,6 @@ LAYOUTS = {"2+1": (3, 1), "2+2": (4, 2), "3+1": (4, 1)}
 # 4 MiB: this model in one chunk (one server owns it, a second none); 1000 bytes: ~100 chunks
 # across parameter boundaries, interleaved over the servers.
 CHUNKS = {"one-chunk": None, "small-chunks": 1000}
-
-
-def job(ranks):
-    """The first `ranks` ranks of the world (None on the others, which sit the run out)."""
-    comm = world.Split(0 if world.rank < ranks else MPI.UNDEFINED, world.rank)
-    return None if comm == MPI.COMM_NULL else comm
 
 
 def needs_4_ranks():
@@ -70,7 +64,6 @@ def test_servers_equal_one_process(shared_dir, monkeypatch, layout, optimizer, c
             assert isinstance(result.model, ps_model.ParameterServerData) and not result.model.owned
             # Losses, validation, grad norms, every weight, and the whole checkpoint (the
             # optimizer state asked from the servers).
-            from tests.support.parity import Trained
             assert_same_run(Trained(result.model, os.path.join(shared_dir, tag)), ref, TOL, grad_norm=True)
             assert all(m["grad_norm"] > CLIP for m in metrics(os.path.join(shared_dir, tag))), \
                 "clipping must act in this test"
@@ -98,7 +91,6 @@ def test_streamed_servers_equal_one_process(shared_dir, monkeypatch, layout):
         result = run(Config(**cfg, sync="ps", ps_servers=servers, out=out), world=comm)
         assert result.steps_done == 3 and result.exit_code == 0
         if comm.rank < ranks - servers:
-            from tests.support.parity import Trained
             assert result.model.streamed
             assert_same_run(Trained(result.model, out), ref, TOL, grad_norm=True)
         comm.Free()
@@ -134,7 +126,6 @@ def test_servers_with_pipeline_and_tensor_axes(shared_dir, monkeypatch, layout):
         result = run(Config(**cfg, sync="ps", ps_servers=servers, out=out), world=comm)
         assert result.steps_done == 3 and result.exit_code == 0
         if comm.rank < ranks - servers:
-            from tests.support.parity import Trained
             assert_same_run(Trained(result.model, out), ref, TOL, grad_norm=True, holdings=False)
             if cfg["grad_clip"]:
                 assert all(m["grad_norm"] > CLIP for m in metrics(out)), "clipping must act in this test"
