@@ -54,7 +54,7 @@ import time
 
 import numpy as np
 
-from ringpipe import comm, kernels as K
+from ringpipe import comm
 from ringpipe.engine.model.optim import clip_scale
 from ringpipe.engine.parallel import GradSync
 from ringpipe.engine.parallel.ps import _DATA_TAG, FETCH, STEP, ParameterServerData, _PushSync
@@ -151,11 +151,8 @@ class AsynchronousPS(ParameterServerData):
         self._start_servers()
         loss = self.inner.forward_backward(x, y, grad_scale, sync=_NoPush())
         # Its own gradient's norm: with a pipeline or tensor axis, over every stage and tensor
-        # rank of its model (each part counted once), as the global norm is.
-        grad = self.params.grad
-        part = float(K.sum_of_squares(grad)) - sum(float(K.sum_of_squares(grad[a:b]))
-                                                   for a, b in self.inner.norm_excluded())
-        self._own_norm_sq = self.inner.sum_norm(part)
+        # rank of its model (each part counted once): the inner model's, before any sync.
+        self._own_norm_sq = self.inner.grad_norm_sq()
         return loss
 
     def grad_norm_sq(self):
