@@ -231,21 +231,42 @@ def predict(cfg, shape, seq_len, dp: int) -> Breakdown:
 
 
 def _predict_rank(cfg, shape, seq_len, dp, pipe_rank) -> Breakdown:
+    """One pipeline rank's bytes: each item (in the table's order) with how it was counted,
+    then the phases that hold them and the checkpoints' moments."""
     s = np.dtype(cfg.dtype).itemsize
     zero = int(getattr(cfg, "zero", 0) or 0) if dp > 1 else 0
-    recompute = getattr(cfg, "recompute", "none") or "none"
-    gather = getattr(cfg, "zero_gather", None)
-    if gather in (None, "auto"):
-        gather = "step" if cfg.pipelined else "use"      # the default: --zero-gather auto
-    tp, sp = cfg.tp, bool(cfg.sequence_parallel)
-    states = 2 if cfg.optimizer == "adamw" else 1
     layers = cfg.recipe.layers(shape, None)          # the layer objects only: no arrays are made
     bounds = stage_bounds(cfg, len(layers))
     mine = [c * cfg.pp + pipe_rank for c in range(cfg.chunks)]       # this rank's virtual stages
+    units = _units(layers, bounds, mine, cfg.tp)
+    P = sum(units.sizes)
+    b = Breakdown(params=P, pipe_rank=pipe_rank)
+    buckets = _gradient_buckets(cfg, s, P, zero, dp, units, _param_list(layers, bounds, mine, cfg.tp))
+    _predict_parameters(b, s, P, zero, dp)
+    _predict_gradients(b, cfg, s, P, zero, dp, buckets)
+    _predict_optimizer_state(b, cfg, s, P, zero, dp)
+    _predict_activations(b, cfg, shape, seq_len, dp, pipe_rank, layers, bounds, mine)
+    _predict_gathered_units(b, cfg, s, P, zero, dp, units)
+    _predict_buffers_and_overhead(b, dp, buckets)
+    _predict_phases(b, cfg, s, P, zero, dp, units.largest)
+    _predict_checkpoints(b, cfg, s, P, layers)
+    b.items = {k: int(v) for k, v in b.items.items()}
+    b.phases = {k: int(v) for k, v in b.phases.items()}
+    return b
 
-    # Parameters this rank holds, tied ones once; each layer's unit (ZeRO-3's gather).
+
+@dataclass
+class _Units:
+    """The parameters one rank holds, layer by layer: ZeRO-3 gathers a layer's unit around its use."""
+    sizes: list         # elements of each layer's unit (a tied parameter in the first layer that declares it)
+    shared: set         # units a later layer reads again (the tied wte): ZeRO-3 keeps them all step
+    largest: int        # elements of the largest parameter, whole: init draws each one whole
+
+
+def _units(layers, bounds, mine, tp) -> _Units:
+    """The units of this rank's layers (its virtual stages `mine`), tied parameters counted once."""
     seen, unit_sizes, largest_param = {}, [], 0
-    shared = set()          # units a later layer reads again (the tied wte): ZeRO-3 keeps them all step
+    shared = set()
     for stage in mine:
         lo, hi = bounds[stage]
         for layer in layers[lo:hi]:
@@ -259,10 +280,79 @@ def _predict_rank(cfg, shape, seq_len, dp, pipe_rank) -> Breakdown:
                 elif seen[spec.name] != len(unit_sizes):
                     shared.add(seen[spec.name])
             unit_sizes.append(unit)
-    P = sum(unit_sizes)
-    param_bytes_each = [u * s for u in unit_sizes if u]
+    return _Units(sizes=unit_sizes, shared=shared, largest=largest_param)
 
-    # Activations of one micro-batch, per chunk, and the schedule's micro-batches in flight.
+
+def _gradient_buckets(cfg, s, P, zero, dp, units, param_elements):
+    """Bytes of each gradient bucket the data axis reduces (none on one data rank): ZeRO-3
+    buckets by unit, the others by parameter (`param_elements`, in buffer order)."""
+    if dp <= 1:
+        return []
+    cap = bucket_bytes(cfg, s * P)
+    if zero >= 3:
+        return _buckets([u * s for u in units.sizes if u], cap)
+    return _buckets([s * n for n in param_elements], cap)
+
+
+def _predict_parameters(b, s, P, zero, dp):
+    """The parameters (ZeRO-3: this rank's shard) and the weight-decay mask (ZeRO 1-3: its chunks)."""
+    sharded = zero >= 1
+    b.items["parameters"] = s * P / (dp if zero >= 3 else 1)
+    b.notes["parameters"] = (f"{P:,} parameters x {s} B" + (f" / {dp} (ZeRO-3 shards)" if zero >= 3 else ""))
+    b.items["weight-decay mask"] = P / (dp if sharded else 1)
+    b.notes["weight-decay mask"] = "1 B a parameter" + (" updated here" if sharded else "")
+
+
+def _predict_gradients(b, cfg, s, P, zero, dp, buckets):
+    """The gradients: whole, or under ZeRO-2/3 this rank's chunks plus the buckets in flight."""
+    if zero >= 2:
+        whole = cfg.microbatches > 1
+        grads = s * P if whole else s * P / dp
+        # Backward holds the bucket it writes and the one being reduced whole (two largest).
+        flying = 0 if whole else sum(sorted(buckets)[-2:])
+        b.items["gradients"] = grads
+        b.notes["gradients"] = ("whole until the last micro-batch's backward" if whole else
+                                f"1/{dp} kept after each bucket's reduce-scatter")
+        b.items["gradient buckets in flight"] = flying
+        b.notes["gradient buckets in flight"] = "the two largest buckets, whole while backward fills them"
+    else:
+        b.items["gradients"] = s * P
+        b.notes["gradients"] = "whole"
+
+
+def _optimizer_states(cfg) -> int:
+    """Buffers the optimizer keeps a parameter: AdamW's m and v, SGD's one."""
+    return 2 if cfg.optimizer == "adamw" else 1
+
+
+def _predict_optimizer_state(b, cfg, s, P, zero, dp):
+    """The optimizer state (ZeRO 1-3 and a colocated parameter server: this rank's chunks; a
+    worker beside dedicated servers: none) and the parameter pulls a worker holds in flight."""
+    states = _optimizer_states(cfg)
+    sharded = zero >= 1
+    optimizer = states * s * P / (dp if sharded else 1)
+    held = f" / {dp} (ZeRO-{zero})" if sharded else ""
+    if getattr(cfg, "sync", "allreduce") == "ps" and dp > 1:
+        # The parameter server: a colocated rank keeps its chunks' state (1/dp, as ZeRO-1),
+        # a worker beside dedicated servers none (the servers hold it).
+        dedicated = bool(getattr(cfg, "ps_servers", 0))
+        optimizer = 0 if dedicated else states * s * P / dp
+        held = " on the parameter servers, none here" if dedicated else f" / {dp} (--sync ps: this rank's chunks)"
+    b.items["optimizer state"] = optimizer
+    b.notes["optimizer state"] = f"{cfg.optimizer}: {states} x {s} B a parameter{held}"
+    pulls = _pull_copies(cfg) if getattr(cfg, "sync", "allreduce") == "ps" and dp > 1 else 0
+    if pulls:
+        b.items["parameter pulls in flight"] = pulls * s * P
+        b.notes["parameter pulls in flight"] = (f"{pulls} more cop{'ies' if pulls > 1 else 'y'} of the parameters: "
+                                                "the pulls land beside the parameters in use")
+
+
+def _predict_activations(b, cfg, shape, seq_len, dp, pipe_rank, layers, bounds, mine):
+    """The activations: what one micro-batch's layers keep on each of this rank's chunks, times
+    the schedule's micro-batches in flight, plus the largest backward working set."""
+    s = np.dtype(cfg.dtype).itemsize
+    tp, sp = cfg.tp, bool(cfg.sequence_parallel)
+    recompute = getattr(cfg, "recompute", "none") or "none"
     rows = cfg.batch_size // dp // cfg.microbatches
     T = seq_len or 1
     scale = s / 4
@@ -288,84 +378,70 @@ def _predict_rank(cfg, shape, seq_len, dp, pipe_rank) -> Breakdown:
             kept = elements * s / tp
         per_chunk[c] = kept
     flight = in_flight(cfg, pipe_rank)
-    activations = sum(per_chunk.get(c, 0.0) * n for c, n in flight.items()) + working
-
-    b = Breakdown(params=P, pipe_rank=pipe_rank)
-    sharded = zero >= 1
-    b.items["parameters"] = s * P / (dp if zero >= 3 else 1)
-    b.notes["parameters"] = (f"{P:,} parameters x {s} B" + (f" / {dp} (ZeRO-3 shards)" if zero >= 3 else ""))
-    b.items["weight-decay mask"] = P / (dp if sharded else 1)
-    b.notes["weight-decay mask"] = "1 B a parameter" + (" updated here" if sharded else "")
-    cap = bucket_bytes(cfg, s * P)
-    buckets = _buckets(param_bytes_each if zero >= 3 else [s * n for n in _param_list(layers, bounds, mine, tp)],
-                       cap) if dp > 1 else []
-    largest_bucket = max(buckets, default=0)
-    if zero >= 2:
-        whole = cfg.microbatches > 1
-        grads = s * P if whole else s * P / dp
-        # Backward holds the bucket it writes and the one being reduced whole (two largest).
-        flying = 0 if whole else sum(sorted(buckets)[-2:])
-        b.items["gradients"] = grads
-        b.notes["gradients"] = ("whole until the last micro-batch's backward" if whole else
-                                f"1/{dp} kept after each bucket's reduce-scatter")
-        b.items["gradient buckets in flight"] = flying
-        b.notes["gradient buckets in flight"] = "the two largest buckets, whole while backward fills them"
-    else:
-        grads, flying = s * P, 0
-        b.items["gradients"] = grads
-        b.notes["gradients"] = "whole"
-    optimizer = states * s * P / (dp if sharded else 1)
-    held = f" / {dp} (ZeRO-{zero})" if sharded else ""
-    if getattr(cfg, "sync", "allreduce") == "ps" and dp > 1:
-        # The parameter server: a colocated rank keeps its chunks' state (1/dp, as ZeRO-1),
-        # a worker beside dedicated servers none (the servers hold it).
-        dedicated = bool(getattr(cfg, "ps_servers", 0))
-        optimizer = 0 if dedicated else states * s * P / dp
-        held = " on the parameter servers, none here" if dedicated else f" / {dp} (--sync ps: this rank's chunks)"
-    b.items["optimizer state"] = optimizer
-    b.notes["optimizer state"] = f"{cfg.optimizer}: {states} x {s} B a parameter{held}"
-    pulls = _pull_copies(cfg) if getattr(cfg, "sync", "allreduce") == "ps" and dp > 1 else 0
-    if pulls:
-        b.items["parameter pulls in flight"] = pulls * s * P
-        b.notes["parameter pulls in flight"] = (f"{pulls} more cop{'ies' if pulls > 1 else 'y'} of the parameters: "
-                                                "the pulls land beside the parameters in use")
-    b.items["activations"] = activations
+    b.items["activations"] = sum(per_chunk.get(c, 0.0) * n for c, n in flight.items()) + working
     b.notes["activations"] = (f"{rows} x {T} tokens a micro-batch, {sum(flight.values())} in flight"
                               + (f", recompute {recompute}" if recompute != "none" else ""))
-    gathered = 0.0
-    if zero >= 3:
-        if gather == "step":
-            gathered = s * P * (dp - 1) / dp
-        else:
-            others = [u * s for i, u in enumerate(unit_sizes) if u and i not in shared]
-            kept = sum(unit_sizes[i] * s for i in shared)
-            gathered = (kept + sum(sorted(others)[-2:])) * (dp - 1) / dp
-        b.items["gathered units"] = gathered
-        b.notes["gathered units"] = ("every unit until the step ends" if gather == "step"
-                                     else "the unit in use and the next one, and the tied embedding's all step")
+
+
+def _predict_gathered_units(b, cfg, s, P, zero, dp, units):
+    """ZeRO-3's gathered parameters: every unit until the step ends (--zero-gather step), or the
+    unit in use, the next one and the shared ones (use). No item without ZeRO-3."""
+    if zero < 3:
+        return
+    gather = getattr(cfg, "zero_gather", None)
+    if gather in (None, "auto"):
+        gather = "step" if cfg.pipelined else "use"      # the default: --zero-gather auto
+    if gather == "step":
+        gathered = s * P * (dp - 1) / dp
+    else:
+        others = [u * s for i, u in enumerate(units.sizes) if u and i not in units.shared]
+        kept = sum(units.sizes[i] * s for i in units.shared)
+        gathered = (kept + sum(sorted(others)[-2:])) * (dp - 1) / dp
+    b.items["gathered units"] = gathered
+    b.notes["gathered units"] = ("every unit until the step ends" if gather == "step"
+                                 else "the unit in use and the next one, and the tied embedding's all step")
+
+
+def _predict_buffers_and_overhead(b, dp, buckets):
+    """The ring's receive slots and the fixed overhead every rank holds."""
     # Two slots alternate between reduce phases; with two ranks there is only one phase.
-    comm_buffers = min(RING_SLOTS, dp - 1) * largest_bucket / dp if dp > 1 else 0
-    b.items["communication buffers"] = comm_buffers
+    b.items["communication buffers"] = min(RING_SLOTS, dp - 1) * max(buckets, default=0) / dp if dp > 1 else 0
     b.notes["communication buffers"] = "ring receive slots: min(2, N - 1) x largest bucket / N"
     b.items["fixed overhead"] = FIXED_OVERHEAD_BYTES
     b.notes["fixed overhead"] = "interpreter, numpy, Numba kernels, MPI (measured)"
 
-    base = FIXED_OVERHEAD_BYTES + comm_buffers + b.items["weight-decay mask"]
+
+def _held_always(b) -> float:
+    """What every phase holds: the fixed overhead, the ring's buffers and the mask."""
+    return FIXED_OVERHEAD_BYTES + b.items["communication buffers"] + b.items["weight-decay mask"]
+
+
+def _held_between_steps(b) -> float:
+    """What lives from step to step besides: the parameters, the optimizer state, the pulls."""
+    return b.items["parameters"] + b.items["optimizer state"] + b.items.get("parameter pulls in flight", 0)
+
+
+def _predict_phases(b, cfg, s, P, zero, dp, largest_param):
+    """The three phases of a step's life (init, backward, update) and what each holds at once."""
+    base, persistent = _held_always(b), _held_between_steps(b)
+    grads = b.items["gradients"]
     # ParamBuffer.init draws each parameter whole in float64, then casts it (12 B an element).
     b.phases["init"] = base + s * P + (8 + s) * largest_param
-    persistent = b.items["parameters"] + optimizer + b.items.get("parameter pulls in flight", 0)
-    b.phases["backward"] = base + persistent + grads + flying + activations + gathered
+    b.phases["backward"] = (base + persistent + grads + b.items.get("gradient buckets in flight", 0)
+                            + b.items["activations"] + b.items.get("gathered units", 0.0))
     b.phases["update"] = base + persistent + (grads if zero < 2 else s * P / dp)
+
+
+def _predict_checkpoints(b, cfg, s, P, layers):
+    """The checkpoints' moments, outside the training peak (Breakdown.checkpoint)."""
+    states = _optimizer_states(cfg)
     # The writer (world rank 0, pipeline rank 0) holds every stage's arrays whole: the
     # parameters copied, the optimizer state (gathered under ZeRO). A resume reads this
     # stage's arrays whole (tensor parts included) and lays out one state at a time.
     whole_model = sum(_param_list(layers, [(0, len(layers))], [0], 1))
-    whole_stage = P * tp
+    whole_stage = P * cfg.tp
     b.checkpoint["save"] = int(b.phases["update"] + s * whole_model * (1 + states))
-    b.checkpoint["resume"] = int(base + persistent + s * whole_stage * (1 + states) + 2 * s * P)
-    b.items = {k: int(v) for k, v in b.items.items()}
-    b.phases = {k: int(v) for k, v in b.phases.items()}
-    return b
+    b.checkpoint["resume"] = int(_held_always(b) + _held_between_steps(b) + s * whole_stage * (1 + states) + 2 * s * P)
 
 
 def _pull_copies(cfg) -> int:
