@@ -17,8 +17,9 @@ import time
 
 import pytest
 
+from ringpipe.engine.data import outfolder, prepare_job, shards
 from ringpipe.engine.data import prepare as prep
-from ringpipe.engine.data import shards
+from ringpipe.engine.data import tokenizer as tokenizers
 from tests.support import ROOT
 from tests.support.hostile import tmpfs
 
@@ -188,7 +189,7 @@ def test_a_kill_at_any_step_of_the_swap_leaves_a_whole_dataset_findable(tmp_path
         pid = os.fork()
         if pid == 0:                                                # the child: dies at call k of the swap
             try:
-                real_install = prep._OutFolder.install
+                real_install = outfolder.OutFolder.install
 
                 def install(self, manifest, tok):
                     if not links:
@@ -197,7 +198,7 @@ def test_a_kill_at_any_step_of_the_swap_leaves_a_whole_dataset_findable(tmp_path
                         os.link = no_link
                     _fail_at(setattr, k, lambda: os.kill(os.getpid(), signal.SIGKILL))
                     return real_install(self, manifest, tok)
-                prep._OutFolder.install = install
+                outfolder.OutFolder.install = install
                 prep.prepare([str(tmp_path / "new.txt")], d, overwrite=True, progress=False, tokens_per_shard=5000)
             finally:
                 os._exit(0)
@@ -323,7 +324,7 @@ def test_a_full_disk_names_the_file_and_leaves_the_old_dataset(tmp_path, monkeyp
     if where == "shard":
         monkeypatch.setattr(shards.ShardWriter, "write", full)
     else:
-        monkeypatch.setattr(prep.tokenizers_.Tokenizer, "save", full)
+        monkeypatch.setattr(tokenizers.Tokenizer, "save", full)
     with pytest.raises(ValueError) as e:
         make(tmp_path, "new.txt", "new text " * 300, overwrite=True)
     message = str(e.value)
@@ -342,7 +343,7 @@ def test_ctrl_c_releases_the_lock_removes_the_parts_and_keeps_the_old_dataset(tm
     def interrupt(*a, **kw):
         raise KeyboardInterrupt
     if when == "tokenizing":
-        monkeypatch.setattr(prep, "tokenize_source", interrupt)
+        monkeypatch.setattr(prepare_job, "tokenize_source", interrupt)
     else:
         monkeypatch.setattr(shards.ShardWriter, "write", interrupt)
     with pytest.raises(KeyboardInterrupt):

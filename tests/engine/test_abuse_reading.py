@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from ringpipe.engine.data import prepare as prep
+from ringpipe.engine.data import prepare_job, readers
 from ringpipe.engine.data import tokenizer as tk
 from tests.support import ROOT
 from tests.support.hostile import deadline
@@ -61,8 +62,8 @@ def llama3_style_tokenizer(texts):
 
 
 def streamed_ids(tok, text):
-    cut = prep._cutter(tok)
-    pieces = list(prep._pieces([text], cut, "t.txt", ""))
+    cut = readers.cutter(tok)
+    pieces = list(readers._pieces([text], cut, "t.txt", ""))
     assert [last for _, last in pieces] == [False] * (len(pieces) - 1) + [True]
     assert "".join(p for p, _ in pieces) == text
     return np.concatenate(tok.encode_batch([p for p, _ in pieces])), pieces
@@ -77,7 +78,7 @@ def test_a_document_encoded_in_pieces_gives_the_ids_of_the_whole(kind, monkeypat
     text = varied_text(120_000, seed=1)
     tok = {"bytes": tk.bytes_tokenizer, "bpe": lambda: train([varied_text(20_000, seed=2)]),
            "llama3": lambda: llama3_style_tokenizer([varied_text(20_000, seed=3)])}[kind]()
-    monkeypatch.setattr(prep, "PIECE_CHARS", 997)
+    monkeypatch.setattr(readers, "PIECE_CHARS", 997)
     ids, pieces = streamed_ids(tok, text)
     assert len(pieces) > 100
     assert np.array_equal(ids, tok.encode(text))
@@ -89,7 +90,7 @@ def test_a_document_encoded_in_pieces_gives_the_ids_of_the_whole(kind, monkeypat
 def test_a_long_run_without_a_boundary_is_cut_hard_and_still_one_document(tmp_path, monkeypatch):
     tok = train([varied_text(20_000, seed=4)])
     text = "x" * 5000 + " tail words here"
-    monkeypatch.setattr(prep, "PIECE_CHARS", 1000)
+    monkeypatch.setattr(readers, "PIECE_CHARS", 1000)
     ids, pieces = streamed_ids(tok, text)
     assert [len(p) for p, _ in pieces[:5]] == [1000] * 5          # the documented hard cut: the window's end
     assert tok.decode(ids) == text
@@ -109,12 +110,12 @@ def test_a_tokenizer_that_encodes_pieces_differently_reads_documents_whole_up_to
     hf.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     hf.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
     tok = tk.from_json(hf.to_str(), source="prepend.json")
-    assert prep._cutter(tok) is None
-    monkeypatch.setattr(prep, "PIECE_CHARS", 100)
-    monkeypatch.setattr(prep, "MAX_WHOLE_DOCUMENT", 1000)
-    assert list(prep._pieces(["a b " * 200], None, "f.txt", "")) == [("a b " * 200, True)]
+    assert readers.cutter(tok) is None
+    monkeypatch.setattr(readers, "PIECE_CHARS", 100)
+    monkeypatch.setattr(readers, "MAX_WHOLE_DOCUMENT", 1000)
+    assert list(readers._pieces(["a b " * 200], None, "f.txt", "")) == [("a b " * 200, True)]
     with pytest.raises(prep.PrepareError, match=r"f.txt, line 3: a document over 1,000 characters.*split the docu"):
-        list(prep._pieces(["a b " * 300], None, "f.txt", ", line 3"))
+        list(readers._pieces(["a b " * 300], None, "f.txt", ", line 3"))
 
 
 @needs_tokenizers
@@ -130,7 +131,7 @@ def test_prepare_in_pieces_writes_the_bytes_of_a_whole_prepare(tmp_path, monkeyp
     train([varied_text(20_000, seed=6)]).save(str(tmp_path / "tok"))
 
     def dataset(out, tokenizer, piece_chars):
-        monkeypatch.setattr(prep, "PIECE_CHARS", piece_chars)
+        monkeypatch.setattr(readers, "PIECE_CHARS", piece_chars)
         m = prep.prepare([str(inp)], str(out), tokenizer=tokenizer, progress=False, val_every=3)
         files = sorted(n for n in os.listdir(out) if n.endswith(".bin"))
         return {n: (out / n).read_bytes() for n in files}, m["splits"], m["sources"]
@@ -203,13 +204,13 @@ def test_bpe_training_reads_at_most_its_budget_from_every_file(tmp_path):
             pass
 
     used = [0]
-    texts = list(prep._texts_for_bpe(sources, "text", Bar(), 8_000, used))
+    texts = list(prepare_job._texts_for_bpe(sources, "text", Bar(), 8_000, used))
     assert used[0] == sum(len(t.encode("utf-8")) for t in texts) <= 8_000
     assert used[0] > 7_000
     assert texts[0].startswith(paths[0].read_text(encoding="utf-8")[:50])
     assert any(t.startswith(paths[1].read_text(encoding="utf-8")[:50]) for t in texts)   # every file is sampled
     again = [0]
-    assert list(prep._texts_for_bpe(sources, "text", Bar(), 8_000, again)) == texts        # deterministic
+    assert list(prepare_job._texts_for_bpe(sources, "text", Bar(), 8_000, again)) == texts        # deterministic
 
 
 @needs_tokenizers
@@ -226,7 +227,7 @@ def test_bpe_trains_on_pieces_and_the_manifest_says_how_much(tmp_path, monkeypat
         return real_train(seen(), vocab_size)
 
     monkeypatch.setattr(tk, "train_bpe", spy)
-    monkeypatch.setattr(prep, "PIECE_CHARS", 4096)
+    monkeypatch.setattr(readers, "PIECE_CHARS", 4096)
     m = prep.prepare([str(tmp_path / "in")], str(tmp_path / "out"), tokenizer="bpe:300", progress=False,
                      bpe_train_mb=0.02)
     assert max(longest) <= 4096 and sum(longest) <= 20_000
@@ -327,9 +328,9 @@ def test_a_deeply_nested_jsonl_line_is_refused_naming_file_and_line(tmp_path):
 def test_a_jsonl_line_over_the_limit_is_refused_before_it_is_read_whole(tmp_path, monkeypatch):
     path = tmp_path / "long.jsonl"
     path.write_text('{"text": "ok"}\n{"text": "' + "x" * 5000 + '"}\n')
-    monkeypatch.setattr(prep, "MAX_JSONL_LINE", 1000)
+    monkeypatch.setattr(readers, "MAX_JSONL_LINE", 1000)
     _refused(tmp_path, [str(path)], "bytes", r"long.jsonl, line 2 is longer than 1,000 bytes.*\.txt file")
-    monkeypatch.setattr(prep, "MAX_JSONL_LINE", 5012)            # the line and its newline: just fits
+    monkeypatch.setattr(readers, "MAX_JSONL_LINE", 5012)            # the line and its newline: just fits
     prep.prepare([str(path)], str(tmp_path / "out"), progress=False)
 
 
