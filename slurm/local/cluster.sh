@@ -8,7 +8,7 @@
 #   srun -N 2 --ntasks-per-node 2 --mpi=pmi2 python -m ringpipe train --steps 20
 #   sbatch -N 2 --ntasks-per-node 2 slurm/train.sbatch --steps 20; squeue; scancel JOB
 #   slurm/local/nodes.sh shape 500mbit                           # change the links while up
-#   slurm/local/cluster.sh down
+#   slurm/local/cluster.sh down                                  # or: down --force
 #
 # `up` prints only shell lines (export SLURM_CONF, UCX_TLS=tcp,self, PATH with the
 # wrappers first, RINGPIPE_NODES_DIR and RINGPIPE_NETNS_PREFIX of its nodes), for
@@ -20,6 +20,12 @@
 # root (namespaces; Debian's slurm-wlm and munge, installed with apt when missing);
 # where namespaces are not permitted it says so and exits 3. The single-node Slurm
 # of slurm/local/start.sh is independent of this one and keeps working.
+#
+# Shared and reference-counted like start.sh's (holders.sh): `up` makes its caller (the
+# shell, or RINGPIPE_SLURM_HOLDER_PID) a holder and says who else holds a cluster it
+# reuses; `down` lets go of that hold and takes the cluster down only when no other holder
+# is alive and no job is queued (else it says what it left up and why); `down --force`
+# takes it down now. An `up` with another node count than a cluster others hold is refused.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd -P)
@@ -36,6 +42,8 @@ PRIVATE_DIR_VAR=RINGPIPE_CLUSTER_DIR
 . "$HERE/private.sh"
 # shellcheck source=conf.sh
 . "$HERE/conf.sh"
+# shellcheck source=holders.sh
+. "$HERE/holders.sh"
 export RINGPIPE_NODES_DIR=$DIR/nodes
 NET=10.78.0
 PORT=26817
@@ -79,14 +87,35 @@ cmd_up() {
         *) die "unknown option '$1' (see --help)" 2;;
     esac; done
     [[ "$n" =~ ^[0-9]+$ ]] && [ "$n" -ge 1 ] && [ "$n" -le 16 ] || die "--nodes must be 1..16, got '$n'" 2
-    private_dir "cluster state folder" "$DIR" check
-    if [ -s "$DIR/nodes.count" ] && [ "$(cat "$DIR/nodes.count")" = "$n" ] && our_daemon "$DIR/run/slurmctld.pid" >/dev/null; then
-        bash "$HERE/nodes.sh" shape "$link" >&2
-        log "already up in $DIR ($n nodes); link $link"
-        eval_lines
-        return 0
+    private_dir "cluster state folder" "$DIR"
+    # One up or down of this folder at a time (an up may install Slurm and wait for the nodes).
+    rp_lock "$DIR" $((TIMEOUT + 600)) || { private_dir "cluster state folder" "$DIR" && rp_lock "$DIR" 10; } \
+        || die "$DIR was removed while waiting for its lock: run it again"
+    local caller others count
+    caller=$(rp_caller_pid)
+    rp_holders_init "$DIR"
+    others=$(rp_holders_but "$caller")
+    count=$(cat "$DIR/nodes.count" 2>/dev/null || true)
+    if our_daemon "$DIR/run/slurmctld.pid" >/dev/null; then
+        if [ "$count" = "$n" ]; then
+            bash "$HERE/nodes.sh" shape "$link" >&2
+            rp_hold "$caller"
+            log "already up in $DIR ($n nodes): reusing it, not starting another; link $link. Its queue and" \
+                "jobs are shared with ${others:-no other running process (the one that brought it up has ended)}." \
+                "Now held also by $(rp_describe "$caller"): \`down\` from there lets go, the last holder's takes it down"
+            eval_lines
+            return 0
+        fi
+        [ -z "$others" ] || die "already up in $DIR with ${count:-?} nodes, held by $others: ask for --nodes\
+ ${count:-N} to share it, or bring up a cluster of your own (its own RINGPIPE_CLUSTER_DIR and RINGPIPE_NETNS_PREFIX:\
+ slurm/local/names.sh)" 2
     fi
-    [ -d "$DIR" ] && cmd_down 2>/dev/null
+    # What an earlier cluster left (another node count, or one half up): taken down first.
+    # Its holders, if any are alive, stay: the cluster they use comes back in the same folder.
+    if [ -n "$(ls -A "$DIR" | grep -vx holders)" ]; then
+        cluster_stop 2>/dev/null
+        find "$DIR" -mindepth 1 -maxdepth 1 ! -name holders -exec rm -rf -- {} +
+    fi
     for b in slurmctld slurmd munged; do
         command -v "$b" >/dev/null 2>&1 && continue
         [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || die "$b is missing: apt-get install -y slurm-wlm munge"
@@ -121,16 +150,17 @@ cmd_up() {
     export SLURM_CONF=$DIR/slurm.conf
 
     log "starting munged, slurmctld on head, slurmd on n1..n$n"
+    # 9<&-: the daemons must not inherit the folder's lock (holders.sh).
     munged --force -S "$DIR/munge/munge.sock" --key-file="$DIR/munge/munge.key" --pid-file="$DIR/run/munged.pid" \
-        --log-file="$DIR/log/munged.log" --seed-file="$DIR/munge/munged.seed" </dev/null >>"$DIR/log/munged.log" 2>&1 \
+        --log-file="$DIR/log/munged.log" --seed-file="$DIR/munge/munged.seed" </dev/null >>"$DIR/log/munged.log" 2>&1 9<&- \
         || die "munged failed to start (log: $DIR/log/munged.log)"
     # nsenter --net keeps the machine's mounts (ip netns exec would remount /sys, and
     # slurmd then finds no cgroup filesystem); unshare --uts gives the node its hostname.
     nsenter --net="$NS-head" unshare --uts sh -c "hostname head; exec slurmctld -c -f $SLURM_CONF" \
-        </dev/null >>"$DIR/log/slurmctld.log" 2>&1 || die "slurmctld failed to start (log: $DIR/log/slurmctld.log)"
+        </dev/null >>"$DIR/log/slurmctld.log" 2>&1 9<&- || die "slurmctld failed to start (log: $DIR/log/slurmctld.log)"
     for i in $(seq 1 "$n"); do
         nsenter --net="$NS-n$i" unshare --uts sh -c "hostname n$i; exec slurmd -c -N n$i -f $SLURM_CONF" \
-            </dev/null >>"$DIR/log/slurmd-n$i.log" 2>&1 || die "slurmd n$i failed to start (log: $DIR/log/slurmd-n$i.log)"
+            </dev/null >>"$DIR/log/slurmd-n$i.log" 2>&1 9<&- || die "slurmd n$i failed to start (log: $DIR/log/slurmd-n$i.log)"
     done
     for cmd in srun sbatch squeue scancel sinfo scontrol sacct salloc; do
         cat >"$DIR/bin/$cmd" <<EOF
@@ -151,14 +181,59 @@ EOF
         sinfo_head >&2
         die "only $idle of $n nodes became idle within ${TIMEOUT}s (logs: $DIR/log)"
     fi
+    rp_hold "$caller"
     log "$n node(s) idle (n1..n$n), link $link; slurmctld on head ($NET.100:$PORT)"
+    log "held by $(rp_describe "$caller")${others:+ and $others}: \`down\` from there takes it down unless" \
+        "another caller holds it then"
     eval_lines
 }
 
+# The jobs in the cluster's queue (not those completing: gone in a moment), if its slurmctld runs.
+queued_jobs() {
+    our_daemon "$DIR/run/slurmctld.pid" >/dev/null || return 0
+    SLURM_CONF=$DIR/slurm.conf timeout 10 nsenter --net="$NS-head" squeue -h -o "%A %T" 2>/dev/null \
+        | awk '$2 != "COMPLETING" {printf "%s%s", sep, $1; sep = " "}' || true
+}
+
 cmd_down() {
-    local f pid
+    local force=${1:-} caller me others jobs
+    case "$force" in ""|--force) ;; *) die "unknown option '$force' for down (none, or --force)" 2;; esac
     # Not ours alone: nothing in it is read, signalled or removed (exit 2).
     private_dir "cluster state folder" "$DIR" check
+    if [ ! -d "$DIR" ] || ! rp_lock "$DIR" 300; then
+        log "nothing to take down ($DIR does not exist)"
+        return 0
+    fi
+    caller=$(rp_caller_pid)
+    rp_holders_init "$DIR"
+    me=$(rp_describe "$caller")
+    # Also the hold of the stop.sh that runs this (RP_SLURM_STOP_PID): rp_release says why.
+    if rp_release "$caller" $$ ${RP_SLURM_STOP_PID:-}; then
+        log "$me lets go of its hold on $DIR"
+    else
+        log "$me had no hold on $DIR to let go (\`up\` was run from another process)"
+    fi
+    others=$(rp_holders_but "$caller" $$ ${RP_SLURM_STOP_PID:-})
+    jobs=$(queued_jobs)
+    if [ -n "$force" ]; then
+        [ -z "$others$jobs" ] || log "--force: taking it down${others:+ although $others still hold it}${jobs:+, with jobs $jobs}"
+    elif [ -n "$others" ]; then
+        log "left up: $DIR is still held by $others; nothing cancelled. Each holder's own \`down\` lets go, the" \
+            "last one takes it down (down --force takes it down now, with every job)"
+        return 0
+    elif [ -n "${jobs// /}" ]; then
+        log "left up: no one else holds $DIR, but jobs $jobs are in its queue (squeue); nothing cancelled. Let" \
+            "them finish or scancel them, then \`down\` again (down --force takes it down with them)"
+        return 0
+    fi
+    cluster_stop
+    rm -rf "$DIR"
+    log "down"
+}
+
+# cluster_stop: the daemons of DIR stopped (by PID, checked: our_daemon) and the nodes taken down.
+cluster_stop() {
+    local f pid
     for f in "$DIR"/run/slurmd-*.pid "$DIR/run/slurmctld.pid" "$DIR/run/munged.pid"; do
         [ -s "$f" ] || continue
         if ! pid=$(our_daemon "$f"); then
@@ -173,13 +248,11 @@ cmd_down() {
         if pid=$(our_daemon "$f"); then kill -KILL "$pid" 2>/dev/null || true; fi
     done
     bash "$HERE/nodes.sh" down 2>/dev/null || true
-    rm -rf "$DIR"
-    log "down"
 }
 
 case "${1:-}" in
     up) shift; cmd_up "$@";;
-    down) cmd_down;;
+    down) shift; cmd_down "$@";;
     status) sinfo_head;;
     -h|--help|"") sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//';;
     *) die "unknown command '$1': up, down or status" 2;;

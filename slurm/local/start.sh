@@ -13,7 +13,12 @@
 # alone (owned by us, mode 0700, not a link), else exit 2 (slurm/local/private.sh).
 # If slurmctld/slurmd/munged are missing and we are root, installs Debian's
 # `slurm-wlm munge` with apt (about 15-30 s). Idempotent: when the daemons of this
-# folder already run, it only prints the export line.
+# folder already run, it says so, and who else holds them, and prints the export line.
+#
+# Shared, and reference-counted (slurm/local/holders.sh): the shell (or script) that runs
+# this becomes a holder of the cluster; slurm/local/stop.sh from it lets go of that hold,
+# and stops the daemons only when no other holder is left alive and no job is queued.
+# RINGPIPE_SLURM_HOLDER_PID names another process as the holder.
 #
 # stdout carries only the `export SLURM_CONF=...` line (so `eval` works);
 # progress and errors go to stderr.
@@ -58,10 +63,18 @@ PRIVATE_DIR_VAR=RINGPIPE_SLURM_DIR
 . "$(dirname "$0")/private.sh"
 # shellcheck source=conf.sh
 . "$(dirname "$0")/conf.sh"
+# shellcheck source=holders.sh
+. "$(dirname "$0")/holders.sh"
 private_dir "Slurm state folder" "$DIR"
 DIR=$(cd "$DIR" && pwd -P)
 CONF=$DIR/slurm.conf
 TIMEOUT=${RINGPIPE_SLURM_TIMEOUT:-60}
+# One start or stop of this folder at a time (a start may install Slurm and wait for the node).
+# A stop that removed the folder meanwhile (RINGPIPE_SLURM_PURGE): make it again.
+rp_lock "$DIR" $((TIMEOUT + 300)) || { private_dir "Slurm state folder" "$DIR" && rp_lock "$DIR" 10; } \
+    || { echo "start.sh: error: $DIR was removed while waiting for its lock: run start.sh again" >&2; exit 1; }
+CALLER=$(rp_caller_pid)
+rp_holders_init "$DIR"
 NCPU=$(nproc 2>/dev/null || echo 1)
 CPUS=${RINGPIPE_SLURM_CPUS:-$(( NCPU > 4 ? NCPU : 4 ))}
 HOST=$(hostname -s)
@@ -109,15 +122,21 @@ if alive munged "$DIR/run/munged.pid" && alive slurmctld "$DIR/run/slurmctld.pid
 else
     now_state=
 fi
+others=$(rp_holders_but "$CALLER")
 if [ "$now_state" = idle ] || [ "$now_state" = mixed ] || [ "$now_state" = allocated ]; then
-    log "already running in $DIR (node $now_state)"
+    rp_hold "$CALLER"
+    log "already running in $DIR (node $now_state): reusing it, not starting another; its queue and jobs" \
+        "are shared with ${others:-no other running process (the one that started it has ended)}." \
+        "Now held also by $(rp_describe "$CALLER"): slurm/local/stop.sh from there lets go, and the" \
+        "daemons stop when the last holder does"
     export_line
     exit 0
 fi
-# Something half-up (or stale PID files): stop what is left, then start clean.
+# Something half-up (or stale PID files): stop what is left, then start clean. It cannot
+# run jobs as it is, so the holders (kept: the same folder and config) lose nothing more.
 if ls "$DIR"/run/*.pid >/dev/null 2>&1; then
-    log "stale or partial instance in $DIR: stopping it first"
-    RINGPIPE_SLURM_DIR=$DIR "$(dirname "$0")/stop.sh" >&2 || true
+    log "stale or partial instance in $DIR${others:+ (held by $others)}: stopping it first"
+    RP_SLURM_LOCK_HELD=1 RINGPIPE_SLURM_DIR=$DIR "$(dirname "$0")/stop.sh" >&2 || true
 fi
 
 # ---- 3. port, folders, munge key, config -------------------------------------------
@@ -167,15 +186,16 @@ wait_pidfile() {  # wait_pidfile NAME PIDFILE LOG
 log "starting munged, slurmctld, slurmd in $DIR"
 munged --force -S "$DIR/munge/munge.sock" --key-file="$DIR/munge/munge.key" \
     --pid-file="$DIR/run/munged.pid" --log-file="$DIR/log/munged.log" \
-    --seed-file="$DIR/munge/munged.seed" </dev/null >>"$DIR/log/munged.log" 2>&1 \
+    --seed-file="$DIR/munge/munged.seed" </dev/null >>"$DIR/log/munged.log" 2>&1 9<&- \
     || { tail -20 "$DIR/log/munged.log" >&2; die "munged failed to start"; }
 wait_pidfile munged "$DIR/run/munged.pid" "$DIR/log/munged.log"
 
 # -c: ignore saved state (a node drained by an earlier run, old jobs).
-slurmctld -c -f "$CONF" </dev/null >>"$DIR/log/slurmctld.log" 2>&1 \
+# 9<&-: the daemons must not inherit the folder's lock (holders.sh).
+slurmctld -c -f "$CONF" </dev/null >>"$DIR/log/slurmctld.log" 2>&1 9<&- \
     || { tail -20 "$DIR/log/slurmctld.log" >&2; die "slurmctld failed to start"; }
 wait_pidfile slurmctld "$DIR/run/slurmctld.pid" "$DIR/log/slurmctld.log"
-slurmd -c -f "$CONF" </dev/null >>"$DIR/log/slurmd.log" 2>&1 \
+slurmd -c -f "$CONF" </dev/null >>"$DIR/log/slurmd.log" 2>&1 9<&- \
     || { tail -20 "$DIR/log/slurmd.log" >&2; die "slurmd failed to start"; }
 wait_pidfile slurmd "$DIR/run/slurmd.pid" "$DIR/log/slurmd.log"
 
@@ -196,5 +216,8 @@ if [ "$state" != idle ]; then
     tail -15 "$DIR/log/slurmctld.log" "$DIR/log/slurmd.log" >&2 2>/dev/null || true
     die "node $HOST not idle after ${TIMEOUT}s (state: '${state:-no answer}'); logs in $DIR/log"
 fi
+rp_hold "$CALLER"
 log "node $HOST idle ($CPUS CPUs, partition debug, slurmctld port $PORT); logs in $DIR/log"
+log "held by $(rp_describe "$CALLER")${others:+ and $others}: slurm/local/stop.sh from there stops it" \
+    "unless another caller holds it then"
 export_line

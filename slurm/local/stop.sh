@@ -3,8 +3,15 @@
 # default /tmp/ringpipe-slurm-USER: slurm/local/names.sh), and the emulated cluster of
 # `start.sh --nodes N` (RINGPIPE_CLUSTER_DIR) when RINGPIPE_SLURM_DIR is not set.
 #
-#   slurm/local/stop.sh            # cancel its jobs, stop slurmd, slurmctld, munged
-#   RINGPIPE_SLURM_PURGE=1 slurm/local/stop.sh   # ... and delete the folder
+#   slurm/local/stop.sh            # let go of this caller's hold; stop it if no one else holds it
+#   slurm/local/stop.sh --force    # stop it now: cancel every job, whoever holds it
+#   RINGPIPE_SLURM_PURGE=1 slurm/local/stop.sh   # ... and delete the folder once stopped
+#
+# The cluster is shared and reference-counted (slurm/local/holders.sh): each start.sh
+# made its caller (the shell that ran it, or RINGPIPE_SLURM_HOLDER_PID) a holder. A stop
+# lets go of its own caller's hold only, and stops slurmd, slurmctld and munged only when
+# no other holder is alive and the queue is empty; otherwise it says what it left running
+# and why (exit 0). It never cancels a job, except with --force.
 #
 # Only processes named in this folder's PID files are signalled (plus job step
 # daemons, slurmstepd, whose environment points at this folder's slurm.conf),
@@ -14,13 +21,26 @@
 # is a no-op.
 set -uo pipefail
 
+FORCE=
+case "${1:-}" in
+    "") ;;
+    --force) FORCE=--force ;;
+    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "stop.sh: error: unknown option '$1' (none: let go of this caller's hold; --force: stop it now)" >&2
+       exit 2 ;;
+esac
 # Per-user default folders (RINGPIPE_SLURM_DIR, RINGPIPE_CLUSTER_DIR): names.sh.
 # shellcheck source=names.sh
 . "$(dirname "$0")/names.sh"
-# The emulated multi-node cluster of `start.sh --nodes N`, if up, goes too (unless
-# RINGPIPE_SLURM_DIR names one single-node cluster to stop: the tests' own).
+# shellcheck source=holders.sh
+. "$(dirname "$0")/holders.sh"
+# RP_SLURM_LOCK_HELD=1: start.sh, holding the folder's lock, clears a stale instance (no holders).
+INTERNAL=${RP_SLURM_LOCK_HELD:-0}
+[ "$INTERNAL" = 1 ] || CALLER=$(rp_caller_pid)
+# The emulated multi-node cluster of `start.sh --nodes N`, if up, goes too, by the same rule
+# (unless RINGPIPE_SLURM_DIR names one single-node cluster to stop: the tests' own).
 if [ -z "${RINGPIPE_SLURM_DIR:-}" ] && [ -d "$RP_CLUSTER_DIR" ]; then
-    bash "$(dirname "$0")/cluster.sh" down
+    RINGPIPE_SLURM_HOLDER_PID=$CALLER RP_SLURM_STOP_PID=$$ bash "$(dirname "$0")/cluster.sh" down $FORCE
 fi
 DIR=$RP_SLURM_DIR
 if [ ! -e "$DIR" ] && [ ! -L "$DIR" ]; then
@@ -62,6 +82,37 @@ pid_of() {  # pid_of NAME PIDFILE -> the PID if that file names a live NAME star
     return 1
 }
 
+# let_go: release this caller's hold; status 1 (after saying what is left running and why)
+# when the cluster must keep running: another live holder, or jobs in its queue, and no --force.
+let_go() {
+    local me others
+    rp_holders_init "$DIR"
+    me=$(rp_describe "$CALLER")
+    if rp_release "$CALLER" $$; then
+        log "$me lets go of its hold on $DIR"
+    else
+        log "$me had no hold on $DIR to let go (start.sh was run from another process)"
+    fi
+    others=$(rp_holders_but "$CALLER" $$)
+    # Nothing of it runs (it died): nothing to leave running for anyone; what it left is cleared.
+    [ -n "$ctld$slurmd_pid$munge" ] || return 0
+    if [ -n "$FORCE" ]; then
+        log "--force: stopping it${others:+ although $others still hold it}${jobs:+, cancelling jobs $jobs}"
+        return 0
+    fi
+    if [ -n "$others" ]; then
+        log "left running: $DIR is still held by $others; nothing cancelled. Each holder's own stop.sh" \
+            "lets go, the last one stops it (stop.sh --force stops it now, cancelling every job)"
+        return 1
+    fi
+    if [ -n "${jobs// /}" ]; then
+        log "left running: no one else holds $DIR, but jobs $jobs are in its queue (squeue); nothing" \
+            "cancelled. Let them finish or scancel them, then stop.sh again (--force cancels them and stops it)"
+        return 1
+    fi
+    return 0
+}
+
 stop_pids() {  # stop_pids LABEL PID...: TERM all, wait (STOP_WAIT tenths, default 100), KILL the rest, wait
     local label=$1 pid left n=${STOP_WAIT:-100}
     shift
@@ -84,15 +135,29 @@ stop_pids() {  # stop_pids LABEL PID...: TERM all, wait (STOP_WAIT tenths, defau
     log "warning: $label (pid$left) still present"
 }
 
+# One start or stop of this folder at a time; a stop that removed it meanwhile did this one's work.
+if [ "$INTERNAL" != 1 ] && ! rp_lock "$DIR" 300; then
+    log "nothing to stop ($DIR was removed meanwhile)"
+    exit 0
+fi
+
 ctld=$(pid_of slurmctld "$DIR/run/slurmctld.pid" || true)
 slurmd_pid=$(pid_of slurmd "$DIR/run/slurmd.pid" || true)
 munge=$(pid_of munged "$DIR/run/munged.pid" || true)
 did=0
+jobs=
+if [ -n "$ctld" ] && [ -f "$CONF" ]; then
+    # Not the ones completing: they are gone in a moment, on their own.
+    jobs=$(SLURM_CONF=$CONF timeout 10 squeue -h -o "%A %T" 2>/dev/null \
+        | awk '$2 != "COMPLETING" {printf "%s%s", sep, $1; sep = " "}')
+fi
+if [ "$INTERNAL" != 1 ] && ! let_go; then
+    exit 0
+fi
 
 # 1. Cancel this cluster's jobs while the controller still answers, so their
-#    processes are cleaned up by Slurm itself.
+#    processes are cleaned up by Slurm itself (--force, or a stale instance of start.sh's).
 if [ -n "$ctld" ] && [ -f "$CONF" ]; then
-    jobs=$(SLURM_CONF=$CONF timeout 10 squeue -h -o %A 2>/dev/null | tr '\n' ' ')
     if [ -n "${jobs// /}" ]; then
         log "cancelling jobs: $jobs"
         # shellcheck disable=SC2086
@@ -152,6 +217,8 @@ if [ ${#stepds[@]} -gt 0 ]; then
 fi
 
 rm -f "$DIR"/run/*.pid "$DIR/munge/munge.sock" "$DIR/munge/munge.sock.lock" 2>/dev/null
+# Stopped: no one holds it any more (a stale instance's holders stay: start.sh starts it again for them).
+[ "$INTERNAL" = 1 ] || rm -rf "$DIR/holders"
 if [ "${RINGPIPE_SLURM_PURGE:-0}" = 1 ]; then
     rm -rf "$DIR"
     log "removed $DIR"

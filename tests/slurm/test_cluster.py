@@ -1,7 +1,8 @@
 """The emulated multi-node Slurm (slurm/local/cluster.sh, `start.sh --nodes N`): a
 slurmctld on the head node, a slurmd per emulated node, srun/sbatch/squeue/scancel
-through wrappers. `srun -N 2` training equals one process. Skipped, with the reason,
-where namespaces are not permitted or Slurm cannot be installed.
+through wrappers. `srun -N 2` training equals one process; a second caller shares the
+cluster and its `down` leaves it to the first (slurm/local/holders.sh). Skipped, with the
+reason, where namespaces are not permitted or Slurm cannot be installed.
 """
 import os
 import shutil
@@ -43,8 +44,10 @@ def cluster():
         key, value = line.split("#")[0].strip().removeprefix("export ").split("=", 1)
         env[key] = value.replace("$PATH", ENV["PATH"]).strip()
     yield env
-    subprocess.run(["bash", CLUSTER, "down"], env=ENV, capture_output=True, timeout=120)
-    assert not os.path.exists(DIR) and not os.path.exists(f"{NS}-head")
+    # The cluster this process brought up, in a folder of its own: --force, as every job left
+    # in it (a test that failed midway) is one of these tests'.
+    r = subprocess.run(["bash", CLUSTER, "down", "--force"], env=ENV, capture_output=True, text=True, timeout=120)
+    assert not os.path.exists(DIR) and not os.path.exists(f"{NS}-head"), r.stderr
 
 
 # What docs/slurm.md tells users: under Slurm, a task that fails ends the step (the others
@@ -65,6 +68,24 @@ def test_up_prints_only_shell_lines_and_the_wrappers_reach_the_head(cluster):
     assert r.returncode == 0 and sorted(r.stdout.split()) == ["idle", "idle", "n1", "n2"], r.stdout + r.stderr
     r = run(cluster, "srun", "-N", "2", "--ntasks-per-node", "1", "--mpi=pmi2", "hostname")
     assert sorted(r.stdout.split()) == ["n1", "n2"], r.stdout + r.stderr
+
+
+def test_a_second_caller_shares_the_cluster_and_its_down_leaves_it_up(cluster):
+    other = subprocess.Popen(["sleep", "300"])              # a second shell of the same user
+    try:
+        as_other = dict(ENV, RINGPIPE_SLURM_HOLDER_PID=str(other.pid))
+        r = run(as_other, "bash", START, "--nodes", "2", "--link", "1gbit")
+        assert r.returncode == 0 and "reusing it" in r.stderr, r.stderr
+        assert f"pid {os.getpid()} (" in r.stderr, r.stderr                  # whose: this test process's
+        r = run(as_other, "bash", START, "--nodes", "1")                     # not torn down under us
+        assert r.returncode == 2 and f"held by pid {os.getpid()} (" in r.stderr, r.stderr
+        r = run(as_other, "bash", CLUSTER, "down")
+        assert r.returncode == 0 and "left up" in r.stderr and f"held by pid {os.getpid()} (" in r.stderr, r.stderr
+        r = run(cluster, "sinfo", "-h", "-N", "-o", "%N %T")
+        assert sorted(r.stdout.split()) == ["idle", "idle", "n1", "n2"], r.stdout + r.stderr
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_srun_across_two_nodes_trains_like_one_process(cluster, tmp_path):

@@ -3,7 +3,7 @@ jobs, stop-and-requeue, a crashing rank, a wrong `srun --mpi` plugin, and a
 scaling sweep. About 1.5-2 minutes here (plus 15-30 s for `apt-get install
 slurm-wlm munge` the first time). Skipped, with the reason, when Slurm cannot
 be installed or started. The cluster lives in a temp folder, on free ports,
-and is always stopped at the end.
+held by this test process (slurm/local/holders.sh), and is always stopped at the end.
 
     python -m pytest tests/slurm/test_slurm.py -v          # or -m slurm / -m "not slurm"
     RINGPIPE_KEEP_SLURM=1 ...                        # keep the folder (logs) afterwards
@@ -55,8 +55,10 @@ def slurm():
             _unavailable("Slurm is not installed and cannot be installed here (needs root and apt-get): "
                          "apt-get install -y slurm-wlm munge")
     d = tempfile.mkdtemp(prefix="ringpipe-slurm-test-")
+    # A cluster of its own (its folder, its port), held by this process: never a user's, which
+    # start.sh would share and stop.sh leave to its other holders.
     env = dict(os.environ, RINGPIPE_SLURM_DIR=d, RINGPIPE_SLURM_PORT=str(_free_port_pair()),
-               RINGPIPE_PYTHON=PY, **THREADS)
+               RINGPIPE_PYTHON=PY, RINGPIPE_SLURM_HOLDER_PID=str(os.getpid()), **THREADS)
     env.pop("SLURM_CONF", None)
     try:
         try:
@@ -77,7 +79,9 @@ def slurm():
         stop_env = dict(env)
         if os.environ.get("RINGPIPE_KEEP_SLURM", "0") in ("", "0"):
             stop_env["RINGPIPE_SLURM_PURGE"] = "1"
-        subprocess.run(["timeout", "120", os.path.join(ROOT, "slurm/local/stop.sh")], env=stop_env,
+        # --force: every job in this folder's cluster is one these tests submitted (a test that
+        # failed midway may have left one queued), and no one else holds it.
+        subprocess.run(["timeout", "120", os.path.join(ROOT, "slurm/local/stop.sh"), "--force"], env=stop_env,
                        capture_output=True, text=True)
 
 
