@@ -23,6 +23,10 @@ from ringpipe.engine.data.errors import PrepareError
 from ringpipe.engine.data.readers import Source, cutter, read_pieces
 
 TAIL_VAL_FRACTION = 0.1                       # when the per-document split does not work
+# Training opens every shard of a dataset and memory-maps it (engine/data/shards.py), and Linux
+# allows 65,530 maps a process by default: a split of more files than this is refused before
+# any shard is written (at the default 100M tokens a shard, a trillion tokens fit).
+MAX_SHARDS_PER_SPLIT = 10_000
 
 
 def _batches(pieces, max_docs=256, max_bytes=4 << 20):
@@ -201,6 +205,7 @@ def join_parts(sources, parts_dir, out, tok, tokens_per_shard, val_every):
     if total < 2:
         raise PrepareError("the inputs hold too little text to split into train and val; add text")
     split = _choose_split(tables, val_every)
+    _check_shard_count(tables, split, total, tokens_per_shard)
     writers = {s: SplitWriter(out, s, tokens_per_shard, tok.vocab_size) for s in shards.SPLITS}
     try:
         if split["method"] == "documents":
@@ -217,6 +222,22 @@ def join_parts(sources, parts_dir, out, tok, tokens_per_shard, val_every):
     records = [{"path": src.path, "size": src.size, "documents": len(t), "tokens": int(t["tokens"].sum())}
                for src, t in zip(sources, tables)]
     return split, splits, records
+
+
+def _check_shard_count(tables, split, total, tokens_per_shard):
+    """Refuse a split that would be cut into more than MAX_SHARDS_PER_SPLIT files (known
+    once the files are tokenized, before any shard is written), saying the size that fits."""
+    if split["method"] == "documents":
+        val = sum(int(t["tokens"][t["val"]].sum()) for t in tables)
+    else:
+        val = max(1, int(total * TAIL_VAL_FRACTION))
+    for name, tokens in (("train", total - val), ("val", val)):
+        files = -(-tokens // tokens_per_shard)
+        if files > MAX_SHARDS_PER_SPLIT:
+            raise PrepareError(f"--tokens-per-shard {tokens_per_shard}: the {name} split's {tokens:,} tokens would "
+                               f"be {files:,} shard files, more than the {MAX_SHARDS_PER_SPLIT:,} a split may have "
+                               "(training opens and maps every shard); pass --tokens-per-shard "
+                               f"{-(-tokens // MAX_SHARDS_PER_SPLIT)} or more (the default: 100000000)")
 
 
 def _write_by_document(tables, parts_dir, dtype, writers):

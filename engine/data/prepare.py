@@ -26,9 +26,10 @@ import time
 from ringpipe.engine.data import shards
 from ringpipe.engine.data.errors import PrepareError
 from ringpipe.engine.data.outfolder import LOCK_NAME, PARTS_PREFIX
-from ringpipe.engine.data.parts import build_manifest, tokenize_source
+from ringpipe.engine.data.parts import MAX_SHARDS_PER_SPLIT, build_manifest, tokenize_source
 from ringpipe.engine.data.prepare_job import (DEFAULT_BPE_TRAIN_MB, DEFAULT_TOKENS_PER_SHARD, DEFAULT_VAL_EVERY,
-                                              OneProcess, prepare)
+                                              MAX_BPE_TRAIN_MB, MIN_BPE_TRAIN_MB, MIN_TOKENS_PER_SHARD, OneProcess,
+                                              prepare)
 from ringpipe.engine.data.readers import SUPPORTED, Source, check_source, list_sources, read_documents, read_pieces
 from ringpipe.engine.data.stdlib_cache import cache_root, prepare_stdlib
 from ringpipe.engine.data.swap import PREVIOUS_NAME
@@ -73,17 +74,20 @@ def build_parser(prog="ringpipe prepare") -> argparse.ArgumentParser:
                         "prepare or a training run uses it (DATA_DIR/prepare.lock)")
     p.add_argument("--tokenizer", default="bytes",
                    help="bytes (default: UTF-8 bytes, vocab 256), bpe:VOCAB (a byte-level BPE of VOCAB tokens "
-                        "trained on the input, e.g. bpe:8192), or a Hugging Face tokenizer.json (or its folder)")
+                        "trained on the input, e.g. bpe:8192; VOCAB up to 2^20), or a Hugging Face tokenizer.json "
+                        "(or its folder)")
     p.add_argument("--field", default="text", help="the JSON field / parquet column holding the text (default text)")
     p.add_argument("--val-every", type=int, default=DEFAULT_VAL_EVERY, metavar="N",
                    help="a document goes to validation when crc32(its file and index) %% N == 0 (default 10: about "
-                        "1 in 10); if that leaves validation under 1%% of the tokens (few documents), the last 10%% "
-                        "of the tokens are validation instead")
+                        "1 in 10; N from 2 to 100); if that leaves validation under 1%% of the tokens (few "
+                        "documents), the last 10%% of the tokens are validation instead")
     p.add_argument("--tokens-per-shard", type=int, default=DEFAULT_TOKENS_PER_SHARD, metavar="N",
-                   help="tokens per shard file (default 100000000, llm.c's)")
+                   help=f"tokens per shard file (default 100000000, llm.c's; from {MIN_TOKENS_PER_SHARD} to 2^31-1, "
+                        f"and at most {MAX_SHARDS_PER_SPLIT:,} shards a split)")
     p.add_argument("--bpe-train-mb", type=float, default=DEFAULT_BPE_TRAIN_MB, metavar="MB", action=_Given,
-                   help=f"bpe:VOCAB trains on at most this many MB of the text (default {DEFAULT_BPE_TRAIN_MB}): "
-                        "the head of each file, its share in proportion to its size; data.json records how much")
+                   help=f"bpe:VOCAB trains on at most this many MB of the text (default {DEFAULT_BPE_TRAIN_MB}; from "
+                        f"{MIN_BPE_TRAIN_MB} to {MAX_BPE_TRAIN_MB}): the head of each file, its share in proportion "
+                        "to its size; data.json records how much")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the dataset in --out: only the files its data.json names; the new dataset is "
                         "built aside and swapped in at the end (the old one kept in DATA_DIR/previous/ during the "

@@ -62,6 +62,21 @@ DEFAULT_TOKENS_PER_SHARD = 100_000_000        # llm.c's fineweb shards
 DEFAULT_VAL_EVERY = 10
 DEFAULT_BPE_TRAIN_MB = 1024        # how much text bpe:VOCAB trains on at most (--bpe-train-mb)
 
+# The range of each numeric setting (check_settings says why, with the refusal).
+# --val-every: 1 in N documents goes to validation, and the split by document is kept only
+# when validation holds at least 1% of the tokens (parts.py), so past 100 it never is.
+MIN_VAL_EVERY, MAX_VAL_EVERY = 2, 100
+# --tokens-per-shard: training opens and maps every shard, so shards are few and large
+# (parts.MAX_SHARDS_PER_SPLIT bounds their number once the token count is known); the
+# floor only keeps out a file per token. Tests cut tiny datasets into ~100-token shards.
+MIN_TOKENS_PER_SHARD = 64
+# --bpe-train-mb: under 10 KB a BPE learns next to nothing; 100 GB of text is far past what
+# a vocabulary needs (a few GB) and would take the one training rank days.
+MIN_BPE_TRAIN_MB, MAX_BPE_TRAIN_MB = 0.01, 100_000
+# bpe:VOCAB: the largest vocabularies in use hold ~256k tokens (Gemma's); the trainer keeps a
+# count for every candidate pair, so a vocabulary of billions (ids allow 2^32) never finishes.
+MAX_BPE_VOCAB = 1 << 20
+
 
 # ---- one process or MPI -------------------------------------------------------------------
 
@@ -172,6 +187,41 @@ def _texts_for_bpe(sources, field, bar, budget_bytes: int, used: list):
 
 # ---- the whole job --------------------------------------------------------------------------
 
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_settings(tokenizer: str, val_every, tokens_per_shard, bpe_train_mb, bpe_budget_given: bool) -> None:
+    """Every setting in its range (the bounds above), before any work: a PrepareError
+    naming the flag, its range and what to pass instead."""
+    if not _whole(val_every) or not MIN_VAL_EVERY <= val_every <= MAX_VAL_EVERY:
+        raise PrepareError(f"--val-every {val_every}: must be a whole number from {MIN_VAL_EVERY} to {MAX_VAL_EVERY} "
+                           "(1 in N documents goes to validation; past 100 validation would hold under 1% of the "
+                           "tokens, and prepare would take the last 10% instead); pass e.g. --val-every "
+                           f"{DEFAULT_VAL_EVERY}, the default")
+    if not _whole(tokens_per_shard) or not MIN_TOKENS_PER_SHARD <= tokens_per_shard <= shards.MAX_SHARD_TOKENS:
+        raise PrepareError(f"--tokens-per-shard {tokens_per_shard}: must be a whole number from "
+                           f"{MIN_TOKENS_PER_SHARD} to 2^31-1 (a shard's header counts its tokens in an int32); "
+                           "training opens and maps every shard, so keep them few and large: pass e.g. "
+                           f"{DEFAULT_TOKENS_PER_SHARD}, the default (llm.c's)")
+    if bpe_budget_given and not tokenizer.startswith("bpe:"):
+        # A setting without effect is refused, never silently ignored.
+        raise PrepareError(f"--bpe-train-mb applies only to --tokenizer bpe:VOCAB (which trains a tokenizer); "
+                           f"with --tokenizer {tokenizer} nothing is trained: drop --bpe-train-mb")
+    if tokenizer.startswith("bpe:"):
+        if tokenizers_.parse_vocab_spec(tokenizer) > MAX_BPE_VOCAB:
+            raise PrepareError(f"--tokenizer {tokenizer}: a BPE trained here holds at most {MAX_BPE_VOCAB:,} tokens "
+                               "(the largest vocabularies in use hold about 256,000; training billions would not "
+                               "finish); use e.g. bpe:8192, or bpe:50257 as GPT-2")
+        if (not isinstance(bpe_train_mb, (int, float)) or isinstance(bpe_train_mb, bool)
+                or not MIN_BPE_TRAIN_MB <= bpe_train_mb <= MAX_BPE_TRAIN_MB):
+            raise PrepareError(f"--bpe-train-mb {bpe_train_mb}: must be a number of MB from {MIN_BPE_TRAIN_MB} to "
+                               f"{MAX_BPE_TRAIN_MB:,} (how much of the text bpe:VOCAB trains on at most; a "
+                               f"vocabulary is learned from a few GB); pass e.g. {DEFAULT_BPE_TRAIN_MB}, the default")
+    elif tokenizer != "bytes":
+        tokenizers_.load_tokenizer(tokenizer)       # parse it now: a bad file is refused before any work
+
+
 def prepare(inputs, out, tokenizer="bytes", field="text", overwrite=False, world=None, progress=True,
             val_every=DEFAULT_VAL_EVERY, tokens_per_shard=DEFAULT_TOKENS_PER_SHARD, command=None,
             bpe_train_mb=None, follow_symlinks=False) -> dict:
@@ -193,25 +243,8 @@ def prepare(inputs, out, tokenizer="bytes", field="text", overwrite=False, world
     bpe_budget_given = bpe_train_mb is not None
     bpe_train_mb = DEFAULT_BPE_TRAIN_MB if bpe_train_mb is None else bpe_train_mb
 
-    def check_settings():
-        if not isinstance(val_every, int) or val_every < 2:
-            raise PrepareError(f"--val-every {val_every}: must be a whole number >= 2 (1 in N documents goes to "
-                               "validation)")
-        if not isinstance(tokens_per_shard, int) or not 1 <= tokens_per_shard <= shards.MAX_SHARD_TOKENS:
-            raise PrepareError(f"--tokens-per-shard {tokens_per_shard}: must be a whole number in 1..2^31-1")
-        if bpe_budget_given and not tokenizer.startswith("bpe:"):
-            # A setting without effect is refused, never silently ignored.
-            raise PrepareError(f"--bpe-train-mb applies only to --tokenizer bpe:VOCAB (which trains a tokenizer); "
-                               f"with --tokenizer {tokenizer} nothing is trained: drop --bpe-train-mb")
-        if tokenizer.startswith("bpe:"):
-            tokenizers_.parse_vocab_spec(tokenizer)
-            if not isinstance(bpe_train_mb, (int, float)) or not 0 < bpe_train_mb < float("inf"):
-                raise PrepareError(f"--bpe-train-mb {bpe_train_mb}: must be a number of MB > 0 (how much of "
-                                   "the text bpe:VOCAB trains on at most)")
-        elif tokenizer != "bytes":
-            tokenizers_.load_tokenizer(tokenizer)       # parse it now: a bad file is refused before any work
-
-    _on_every_rank(world, check_settings, "settings")
+    _on_every_rank(world, lambda: check_settings(tokenizer, val_every, tokens_per_shard, bpe_train_mb,
+                                                 bpe_budget_given), "settings")
     if rank == 0 and progress and follow_symlinks and not any(os.path.isdir(i) for i in inputs):
         print("note: --follow-symlinks has no effect here: it reads links inside input folders, and no INPUT "
               "is a folder (a link given as an INPUT is always read)", file=sys.stderr, flush=True)

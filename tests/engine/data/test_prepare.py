@@ -489,7 +489,7 @@ def _bad_inputs(tmp_path):
         ("bpe:10", ["ok.txt", "--out", "o", "--tokenizer", "bpe:10"], "needs more than 257 tokens"),
         ("vocab over uint32", ["ok.txt", "--out", "o", "--tokenizer", "bpe:4294967297"], "more than 2^32"),
         ("existing dataset", ["ok.txt", "--out", "existing"], "--out existing already holds a dataset"),
-        ("val-every", ["ok.txt", "--out", "o", "--val-every", "1"], "--val-every 1: must be a whole number >= 2"),
+        ("val-every", ["ok.txt", "--out", "o", "--val-every", "1"], "--val-every 1: must be a whole number from 2 to 100"),
         ("twice", ["ok.txt", "ok.txt", "--out", "o"], "is given twice"),
     ]
     if importlib.util.find_spec("pyarrow"):
