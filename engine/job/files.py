@@ -8,7 +8,10 @@ a tokenizer.json, an index file, a completion marker) goes through here, so that
     a writer) and checked to be a regular file (/dev/zero would be read forever);
   - a file larger than the reader's limit is refused before it is read whole
     (a real manifest is kilobytes; a 20 GB one would be read into memory);
-  - JSON nested too deeply (a RecursionError in the parser) or not UTF-8 is a
+  - JSON nested too deeply (a RecursionError in the parser, or deeper than the reader's
+    max_depth: a value nested just short of the parser's limit would exhaust the
+    recursion of whatever prints it later), an integer longer than Python converts
+    (4,300 digits) or than the reader's max_int_digits, or text that is not UTF-8, is a
     ValueError that names the file, like any other malformed JSON.
 
 The errors are `UnreadableFile` (a ValueError): the command line turns them into
@@ -20,6 +23,7 @@ or name a pid no process can have.
 
 Writing a small text file whole or not at all (write_text_atomic) is here too: the shards'
 data.json and a tokenizer's tokenizer.json both need it, and neither may import the other.
+try_create_beside(path) tries the folder first, for a tool whose work comes before its write.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import json
 import os
 import socket
 import stat
+import sys
 
 MiB = 1 << 20
 
@@ -92,24 +97,67 @@ def read_regular(path: str, what: str, limit: int) -> bytes:
         os.close(fd)
 
 
-def parse_json(text, where: str):
-    """json.loads with every failure a ValueError naming `where`: malformed JSON,
-    text that is not UTF-8, and nesting deep enough to exhaust the parser's recursion."""
+# No JSON file ringpipe reads nests deeper than a few levels: deeper is damaged or hostile.
+MAX_DEPTH = 100
+
+
+class _TooLarge(ValueError):
+    """An integer literal longer than the reader allows (raised inside the parser)."""
+
+
+def _bounded_int(digits: int):
+    """json's parse_int that refuses an integer of more than `digits` digits, before int() converts it."""
+    def parse_int(literal: str) -> int:
+        if len(literal.lstrip("-")) > digits:
+            raise _TooLarge(f"holds an integer of {len(literal.lstrip('-')):,} digits, more than the {digits} "
+                            "such a file has")
+        return int(literal)
+    return parse_int
+
+
+def _deeper_than(value, limit: int) -> bool:
+    """Whether `value` nests lists and objects more than `limit` deep (a loop, not recursion:
+    the check must not be what exhausts the stack)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (list, dict)))
+    return False
+
+
+def parse_json(text, where: str, *, max_depth: int = MAX_DEPTH, max_int_digits: int | None = None):
+    """json.loads with every failure a ValueError naming `where`: malformed JSON, text that
+    is not UTF-8, nesting deeper than `max_depth` (or than the parser's recursion allows),
+    and an integer longer than Python converts or than `max_int_digits`."""
     try:
         if isinstance(text, (bytes, bytearray)):
             text = bytes(text).decode("utf-8")
-        return json.loads(text)
+        value = json.loads(text, parse_int=_bounded_int(max_int_digits) if max_int_digits else None)
     except UnicodeDecodeError as e:
         raise UnreadableFile(f"{where} is not UTF-8 text (byte {e.start})") from None
     except RecursionError:
         raise UnreadableFile(f"{where} is not valid JSON: it is nested too deeply") from None
     except json.JSONDecodeError as e:
         raise UnreadableFile(f"{where} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from None
+    except _TooLarge as e:
+        raise UnreadableFile(f"{where} {e}") from None
+    except ValueError:               # Python's own limit on int() of a long digit string (3.11, 3.10.7)
+        raise UnreadableFile(f"{where} holds an integer longer than Python converts (its limit: "
+                             f"{getattr(sys, 'get_int_max_str_digits', lambda: 4300)():,} digits)") from None
+    # Counting brackets is quick; only text with more of them than the limit is walked.
+    if text.count("[") + text.count("{") > max_depth and isinstance(value, (list, dict)) \
+            and _deeper_than(value, max_depth):
+        raise UnreadableFile(f"{where} nests lists or objects more than {max_depth} deep")
+    return value
 
 
-def read_json(path: str, what: str, limit: int = 16 * MiB):
-    """The parsed JSON of the regular file `path` (at most `limit` bytes); UnreadableFile otherwise."""
-    return parse_json(read_regular(path, what, limit), f"{what} {path}")
+def read_json(path: str, what: str, limit: int = 16 * MiB, **bounds):
+    """The parsed JSON of the regular file `path` (at most `limit` bytes); UnreadableFile otherwise.
+    bounds: parse_json's max_depth and max_int_digits."""
+    return parse_json(read_regular(path, what, limit), f"{what} {path}", **bounds)
 
 
 # ---- lock files: who holds one, told without trusting what the file says ------------------
@@ -163,6 +211,15 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def try_create_beside(path: str) -> None:
+    """Create, and remove at once, the temp file write_text_atomic(path, ...) writes first:
+    the OSError of a folder that takes no new file (read-only, /proc, not ours) comes
+    before the work whose result would be lost, not after it."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644))
+    os.remove(tmp)
 
 
 def write_text_atomic(path: str, text: str) -> None:

@@ -12,6 +12,7 @@ What a run keeps there:
     OUT/monitor.json        the run's ranks, nodes and layout, for `ringpipe top` and `report` (engine/monitor)
     OUT/tensorboard/        TensorBoard event files
     OUT/job_summary.*       per node CPU, memory and time split at the end of a run (and Slurm's sacct)
+    OUT/val_confusion.json  a classifier's newest confusion matrix (engine/monitor/confusion.py)
     OUT/previous/           the run that was there before a fresh start (--overwrite)
 
 Only world rank 0 takes the lock and touches the shared files, the trainer
@@ -43,7 +44,8 @@ PREVIOUS_NAME = "previous"
 DONE_NAME = "finished"             # OUT/finished/rank{R}.json: that rank ran to the end
 BEST_NAME = "best"                 # OUT/best/: --keep-best's checkpoint (`ringpipe export OUT/best`)
 # The monitor's files (engine/monitor: its header, TensorBoard's event files, the job summary).
-MONITOR_ENTRIES = ("monitor.json", "tensorboard", "job_summary.json", "job_summary.txt", "sacct.txt")
+MONITOR_ENTRIES = ("monitor.json", "tensorboard", "job_summary.json", "job_summary.txt", "sacct.txt",
+                   "val_confusion.json")
 RUN_ENTRIES = ("checkpoints", BEST_NAME, METRICS_NAME, "logs", "heartbeat", "tokenizer.json", DONE_NAME) + MONITOR_ENTRIES
 
 

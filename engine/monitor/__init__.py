@@ -11,6 +11,7 @@
     jobstats.py   the job summary at the end of a run (per node CPU, memory, time split,
                   efficiency) and Slurm's accounting of the job (sacct), where it exists
     read.py       reading a run directory's monitor.json and metrics.jsonl (for the tools)
+    confusion.py  a classifier's confusion matrix: OUT/val_confusion.json, not a part of the record
     top.py        `ringpipe top RUN_DIR`: a live terminal view of a running job
     report.py     `ringpipe report RUN_DIR --out FILE.html`: one self-contained HTML report
     svg.py        the report's plots, drawn as inline SVG (no plotting library, no script)

@@ -4,18 +4,20 @@ The tools (`ringpipe top`, `ringpipe report`) read a run that may be writing whi
 read, on a shared file system, from another machine: a last line still being written is
 not an error (it is left out), and neither is a run that has not written anything yet.
 Everything read is checked before it is used: a damaged or foreign file gives a
-ReadError that names the file and what to do.
+ReadError that names the file and what to do. Every JSON the tools read goes through
+parse() below (files.parse_json, bounded for these files): an integer of thousands of
+digits or a value nested hundreds deep is a damaged record, never a traceback.
 
     header = read_header(run_dir)            # monitor.json: layout, ranks, steps (or None)
     records = read_records(run_dir)          # every whole record of metrics.jsonl
-    recent = tail_records(run_dir)           # the records in the file's last MiB (a live view)
+    recent = tail_records(run_dir)           # the records in the file's last MiB (a live view), and
+                                             # further back when the newest record is longer
 """
 from __future__ import annotations
 
-import json
 import os
 
-from ringpipe.engine.job.files import UnreadableFile, open_regular, read_json
+from ringpipe.engine.job.files import UnreadableFile, open_regular, parse_json, read_json
 
 HEADER_NAME = "monitor.json"
 METRICS_NAME = "metrics.jsonl"
@@ -24,10 +26,24 @@ FORMAT = "ringpipe-monitor"
 # interval); the report reads all of it, within this bound.
 RECORDS_LIMIT = 2 << 30
 TAIL_BYTES = 1 << 20
+# A live view reads further back than TAIL_BYTES when the newest record is longer (an older
+# run wrote a classifier's whole confusion matrix into its validation records: 18 MB for
+# 3,000 classes), up to this much; a record longer still is said, not waited for.
+TAIL_LIMIT = 64 << 20
+# What ringpipe writes for its watchers nests a few levels (a record, its per-rank list, an
+# entry) and counts nothing past 64 bits: deeper or longer is a damaged or hostile file.
+MAX_DEPTH = 16
+MAX_INT_DIGITS = 19
 
 
 class ReadError(ValueError):
     """A run directory's files cannot be used; the message says which and why."""
+
+
+def parse(text, where: str):
+    """The JSON of one of the run's files (a line of the log, the header, a section file):
+    files.UnreadableFile naming `where` for anything malformed, too deep or too large."""
+    return parse_json(text, where, max_depth=MAX_DEPTH, max_int_digits=MAX_INT_DIGITS)
 
 
 def header_path(run_dir: str) -> str:
@@ -56,7 +72,8 @@ def read_header(run_dir: str) -> dict | None:
     if not os.path.exists(path):
         return None
     try:
-        header = read_json(path, "the run's monitor header", limit=64 << 20)
+        header = read_json(path, "the run's monitor header", limit=64 << 20, max_depth=MAX_DEPTH,
+                           max_int_digits=MAX_INT_DIGITS)
     except UnreadableFile as e:
         raise ReadError(f"{e}; it is rewritten when the run (re)starts") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
@@ -74,17 +91,17 @@ def _parse_lines(data: bytes, path: str, first_line: int = 1, skipped: list | No
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            record = None
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            record, why = parse(line, f"{path} line {number}"), None
+        except UnreadableFile as e:
+            record, why = None, str(e)
+        step = record.get("step") if isinstance(record, dict) else None
+        if type(step) is not int or step < 0:           # bool is an int to Python: refused too
             if skipped is not None:
                 skipped.append(number)
                 continue
-            if record is None:
-                raise ReadError(f"{path} line {number} is not a JSON record: it is not a metrics log ringpipe "
-                                "wrote, or it was damaged")
-            raise ReadError(f"{path} line {number} is not a step record (no integer \"step\")")
+            if why:
+                raise ReadError(f"{why}: it is not a metrics log ringpipe wrote, or it was damaged")
+            raise ReadError(f"{path} line {number} is not a step record (no whole number \"step\" >= 0)")
         records.append(record)
     return records
 
@@ -115,18 +132,26 @@ def read_records(run_dir: str, limit: int = RECORDS_LIMIT) -> list[dict]:
 
 
 def tail_records(run_dir: str, max_bytes: int = TAIL_BYTES, skipped: list | None = None) -> list[dict]:
-    """The whole records in the last `max_bytes` of metrics.jsonl: what a live view needs,
-    read in constant time however long the run is. skipped: see _parse_lines (a live view
-    shows the good records around a damaged line)."""
+    """The whole records in the last `max_bytes` of metrics.jsonl, or further back until the
+    newest whole record is in (at most TAIL_LIMIT): what a live view needs, read in constant
+    time however long the run is. skipped: see _parse_lines (a live view shows the good
+    records around a damaged line)."""
     path = metrics_path(run_dir)
     if not os.path.exists(path):
         return []
-    data, start = _read_metrics(path, last=max_bytes)
-    if start == 0:
-        return _parse_lines(data, path, skipped=skipped)
-    cut = data.find(b"\n")
-    data = data[cut + 1:] if cut >= 0 else b""          # the first piece is the end of a line cut in two
-    return _parse_lines(data, path, first_line=0, skipped=skipped)   # 0: line numbers counted from the cut
+    window, limit = max_bytes, max(max_bytes, TAIL_LIMIT)
+    while True:
+        data, start = _read_metrics(path, last=window)
+        if start == 0:
+            return _parse_lines(data, path, skipped=skipped)
+        cut = data.find(b"\n")             # the first piece is the end of a line cut in two
+        if cut >= 0 and data.find(b"\n", cut + 1) >= 0:         # a whole line after it
+            return _parse_lines(data[cut + 1:], path, first_line=0, skipped=skipped)   # 0: counted from the cut
+        if window >= limit:
+            raise ReadError(f"{path}: its newest record is longer than {limit:,} bytes, more than this live view "
+                            "reads back; it is not a record ringpipe writes now (`ringpipe report` reads the "
+                            "whole log)")
+        window = min(4 * window, limit)
 
 
 def last_with(records: list[dict], key: str) -> dict | None:

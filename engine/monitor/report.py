@@ -10,7 +10,8 @@ metrics.jsonl), so it runs on a login node without MPI, during the run or after 
     stragglers       every rank the run named as one (metrics.jsonl's "stragglers"), a table
     loss             train and val loss against steps ("loss") and tokens seen ("loss-tokens");
                      val bits per byte ("bpb"); a classifier's accuracy ("accuracy") and its
-                     last confusion matrix with per-class precision and recall ("confusion")
+                     last confusion matrix (OUT/val_confusion.json; an older run's records)
+                     with per-class precision and recall ("confusion")
     speed            tokens/s (or examples/s) ("throughput") and MFU ("mfu") against steps
     every rank       compute time per rank and interval, a heat map ("step-heatmap"); the time
                      split per rank ("time-split"); resident and peak memory per rank ("memory")
@@ -31,8 +32,8 @@ import statistics
 import sys
 from html import escape
 
-from ringpipe.engine.job.files import write_text_atomic
-from ringpipe.engine.monitor import read, svg
+from ringpipe.engine.job.files import try_create_beside, write_text_atomic
+from ringpipe.engine.monitor import confusion, read, svg
 from ringpipe.engine.monitor.svg import Series, finite, fmt
 
 GENERATOR = '<meta name="generator" content="ringpipe report">'
@@ -148,7 +149,8 @@ def straggler_rows(records: list[dict]) -> list[dict]:
     """Every (rank, what) the run named as a straggler: when first and last, the worst ratio."""
     named: dict[tuple, dict] = {}
     for record in records:
-        for s in record.get("stragglers") or []:
+        stragglers = record.get("stragglers")
+        for s in stragglers if isinstance(stragglers, list) else []:
             if not isinstance(s, dict) or not isinstance(s.get("rank"), int):
                 continue
             key = (s["rank"], str(s.get("what", "?")))
@@ -221,7 +223,7 @@ def summary(run_dir: str, header: dict | None, records: list[dict]) -> str:
     layout = header.get("layout")
     layout_text = (" x ".join(f"{k} {v}" for k, v in layout.items()) if isinstance(layout, dict) else "not recorded")
     ranks = header.get("ranks") if isinstance(header.get("ranks"), list) else []
-    nodes = {r.get("node") for r in ranks if isinstance(r, dict)}
+    nodes = {r["node"] for r in ranks if isinstance(r, dict) and isinstance(r.get("node"), str)}
     world = header.get("world", len(ranks) or "?")
     steps_done = records[-1]["step"] if records else 0
     loss, val = last_number(records, "loss"), last_number(records, "val_loss")
@@ -300,11 +302,24 @@ def loss_section(header: dict | None, records: list[dict]) -> str:
     return "".join(out)
 
 
-def classifier_section(records: list[dict]) -> str:
-    """Accuracy and the last confusion matrix; '' for a run that is not a classifier."""
+def newest_confusion(run_dir: str, records: list[dict]) -> tuple[dict | None, str]:
+    """The newest confusion matrix ({"step", "val_confusion"}): OUT/val_confusion.json, or an
+    older run's last record that holds one; and why there is none when its file is damaged
+    (the rest of the report is still drawn)."""
+    try:
+        found = confusion.read_confusion(run_dir)
+    except (read.ReadError, OSError) as e:
+        return None, f"No confusion matrix: {e}."
+    if found is None:
+        found = read.last_with(records, confusion.KEY)
+    return found, ""
+
+
+def classifier_section(records: list[dict], found: dict | None = None, problem: str = "") -> str:
+    """Accuracy and the newest confusion matrix (`found`: newest_confusion's); '' for a run
+    that is not a classifier."""
     acc_x, acc_y = series_of(records, "val_accuracy", scale=100.0)
-    last = read.last_with(records, "val_confusion")
-    if not acc_y and last is None:
+    if not acc_y and found is None and not problem:
         return ""
     out = ['<h2 id="classifier">Classifier</h2>']
     if acc_y:
@@ -312,20 +327,28 @@ def classifier_section(records: list[dict]) -> str:
             [Series("val accuracy", acc_x, acc_y, markers=True)], "step", "accuracy (%)",
             "Validation accuracy against steps", y_format=lambda v: f"{v:.3g}%", y_limits=(0.0, 100.0)),
             "The share of validation examples classified right."))
-    matrix = last.get("val_confusion") if last else None
+    matrix = found.get(confusion.KEY) if found else None
     if not (isinstance(matrix, list) and matrix and all(isinstance(row, list) for row in matrix)):
-        out.append(note("confusion", "No confusion matrix: the run recorded none (or not as rows of counts)."))
+        out.append(note("confusion", problem or "No confusion matrix: the run recorded none (or not as rows of "
+                        "counts)."))
         return "".join(out)
     n = len(matrix)
+    # Precision and recall of the same validation: its record (the newest that has them, else).
+    last = next((r for r in reversed(records) if r["step"] == found["step"] and "val_precision" in r),
+                read.last_with(records, "val_precision") or found)
+    if not any(r["step"] == found["step"] for r in records):
+        out.append(note("confusion-step", f"The confusion matrix is of step {found['step']}, which the log's "
+                        "records do not hold (a resumed run went back to an earlier checkpoint, and has not "
+                        "validated past it yet)."))
     precision = last.get("val_precision") if isinstance(last.get("val_precision"), list) else []
     recall = last.get("val_recall") if isinstance(last.get("val_recall"), list) else []
     if n <= CONFUSION_LIMIT:
         values = [[number(v) for v in row] for row in matrix]
         titles = [[f"true {i}, predicted {j}: {v if v is not None else 'no number'}" for j, v in enumerate(row)]
                   for i, row in enumerate(values)]
-        out.append(svg.figure("confusion", f"Confusion matrix at step {last['step']}", svg.heatmap(
+        out.append(svg.figure("confusion", f"Confusion matrix at step {found['step']}", svg.heatmap(
             values, [f"true {i}" for i in range(n)], [f"{j}" for j in range(max(len(r) for r in values))],
-            f"Confusion matrix at step {last['step']}", x_label="predicted class", y_label="true class",
+            f"Confusion matrix at step {found['step']}", x_label="predicted class", y_label="true class",
             cell_titles=titles, annotate=n <= 20, value_format=lambda v: f"{v:.0f}",
             width=180 + n * max(24, min(60, 560 // n))),
             "Rows: the true class; columns: the predicted class; counts of validation examples."))
@@ -487,7 +510,8 @@ def ranks_section(header: dict | None, records: list[dict]) -> str:
 def render(run_dir: str, header: dict | None, records: list[dict], now: float | None = None) -> str:
     """The whole report page as one string."""
     records = replayed_out(records)
-    classifier = any("val_accuracy" in r or "val_confusion" in r for r in records)
+    found, problem = newest_confusion(run_dir, records)
+    classifier = found is not None or bool(problem) or any("val_accuracy" in r for r in records)
     # The page's sections, for the links at its top (in-page anchors: the file stays self-contained).
     sections = ["summary", "stragglers", "loss"] + (["classifier"] if classifier else []) + ["speed", "ranks"]
     name = os.path.basename(os.path.abspath(run_dir))
@@ -509,7 +533,7 @@ def render(run_dir: str, header: dict | None, records: list[dict], now: float | 
         return "".join(parts)
     parts.append(stragglers_section(header, records))
     parts.append(loss_section(header, records))
-    parts.append(classifier_section(records))
+    parts.append(classifier_section(records, found, problem))
     parts.append(speed_section(header, records))
     parts.append(ranks_section(header, records))
     parts.append("</body></html>\n")
@@ -519,13 +543,18 @@ def render(run_dir: str, header: dict | None, records: list[dict], now: float | 
 # ---- the command ------------------------------------------------------------------------
 
 def check_out(path: str, force: bool) -> None:
-    """--out may be written: a new file in an existing folder, or a report this command wrote
-    (any file with --force). Raises ReportError saying what to do."""
+    """--out may be written: a new file in an existing folder that takes files, or a report
+    this command wrote (any file with --force). Raises ReportError saying what to do."""
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise ReportError(f"--out {path} is a folder: name the HTML file to write, e.g. {os.path.join(path, 'report.html')}")
     if not os.path.isdir(folder):
         raise ReportError(f"--out {path}: its folder {folder} does not exist; create it first (mkdir -p {folder})")
+    try:
+        try_create_beside(path)
+    except OSError as e:
+        raise ReportError(f"--out {path}: no file can be written in {folder} ({e.strerror or e}); name a file in "
+                          "a folder you can write to") from None
     if not os.path.lexists(path) or force:
         return
     if not os.path.isfile(path) or os.path.islink(path):

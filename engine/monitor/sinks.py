@@ -13,22 +13,33 @@ taken) says so once and stops; it never stops the training, which metrics.jsonl 
 TensorBoard: OUT/tensorboard/, one event file per (re)start; a resumed run passes
 purge_step, so the steps an interrupted run wrote past its checkpoint are hidden and
 the resumed ones continue the same step axis. Scalars: train/*, val/*, and per rank
-rank_<metric>/rank_<R> (one group per metric: the ranks side by side).
+rank_<metric>/rank_<R> (one group per metric: the ranks side by side). A classifier's
+confusion matrix is a text table (val/confusion) from the record in memory, which still
+holds it: only metrics.jsonl's copy leaves it out (confusion.py writes it to a file).
 
 Prometheus: gauges named ringpipe_*, labelled by job (the Slurm job id or the run
 directory's name), and per rank by rank and node. The text file is rewritten
-atomically (prometheus_client writes a temporary file and renames it) at every
-per-rank interval and at the end; the port (rank 0, --metrics-port, bound to
-localhost unless --metrics-host says otherwise) serves the values of the newest step.
+atomically (a temporary file renamed over it) at every per-rank interval and at the
+end; the port (rank 0, --metrics-port, bound to localhost unless --metrics-host says
+otherwise) serves the values of the newest step.
+
+The text file sits in node_exporter's textfile folder beside other exporters' files: its
+first line says which run directory's run wrote it (textfile_header), and only a run of
+that directory replaces it (check_textfile: at start-up, refused with a ConfigError on
+every rank before any work, and again before each write). Any other file there is left
+alone, whatever its name.
 """
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import queue
 import threading
 import time
 
+from ringpipe.engine.job.errors import ConfigError
+from ringpipe.engine.job.files import UnreadableFile, open_regular, write_text_atomic
 from ringpipe.engine.monitor.ranks import SPLIT
 
 TENSORBOARD_DIR = "tensorboard"
@@ -38,6 +49,11 @@ TAGS = {"loss": "train/loss", "lr": "train/learning_rate", "grad_norm": "train/g
         "model_flops_per_s": "train/model_flops_per_s", "mfu": "train/mfu", "epoch": "train/epoch",
         "comm_hidden_frac": "train/comm_hidden_fraction", "val_loss": "val/loss", "val_bpb": "val/bits_per_byte",
         "val_accuracy": "val/accuracy"}
+# The text file's first line (a comment to Prometheus): the mark, then the run directory.
+TEXTFILE_MARK = "# ringpipe metrics of the run in "
+# The confusion matrix goes to TensorBoard as a table up to this many classes; a larger one
+# is unreadable as text (and megabytes an event): OUT/val_confusion.json has it.
+CONFUSION_TABLE_LIMIT = 64
 RANK_VALUES = ("step_ms", "compute_ms", "comm_ms", "bubble_ms", "data_ms", "other_ms", "items_per_s",
                "rss_bytes", "peak_bytes", "cpu_percent", "net_rx_bytes_per_s", "net_tx_bytes_per_s",
                "gpu_util_percent", "gpu_mem_bytes")
@@ -45,6 +61,18 @@ RANK_VALUES = ("step_ms", "compute_ms", "comm_ms", "bubble_ms", "data_ms", "othe
 
 class MissingLibrary(RuntimeError):
     """A sink was asked for whose library is not installed; the message says what to install."""
+
+
+def confusion_table(rows: list) -> str:
+    """The confusion matrix as a Markdown table (TensorBoard's text plugin draws it), up to
+    CONFUSION_TABLE_LIMIT classes; a larger one is named, not drawn (its file has it)."""
+    if len(rows) > CONFUSION_TABLE_LIMIT:
+        return (f"{len(rows)} classes: too many for a table here (at most {CONFUSION_TABLE_LIMIT}); the run "
+                "directory's val_confusion.json holds the matrix, `ringpipe report` each class's precision "
+                "and recall")
+    table = "| true \\ predicted | " + " | ".join(map(str, range(len(rows)))) + " |\n"
+    table += "|---" * (len(rows) + 1) + "|\n"
+    return table + "".join(f"| {i} | " + " | ".join(map(str, row)) + " |\n" for i, row in enumerate(rows))
 
 
 class TensorBoardSink:
@@ -110,25 +138,58 @@ class TensorBoardSink:
             values.append(("train/stragglers", len(record["stragglers"])))
         self._scalars(step, values)                  # one event a step: its scalars together
         if "val_confusion" in record:
-            rows = record["val_confusion"]
-            table = "| true \\ predicted | " + " | ".join(map(str, range(len(rows)))) + " |\n"
-            table += "|---" * (len(rows) + 1) + "|\n"
-            table += "".join(f"| {i} | " + " | ".join(map(str, row)) + " |\n" for i, row in enumerate(rows))
-            self._text(step, "val/confusion", table)
+            self._text(step, "val/confusion", confusion_table(record["val_confusion"]))
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
 
 
+def textfile_header(out_dir: str) -> str:
+    """The text file's first line: whose it is (the run directory, quoted: any path stays one line)."""
+    return f"{TEXTFILE_MARK}{json.dumps(os.path.realpath(out_dir))}; only a run of that directory replaces this file\n"
+
+
+def check_textfile(path: str | None, out_dir: str) -> None:
+    """<metrics_textfile> may be written by the run in `out_dir`: a new file, or one a run of
+    the same run directory wrote (a resumed or restarted run replaces its own). Anything else
+    (another exporter's file, another run's, a link, a folder) raises ConfigError: never
+    replaced. None (no text file asked for) passes."""
+    if path is None or not os.path.lexists(path):
+        return
+    where = f"<metrics_textfile> {path}"
+    if os.path.islink(path):
+        raise ConfigError(f"{where} is a symbolic link: ringpipe replaces only a file it wrote there; name another "
+                          "file (node_exporter reads every *.prom in its folder)")
+    try:
+        fd = open_regular(path, where, follow_symlinks=False)     # a FIFO there must not block
+    except UnreadableFile as e:
+        raise ConfigError(f"{e}; name another file") from None
+    try:
+        first = os.pread(fd, 4096, 0).split(b"\n", 1)[0].decode("utf-8", errors="replace")
+    finally:
+        os.close(fd)
+    if first + "\n" == textfile_header(out_dir):
+        return
+    if first.startswith(TEXTFILE_MARK):
+        raise ConfigError(f"{where} holds the metrics of another ringpipe run ({first[len(TEXTFILE_MARK):][:300]}): "
+                          "two runs would overwrite each other's. Name a file of this run's own, e.g. "
+                          f"{os.path.join(os.path.dirname(path), os.path.basename(os.path.abspath(out_dir)) + '.prom')}"
+                          ", or remove that one if its run is over")
+    raise ConfigError(f"{where} exists and is not a file ringpipe wrote (another exporter's?): it is left alone. "
+                      "Name another file (node_exporter reads every *.prom in its folder), or remove it if nothing "
+                      "needs it")
+
+
 class PrometheusSink:
-    def __init__(self, job: str, textfile: str | None, port: int | None, host: str):
+    def __init__(self, job: str, textfile: str | None, port: int | None, host: str, out_dir: str = "."):
         try:
             import prometheus_client as pc
         except ImportError:
             raise MissingLibrary("--metrics-textfile and --metrics-port need the prometheus_client package: pip "
                                  "install 'ringpipe[monitor]' (or prometheus_client)") from None
-        self.pc, self.textfile = pc, textfile
+        self.pc, self.textfile, self.out_dir = pc, textfile, out_dir
+        check_textfile(textfile, out_dir)
         self.registry = pc.CollectorRegistry()
         self.job = job
 
@@ -193,14 +254,21 @@ class PrometheusSink:
             self.straggler.labels(job, *labels).set(1 if labels in named else 0)
         self.named = named
         if self.textfile:
-            self.pc.write_to_textfile(self.textfile, self.registry)
+            self.write_textfile()
+
+    def write_textfile(self) -> None:
+        """The text file, whole (a temp file renamed over it), its first line whose it is. Checked
+        again first: a file put there since the start is another's, and stops this sink."""
+        check_textfile(self.textfile, self.out_dir)
+        text = textfile_header(self.out_dir) + self.pc.generate_latest(self.registry).decode("utf-8")
+        write_text_atomic(self.textfile, text)
 
     def close(self) -> None:
         if self.server is not None:       # the port is free again when run() returns (a library caller's process goes on)
             self.server.shutdown()
             self.server.server_close()
         if self.textfile:
-            self.pc.write_to_textfile(self.textfile, self.registry)
+            self.write_textfile()
 
 
 class Sinks:
@@ -217,12 +285,14 @@ class Sinks:
     def open(cls, out_dir: str, start_step: int, *, tensorboard: bool, textfile: str | None, port: int | None,
              host: str = "127.0.0.1", job: str | None = None, say=print):
         """The sinks asked for. Raises MissingLibrary when a library is not installed, OSError
-        when a port cannot be bound (both before any step)."""
+        when a port cannot be bound, ConfigError for a text file not this run directory's
+        (check_textfile; all before any step)."""
         sinks = []
         if tensorboard:
             sinks.append(TensorBoardSink(os.path.join(out_dir, TENSORBOARD_DIR), start_step))
         if textfile or port is not None:
-            sinks.append(PrometheusSink(job or os.path.basename(os.path.abspath(out_dir)), textfile, port, host))
+            sinks.append(PrometheusSink(job or os.path.basename(os.path.abspath(out_dir)), textfile, port, host,
+                                        out_dir))
         return cls(sinks, say)
 
     def publish(self, record: dict) -> None:

@@ -31,6 +31,10 @@ CHAR_W = 6.6               # about the width of a character at font-size 12 (to 
 # Okabe and Ito's palette: told apart by colour-blind readers too.
 PALETTE = ("#0072B2", "#D55E00", "#009E73", "#E69F00", "#CC79A7", "#56B4E9", "#000000", "#F0E442")
 MISSING = "#dddddd"        # a heat map cell with no number
+# The largest magnitude a plot places. No step time, rate, byte or FLOP count comes near it; a
+# larger number in a run's files is damaged, and left out: the axis arithmetic (spans, products,
+# powers of ten) of numbers up to here stays far from a float's overflow (1.7e308 makes inf).
+LARGEST = 1e30
 # Viridis at five stops (dark blue: low, yellow: high); read the same in grey print.
 VIRIDIS = ((0.0, (68, 1, 84)), (0.25, (59, 82, 139)), (0.5, (33, 145, 140)), (0.75, (94, 201, 98)),
            (1.0, (253, 231, 37)))
@@ -71,8 +75,9 @@ def fmt_bytes(value: float) -> str:
 
 
 def finite(value) -> bool:
-    """A real number a plot can place (not None, not a bool, not NaN or infinite)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A real number a plot can place (not None, not a bool, not NaN, infinite or beyond LARGEST).
+    The comparisons are exact for an int of any size (no conversion to float that could overflow)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and -LARGEST <= value <= LARGEST
 
 
 def thin(xs: list, ys: list, limit: int = MAX_POINTS) -> tuple[list, list]:
@@ -87,14 +92,16 @@ def thin(xs: list, ys: list, limit: int = MAX_POINTS) -> tuple[list, list]:
 def nice_ticks(lo: float, hi: float, count: int = 5) -> tuple[float, float, list[float]]:
     """Axis bounds widened to round numbers and the ticks between them (steps of 1, 2, 2.5 or 5
     times a power of ten)."""
-    if not hi > lo:                          # one value (or none): a band around it
+    # One value, or values closer than a float tells apart at their size: a band around it.
+    if not hi - lo > max(abs(lo), abs(hi), 1 / LARGEST) * 1e-9:
         pad = abs(lo) * 0.1 or 1.0
         lo, hi = lo - pad, hi + pad
     raw = (hi - lo) / count
-    magnitude = 10 ** math.floor(math.log10(raw))
+    magnitude = 10.0 ** math.floor(math.log10(raw))
     step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
     first, last = math.floor(lo / step), math.ceil(hi / step)
-    ticks = [round(i * step, 12) for i in range(first, last + 1)]
+    # 12 significant digits: float noise off (0.30000000000000004 is 0.3), small ticks kept.
+    ticks = [float(f"{i * step:.12g}") for i in range(first, last + 1)]
     return ticks[0], ticks[-1], ticks
 
 
@@ -107,8 +114,8 @@ def log_ticks(lo: float, hi: float) -> tuple[float, float, list[float]]:
     ticks = [m * 10.0 ** e for e in range(low, high + 1) for m in ((1,) if high - low > 2 else (1, 2, 5))]
     # The bounds: the ticks just outside the data, so the line fills the plot.
     below = [v for v in ticks if v <= lo]
-    above = [v for v in ticks if v >= hi]
-    bottom, top = below[-1], above[0]
+    bottom = below[-1]
+    top = next(v for v in ticks if v >= hi and v > bottom)      # one value on a tick: up to the next
     return bottom, top, [v for v in ticks if bottom <= v <= top]
 
 
@@ -147,7 +154,9 @@ def line_chart(series: list[Series], x_label: str, y_label: str, title: str, log
     cleaned = []
     for s in series:
         xs, ys = thin(s.xs, s.ys)
-        ys = [y if finite(y) and (y > 0 or not log_y) else None for y in ys]
+        # A log axis places positive numbers down to 1 / LARGEST (log10 of a smaller one, or of
+        # a subnormal float, would take its ticks past what a float holds).
+        ys = [y if finite(y) and (y >= 1 / LARGEST or not log_y) else None for y in ys]
         cleaned.append((s, [x if finite(x) else None for x in xs], ys))
     all_x = [x for _, xs, ys in cleaned for x, y in zip(xs, ys) if x is not None and y is not None]
     all_y = [y for _, xs, ys in cleaned for x, y in zip(xs, ys) if x is not None and y is not None]

@@ -24,9 +24,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from ringpipe.engine.job.files import try_create_beside, write_text_atomic
 from ringpipe.engine.job.rundir import DONE_NAME, MAX_RANKS, FinishedError, finished
 from ringpipe.engine.monitor.read import (HEADER_NAME, TAIL_BYTES, ReadError, check_run_dir, last_with, metrics_path,
                                           job_ranks, read_header, sync_text, tail_records)
+from ringpipe.engine.monitor.svg import finite
 
 DEFAULT_INTERVAL = 2.0
 # The ETA's pace: wall time over the newest records (pauses for validation and checkpoints
@@ -41,6 +43,9 @@ TEXT_LIMIT = 40                                # a node name or a field read lon
 # The log's tail read each time: 1 MiB, and room for two per-rank sections (a rank's entry is
 # ~400 bytes: 4096 ranks write 1.6 MiB sections, which a fixed 1 MiB would never hold whole).
 RANK_ENTRY_BYTES = 1024
+# The first line of a --screenshot: an existing file is replaced only when it starts so (this
+# command wrote it), never someone's picture that happens to have the name.
+SCREENSHOT_MARK = "<!-- ringpipe top screenshot: --screenshot replaces this file -->"
 
 
 @dataclass
@@ -78,12 +83,10 @@ class View:
 # ---- reading ------------------------------------------------------------------------------
 
 def _number(value) -> float | None:
-    """A finite JSON number, else None: a field missing, null or of the wrong type is shown
-    as "-" (the files may come from another version, or be damaged), never a crash."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else None
+    """A finite JSON number, else None: a field missing, null, of the wrong type or beyond
+    any real measurement (svg.finite) is shown as "-" (the files may come from another
+    version, or be damaged), never a crash."""
+    return float(value) if finite(value) else None
 
 
 def _text(value, limit: int = TEXT_LIMIT) -> str:
@@ -485,18 +488,52 @@ async def first_reading(app, pilot, timeout: float = 10.0) -> None:
     await pilot.pause(0.1)
 
 
+def check_screenshot(path: str) -> None:
+    """--screenshot may be written: a new *.svg in an existing folder that takes files, or a
+    screenshot this command wrote. Raises ValueError saying what to do (before the view starts)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not path.endswith(".svg"):
+        raise ValueError(f"--screenshot {path}: the file is an SVG picture; name it *.svg")
+    if os.path.isdir(path):
+        raise ValueError(f"--screenshot {path} is a folder: name the file to write, e.g. "
+                         f"{os.path.join(path, 'top.svg')}")
+    if not os.path.isdir(folder):
+        raise ValueError(f"--screenshot {path}: its folder {folder} does not exist; create it first "
+                         f"(mkdir -p {folder}) or name a file in another folder")
+    if os.path.lexists(path):
+        if os.path.islink(path) or not os.path.isfile(path):
+            raise ValueError(f"--screenshot {path} exists and is not a regular file; name another file")
+        try:
+            with open(path, encoding="utf-8", errors="replace") as fh:
+                first = fh.readline(len(SCREENSHOT_MARK) + 2)
+        except OSError as e:
+            raise ValueError(f"--screenshot {path} exists and cannot be read ({e.strerror or e}); name another "
+                             "file") from None
+        if first.rstrip("\n") != SCREENSHOT_MARK:
+            raise ValueError(f"--screenshot {path} exists and is not a screenshot ringpipe top wrote: it is left "
+                             "alone. Name another file, or remove it first")
+    try:
+        try_create_beside(path)
+    except OSError as e:
+        raise ValueError(f"--screenshot {path}: no file can be written in {folder} ({e.strerror or e}); name a "
+                         "file in a folder you can write to") from None
+
+
 def save_screenshot(run_dir: str, path: str, size: tuple[int, int]) -> None:
     """The live view drawn headless at `size` (columns, lines) into an SVG file (the
-    documentation's picture: docs/monitoring.md says how it is made)."""
+    documentation's picture: docs/monitoring.md says how it is made), written whole or
+    not at all, its first line SCREENSHOT_MARK."""
     import asyncio
     app = make_app(run_dir)
+    shot = []
 
     async def shoot() -> None:
         async with app.run_test(size=size) as pilot:
             await first_reading(app, pilot)
-            app.save_screenshot(os.path.basename(path), os.path.dirname(os.path.abspath(path)))
+            shot.append(app.export_screenshot())
 
     asyncio.run(shoot())
+    write_text_atomic(path, SCREENSHOT_MARK + "\n" + shot[0])
 
 
 # ---- the command line ---------------------------------------------------------------------
@@ -546,12 +583,10 @@ def main(argv=None, prog: str = "ringpipe top") -> int:
         return 2
     try:
         check_run_dir(args.run_dir)
-    except ReadError as e:
+        if args.screenshot:
+            check_screenshot(args.screenshot)
+    except ValueError as e:                # ReadError too
         print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    if args.screenshot and not args.screenshot.endswith(".svg"):
-        print(f"{prog}: error: --screenshot {args.screenshot}: the file is an SVG picture; name it *.svg",
-              file=sys.stderr)
         return 2
     once = args.once
     if not once and not args.screenshot and not sys.stdout.isatty():
@@ -575,7 +610,12 @@ def main(argv=None, prog: str = "ringpipe top") -> int:
               "'ringpipe[monitor]' (or pip install textual); --once prints the table without it", file=sys.stderr)
         return 2
     if args.screenshot:
-        save_screenshot(args.run_dir, args.screenshot, size)
+        try:
+            save_screenshot(args.run_dir, args.screenshot, size)
+        except OSError as e:               # checked before; a full disk or a vanished folder since
+            print(f"{prog}: error: cannot write {args.screenshot} ({e.strerror or e}); check the folder's "
+                  "permissions and free space, or name another file", file=sys.stderr)
+            return 2
         print(f"saved {args.screenshot}")
         return 0
     make_app(args.run_dir, args.interval).run()

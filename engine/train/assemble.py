@@ -31,7 +31,7 @@ from ringpipe.engine.train.reporting import Reporter
 from ringpipe.engine.monitor.clock import StepClock
 from ringpipe.engine.monitor.probes import gemm_peak_flops
 from ringpipe.engine.monitor.ranks import RankMonitor
-from ringpipe.engine.monitor.sinks import TENSORBOARD_DIR, MissingLibrary, Sinks
+from ringpipe.engine.monitor.sinks import TENSORBOARD_DIR, MissingLibrary, Sinks, check_textfile
 
 
 @dataclass
@@ -140,6 +140,8 @@ def own_run_directory(training: Run, cleanup) -> None:
             make_writable_dir("trace", cfg.trace)
 
     agree(training.world, make_output_dirs, "output directory")
+    # Rank 0 writes the Prometheus text file: its verdict (never replace another's file) for all.
+    agree_on_rank0(training.world, lambda: check_textfile(cfg.metrics_textfile, cfg.out_dir), "metrics text file")
     run_dir = rundir.RunDir(cfg.out_dir)
     if training.world.Get_rank() == 0:
         cleanup.callback(run_dir.unlock)

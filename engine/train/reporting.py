@@ -15,6 +15,7 @@ import time
 
 from ringpipe.engine.job import rundir
 from ringpipe.engine.job.errors import spell
+from ringpipe.engine.monitor import confusion
 
 
 class Reporter:
@@ -72,7 +73,8 @@ class Reporter:
             self.stop_notices()
         if not self.is_main:
             return
-        self.metrics.write(record)
+        # A classifier's confusion matrix goes to a file of its own (the record stays one short line).
+        self.metrics.write(confusion.split_off(record, os.path.dirname(self.metrics.path)))
         if self.quiet or not (done % self.log_every == 0 or done == self.steps or done == first_step + 1):
             return
         # The first step includes Numba's JIT compile (cached on disk afterwards): leave it out
@@ -93,7 +95,7 @@ class Reporter:
         metrics.jsonl and a line. Raises rundir.RunDirError like step_done."""
         if not self.is_main:
             return
-        self.metrics.write(record)
+        self.metrics.write(confusion.split_off(record, os.path.dirname(self.metrics.path)))
         line = f"step {0:>{len(str(self.steps))}}/{self.steps} | before the first update{_validation(record)}"
         if not self.quiet:
             self.say(line)

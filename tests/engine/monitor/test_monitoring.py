@@ -119,6 +119,26 @@ def test_the_prometheus_text_file_parses(tmp_path):
     assert found["ringpipe_rank_resident_bytes"].samples[0].value > 0
 
 
+def test_the_text_file_is_replaced_only_by_a_run_of_its_own_directory(tmp_path):
+    """Its first line names the run directory (sinks.py check_textfile): a run there again
+    replaces it; a run elsewhere, or any file not ringpipe's, is refused before any work."""
+    from ringpipe.engine.job.errors import ConfigError
+    out, prom = str(tmp_path / "prom"), tmp_path / "x.prom"
+    train(out, steps=2, monitor_every=1, tensorboard=False, metrics_textfile=str(prom))
+    first = prom.read_text()
+    train(out, steps=3, monitor_every=1, tensorboard=False, metrics_textfile=str(prom))     # the same directory
+    assert prom.read_text() != first and families(prom.read_text())["ringpipe_step"].samples[0].value == 3
+    written = prom.read_text()
+    with pytest.raises(ConfigError, match="holds the metrics of another ringpipe run"):
+        train(tmp_path / "other", steps=2, tensorboard=False, metrics_textfile=str(prom))
+    theirs = tmp_path / "node.prom"
+    theirs.write_text("node_thing 1\n")
+    with pytest.raises(ConfigError, match="exists and is not a file ringpipe wrote"):
+        train(tmp_path / "third", steps=2, tensorboard=False, metrics_textfile=str(theirs))
+    assert prom.read_text() == written and theirs.read_text() == "node_thing 1\n"
+    assert not (tmp_path / "other" / "metrics.jsonl").exists() and not (tmp_path / "third" / "metrics.jsonl").exists()
+
+
 def test_the_metrics_port_serves_while_the_run_goes_and_closes_after(tmp_path):
     port = free_port()
     out = str(tmp_path / "port")

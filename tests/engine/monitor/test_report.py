@@ -279,7 +279,7 @@ def test_help_and_refusals(tmp_path, capsys):
     # A damaged metrics.jsonl names the file.
     (run / "metrics.jsonl").write_text("not json\n")
     assert report.main([str(run), "--out", str(theirs)]) == 2
-    assert "metrics.jsonl line 1 is not a JSON record" in capsys.readouterr().err
+    assert "metrics.jsonl line 1 is not valid JSON" in capsys.readouterr().err
 
 
 def test_the_command_line_routes_to_it(tmp_path, capsys):
