@@ -21,7 +21,7 @@ from mpi4py import MPI
 from . import device, settings
 from .consistency import check_consistent
 from .context import CommContext, context_for
-from .hierarchical import allreduce_hierarchical
+from .hierarchical import Hierarchy
 from .layout import (LAYOUT_LEGEND, REDUCE_UFUNCS, is_buffer, layout_record, op_name, record_title,
                      semantics_hash, usable, validate)
 from .ring import allgather_ring, allreduce_ring, chunk_bounds, reduce_scatter_ring
@@ -136,6 +136,44 @@ def allreduce_on_context(ctx: CommContext, arr, flat: np.ndarray, op: str, algo:
     allreduce_algorithm = allreduce_small if algo == "small" else allreduce_ring
     if allreduce_algorithm(ctx, flat, _wire(flat), REDUCE_UFUNCS[op], op == "avg", semantics):
         _raise_poisoned(ctx, what, arr, flat, op, algo)
+
+
+def allreduce_hierarchical(hierarchy: Hierarchy, flat, op: str) -> None:
+    """All-reduce `flat` (contiguous, numpy or a device array) in place over the
+    hierarchy's communicator. op: sum | avg | max | min (avg: summed, then divided
+    by the number of ranks once, on the chunk each rank owns). The steps are in
+    comm/hierarchical.py's docstring; each is a public collective of this module on the
+    node or cross-node communicator, with its own layout check and fingerprints."""
+    h = hierarchy
+    inner = "sum" if op == "avg" else op
+    if h.nodes.even:
+        chunk = reduce_scatter(flat, h.node, op=inner) if h.local_size > 1 else flat
+        if h.cross.Get_size() > 1:
+            allreduce(chunk, h.cross, op=inner)          # ring or small, by the chunk's size
+        if op == "avg":
+            _divide(chunk, h.p)
+        if h.local_size > 1:
+            allgather(flat, h.node)
+        return
+    allreduce(flat, h.node, op=inner)
+    if h.cross is not None and h.cross.Get_size() > 1:
+        allreduce(flat, h.cross, op=inner)
+    if op == "avg" and h.local_rank == 0:
+        _divide(flat, h.p)
+    if h.local_size > 1:
+        _broadcast(flat, h.node)
+
+
+def _divide(chunk, p: int) -> None:
+    if chunk.size:
+        chunk /= p                                      # numpy or cupy alike, in place
+
+
+def _broadcast(flat, comm) -> None:
+    wire = flat.view(np.uint16) if flat.dtype.char == "e" else flat
+    if device.is_device_array(flat):
+        device.synchronize(flat)
+    comm.Bcast(wire, root=0)
 
 
 def _context(comm):

@@ -24,18 +24,21 @@ the settings when a communicator's private context is created (comm/context.py:
 no extra collective). On one
 machine, RINGPIPE_NODES (a node name per COMM_WORLD rank, e.g. "a,a,b,b")
 groups the ranks into nodes instead, to test and study the algorithm.
+
+This module knows the nodes and makes the hierarchy's communicators; the three steps run
+in comm/collectives.py (allreduce_hierarchical), as the public collectives on those
+communicators: they dispatch to this algorithm, so it does not import them.
 """
 
 from __future__ import annotations
 
 import os
 
-import numpy as np
 from mpi4py import MPI
 
 ENV_NODES = "RINGPIPE_NODES"
 
-__all__ = ["ENV_NODES", "NodeMap", "node_key", "node_map", "Hierarchy", "allreduce_hierarchical"]
+__all__ = ["ENV_NODES", "NodeMap", "node_key", "node_map", "Hierarchy"]
 
 
 class NodeMap:
@@ -121,42 +124,3 @@ class Hierarchy:
         for c in (self.node, self.cross):
             if c is not None and c != MPI.COMM_NULL:
                 c.Free()
-
-
-def allreduce_hierarchical(hierarchy: Hierarchy, flat, op: str) -> None:
-    """All-reduce `flat` (contiguous, numpy or a device array) in place over the
-    hierarchy's communicator. op: sum | avg | max | min (avg: summed, then divided
-    by the number of ranks once, on the chunk each rank owns)."""
-    from .collectives import allgather, allreduce, reduce_scatter   # they call us: import when run
-
-    h = hierarchy
-    inner = "sum" if op == "avg" else op
-    if h.nodes.even:
-        chunk = reduce_scatter(flat, h.node, op=inner) if h.local_size > 1 else flat
-        if h.cross.Get_size() > 1:
-            allreduce(chunk, h.cross, op=inner)          # ring or small, by the chunk's size
-        if op == "avg":
-            _divide(chunk, h.p)
-        if h.local_size > 1:
-            allgather(flat, h.node)
-        return
-    allreduce(flat, h.node, op=inner)
-    if h.cross is not None and h.cross.Get_size() > 1:
-        allreduce(flat, h.cross, op=inner)
-    if op == "avg" and h.local_rank == 0:
-        _divide(flat, h.p)
-    if h.local_size > 1:
-        _broadcast(flat, h.node)
-
-
-def _divide(chunk, p: int) -> None:
-    if chunk.size:
-        chunk /= p                                      # numpy or cupy alike, in place
-
-
-def _broadcast(flat, comm) -> None:
-    from . import device
-    wire = flat.view(np.uint16) if flat.dtype.char == "e" else flat
-    if device.is_device_array(flat):
-        device.synchronize(flat)
-    comm.Bcast(wire, root=0)

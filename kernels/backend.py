@@ -1,5 +1,5 @@
 """
-Array-module detection, the backend registry, and dispatch for kernels/.
+The backend registry and dispatch for kernels/ (the array module of the inputs: arrays.py).
 
 Two independent choices decide which code runs for a kernel call:
   - the array module of the inputs (numpy, or cupy for GPU arrays), and
@@ -36,26 +36,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .arrays import get_array_module, is_gpu_array  # noqa: F401 (get_array_module: callers ask here too)
 from .ops import BY_NAME, OP_NAMES, signature_problem
 
 DTYPES = {"float32": np.float32, "float64": np.float64}
-
-
-def is_gpu_array(x):
-    """True for a cupy array: the one test of "GPU array" in kernels/, what dispatch
-    sends to the GPU backends. By module name, so cupy is never imported just to ask.
-    (Numba device arrays are not GPU arrays here: kernels never dispatch on them.)"""
-    return type(x).__module__.startswith("cupy")
-
-
-def get_array_module(*arrays):
-    """cupy if any argument is a cupy array, else numpy. None arguments are ignored."""
-    for x in arrays:
-        if x is not None and is_gpu_array(x):
-            import cupy  # only reachable when a cupy array already exists
-
-            return cupy
-    return np
 
 
 def resolve_dtype(name):

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from .backend import get_array_module
+from .arrays import get_array_module
 
 # ---------------------------------------------------------------------------
 # matmul
