@@ -56,12 +56,13 @@ def _library_failure(e: BaseException) -> bool:
     return isinstance(e, Exception) or type(e).__name__ == "PanicException"
 
 
-def _failed(source: str, doing: str, e: BaseException) -> ValueError:
+def _failed(source: str, doing: str, e: BaseException,
+            fix: str = "fix or replace the tokenizer.json, or use 'bytes' or bpe:VOCAB") -> ValueError:
     """The ValueError (exit code 2) for the library failing while `doing`, naming the tokenizer file."""
     detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return ValueError(f"the tokenizer {source} failed while {doing} ({type(e).__name__}: {detail}); it is not a "
                       "tokenizer this library can use on this text (a pathological regex, a vocabulary without its "
-                      "unknown token?): fix or replace the tokenizer.json, or use 'bytes' or bpe:VOCAB")
+                      f"unknown token?): {fix}")
 
 
 class Tokenizer:
@@ -290,17 +291,26 @@ def _import_tokenizers():
     return tokenizers
 
 
-def from_json(json_text: str, source: str = "tokenizer.json", folder: str | None = None) -> Tokenizer:
+# What to do about a file that is not a tokenizer, where the user chose it (--tokenizer);
+# a caller that took the file from elsewhere (a model's folder) says what to do there.
+CHOOSE_ANOTHER = ("pass a Hugging Face tokenizer.json (one that `tokenizers.Tokenizer.from_file` reads), 'bytes', "
+                  "or bpe:VOCAB")
+
+
+def from_json(json_text: str, source: str = "tokenizer.json", folder: str | None = None,
+              fix: str = CHOOSE_ANOTHER) -> Tokenizer:
     """A Tokenizer from the text of a tokenizer.json. The bytes tokenizer's own file
     comes back as the bytes tokenizer (the fast numpy path); anything else is "hf".
-    `folder`: where to look for a tokenizer_config.json naming the end-of-text token."""
+    `folder`: where to look for a tokenizer_config.json naming the end-of-text token.
+    `fix`: what a refusal tells the user to do. Whatever the file holds, a refusal is a
+    ValueError naming `source`, the `tokenizers` library's own failures included."""
     try:
         parsed = files.parse_json(json_text, source)          # deep nesting too: a ValueError naming the file
     except ValueError as e:
-        raise ValueError(f"{e}; pass a Hugging Face tokenizer.json, 'bytes', or bpe:VOCAB") from None
-    if not isinstance(parsed, dict) or "model" not in parsed:
-        raise ValueError(f"{source} is JSON but not a Hugging Face tokenizer.json (no \"model\" in it); "
-                         "pass the tokenizer.json of a Hugging Face tokenizer, 'bytes', or bpe:VOCAB")
+        raise ValueError(f"{e}; {fix}") from None
+    problem = _not_a_tokenizer(parsed)
+    if problem:
+        raise ValueError(f"{source} is JSON but not a Hugging Face tokenizer.json ({problem}); {fix}")
     if json_sha256(json_text) == bytes_tokenizer().sha256:
         return bytes_tokenizer()
     tokenizers = _import_tokenizers()
@@ -309,8 +319,7 @@ def from_json(json_text: str, source: str = "tokenizer.json", folder: str | None
     except BaseException as e:    # the Rust library raises a bare Exception, or panics
         if not _library_failure(e):
             raise
-        raise ValueError(f"{source} does not load as a Hugging Face tokenizer ({e}); pass a tokenizer.json "
-                         "that `tokenizers.Tokenizer.from_file` reads, 'bytes', or bpe:VOCAB") from None
+        raise ValueError(f"{source} does not load as a Hugging Face tokenizer ({e}); {fix}") from None
     _text_is_text(hf, source)
     try:
         vocab_size = hf.get_vocab_size(with_added_tokens=True)
@@ -328,8 +337,26 @@ def from_json(json_text: str, source: str = "tokenizer.json", folder: str | None
     except BaseException as e:
         if not _library_failure(e):
             raise
-        raise _failed(source, "loading (its first encode)", e) from None
+        raise _failed(source, "loading (its first encode)", e, fix) from None
     return Tokenizer("hf", vocab_size, separator, separator_bytes, json_text, hf=hf, source=source)
+
+
+def _not_a_tokenizer(parsed) -> str | None:
+    """What makes a parsed tokenizer.json not one, in words, or None: the shape every
+    tokenizer.json has (an object whose "model" is an object with a "type" or a "vocab", and
+    added tokens as a list of objects), checked before the library, whose own refusal of
+    {"model": 5} ("data did not match any variant of untagged enum ModelUntagged") says little."""
+    if not isinstance(parsed, dict):
+        return f"it is a JSON {type(parsed).__name__}, not an object"
+    if "model" not in parsed:
+        return 'it has no "model"'
+    algorithm = parsed["model"]            # BPE, Unigram, WordPiece, WordLevel: its type and vocabulary
+    if not isinstance(algorithm, dict) or not ("type" in algorithm or "vocab" in algorithm):
+        return f'its "model" is {json.dumps(algorithm)[:60]}, not an object with a "type" and a "vocab"'
+    added = parsed.get("added_tokens") or []
+    if not isinstance(added, list) or not all(isinstance(token, dict) for token in added):
+        return 'its "added_tokens" is not a list of objects'
+    return None
 
 
 def _text_is_text(hf, source: str) -> None:

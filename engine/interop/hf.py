@@ -29,6 +29,7 @@ never torch or transformers.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -40,6 +41,7 @@ import tempfile
 
 import numpy as np
 
+from ringpipe.engine.interop import hf_values
 from ringpipe.engine.job import checkpoint, files
 from ringpipe.engine.model.gpt import GPTConfig, gpt_layers
 from ringpipe.engine.model.params import dedup_specs
@@ -297,31 +299,44 @@ _OTHER_FAMILIES = {"llama": _llama}
 
 def write_model_folder(tensors: dict, files: dict, out_dir: str, overwrite: bool, protect) -> str:
     """model.safetensors of `tensors` and the files {name: bytes}, written into a temp folder
-    renamed into place (export_hf's contract); returns out_dir's absolute path."""
+    renamed into place (export_hf's contract); returns out_dir's absolute path. A failure to
+    write is an HFError naming out_dir (not the temp folder, which is removed)."""
     out_dir = os.path.abspath(out_dir)
     _check_out_dir(out_dir, overwrite, protect)
     parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
     try:
-        _save_safetensors(tensors, os.path.join(tmp, "model.safetensors"))
-        for name, data in files.items():
-            with open(os.path.join(tmp, name), "wb") as fh:
-                fh.write(data)
-        # mkdtemp makes the folder 0700 and safetensors writes its file 0600: give both the
-        # modes every other file of the user gets (their umask), so the folder is not
-        # readable while model.safetensors, the one file that matters, is not.
-        umask = _umask()
-        for name in os.listdir(tmp):
-            os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
-            _fsync(os.path.join(tmp, name))
-        os.chmod(tmp, 0o777 & ~umask)
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    except OSError as e:                # /proc/self/x: the checks above cannot foresee every filesystem
+        raise HFError(f"--out {out_dir}: cannot create a folder in {parent} ({e.strerror or e}); choose --out in "
+                      "a folder you can write to") from None
+    try:
+        try:
+            _write_files(tmp, tensors, files)
+        except OSError as e:
+            raise HFError(f"--out {out_dir}: writing the model failed ({e.strerror or e}), and nothing was written "
+                          "there; free space on its filesystem, or choose another --out") from None
         _check_out_dir(out_dir, overwrite, protect)     # again: it may have changed while we wrote
         _move_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def _write_files(tmp: str, tensors: dict, files: dict) -> None:
+    _save_safetensors(tensors, os.path.join(tmp, "model.safetensors"))
+    for name, data in files.items():
+        with open(os.path.join(tmp, name), "wb") as fh:
+            fh.write(data)
+    # mkdtemp makes the folder 0700 and safetensors writes its file 0600: give both the
+    # modes every other file of the user gets (their umask), so the folder is not
+    # readable while model.safetensors, the one file that matters, is not.
+    umask = _umask()
+    for name in os.listdir(tmp):
+        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
+        _fsync(os.path.join(tmp, name))
+    os.chmod(tmp, 0o777 & ~umask)
 
 
 def _gpt_config(model_config: dict) -> GPTConfig:
@@ -402,7 +417,15 @@ def _save_safetensors(tensors: dict, path: str) -> None:
     numpy_api = _safetensors("numpy")
     # transformers refuses a safetensors file whose metadata does not name a framework;
     # "pt" is what save_pretrained writes.
-    numpy_api.save_file(tensors, path, metadata={"format": "pt"})
+    try:
+        numpy_api.save_file(tensors, path, metadata={"format": "pt"})
+    except OSError:
+        raise
+    except Exception as e:      # the Rust library's SafetensorError wraps the I/O error: "... (os error 28)"
+        code = re.search(r"os error ([0-9]+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), path) from None
 
 
 def _safetensors(module: str):
@@ -464,8 +487,9 @@ def _check_out_dir(out_dir: str, overwrite: bool, protect=()) -> None:
     """Refuse an out_dir that an export must not replace; return if it may be written (it
     is new or empty, or it is a model folder and overwrite is given). Only a refusal that
     --overwrite would lift suggests it."""
+    _check_destination(out_dir)
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
-        raise FileExistsError(f"--out {out_dir} exists and is not a folder; choose a folder")
+        raise FileExistsError(f"--out {out_dir} exists and is not a folder; choose the path of a new folder")
     if not os.path.isdir(out_dir) or not os.listdir(out_dir):
         return
     names = sorted(os.listdir(out_dir))
@@ -496,6 +520,21 @@ def _check_out_dir(out_dir: str, overwrite: bool, protect=()) -> None:
         raise FileExistsError(f"--out {out_dir} is not empty: it holds a model ({', '.join(names[:4])}"
                               f"{', ...' if len(names) > 4 else ''}); pass --overwrite to replace it "
                               "(overwrite=True), or choose another folder")
+
+
+def _check_destination(out_dir: str) -> None:
+    """Refuse an out_dir that no folder can be made at, naming it, before the checkpoint is
+    read: one under a file (--out FILE/x, /dev/null/x), or in a folder this user cannot write
+    (the folders a write would create are not there yet: the nearest one that is decides)."""
+    existing = os.path.dirname(out_dir)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise HFError(f"--out {out_dir}: {existing} is not a folder, so no folder can be made in it; choose --out "
+                      "in a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise HFError(f"--out {out_dir}: the folder {existing} is not writable by this user; choose --out in a "
+                      "folder you can write to")
 
 
 def _move_into_place(tmp: str, out_dir: str) -> None:
@@ -546,16 +585,24 @@ class _Tokenizer:
                 raise HFError(f"the tokenizer {tokenizer_json} is not UTF-8 text (byte {e.start})") from None
         data = _files_call(files.parse_json, text, where)
         if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
-            raise HFError(f"{where} is not a tokenizer.json of the tokenizers library (no \"model\")")
+            raise HFError(f"{where} is not a tokenizer.json of the tokenizers library (its \"model\" is missing or "
+                          "not an object)")
         ids = {}
         vocab_entries = data["model"].get("vocab")
+        added = data.get("added_tokens") or []
+        if isinstance(vocab_entries, list) and not all(isinstance(e, list) and e and isinstance(e[0], str)
+                                                       for e in vocab_entries):
+            raise HFError(f"{where}: its Unigram vocabulary is not a list of [piece, score] pairs")
+        if not isinstance(added, list) or not all(isinstance(t, dict) and isinstance(t.get("content"), str)
+                                                  for t in added):
+            raise HFError(f"{where}: its added_tokens is not a list of tokens (objects with a content and an id)")
         if isinstance(vocab_entries, dict):              # BPE, WordPiece, WordLevel: {token: id}
             ids.update(vocab_entries)
         elif isinstance(vocab_entries, list):            # Unigram: [[piece, score], ...] in id order
             ids.update({entry[0]: i for i, entry in enumerate(vocab_entries)})
         special = []
-        for token in data.get("added_tokens") or []:
-            ids[token["content"]] = token["id"]
+        for token in added:
+            ids[token["content"]] = token.get("id")
             if token.get("special"):
                 special.append(token["content"])
         if not ids or not all(type(i) is int and i >= 0 for i in ids.values()):
@@ -670,14 +717,34 @@ def import_hf(hf_dir: str) -> tuple[GPTConfig, dict, str | None]:
 
 
 def tokenizer_of(hf_dir: str) -> str | None:
-    """The path of the folder's tokenizer.json, or None where it has none."""
+    """The path of the folder's tokenizer.json, or None where it has none; HFError naming it
+    where it is not a tokenizer."""
     tokenizer = os.path.join(hf_dir, "tokenizer.json")
-    if os.path.lexists(tokenizer):
-        # Something named tokenizer.json that is a FIFO, a device or not JSON is refused here,
-        # naming it, rather than wherever it is read later.
-        _read_json(tokenizer, "the model's tokenizer", MAX_TOKENIZER_BYTES)
-        return tokenizer
-    return None
+    if not os.path.lexists(tokenizer):
+        return None
+    _check_model_tokenizer(tokenizer, hf_dir)
+    return tokenizer
+
+
+def _check_model_tokenizer(path: str, hf_dir: str) -> None:
+    """Refuse a model folder's tokenizer.json that is not a tokenizer (a FIFO, deep JSON,
+    {"model": 5}) at import, naming it: on every rank and before any work, not where the data
+    is compared with it later (a traceback there). Read as export reads it (its vocabulary),
+    then, where the `tokenizers` library is installed, as the run reads it
+    (engine/data/tokenizer.py: whatever the library raises is named too)."""
+    fix = ("replace it with the tokenizer.json the model was published with, or remove it (the data's tokenizer "
+           "then cannot be checked against the model's)")
+    try:
+        tokenizer = _Tokenizer.read(path, hf_values.MAX_VOCAB)
+    except HFError as e:
+        raise HFError(f"{e}; {fix}") from None
+    if importlib.util.find_spec("tokenizers") is None:
+        return                      # only the size is read then (check_init_data), and it was
+    from ringpipe.engine.data.tokenizer import from_json
+    try:
+        from_json(tokenizer.text, source=path, folder=hf_dir, fix=fix)
+    except ValueError as e:
+        raise HFError(str(e)) from None
 
 
 # Limits on the JSON files of a model folder: far above any real one, far below a problem.
@@ -766,43 +833,66 @@ def _read_config(hf_dir: str) -> dict:
     return config
 
 
+def checked(where: str, key: str, value):
+    """value, if it holds the rule of `key` (hf_values.RULES; a dotted key, rope_scaling.factor,
+    by its last part); else HFError saying what to set it to."""
+    rule = hf_values.RULES[key.rsplit(".", 1)[-1]]
+    if not rule.holds(value):
+        raise HFError(hf_values.invalid(where, key, value, rule.expected()))
+    return value
+
+
+def check_config(hf_dir: str):
+    """The model config (GPTConfig or LlamaConfig) of a Hugging Face folder's config.json, every
+    value checked (type, range, what ringpipe's model can represent); HFError naming the key
+    otherwise. Reads config.json only: cheap enough to run before anything else is said."""
+    config = _read_config(hf_dir)
+    if config.get("model_type") in _llama().MODEL_TYPES:
+        return _llama().config_from_hf(config, hf_dir)
+    return _config_from_hf(config, hf_dir)
+
+
 def _config_from_hf(config: dict, hf_dir: str) -> GPTConfig:
-    """Our GPTConfig from config.json, refusing every setting our GPT computes differently."""
+    """Our GPTConfig from config.json: every value checked, every setting our GPT computes
+    differently refused."""
     where = f"{hf_dir}/config.json"
     model_type = config.get("model_type")
     if model_type != "gpt2":
-        raise HFError(f"{where}: model_type is {model_type!r}; ringpipe imports model_type \"gpt2\" (its GPT) "
-                      f"and the Llama family ({', '.join(_llama().MODEL_TYPES)})")
+        raise HFError(f"{where}: ringpipe cannot import this model: model_type is {hf_values.shown(model_type)}, "
+                      f"and ringpipe imports model_type \"gpt2\" (its GPT) and the Llama family "
+                      f"({', '.join(_llama().MODEL_TYPES)}). Fine-tune it with transformers instead, or choose a "
+                      "model of one of those types")
+
+    defaults = dict(_GPT2_DEFAULTS, **{key: _GPT2_DROPOUT_DEFAULT for key in _DROPOUT_KEYS})
 
     def get(key):
-        return config.get(key, _GPT2_DEFAULTS[key])
+        return checked(where, key, config.get(key, defaults[key]))
 
-    def refuse(key, why):
-        raise HFError(f"{where}: {key} is {get(key)!r}; {why}")
+    def refuse(key, why, instead):
+        raise HFError(hf_values.unsupported(where, key, get(key), why, instead))
 
-    sizes = {}
-    for key in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
-        value = get(key)
-        if type(value) is not int or value < 1:
-            refuse(key, "expected a positive integer")
-        sizes[key] = value
+    sizes = {key: get(key) for key in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")}
+    for key in defaults:                                 # every other value read: type and range first
+        get(key)
     if sizes["n_embd"] % sizes["n_head"]:
-        refuse("n_head", f"it must divide n_embd {sizes['n_embd']}")
+        raise HFError(hf_values.invalid(where, "n_head", sizes["n_head"],
+                                        f"a divisor of n_embd {sizes['n_embd']} (the heads split it evenly)"))
     if get("activation_function") not in _TANH_GELUS:
-        refuse("activation_function", f"ringpipe's MLP uses GELU in its tanh approximation "
-                                      f"({' or '.join(_TANH_GELUS)})")
+        refuse("activation_function", "ringpipe's MLP uses GELU in its tanh approximation",
+               f"activation_function {' or '.join(_TANH_GELUS)}")
     if get("n_inner") not in (None, 4 * sizes["n_embd"]):
-        refuse("n_inner", f"ringpipe's MLP is 4 * n_embd = {4 * sizes['n_embd']} wide")
-    epsilon = get("layer_norm_epsilon")
-    if type(epsilon) not in (int, float) or not math.isclose(epsilon, 1e-5, rel_tol=1e-6):
-        refuse("layer_norm_epsilon", "ringpipe's LayerNorm uses 1e-5")
+        refuse("n_inner", f"ringpipe's MLP is 4 * n_embd = {4 * sizes['n_embd']} wide",
+               "n_inner null (4 * n_embd)")
+    if not math.isclose(get("layer_norm_epsilon"), 1e-5, rel_tol=1e-6):
+        refuse("layer_norm_epsilon", "ringpipe's LayerNorm uses 1e-5", "layer_norm_epsilon 1e-5")
     if get("scale_attn_weights") is not True:
-        refuse("scale_attn_weights", "ringpipe always scales attention scores by 1/sqrt(head size)")
+        refuse("scale_attn_weights", "ringpipe always scales attention scores by 1/sqrt(head size)",
+               "scale_attn_weights true")
     for key, why in (("scale_attn_by_inverse_layer_idx", "ringpipe does not scale attention by 1/(layer+1)"),
                      ("add_cross_attention", "ringpipe's GPT has no cross-attention")):
         if get(key) is not False:
-            refuse(key, why)
-    # reorder_and_upcast_attn is not checked: it only makes transformers compute q.k in float32
+            refuse(key, why, f"{key} false")
+    # reorder_and_upcast_attn is not refused: it only makes transformers compute q.k in float32
     # with the scale applied before the matmul, the same attention in another order and precision.
     # tie_word_embeddings false is fine if lm_head.weight equals wte: checked with the tensors.
     return GPTConfig(n_layer=sizes["n_layer"], d_model=sizes["n_embd"], n_head=sizes["n_head"],
@@ -911,8 +1001,8 @@ def _safetensors_header(path: str) -> dict:
 
 
 def _read_tensors(headers: dict) -> dict:
-    """{name: numpy array} of the tensors in `headers` (_read_headers), read after their
-    shapes were checked. The old causal-mask buffers are not read: nothing uses them."""
+    """{name: float32 array, checked finite} of the tensors in `headers` (_read_headers), read
+    after their shapes were checked. The old causal-mask buffers are not read: nothing uses them."""
     by_file = {}
     for name, (dtype, shape, (path, _)) in headers.items():
         if not name.endswith(_BUFFER_SUFFIXES):
@@ -924,20 +1014,41 @@ def _read_tensors(headers: dict) -> dict:
 
 
 def _read_safetensors_file(path: str, names: list, headers: dict) -> dict:
+    """{name: float32 array} of the tensors `names` of one file, each checked finite as it is read."""
     safetensors = _safetensors("safe_open")
     tensors = {}
     try:
         with safetensors.safe_open(path, framework="np") as fh:
             for name in names:
                 if headers[name][0] == "BF16":
-                    tensors[name] = _read_bf16(headers[name])     # numpy has no bfloat16
+                    tensor = _read_bf16(headers[name])     # numpy has no bfloat16
                 else:
-                    tensors[name] = fh.get_tensor(name)
+                    tensor = fh.get_tensor(name)
+                tensors[name] = _finite_float32(tensor, name, path)
     except HFError:
         raise
     except Exception as e:   # the library raises its own types (SafetensorError, TypeError) for a bad file
         raise HFError(f"{path} cannot be read as safetensors ({type(e).__name__}: {e})") from None
     return tensors
+
+
+def _finite_float32(tensor: np.ndarray, name: str, path: str) -> np.ndarray:
+    """The tensor as float32, ringpipe's weights, refused naming it unless every value is finite
+    there: a NaN or infinite weight (or a float64 one beyond float32's range, which becomes
+    infinite) would otherwise surface steps later as "training diverged... lower --lr",
+    blaming the learning rate for the file."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        weights = tensor.astype(np.float32, copy=False)
+        # One pass, no temporary array: a float64 sum of finite float32 values cannot overflow
+        # (each is at most 3.4e38; 2**64 of them sum to 6e57), so it is finite exactly when they all are.
+        if math.isfinite(weights.sum(dtype=np.float64)):
+            return weights
+        bad = int(weights.size - np.count_nonzero(np.isfinite(weights)))
+        unrepresentable = bool(np.isfinite(tensor).all())
+    what = (f"{bad:,} of its {weights.size:,} values beyond float32's range (3.4e38), which ringpipe trains in"
+            if unrepresentable else f"{bad:,} NaN or infinite values (of {weights.size:,})")
+    raise HFError(f"{path}: the tensor {name} holds {what}: the weights are damaged, or were saved from a run that "
+                  "diverged; use an undamaged copy of the model (download it again, or take an earlier checkpoint)")
 
 
 def _read_bf16(entry) -> np.ndarray:

@@ -23,7 +23,7 @@ import re
 
 import numpy as np
 
-from ringpipe.engine.interop import hf
+from ringpipe.engine.interop import hf, hf_values
 
 # (our name, Hugging Face's name) per block, after "h.{i}." and "model.layers.{i}.".
 _BLOCK_NAMES = [
@@ -284,106 +284,124 @@ _SILUS = ("silu", "swish")
 _MOE_KEYS = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
              "n_routed_experts")
 _SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_UNSET = object()           # _Config.invalid / unsupported: show the key's value from config.json
 
 
 class _Config:
-    """config.json with transformers' defaults, and refusals that name the key."""
+    """config.json with transformers' defaults: every value read is checked against its rule
+    (hf_values.RULES), and every refusal names the key and says what to do."""
 
     def __init__(self, config: dict, hf_dir: str):
         self.config, self.where = config, f"{hf_dir}/config.json"
         self.model_type = config["model_type"]
 
-    def get(self, key, default=None):
+    def raw(self, key, default=None):
+        """The value as given, or transformers' default where config.json leaves it out."""
         return self.config.get(key, _DEFAULTS[self.model_type].get(key, default))
 
-    def refuse(self, key, why):
-        shown = repr(self.get(key)) if key in self.config or key in _DEFAULTS[self.model_type] else "missing"
-        raise hf.HFError(f"{self.where}: {key} is {shown}; {why}")
+    def get(self, key, default=None):
+        """raw(), checked: HFError saying what to set the key to unless its type and range hold."""
+        return hf.checked(self.where, key, self.raw(key, default))
 
-    def size(self, key, default=None):
-        value = self.get(key, default)
-        if value is None and key not in self.config:
-            raise hf.HFError(f"{self.where}: model_type is {self.model_type!r}, but {key} is missing: a "
-                             f"{self.model_type} config.json gives it (is the model_type right?)")
-        if type(value) is not int or value < 1:
-            self.refuse(key, "expected a positive integer")
-        return value
+    def invalid(self, key, expected, value=_UNSET):
+        raise hf.HFError(hf_values.invalid(self.where, key, self.raw(key) if value is _UNSET else value, expected))
+
+    def unsupported(self, key, why, instead, value=_UNSET):
+        raise hf.HFError(hf_values.unsupported(self.where, key, self.raw(key) if value is _UNSET else value, why,
+                                               instead))
+
+    def size(self, key):
+        if key not in self.config and key not in _DEFAULTS[self.model_type]:
+            raise hf.HFError(f"{self.where}: add {key} to config.json: model_type is {self.model_type!r}, whose "
+                             "config.json gives it, and this one does not (is its model_type right?)")
+        return self.get(key)
 
 
 def config_from_hf(config: dict, hf_dir: str):
-    """The LlamaConfig of a Llama-style config.json; HFError naming the key of anything
-    ringpipe's Llama would compute differently. Reads no tensor."""
+    """The LlamaConfig of a Llama-style config.json; HFError naming the key of any value out of
+    type or range, and of anything ringpipe's Llama would compute differently. Reads no tensor."""
     c = _Config(config, hf_dir)
     sizes = {key: c.size(key) for key in _SIZE_KEYS}
-    heads = sizes["num_attention_heads"]
-    kv_heads = c.size("num_key_value_heads", heads) if c.get("num_key_value_heads") is not None else heads
+    heads, width = sizes["num_attention_heads"], sizes["hidden_size"]
+    kv_heads = c.get("num_key_value_heads")
+    kv_heads = heads if kv_heads is None else kv_heads
     if heads % kv_heads:
-        c.refuse("num_key_value_heads", f"it must divide num_attention_heads {heads} (grouped-query attention)")
+        c.invalid("num_key_value_heads", f"a divisor of num_attention_heads {heads} (grouped-query attention: each "
+                                         "key/value head serves an equal group of query heads)", kv_heads)
     hd = c.get("head_dim")
-    if hd is None and sizes["hidden_size"] % heads:
-        c.refuse("num_attention_heads", f"it must divide hidden_size {sizes['hidden_size']} (or set head_dim)")
-    hd = c.size("head_dim") if hd is not None else sizes["hidden_size"] // heads
+    if hd is None and width % heads:
+        c.invalid("num_attention_heads", f"a divisor of hidden_size {width} (or set head_dim)")
+    if hd is None and (width // heads) % 2:
+        c.invalid("num_attention_heads", f"a divisor of hidden_size {width} that leaves an even head size (rotary "
+                                         "embedding turns pairs of channels), or set head_dim")
+    if hd is not None and hd % 2:
+        c.invalid("head_dim", "an even whole number (rotary embedding turns pairs of channels)")
+    hd = width // heads if hd is None else hd
     context = c.size("max_position_embeddings")
-    _refuse_unsupported(c, context)
+    c.get("attention_dropout", 0.0)             # type and range: import_notes reads it (every type's default 0)
+    _refuse_unsupported(c, context, sizes["num_hidden_layers"])
     theta, scaling = _rope_from_hf(c, context)
-    eps = c.get("rms_norm_eps")
-    if type(eps) not in (int, float) or not 0 < eps < 1:
-        c.refuse("rms_norm_eps", "expected a number between 0 and 1")
-    tie = c.get("tie_word_embeddings")
-    if type(tie) is not bool:
-        c.refuse("tie_word_embeddings", "expected true or false")
     llama = _llama_module()
-    cfg = llama.LlamaConfig(n_layer=sizes["num_hidden_layers"], d_model=sizes["hidden_size"], n_head=heads,
-                            n_kv_head=kv_heads, d_ff=sizes["intermediate_size"], context=context,
-                            vocab=sizes["vocab_size"], head_dim=hd, rope_theta=theta, rope_scaling=scaling,
-                            rms_eps=eps, tie_embeddings=tie, qkv_bias=_QKV_BIAS[c.model_type])
+    cfg = llama.LlamaConfig(n_layer=sizes["num_hidden_layers"], d_model=width, n_head=heads, n_kv_head=kv_heads,
+                            d_ff=sizes["intermediate_size"], context=context, vocab=sizes["vocab_size"], head_dim=hd,
+                            rope_theta=theta, rope_scaling=scaling, rms_eps=c.get("rms_norm_eps"),
+                            tie_embeddings=c.get("tie_word_embeddings"), qkv_bias=_QKV_BIAS[c.model_type])
     return _validated(cfg, c.where)
 
 
-def _refuse_unsupported(c: _Config, context: int) -> None:
+def _refuse_unsupported(c: _Config, context: int, n_layer: int) -> None:
     """Activations, biases, windows, experts and quantization ringpipe's Llama does not have."""
     if c.get("hidden_act") not in _SILUS:
-        c.refuse("hidden_act", "ringpipe's Llama MLP is SwiGLU, whose gate uses silu")
+        c.unsupported("hidden_act", "ringpipe's Llama MLP is SwiGLU, whose gate uses silu", "hidden_act silu")
     # Only Llama reads these two (Mistral's and Qwen2's biases are fixed by the architecture).
     reads = _DEFAULTS[c.model_type]
-    if "attention_bias" in reads and c.get("attention_bias") is not False:
-        c.refuse("attention_bias", "it puts a bias on o_proj too; ringpipe's Llama has biases on q, k and v only "
-                                   "(as Qwen2), or none")
-    if "mlp_bias" in reads and c.get("mlp_bias") is not False:
-        c.refuse("mlp_bias", "ringpipe's Llama MLP has no biases")
+    if "attention_bias" in reads and c.get("attention_bias"):
+        c.unsupported("attention_bias", "it puts a bias on o_proj too, and ringpipe's Llama has biases on q, k and "
+                                        "v only (as Qwen2) or none", "attention_bias false")
+    if "mlp_bias" in reads and c.get("mlp_bias"):
+        c.unsupported("mlp_bias", "ringpipe's Llama MLP has no biases", "mlp_bias false")
     for key in _MOE_KEYS:
-        if c.get(key) not in (None, 0):
-            c.refuse(key, "a mixture of experts; ringpipe's Llama has one dense MLP per block")
-    if c.get("quantization_config") is not None:
-        c.refuse("quantization_config", "ringpipe reads float weights only (F32, F16, BF16, F64)")
+        if c.raw(key) not in (None, 0):
+            c.unsupported(key, "it makes a mixture of experts, and ringpipe's Llama has one dense MLP per block",
+                          f"no {key}")
+    if c.raw("quantization_config") is not None:
+        c.unsupported("quantization_config", "its weights are quantized, and ringpipe reads float weights only "
+                                             "(F32, F16, BF16, F64)", "no quantization_config (the float model)")
     if c.get("partial_rotary_factor", 1.0) != 1.0:
-        c.refuse("partial_rotary_factor", "ringpipe's RoPE rotates every dimension of a head (1.0)")
-    _refuse_windows(c, context)
+        c.unsupported("partial_rotary_factor", "ringpipe's RoPE rotates every dimension of a head",
+                      "partial_rotary_factor 1.0, or none")
+    _refuse_windows(c, context, n_layer)
 
 
-def _refuse_windows(c: _Config, context: int) -> None:
+def _refuse_windows(c: _Config, context: int, n_layer: int) -> None:
     """A sliding window that binds (smaller than the context, on some layer) is refused: ringpipe's
     attention is causal over the whole context. A window as long as the context changes nothing."""
     window = c.get("sliding_window")
-    if c.model_type in _WINDOW_SWITCH and c.get(_WINDOW_SWITCH[c.model_type]) is not True:
+    switch = _WINDOW_SWITCH.get(c.model_type)
+    if switch is not None and c.get(switch) is not True:
         window = None                            # Qwen2: the window is used only when switched on
-    layer_types = c.get("layer_types")
-    if layer_types is not None and (not isinstance(layer_types, list)
-                                    or any(t not in ("full_attention", "sliding_attention") for t in layer_types)):
-        c.refuse("layer_types", "ringpipe's Llama has full_attention layers only")
+    layer_types = c.raw("layer_types")
     if layer_types is not None:
+        if (not isinstance(layer_types, list) or len(layer_types) != n_layer
+                or not all(isinstance(t, str) for t in layer_types)):
+            c.invalid("layer_types", f"a list of num_hidden_layers {n_layer} strings, each layer's attention "
+                                     "(\"full_attention\"), or null")
+        other = [t for t in layer_types if t not in ("full_attention", "sliding_attention")]
+        if other:
+            c.unsupported("layer_types", f"it has {other[0]} layers, and ringpipe's Llama has full_attention layers "
+                                         "only", "no layer_types other than full_attention")
         slides = "sliding_attention" in layer_types
-    elif c.model_type in _WINDOW_SWITCH:
+    elif switch is not None:
         # transformers' rule for a config without layer_types: layers from max_window_layers on slide.
         first = c.get("max_window_layers")
-        slides = type(first) is not int or first < c.size("num_hidden_layers")
+        slides = first is None or first < n_layer
     else:
         slides = True                            # Mistral: every layer
-    if window is not None and slides and (type(window) is not int or window < context):
-        key = "sliding_window" if c.model_type not in _WINDOW_SWITCH else "use_sliding_window"
-        c.refuse(key, f"a sliding window of {window} tokens, smaller than the context {context} "
-                      "(max_position_embeddings); ringpipe's attention sees the whole context, so the model "
-                      "would compute differently")
+    if window is not None and slides and window < context:
+        c.unsupported(switch or "sliding_window",
+                      f"it makes a sliding window of {window} tokens (sliding_window), smaller than the context "
+                      f"{context} (max_position_embeddings), while ringpipe's attention sees the whole context, so "
+                      "the model would compute differently", "no sliding window shorter than its context")
 
 
 _WINDOW_SWITCH = {"qwen2": "use_sliding_window"}
@@ -391,28 +409,52 @@ _WINDOW_SWITCH = {"qwen2": "use_sliding_window"}
 
 def _rope_from_hf(c: _Config, context: int) -> tuple:
     """(theta, llama3 scaling dict or None), read as transformers 5 does: rope_scaling, when
-    set, replaces rope_parameters; rope_theta fills in a theta neither holds."""
-    key = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
-    params = c.get(key) or {}
-    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
-        c.refuse(key, "expected one RoPE setting for every layer (an object of numbers and a rope_type)")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    theta = params.get("rope_theta", c.get("rope_theta", 10000.0))
-    if type(theta) not in (int, float) or not theta > 0:
-        c.refuse("rope_theta", "expected a positive number")
+    set, replaces rope_parameters; rope_theta fills in a theta neither holds. Every number is
+    checked here: a NaN factor or a low_freq_factor of 0 would otherwise fail in kernels/rope.py
+    when the model is built, after the data was opened."""
+    for key in ("rope_scaling", "rope_parameters"):
+        if not isinstance(c.raw(key), (dict, type(None))):
+            c.invalid(key, "an object of a rope_type and its numbers, or null")
+    key = "rope_scaling" if c.raw("rope_scaling") else "rope_parameters"
+    params = c.raw(key) or {}
+    if any(isinstance(v, dict) for v in params.values()):
+        c.unsupported(key, "it sets a RoPE per layer type, and ringpipe's Llama has one RoPE for every layer",
+                      f"one {key} object of numbers and a rope_type")
+    for name in ("rope_type", "type", "rope_theta", "partial_rotary_factor", *_LLAMA3_FIELDS):
+        if name in params:
+            hf.checked(c.where, f"{key}.{name}", params[name])
+    theta = params.get("rope_theta", c.get("rope_theta", 10000.0))      # the top level's is checked either way
     if params.get("partial_rotary_factor", 1.0) != 1.0:
-        c.refuse(key, "partial_rotary_factor: ringpipe's RoPE rotates every dimension of a head (1.0)")
+        c.unsupported(f"{key}.partial_rotary_factor", "ringpipe's RoPE rotates every dimension of a head",
+                      "partial_rotary_factor 1.0, or none", params["partial_rotary_factor"])
+    type_key = "rope_type" if "rope_type" in params else "type"
+    rope_type = params.get(type_key, "default")
     if rope_type == "default":
         return float(theta), None
     if rope_type != "llama3":
-        c.refuse(key, f"rope_type {rope_type!r}; ringpipe's RoPE is \"default\" or Llama 3's \"llama3\" scaling")
-    scaling = {"factor": params.get("factor"), "low_freq_factor": params.get("low_freq_factor"),
-               "high_freq_factor": params.get("high_freq_factor"),
-               "original_max_position_embeddings": params.get("original_max_position_embeddings", context)}
-    missing = [name for name, value in scaling.items() if type(value) not in (int, float)]
-    if missing:
-        c.refuse(key, f"llama3 scaling needs the numbers {', '.join(missing)}")
+        c.unsupported(f"{key}.{type_key}", "ringpipe's RoPE is \"default\" or Llama 3's \"llama3\" scaling",
+                      f"{key} of rope_type \"default\" or \"llama3\"", rope_type)
+    scaling = {name: params.get(name, hf_values.MISSING) for name in _LLAMA3_FIELDS}
+    if scaling["original_max_position_embeddings"] is hf_values.MISSING:
+        scaling["original_max_position_embeddings"] = context       # transformers' default
+    top = c.get("original_max_position_embeddings") if "original_max_position_embeddings" in c.config else None
+    if top is not None and top != scaling["original_max_position_embeddings"]:
+        # transformers 5 takes the top level's, 4 the one in the RoPE object: the two must agree.
+        c.invalid("original_max_position_embeddings", f"{key}.original_max_position_embeddings "
+                                                      f"{scaling['original_max_position_embeddings']}, the same "
+                                                      "(transformers 4 and 5 read different ones), or remove it")
+    for name, value in scaling.items():
+        if value is hf_values.MISSING:
+            c.invalid(f"{key}.{name}", f"{hf_values.RULES[name].expected()} (llama3 scaling needs "
+                                       f"{', '.join(_LLAMA3_FIELDS)})", value)
+    if not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+        c.invalid(f"{key}.high_freq_factor", f"a number greater than {key}.low_freq_factor "
+                                             f"{scaling['low_freq_factor']}", scaling["high_freq_factor"])
     return float(theta), scaling
+
+
+# Llama 3's scaling (kernels/rope.py, transformers' _compute_llama3_parameters).
+_LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 # ---- import: the weights -------------------------------------------------------------------

@@ -94,6 +94,11 @@ def assemble(cfg: Config, world, stop, cleanup, render=None, servers=None) -> Ru
     agree(world, comm.check_settings, "RINGPIPE_* settings", hint="is the environment the same on every node?")
     ranks = servers.world.Get_size() if servers is not None else world.Get_size()    # the servers' included
     notes = config_checks.check(cfg, ranks) + runtime.unknown_variables()
+    if cfg.hf_dir:
+        # config.json alone, before anything is said: a model ringpipe cannot fine-tune is refused
+        # first, not after the fine-tuning lines (which would not apply to it).
+        from ringpipe.engine.interop import hf
+        agree(world, lambda: hf.check_config(cfg.hf_dir), "Hugging Face config.json of <init_from>")
     # Tensor innermost: a tensor group is consecutive ranks, on one node as launchers place them.
     grid = comm.ProcessGrid(world, [("pipe", cfg.pp), ("data", cfg.data_parallel(ranks)), ("tensor", cfg.tp)])
     cleanup.callback(grid.free)

@@ -1,6 +1,7 @@
-"""Issue 20, `ringpipe export`, `--init-from hf:DIR` and `ringpipe sample` given hostile or
-mistaken input: each test failed before its fix (a deleted run, a 0600 weights file, minutes
-and gigabytes spent on a declared size, a traceback, a silent fallback, a hang).
+"""Issues 20 and 34, `ringpipe export`, `--init-from hf:DIR` and `ringpipe sample` given hostile
+or mistaken input: each test failed before its fix (a deleted run, a 0600 weights file, minutes
+and gigabytes spent on a declared size, a traceback, a silent fallback, a hang, a NaN weight
+blamed on the learning rate, an errno line naming a temp file).
 
 No torch or transformers: checkpoints are written with checkpoint.save and Hugging Face
 folders with export_hf and safetensors, so these run in seconds.
@@ -9,6 +10,8 @@ import contextlib
 import json
 import os
 import stat
+import struct
+import subprocess
 
 import numpy as np
 import pytest
@@ -19,7 +22,7 @@ from ringpipe.engine.job import checkpoint
 from ringpipe.engine.model import gpt
 from ringpipe.engine.interop import hf, sample  # noqa: E402
 from ringpipe.engine.model.gpt import GPTConfig, build_gpt  # noqa: E402
-from tests.support.hostile import deadline  # noqa: E402
+from tests.support.hostile import deadline, tmpfs  # noqa: E402
 
 CONFIG = dict(n_layer=2, d_model=32, n_head=2, context=16, vocab=256)
 BIG = 64        # no model in these tests has more layers: building one that does is the bug
@@ -170,7 +173,8 @@ def test_exported_files_have_the_users_umask(tmp_path, umask):
 # ---- 3. declared sizes are checked against the tensors before anything is built --------------------
 
 @pytest.mark.parametrize("change, says", [
-    ({"n_layer": 10**6}, "n_layer 1000000, but the weights hold 2 layers"),
+    ({"n_layer": 2**14}, "n_layer 16384, but the weights hold 2 layers"),     # the most config.json may declare
+    ({"n_layer": 10**6}, "set n_layer to a whole number from 1 to 16,384"),
     ({"n_embd": 2**14, "n_head": 2}, "wte.weight has shape"),
     ({"n_positions": 10**6}, "wpe.weight has shape"),
 ])
@@ -282,7 +286,7 @@ def test_a_negative_seed_is_refused(tmp_path, capsys):
     run = make_run(tmp_path / "run")
     with pytest.raises(SystemExit) as exit_:
         sample.main([str(run), "--seed", "-1"])
-    assert exit_.value.code == 2 and "--seed must be a whole number >= 0" in capsys.readouterr().err
+    assert exit_.value.code == 2 and "--seed must be a whole number" in capsys.readouterr().err
 
 
 # ---- 7. falling back to an older checkpoint is said --------------------------------------------
@@ -390,3 +394,156 @@ def test_init_from_a_folder_without_a_tokenizer_says_the_tokenizer_is_unverified
     with pytest.raises(SystemExit, match="the data's tokenizer has 289 tokens, but the model .* has a vocabulary "
                                          "of 256"):
         run_flags(flags + ["--data", str(tmp_path / "bpe"), "--out", str(tmp_path / "run2")])
+
+
+# ---- 10. issue 34: hostile weights, tokenizers and destinations ------------------------------------
+
+def init_from(folder, out, quiet=True):
+    """Train from `folder` as `ringpipe train --init-from` does, in this process: a refusal is the
+    ConfigError the command turns into exit code 2 (on every rank: the import runs under agree)."""
+    from ringpipe.engine.train.cli import config_from_args, parse_args
+    from ringpipe.engine.train.run import run
+    flags = ["--init-from", f"hf:{folder}", "--data", "synthetic", "--steps", "1", "--batch-size", "2",
+             "--sample-tokens", "0", "--out", str(out)]
+    return run(config_from_args(parse_args(flags + (["--quiet"] if quiet else []))))
+
+
+def save_bf16(path, tensors):
+    """A safetensors file of BF16 tensors, written by hand: numpy has no bfloat16 (its values
+    are the top 16 bits of float32's)."""
+    header, data = {"__metadata__": {"format": "pt"}}, b""
+    for name, array in tensors.items():
+        raw = (np.ascontiguousarray(array, dtype=np.float32).view(np.uint32) >> 16).astype("<u2").tobytes()
+        header[name] = {"dtype": "BF16", "shape": list(array.shape), "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+POISONED = "transformer.h.1.mlp.c_fc.weight"
+
+
+@pytest.mark.parametrize("dtype, value, says", [
+    (np.float32, np.nan, "holds 1 NaN or infinite values (of 4,096)"),
+    (np.float32, -np.inf, "holds 1 NaN or infinite values"),
+    (np.float16, np.inf, "holds 1 NaN or infinite values"),
+    ("bf16", np.nan, "holds 1 NaN or infinite values"),
+    (np.float64, 1e39, "holds 1 of its 4,096 values beyond float32's range"),     # finite in the file, not in float32
+])
+def test_weights_that_are_not_finite_in_float32_are_refused_naming_the_tensor(tmp_path, dtype, value, says):
+    folder = make_hf_folder(tmp_path / "hf")
+    tensors = safetensors_numpy.load_file(str(folder / "model.safetensors"))
+    tensors = {name: array.astype(np.float32 if dtype == "bf16" else dtype) for name, array in tensors.items()}
+    tensors[POISONED][3, 4] = value
+    if dtype == "bf16":
+        save_bf16(folder / "model.safetensors", tensors)
+    else:
+        safetensors_numpy.save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(hf.HFError) as refused:
+        hf.import_hf(str(folder))
+    message = str(refused.value)
+    assert f"model.safetensors: the tensor {POISONED} {says}" in message, message
+    assert "use an undamaged copy of the model" in message
+
+
+def test_init_from_a_folder_with_a_nan_weight_stops_before_training_naming_it(tmp_path):
+    """Before: the run trained, and stopped with "training diverged... lower --lr"."""
+    from ringpipe.engine.job.errors import ConfigError
+    folder = make_hf_folder(tmp_path / "hf")
+    rewrite_tensors(folder, lambda tensors: tensors[POISONED].__setitem__((0, 0), np.nan))
+    with pytest.raises(ConfigError, match=f"the tensor {POISONED} holds 1 NaN or infinite values"):
+        init_from(folder, tmp_path / "run")
+    assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
+NOT_TOKENIZERS = {
+    "model a number": {"model": 5},
+    "model null": {"model": None},
+    "a list": [1, 2],
+    "vocabulary ids not numbers": {"model": {"type": "BPE", "vocab": {"a": "zero"}, "merges": []}},
+    "unigram pieces not pairs": {"model": {"type": "Unigram", "vocab": [5, 6]}},
+    "added tokens not objects": {"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}, "added_tokens": [5]},
+    "an added token without an id": {"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []},
+                                     "added_tokens": [{"content": "<s>"}]},
+    "a model type the library does not know": {"model": {"type": "Nonsense", "vocab": {"a": 0}}},
+}
+
+
+@pytest.mark.parametrize("document", NOT_TOKENIZERS.values(), ids=NOT_TOKENIZERS.keys())
+def test_a_models_tokenizer_json_that_is_not_a_tokenizer_is_refused_at_import_naming_it(tmp_path, document):
+    if NOT_TOKENIZERS["a model type the library does not know"] is document:
+        pytest.importorskip("tokenizers", reason="only the tokenizers library tells this one apart")
+    folder = make_hf_folder(tmp_path / "hf")
+    (folder / "tokenizer.json").write_text(json.dumps(document))
+    with pytest.raises(hf.HFError) as refused:
+        hf.import_hf(str(folder))
+    message = str(refused.value)
+    assert str(folder / "tokenizer.json") in message, message
+    assert "replace it with the tokenizer.json the model was published with" in message, message
+
+
+def test_init_from_a_folder_whose_tokenizer_is_not_one_stops_before_training(tmp_path):
+    """Before: a traceback in engine/data/tokenizer.py once the data was compared with it (or,
+    with data of no tokenizer, a run that went on)."""
+    from ringpipe.engine.job.errors import ConfigError
+    folder = make_hf_folder(tmp_path / "hf")
+    (folder / "tokenizer.json").write_text('{"model": 5}')
+    with pytest.raises(ConfigError, match="tokenizer.json is not a tokenizer.json of the tokenizers library"):
+        init_from(folder, tmp_path / "run")
+    assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
+def test_a_config_json_refusal_comes_before_the_fine_tuning_lines(tmp_path, capsys):
+    """The lines about fine-tuning defaults do not apply to a model that cannot be fine-tuned:
+    the refusal is said first, and says what to do."""
+    from ringpipe.engine.job.errors import ConfigError
+    folder = make_hf_folder(tmp_path / "hf")
+    edit_config_json(folder, activation_function="relu")
+    with pytest.raises(ConfigError, match="ringpipe cannot fine-tune this model: activation_function is 'relu'.*"
+                                          "Fine-tune it with transformers instead"):
+        init_from(folder, tmp_path / "run", quiet=False)
+    assert "fine-tuning" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("destination, says", [
+    ("/proc/self/x", "choose --out in a folder you can write to"),      # was: [Errno 2] ... /proc/self/.x.tmp-...
+    ("/proc/x", "choose --out in a folder you can write to"),
+    ("FILE/x", "FILE is not a folder, so no folder can be made in it"),   # was: [Errno 17] File exists
+    ("/dev/null/x", "/dev/null is not a folder, so no folder can be made in it"),
+    ("/dev/null", "exists and is not a folder; choose the path of a new folder"),
+    ("READ-ONLY/x", "READ-ONLY is not writable by this user; choose --out in a folder you can write to"),
+])
+def test_export_to_where_no_folder_can_be_made_is_refused_naming_the_destination(tmp_path, capsys, destination,
+                                                                                  says):
+    run = make_run(tmp_path / "run")
+    (tmp_path / "FILE").write_text("a file")
+    (tmp_path / "READ-ONLY").mkdir(mode=0o555)
+    if destination.startswith("READ-ONLY") and os.access(tmp_path / "READ-ONLY", os.W_OK):
+        pytest.skip("this user (root) may write to a read-only folder")
+    out = destination if destination.startswith("/") else str(tmp_path / destination)
+    with deadline(20):
+        assert hf.main([str(run), "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}" in err and says.replace("FILE", str(tmp_path / "FILE")).replace(
+        "READ-ONLY", str(tmp_path / "READ-ONLY")) in err, err
+    assert ".tmp-" not in err and "Errno" not in err, err
+    assert sorted(os.listdir(tmp_path)) == ["FILE", "READ-ONLY", "run"]
+
+
+def test_export_onto_a_full_disk_is_refused_naming_the_destination(tmp_path, capsys):
+    """Before: a traceback from safetensors' Rust code (SafetensorError: ... os error 28), exit 1."""
+    run = make_run(tmp_path / "run")
+    disk = tmpfs(tmp_path / "disk", "64k")         # model.safetensors is 137 KB
+    try:
+        assert hf.main([str(run), "--out", str(disk / "hf")]) == 2
+        err = capsys.readouterr().err
+        assert f"--out {disk / 'hf'}: writing the model failed (No space left on device)" in err, err
+        assert os.listdir(disk) == []               # the temp folder is gone too
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_export_makes_the_missing_folders_of_its_destination(tmp_path, capsys):
+    run = make_run(tmp_path / "run")
+    assert hf.main([str(run), "--out", str(tmp_path / "new" / "deeper" / "hf")]) == 0
+    assert os.path.exists(tmp_path / "new" / "deeper" / "hf" / "model.safetensors")
