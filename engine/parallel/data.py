@@ -78,7 +78,6 @@ class DataParallel:
         self.stage = int(zero) if self.dp > 1 else 0        # the ZeRO stage (0: none)
         self.gather_mode = gather_mode
         self.buckets, self.sync, self.owned, self.sharded = None, NO_SYNC, None, None
-        self.gathers_per_step = 0       # ZeRO-3's all-gathers in the last training step
         if self.dp > 1:
             bucket_bytes, first_bytes = bucket_sizes(bucket_mb, self.params.grad.nbytes)
             if self.stage == 3:
@@ -140,7 +139,6 @@ class DataParallel:
         loss = self.inner.forward_backward(x, y, grad_scale, sync=self.sync)
         if self.sharded:
             self.sharded.end_step()
-            self.gathers_per_step = self.sharded.step_gathers      # what the gather mode costs
         return loss
 
     def forward_loss(self, x, y):
@@ -263,7 +261,7 @@ class DataParallel:
             s = self.sharded
             exposed = (f"the compute waited {s.wait_s:.2f} s for them" if s.overlap
                        else "the compute waited for all of it (no gather thread: --no-overlap)")
-            parts.append(f"zero-3: {self.gathers_per_step} parameter all-gathers a step "
+            parts.append(f"zero-3: {s.gathers_per_step} parameter all-gathers a step "
                          f"({self.gather_mode} mode), {s.gather_s:.2f} s gathering in all; {exposed}")
         return "\n".join(p for p in parts if p)
 

@@ -131,7 +131,11 @@ class ShardedParams:
         self.users = [0] * len(self.pieces)
         self.gathered = [False] * len(self.pieces)   # every chunk of the piece is in memory
         self.queued = [False] * len(self.pieces)      # asked for, not gathered yet
-        self.gathers = self.step_gathers = 0           # all-gathers in all, and in the last step
+        self.gathers = self.step_gathers = 0           # all-gathers in all, and in the step under way
+        # The all-gathers of the last training step (begin_step to end_step): what the gather
+        # mode costs. An evaluation pass (end_step without begin_step) leaves it be.
+        self.gathers_per_step = 0
+        self._in_step = False
         self.gather_s = self.wait_s = 0.0
         # Gathers run on a communicator of their own, on a thread when MPI allows it,
         # so the next layer's pieces come while this layer computes.
@@ -166,6 +170,7 @@ class ShardedParams:
     # ---- the step -------------------------------------------------------------------------
     def begin_step(self):
         self.step_gathers = 0
+        self._in_step = True
 
     def end_step(self):
         """Every piece back to this rank's chunk (the update changes only those)."""
@@ -173,6 +178,8 @@ class ShardedParams:
         for k in range(len(self.pieces)):
             if self.gathered[k]:
                 self._drop(k)
+        if self._in_step:
+            self.gathers_per_step, self._in_step = self.step_gathers, False
 
     def gather_to_first(self):
         """Every parameter in memory on the first data-parallel rank only (a checkpoint

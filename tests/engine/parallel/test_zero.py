@@ -125,7 +125,8 @@ def test_zero_moves_the_bytes_of_the_formulas(shared_dir):
         # use: every unit for the forward and again for the backward, but the embedding's
         # (the tied wte, which the head reads too) once, kept for the step; step: each unit once
         expected = 2 * units - 1 if gather == "use" else units
-        assert par.model.gathers_per_step == expected, (gather, par.model.gathers_per_step)
+        gathers = par.model.sharded.gathers_per_step      # ShardedParams keeps its own count
+        assert gathers == expected, (gather, gathers)
 
 
 def _refused(match, world_size, **fields):
