@@ -52,7 +52,7 @@ import numpy as np
 from numba import cuda
 
 from ringpipe.kernels import reference as _ref
-from ringpipe.kernels.backend import is_gpu_array
+from ringpipe.kernels.arrays import is_gpu_array
 
 GELU_SCALE = _ref.GELU_SCALE
 GELU_CUBE = _ref.GELU_CUBE
@@ -224,14 +224,15 @@ def _block_max(sh, v):
 
 @lru_cache(maxsize=None)
 def row_kernels(dtype):
-    """dict name -> kernel for one float dtype."""
+    """dict name -> kernel for one float dtype: the row-wise and elementwise ops, made by
+    one factory per family below (each a closure over the dtype's constants)."""
     DT = np.dtype(dtype).type
-    ZERO = DT(0)
-    ONE = DT(1)
-    S = DT(GELU_SCALE)
-    CUBE = DT(GELU_CUBE)
-    HALF = DT(0.5)
-    THREE_CUBE = DT(3.0 * GELU_CUBE)
+    return {**_layernorm_kernels(DT), **_column_sum_kernels(DT), **_gelu_kernels(DT), **_softmax_kernels(DT),
+            **_optimizer_kernels(DT)}
+
+
+def _layernorm_kernels(DT):
+    """LayerNorm forward and backward (its weight's and bias's gradients as column partials)."""
     F64 = np.float64
 
     @cuda.jit
@@ -305,6 +306,17 @@ def row_kernels(dtype):
             pw[chunk, c] = sw
             pb[chunk, c] = sb
 
+    return {
+        "layernorm_forward": layernorm_forward,
+        "layernorm_backward_dx": layernorm_backward_dx,
+        "layernorm_backward_params_partial": layernorm_backward_params_partial,
+    }
+
+
+def _column_sum_kernels(DT):
+    """The column sum (a bias's gradient) in fixed row chunks: bitwise the same for any launch."""
+    F64 = np.float64
+
     @cuda.jit
     def column_sum_partial(x, p, rows_per_chunk):
         # p (chunks, C) float64 = per-chunk column sums of x (N, C); threads walk
@@ -336,6 +348,20 @@ def row_kernels(dtype):
             else:
                 out[c] = DT(s)
 
+    return {
+        "column_sum_partial": column_sum_partial,
+        "column_sum_finish": column_sum_finish,
+    }
+
+
+def _gelu_kernels(DT):
+    """GELU (tanh approximation), forward and backward, elementwise."""
+    ONE = DT(1)
+    S = DT(GELU_SCALE)
+    CUBE = DT(GELU_CUBE)
+    HALF = DT(0.5)
+    THREE_CUBE = DT(3.0 * GELU_CUBE)
+
     @cuda.jit
     def gelu_forward(x, out):
         i = cuda.grid(1)
@@ -356,6 +382,17 @@ def row_kernels(dtype):
             g = HALF * (ONE + t) + HALF * v * (ONE - t * t) * S * (ONE + THREE_CUBE * v * v)
             dx[i] = g * dout[i]
             i += stride
+
+    return {
+        "gelu_forward": gelu_forward,
+        "gelu_backward": gelu_backward,
+    }
+
+
+def _softmax_kernels(DT):
+    """The causal softmax, forward and backward, and the cross-entropy: one block per row."""
+    ZERO = DT(0)
+    F64 = np.float64
 
     @cuda.jit
     def softmax_causal_forward(s, scale, out):
@@ -436,6 +473,17 @@ def row_kernels(dtype):
                     g -= 1.0
                 dlogits[row, j] = DT(g * grad_scale)
 
+    return {
+        "softmax_causal_forward": softmax_causal_forward,
+        "softmax_causal_backward": softmax_causal_backward,
+        "cross_entropy": cross_entropy,
+    }
+
+
+def _optimizer_kernels(DT):
+    """AdamW, SGD with momentum, and the partial sums of squares of the gradient norm."""
+    F64 = np.float64
+
     @cuda.jit
     def adamw(p, g, m, v, lr, beta1, beta2, eps, wd, bc1, bc2, mask, has_mask):
         i = cuda.grid(1)
@@ -480,16 +528,6 @@ def row_kernels(dtype):
             partial[cuda.blockIdx.x] = s
 
     return {
-        "layernorm_forward": layernorm_forward,
-        "layernorm_backward_dx": layernorm_backward_dx,
-        "layernorm_backward_params_partial": layernorm_backward_params_partial,
-        "column_sum_partial": column_sum_partial,
-        "column_sum_finish": column_sum_finish,
-        "gelu_forward": gelu_forward,
-        "gelu_backward": gelu_backward,
-        "softmax_causal_forward": softmax_causal_forward,
-        "softmax_causal_backward": softmax_causal_backward,
-        "cross_entropy": cross_entropy,
         "adamw": adamw,
         "sgd_momentum": sgd_momentum,
         "sum_of_squares_partial": sum_of_squares_partial,
@@ -500,7 +538,11 @@ def row_kernels(dtype):
 def llama_kernels(dtype):
     """dict name -> kernel for one float dtype: RMSNorm, RoPE, SwiGLU (the Llama family)."""
     DT = np.dtype(dtype).type
-    ONE = DT(1)
+    return {**_rmsnorm_kernels(DT), **_rope_swiglu_kernels(DT)}
+
+
+def _rmsnorm_kernels(DT):
+    """RMSNorm forward and backward (its weight's gradient as column partials)."""
     F64 = np.float64
 
     @cuda.jit
@@ -555,6 +597,17 @@ def llama_kernels(dtype):
                 s += F64(dy[r, c]) * F64(x[r, c] * rstd[r])
             pw[chunk, c] = s
 
+    return {
+        "rmsnorm_forward": rmsnorm_forward,
+        "rmsnorm_backward_dx": rmsnorm_backward_dx,
+        "rmsnorm_backward_dw_partial": rmsnorm_backward_dw_partial,
+    }
+
+
+def _rope_swiglu_kernels(DT):
+    """RoPE's rotation (forward, or its transpose for backward) and SwiGLU, elementwise."""
+    ONE = DT(1)
+
     @cuda.jit
     def rope(x, cos, sin, y, sign):
         # x, y (B*T, H, hd), cos/sin (T, hd); one thread per (row, head, i < hd/2) pair.
@@ -602,9 +655,6 @@ def llama_kernels(dtype):
             i += stride
 
     return {
-        "rmsnorm_forward": rmsnorm_forward,
-        "rmsnorm_backward_dx": rmsnorm_backward_dx,
-        "rmsnorm_backward_dw_partial": rmsnorm_backward_dw_partial,
         "rope": rope,
         "swiglu_forward": swiglu_forward,
         "swiglu_backward": swiglu_backward,
