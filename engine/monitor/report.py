@@ -483,8 +483,14 @@ def ranks_section(header: dict | None, records: list[dict]) -> str:
                           "Each rank's step time split into compute, exposed communication, pipeline bubble, data "
                           f"wait and the rest (untimed), averaged over every per-rank interval.{grouped_note}"
                           f"{' Groups show their slowest rank.' if grouped_note else ''}{star}"))
-    # Memory: the last interval's resident and peak.
-    last = sections[-1]
+    out.append(_memory_figure(sections[-1], ranks, rank_groups, [group_label(g) for g in rank_groups],
+                              f"{' Groups show their largest rank.' if grouped_note else ''}{star}"))
+    return "".join(out)
+
+
+def _memory_figure(last: dict, ranks: list, rank_groups: list, labels: list, more: str) -> str:
+    """Memory per rank (a group of ranks: its largest) at the last interval `last`: resident,
+    and the peak above it; `more`: what the caption adds (groups, stragglers)."""
     resident, above = [], []
     for g in rank_groups:
         rows = [last["ranks"].get(ranks[ri], {}) for ri in g]
@@ -496,15 +502,13 @@ def ranks_section(header: dict | None, records: list[dict]) -> str:
     # Ticks at round numbers of one binary unit (GiB, or MiB for a small run), not of bytes.
     largest = max([v for v in resident if v is not None] + [0.0])
     unit, scale = ("GiB", 1 << 30) if largest + max([v or 0.0 for v in above] + [0.0]) >= 1 << 30 else ("MiB", 1 << 20)
-    out.append(svg.figure("memory", f"Memory per rank at step {last['step']}", svg.stacked_bars(
-        [group_label(g) for g in rank_groups],
+    return svg.figure("memory", f"Memory per rank at step {last['step']}", svg.stacked_bars(
+        labels,
         [("resident", [v / scale if v is not None else None for v in resident]),
          ("peak above resident", [v / scale if v is not None else None for v in above])],
         f"Resident and peak memory per rank at step {last['step']}", unit, horizontal=False,
         value_format=lambda v: f"{v:.3g} {unit}", colours=["#0072B2", "#56B4E9"]),
-        "Resident memory at the last interval (dark) and the process's peak (VmHWM: the whole bar)."
-        f"{' Groups show their largest rank.' if grouped_note else ''}{star}"))
-    return "".join(out)
+        "Resident memory at the last interval (dark) and the process's peak (VmHWM: the whole bar)." + more)
 
 
 def render(run_dir: str, header: dict | None, records: list[dict], now: float | None = None) -> str:

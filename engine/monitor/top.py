@@ -378,8 +378,6 @@ def make_app(run_dir: str, interval: float = DEFAULT_INTERVAL):
     from textual.app import App, ComposeResult
     from textual.widgets import DataTable, Footer, Static
 
-    straggler_style = "bold reverse red"
-
     class TopApp(App):
         """The live view: a header, every rank's row (scrolls), the summary; keys q, s, p."""
         TITLE = "ringpipe top"
@@ -446,24 +444,7 @@ def make_app(run_dir: str, interval: float = DEFAULT_INTERVAL):
                 for key, title, right, _ in shown:
                     table.add_column(Text(f" {title} ", justify="right" if right else "left"), key=key)
                 self.shown_columns = shown
-            # Rows are kept by rank and updated in place, then sorted: the table keeps its
-            # scroll position and cursor across refreshes (clear() would reset them).
-            rows = {str(row.rank): row for row in view.rows}
-            for key in [k.value for k in table.rows if k.value not in rows]:
-                table.remove_row(key)
-            for key, row in rows.items():
-                style = straggler_style if row.straggler else ""
-                cells = [Text(f" {c[3](row)} ", style=style, justify="right" if c[2] else "left") for c in shown]
-                if key in table.rows:
-                    for c, cell in zip(shown, cells):
-                        # Widths only grow: a narrower cell would make the table measure its
-                        # whole column again, for every such cell (minutes at 512 ranks).
-                        wider = cell.cell_len > table.columns[c[0]].content_width
-                        table.update_cell(key, c[0], cell, update_width=wider)
-                else:
-                    table.add_row(*cells, key=key)
-            order = {str(row.rank): i for i, row in enumerate(sort_rows(view.rows, self.sort))}
-            table.sort("rank", key=lambda cell: order[cell.plain.strip()])
+            _fill_rows(table, shown, view, self.sort)
 
         def action_cycle_sort(self) -> None:
             self.sort = SORTS[(SORTS.index(self.sort) + 1) % len(SORTS)]
@@ -478,6 +459,29 @@ def make_app(run_dir: str, interval: float = DEFAULT_INTERVAL):
                 self.load()
 
     return TopApp()
+
+
+def _fill_rows(table, shown: list, view: View, sort: str) -> None:
+    """The rank table's rows (a DataTable with the columns `shown`), updated in place from
+    `view`, then sorted by `sort`. Rows are kept by rank: the table keeps its scroll
+    position and cursor across refreshes (clear() would reset them)."""
+    from rich.text import Text
+    rows = {str(row.rank): row for row in view.rows}
+    for key in [k.value for k in table.rows if k.value not in rows]:
+        table.remove_row(key)
+    for key, row in rows.items():
+        style = "bold reverse red" if row.straggler else ""
+        cells = [Text(f" {c[3](row)} ", style=style, justify="right" if c[2] else "left") for c in shown]
+        if key in table.rows:
+            for c, cell in zip(shown, cells):
+                # Widths only grow: a narrower cell would make the table measure its
+                # whole column again, for every such cell (minutes at 512 ranks).
+                wider = cell.cell_len > table.columns[c[0]].content_width
+                table.update_cell(key, c[0], cell, update_width=wider)
+        else:
+            table.add_row(*cells, key=key)
+    order = {str(row.rank): i for i, row in enumerate(sort_rows(view.rows, sort))}
+    table.sort("rank", key=lambda cell: order[cell.plain.strip()])
 
 
 async def first_reading(app, pilot, timeout: float = 10.0) -> None:
