@@ -248,7 +248,7 @@ def _predict_rank(cfg, shape, seq_len, dp, pipe_rank) -> Breakdown:
     _predict_activations(b, cfg, shape, seq_len, dp, pipe_rank, layers, bounds, mine)
     _predict_gathered_units(b, cfg, s, P, zero, dp, units)
     _predict_buffers_and_overhead(b, dp, buckets)
-    _predict_phases(b, cfg, s, P, zero, dp, units.largest)
+    _predict_phases(b, s, P, zero, dp, units.largest)
     _predict_checkpoints(b, cfg, s, P, layers)
     b.items = {k: int(v) for k, v in b.items.items()}
     b.phases = {k: int(v) for k, v in b.phases.items()}
@@ -421,7 +421,7 @@ def _held_between_steps(b) -> float:
     return b.items["parameters"] + b.items["optimizer state"] + b.items.get("parameter pulls in flight", 0)
 
 
-def _predict_phases(b, cfg, s, P, zero, dp, largest_param):
+def _predict_phases(b, s, P, zero, dp, largest_param):
     """The three phases of a step's life (init, backward, update) and what each holds at once."""
     base, persistent = _held_always(b), _held_between_steps(b)
     grads = b.items["gradients"]
@@ -535,12 +535,12 @@ def report_at_start(training) -> Breakdown:
         from ringpipe import comm
         comm.allreduce(buf, training.world, op="max")
     if buf[0] > 0:
-        report.say(f"warning: the predicted peak, {size_text(b.total)} per rank x {ranks_here} rank(s) on a node, is "
-                   f"{size_text(buf[0])} more than the node's free memory (MemAvailable): the run may be killed "
-                   "when it takes it. Lower it with "
-                   + ("" if cfg.zero == 3 else "<zero> (2 or 3 shard gradients and parameters), ")
-                   + ("" if cfg.recompute == "full" else "<recompute> (selective or full), ")
-                   + "a smaller <batch_size> or more <microbatches>, or more ranks")
+        report.note(f"warning: the predicted peak, {size_text(b.total)} per rank x {ranks_here} rank(s) on a node, is "
+                    f"{size_text(buf[0])} more than the node's free memory (MemAvailable): the run may be killed "
+                    "when it takes it. Lower it with "
+                    + ("" if cfg.zero == 3 else "<zero> (2 or 3 shard gradients and parameters), ")
+                    + ("" if cfg.recompute == "full" else "<recompute> (selective or full), ")
+                    + "a smaller <batch_size> or more <microbatches>, or more ranks")
     return b
 
 
