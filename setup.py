@@ -5,7 +5,9 @@ from setuptools import setup
 # The repository keeps one folder per package at its top (engine/, kernels/,
 # comm/); they are installed as ringpipe.engine, ringpipe.kernels and
 # ringpipe.comm, so the only top-level import name ringpipe adds is `ringpipe`
-# (a bare `comm` would overwrite Jupyter's, a bare `kernels` Hugging Face's).
+# (a bare `comm` would overwrite Jupyter's, a bare `kernels` Hugging Face's). In the
+# checkout itself, where Python finds the folders by those names, they step aside for the
+# installed packages (ringpipe/_shadowing.py).
 # Their subpackages are found, not listed: a hand-kept list once left out
 # engine/parallel/, and `pip install .` gave a ringpipe that could not train.
 TOP = {"ringpipe": "ringpipe", "ringpipe.engine": "engine", "ringpipe.kernels": "kernels", "ringpipe.comm": "comm"}
@@ -54,7 +56,9 @@ setup(
         "bf16": ["onednn-cpu-gomp; platform_machine == 'x86_64' and sys_platform == 'linux'"],
         # transformers and torch are the tests' oracle for the exported models (never used by ringpipe
         # itself). torch==2.13.0: its CPU wheel; an unpinned torch resolves to a multi-GB CUDA build.
-        "test": ["pytest>=7", "pytest-mpi>=0.6", "ruff", "transformers>=4.40", "torch==2.13.0"],
+        # Hugging Face's kernels and Jupyter's comm share names with the checkout's folders: the
+        # tests check those folders step aside for them (tests/test_shadowing.py).
+        "test": ["pytest>=7", "pytest-mpi>=0.6", "ruff", "transformers>=4.40", "torch==2.13.0", "kernels", "comm"],
         # Prebuilt CuPy wheels (the plain "cupy" package compiles from source):
         # cupy-cuda12x runs on CUDA 12 and 13 drivers; gpu13 is the CUDA 13 build.
         "gpu": ["cupy-cuda12x"],

@@ -38,36 +38,46 @@ One module per concern:
                     plugin and the mpich wheel: the OFI netmod)
 """
 
-# First, before the imports below: the first `from mpi4py import MPI` initializes MPI.
-from . import launcher as _launcher
+if __name__ == "comm":
+    # Python started in the checkout's root found this folder as the top-level `comm`, the
+    # name of Jupyter's package (ipykernel imports it): that one takes the name, and nothing
+    # of ringpipe's runs, MPI least of all (ringpipe/_shadowing.py).
+    import os
+    import runpy
 
-_launcher.prepare_mpi_init()
-_launcher.load_mpi()                   # MPIUnavailable (an ImportError) naming what to install
+    _shadowing = runpy.run_path(os.path.join(os.path.dirname(os.path.dirname(__file__)), "ringpipe", "_shadowing.py"))
+    _shadowing["step_aside"](__name__, __file__)
+else:
+    # First, before the imports below: the first `from mpi4py import MPI` initializes MPI.
+    from . import launcher as _launcher
 
-from .abort import abort_on_error, install_abort_handler
-from .buckets import GradBuckets
-from .collectives import allgather, allreduce, get_crossover, reduce_scatter, set_crossover
-from .consistency import check_consistent
-from .grid import ProcessGrid
-from .ps import ParameterServerGroup, PSLayout, ps_layout, ps_ranks
-from .ring import chunk_bounds
-from .settings import check_settings
+    _launcher.prepare_mpi_init()
+    _launcher.load_mpi()                   # MPIUnavailable (an ImportError) naming what to install
 
-__all__ = [
-    "allreduce",
-    "reduce_scatter",
-    "allgather",
-    "chunk_bounds",
-    "set_crossover",
-    "get_crossover",
-    "GradBuckets",
-    "ProcessGrid",
-    "ParameterServerGroup",
-    "PSLayout",
-    "ps_layout",
-    "ps_ranks",
-    "check_consistent",
-    "install_abort_handler",
-    "abort_on_error",
-    "check_settings",
-]
+    from .abort import abort_on_error, install_abort_handler
+    from .buckets import GradBuckets
+    from .collectives import allgather, allreduce, get_crossover, reduce_scatter, set_crossover
+    from .consistency import check_consistent
+    from .grid import ProcessGrid
+    from .ps import ParameterServerGroup, PSLayout, ps_layout, ps_ranks
+    from .ring import chunk_bounds
+    from .settings import check_settings
+
+    __all__ = [
+        "allreduce",
+        "reduce_scatter",
+        "allgather",
+        "chunk_bounds",
+        "set_crossover",
+        "get_crossover",
+        "GradBuckets",
+        "ProcessGrid",
+        "ParameterServerGroup",
+        "PSLayout",
+        "ps_layout",
+        "ps_ranks",
+        "check_consistent",
+        "install_abort_handler",
+        "abort_on_error",
+        "check_settings",
+    ]

@@ -17,22 +17,31 @@ Each folder's import rule is in its __init__.py and checked by tests/test_archit
 The names below load on first use, so importing a light part (engine.schedules) never pulls
 in numpy or MPI.
 """
-from importlib import import_module
+if __name__ == "engine":
+    # Python started in the checkout's root found this folder as a top-level `engine`, a name
+    # any other package may use: that one takes it, else the import fails naming ringpipe.engine
+    # (ringpipe/_shadowing.py).
+    import os
+    import runpy
 
-# name -> the module that defines it: the library's public surface
-_PUBLIC = {
-    "run": "ringpipe.engine.train.run",
-    "RunResult": "ringpipe.engine.train.run",
-    "Config": "ringpipe.engine.train.config",
-    "ConfigError": "ringpipe.engine.job.errors",
-    "JobFailure": "ringpipe.engine.job.errors",
-    "Diverged": "ringpipe.engine.job.errors",
-}
+    _shadowing = runpy.run_path(os.path.join(os.path.dirname(os.path.dirname(__file__)), "ringpipe", "_shadowing.py"))
+    _shadowing["step_aside"](__name__, __file__)
+else:
+    from importlib import import_module
 
-__all__ = sorted(_PUBLIC)
+    # name -> the module that defines it: the library's public surface
+    _PUBLIC = {
+        "run": "ringpipe.engine.train.run",
+        "RunResult": "ringpipe.engine.train.run",
+        "Config": "ringpipe.engine.train.config",
+        "ConfigError": "ringpipe.engine.job.errors",
+        "JobFailure": "ringpipe.engine.job.errors",
+        "Diverged": "ringpipe.engine.job.errors",
+    }
 
+    __all__ = sorted(_PUBLIC)
 
-def __getattr__(name):
-    if name in _PUBLIC:
-        return getattr(import_module(_PUBLIC[name]), name)
-    raise AttributeError(f"module 'ringpipe.engine' has no attribute {name!r}")
+    def __getattr__(name):
+        if name in _PUBLIC:
+            return getattr(import_module(_PUBLIC[name]), name)
+        raise AttributeError(f"module 'ringpipe.engine' has no attribute {name!r}")

@@ -6,7 +6,9 @@
 
 The repository keeps one folder per package at its top (kernels/, comm/,
 engine/); setup.py installs them under this name, so nothing else on a user's
-machine (Jupyter's `comm`, Hugging Face's `kernels`) is shadowed.
+machine (Jupyter's `comm`, Hugging Face's `kernels`) is shadowed. Python started in the
+checkout's root finds the folders themselves under those names: they step aside there
+(ringpipe/_shadowing.py).
 """
 __version__ = "0.1.0"
 
