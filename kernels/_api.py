@@ -78,6 +78,20 @@ def _is_bf16(a):
     return hasattr(a, "dtype") and (str(a.dtype) in ("uint16", "bfloat16"))
 
 
+def _gemm_operands(op, precision, operands, **others):
+    # One resolution for every GEMM (matmul, linear_forward): -> (its two operands, ready
+    # for the backend, and the precision it runs at). operands: {name: array} of the two
+    # GEMM inputs; others: the call's other arrays (out, bias), of the operands' dtype.
+    (first, a), (second, b) = operands.items()
+    if _is_bf16(a) or _is_bf16(b):
+        _bf16_operands(op, operands, **others)
+        a, b = _bf16_off_cpu(a, b, *others.values())
+        return a, b, "bf16"
+    dt = _float_dtype(op, first, a)
+    _same_dtype(op, dt, **{second: b}, **others)
+    return a, b, _precision(op, precision, dt)
+
+
 def _bf16_operands(op, operands, **float32_ones):
     # GEMM operands of which one at least is already bf16: the others float32 or bf16,
     # the output (and bias) float32; the GEMM is a bf16 one whatever the precision says
@@ -86,12 +100,11 @@ def _bf16_operands(op, operands, **float32_ones):
             raise KernelDtypeError(f"kernels.{op}: {name} has dtype {a.dtype}; beside a bf16 operand, "
                                    "operands are float32 (rounded to bf16) or bf16")
     _same_dtype(op, np.dtype(np.float32), **float32_ones)
-    return "bf16"
 
 
-def _bf16_off_cpu(a, b, other):
+def _bf16_off_cpu(a, b, *others):
     # the GPU backends take float32 operands: bf16 ones are widened (exactly) there
-    if get_array_module(a, b, other) is np:
+    if get_array_module(a, b, *others) is np:
         return a, b
     widen = lambda x: (x.view("uint16").astype("uint32") << 16).view("float32") if _is_bf16(x) else x  # noqa: E731
     return widen(a), widen(b)
@@ -165,13 +178,7 @@ def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, pr
     _array(op, "b", b)
     if a.ndim < 2 or b.ndim < 2:
         raise ValueError(f"kernels.{op}: a and b must be at least 2D, got {tuple(a.shape)} and {tuple(b.shape)}")
-    if _is_bf16(a) or _is_bf16(b):
-        precision = _bf16_operands(op, dict(a=a, b=b), out=out)
-        a, b = _bf16_off_cpu(a, b, out)
-    else:
-        dt = _float_dtype(op, "a", a)
-        _same_dtype(op, dt, b=b, out=out)
-        precision = _precision(op, precision, dt)
+    a, b, precision = _gemm_operands(op, precision, dict(a=a, b=b), out=out)
     M, K = (a.shape[-1], a.shape[-2]) if trans_a else (a.shape[-2], a.shape[-1])
     K2, N = (b.shape[-1], b.shape[-2]) if trans_b else (b.shape[-2], b.shape[-1])
     if K != K2:
@@ -221,13 +228,7 @@ def linear_forward(x, w, bias=None, *, gelu=False, precision=None, backend=None)
     _ndim(op, "w", w, 2)
     N, C_in = x.shape
     C_out = w.shape[0]
-    if _is_bf16(x) or _is_bf16(w):
-        precision = _bf16_operands(op, dict(x=x, w=w), bias=bias)
-        x, w = _bf16_off_cpu(x, w, bias)
-    else:
-        dt = _float_dtype(op, "x", x)
-        _same_dtype(op, dt, w=w, bias=bias)
-        precision = _precision(op, precision, dt)
+    x, w, precision = _gemm_operands(op, precision, dict(x=x, w=w), bias=bias)
     if w.shape[1] != C_in:
         raise ValueError(f"kernels.{op}: w has shape {tuple(w.shape)}, expected ({C_out}, {C_in}): "
                          f"stored (out_features, in_features), in_features = x.shape[1]")
