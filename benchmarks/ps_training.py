@@ -82,8 +82,9 @@ MODEL = ["--model", "gpt", "--data", "synthetic", "--layers", "2", "--d-model", 
 SEQ_LEN = 32
 # Nothing but steps: no validation pass, no sample, no TensorBoard; the one checkpoint comes
 # after the last step (--checkpoint-every 0), outside the counted steps' times.
+# Not --quiet: the start-up lines (parameters, global batch) are read.
 QUIET = ["--eval-every", "1000000", "--checkpoint-every", "0", "--sample-tokens", "0", "--no-tensorboard",
-         "--quiet", "--monitor-every", "1"]
+         "--monitor-every", "1"]
 COLUMNS = [("mode", "mode", "s"), ("K", "K", "s"), ("tokens_per_s", "tokens/s", ".1f"),
            ("tokens_range", "[range]", "s"), ("comm_ms", "comm ms/step", ".1f"), ("comm_range", "[range]", "s"),
            ("step_ms", "step ms", ".1f"), ("compute_ms", "compute ms", ".1f"),

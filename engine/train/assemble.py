@@ -27,7 +27,7 @@ from ringpipe.engine.train.config import (DATA_WORDS, DATASETS, Config, check_me
 from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.model.optim import lr_at
 from ringpipe.engine.model.registry import names_of
-from ringpipe.engine.train.reporting import Reporter
+from ringpipe.engine.train.reporting import Reporter, model_line, model_parameters
 from ringpipe.engine.monitor.clock import StepClock
 from ringpipe.engine.monitor.probes import gemm_peak_flops
 from ringpipe.engine.monitor.ranks import RankMonitor
@@ -107,7 +107,7 @@ def assemble(cfg: Config, world, stop, cleanup, render=None, servers=None) -> Ru
     training = Run(cfg, world, grid, stop, report, ckpt_dir=os.path.join(cfg.out_dir, "checkpoints"),
                    servers=servers)
     for note in notes:
-        report.say(note)
+        report.note(note)
     own_run_directory(training, cleanup)
     find_checkpoint(training)
     shape_data_device(training)
@@ -152,7 +152,7 @@ def own_run_directory(training: Run, cleanup) -> None:
         cleanup.callback(run_dir.unlock)
     for note in agree_on_rank0(training.world, lambda: prepare_run_dir(run_dir, cfg, training.ckpt_dir),
                                "run directory"):
-        training.report.say(note)
+        training.report.note(note)
 
 
 def prepare_run_dir(run_dir: rundir.RunDir, cfg: Config, ckpt_dir: str) -> list[str]:
@@ -186,7 +186,7 @@ def find_checkpoint(training: Run) -> None:
     training.resume_path, notes = agree(training.world, lambda: _find_resume(training.cfg, training.ckpt_dir),
                                         "checkpoint to resume from", same_result=True, compared=lambda found: found[0])
     for note in notes:
-        training.report.say(note)
+        training.report.note(note)
     if training.resume_path:
         training.manifest = agree(training.world, lambda: checkpoint.read_manifest(training.resume_path), "checkpoint")
         if training.manifest.get("model") != training.cfg.model:
@@ -319,7 +319,7 @@ def check_tokenizer(training: Run) -> None:
         from ringpipe.engine.interop import hf
         vocab = getattr(training.dataset, "vocab_size", None)
         for note in hf.check_init_data(training.cfg.hf_dir, training.init, vocab, data_has_tokenizer=mine is not None):
-            training.report.say(note)
+            training.report.note(note)
     if training.init and training.init[2] and mine:
         from ringpipe.engine.data.tokenizer import load_tokenizer
         theirs = load_tokenizer(training.init[2]).identity
@@ -414,7 +414,7 @@ def build_model(training: Run, cleanup) -> None:
         raise ConfigError(str(e)) from None
     cleanup.callback(training.model.close)
     for note in training.model.notes():
-        training.report.say(note)
+        training.report.note(note)
     training.opt = training.model.make_optimizer(cfg.optimizer, cfg.weight_decay)
     if training.init:
         # Every rank takes the arrays of the parameters it holds (any layout).
@@ -444,7 +444,7 @@ def build_model(training: Run, cleanup) -> None:
         if saved["data"] == "prepared" or saved["data"] == os.path.realpath(cfg.data):
             saved["data"] = cfg.data
     for note in resume_differences(saved, cfg, resolved) + schedule_change(saved, cfg, training.start_step):
-        training.report.say(note)
+        training.report.note(note)
 
 
 def schedule_change(saved: dict, cfg: Config, start_step: int) -> list[str]:
@@ -482,8 +482,10 @@ def bf16_line(training: Run) -> str:
 
 def start_reporting(training: Run, cleanup) -> None:
     cfg, report, world = training.cfg, training.report, training.world
-    report.say(f"ringpipe | {cfg.model} {training.shape.to_dict()} | {training.model.params.size:,} parameters on "
-               f"rank 0 | {cfg.dtype}{', bf16 matmuls' if cfg.precision == 'bf16' else ''}")
+    # the whole model's parameters, whatever part of them rank 0 holds (tensor, pipeline)
+    total = model_parameters(training.recipe.layers(training.shape))
+    report.say(model_line(cfg.model, training.shape.to_dict(), total, training.model.params.size, cfg.dtype,
+                          cfg.precision == "bf16"))
     if cfg.precision == "bf16":
         report.say(bf16_line(training))
     layout = f"dp {training.grid.size('data')} x pp {training.grid.size('pipe')}" + \
@@ -496,13 +498,16 @@ def start_reporting(training: Run, cleanup) -> None:
     report.say(f"data {training.dataset.name} | global batch {cfg.batch_size} x {training.items_per_example} = "
                f"{training.items_per_step} {training.recipe.unit}/step | {ranks}{f' | {described}' if described else ''}")
     if cfg.inexact_mode:
-        report.say(f"note: parameter-server mode {cfg.inexact_mode} changes the math: the losses and weights are not "
-                   "those of sync (or of any other layout); every progress line and metrics record says so")
+        report.note(f"note: parameter-server mode {cfg.inexact_mode} changes the math: the losses and weights are not "
+                    "those of sync (or of any other layout); every progress line and metrics record says so")
     memory.report_at_start(training)        # the predicted peak per rank; a warning if the node lacks it
     if comm.launcher.prepared:
         report.say(f"MPI: {comm.launcher.prepared}")
-    for line in runtime.thread_report():     # threads per rank and why; a warning if they oversubscribe
-        report.say(line)
+    # threads per rank and why (a fact); a warning if they oversubscribe
+    threads_used, *warnings = runtime.thread_report()
+    report.say(threads_used)
+    for warning in warnings:
+        report.note(warning)
     if training.xp is not np:
         from ringpipe.engine.job.array_module import describe as describe_device
         report.say(f"device: {describe_device(training.xp)} on rank 0")
@@ -517,9 +522,9 @@ def start_reporting(training: Run, cleanup) -> None:
         report.say(f"unigram baseline (val): {nats:.4f} nats/token{bpb} (a model must beat it to have learned)")
     pp = training.grid.size("pipe")
     if pp > 1 and cfg.microbatches < 2 * pp:
-        report.say(f"note: {cfg.microbatches} micro-batch(es) on {pp} stages leaves the pipeline mostly idle "
-                   f"(bubble {(pp - 1) / (cfg.microbatches + pp - 1):.0%}); use <microbatches> >= {4 * pp} "
-                   "to fill it")
+        report.note(f"note: {cfg.microbatches} micro-batch(es) on {pp} stages leaves the pipeline mostly idle "
+                    f"(bubble {(pp - 1) / (cfg.microbatches + pp - 1):.0%}); use <microbatches> >= {4 * pp} "
+                    "to fill it")
     report.log = lifecycle.setup_rank_logging(cfg.out_dir, world.Get_rank(), world.Get_size())
     report.log.info("start: %s", " ".join(sys.argv) or "(in-process)")
     training.dog = lifecycle.Watchdog(world, cfg.watchdog, run_dir=cfg.out_dir, abort=cfg.watchdog_abort)
@@ -530,7 +535,7 @@ def start_reporting(training: Run, cleanup) -> None:
         report.metrics = rundir.MetricsLog(os.path.join(cfg.out_dir, rundir.METRICS_NAME),
                                            append=bool(training.resume_path))
         for note in report.metrics.notes:
-            report.say(note)
+            report.note(note)
 
 
 # ---- watching the job (docs/monitoring.md) --------------------------------------------------

@@ -264,7 +264,9 @@ def _output_flags(p):
     # The flag's first name: it always counted tokens (bytes only for the byte tokenizer).
     g.add_argument("--sample-bytes", type=int, dest="sample_tokens", action=_OldName, new="--sample-tokens",
                    help=argparse.SUPPRESS)
-    g.add_argument("--quiet", action="store_true", help="no progress lines (metrics.jsonl is still written)")
+    g.add_argument("--quiet", action="store_true",
+                   help="print warnings and notes only: no start-up report, progress lines or summary "
+                        "(metrics.jsonl and the log are still written)")
     g.add_argument("--memory-report", action="store_true",
                    help="print the predicted memory per rank item by item at start-up (parameters, gradients, "
                         "optimizer state, activations, communication buffers; docs/memory.md), and after step 2 "

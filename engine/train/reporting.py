@@ -1,6 +1,8 @@
 """What a run tells its user: start-up lines, a progress line per log period
 with an ETA and the epoch, OUT/metrics.jsonl (a record per step; a fine-tune's
 first record is step 0's validation alone), the final summary and a text sample. Rank 0 prints and writes; every other rank's Reporter is silent.
+Quiet (<quiet>) prints only warnings and notes (Reporter.note) and the sample asked for;
+metrics.jsonl and the rank log are written as ever.
 
 Messages may name settings as <field> (engine/job/errors.py); `render` spells them
 (the command line passes one that writes flags).
@@ -30,7 +32,16 @@ class Reporter:
         self._stdout_gone = False
 
     def say(self, text: str) -> None:
-        """Print on rank 0 (always, --quiet or not: start-up facts and warnings)."""
+        """A fact (the start-up report, the end of a run): printed on rank 0 unless quiet."""
+        if not self.quiet:
+            self._print(text)
+
+    def note(self, text: str) -> None:
+        """A warning or a note, what the user must hear (a setting with no effect, files
+        moved aside, a stop signal): printed on rank 0, quiet or not."""
+        self._print(text)
+
+    def _print(self, text: str) -> None:
         if self.is_main and not self._stdout_gone:
             try:
                 print(spell(text, self.render), flush=True)
@@ -82,7 +93,8 @@ class Reporter:
         timed = done - first_step - 1
         per_step = (time.perf_counter() - self._t_first_done) / timed if timed > 0 else dt
         eta = hms(per_step * (self.steps - done)) if timed > 0 or done == self.steps else "--"
-        rate = record.get("tokens_per_s", record.get("examples_per_s"))
+        # step_record's {unit}_per_s, whatever the family counts (tokens, examples, rows, ...)
+        rate = next(value for key, value in record.items() if key.endswith("_per_s") and key != "model_flops_per_s")
         line = (f"step {done:>{len(str(self.steps))}}/{self.steps} | loss {record['loss']:.4f} | "
                 f"lr {record['lr']:.2e} | {_rate(rate)} {items_name}/s | {dt * 1e3:.0f} ms | ETA {eta}"
                 f"{_epoch(record)}{_validation(record)}{_mode(record)}")
@@ -104,13 +116,29 @@ class Reporter:
 
     # ---- the end ---------------------------------------------------------------------------
     def sample(self, text: str) -> None:
+        # what the run was asked to write (<sample_tokens>, 0 for none): printed, quiet or not
         shown = "".join(ch if ch.isprintable() or ch in "\n\t" else "\ufffd" for ch in text)
-        self.say(f"---- sample ----\n{shown}\n----------------")
+        self._print(f"---- sample ----\n{shown}\n----------------")
 
     def close(self) -> None:
         self.stop_notices()
         if self.metrics is not None:
             self.metrics.close()
+
+
+def model_line(name: str, shape: dict, total: int, on_rank0: int, dtype: str, bf16: bool) -> str:
+    """The start-up line that names the model: its shape and its parameters. total: the
+    whole model's; on_rank0: what rank 0 holds, said too when tensor or pipeline
+    parallelism splits the model (a reader takes the first number for the model's)."""
+    held = "on rank 0" if on_rank0 == total else f"(rank 0 holds {on_rank0:,})"
+    return f"ringpipe | {name} {shape} | {total:,} parameters {held} | {dtype}{', bf16 matmuls' if bf16 else ''}"
+
+
+def model_parameters(layers) -> int:
+    """The parameters of a whole model, counted from its layers' specs (a tied weight
+    once), with no array made."""
+    sizes = {spec.name: math.prod(spec.shape) for layer in layers for spec in layer.specs()}
+    return sum(sizes.values())
 
 
 def step_record(step, loss, lr, norm_sq, dt, items_per_step, flops_per_item, unit, hidden=None,

@@ -301,12 +301,12 @@ def say_epochs(training: Run) -> None:
     kind = "fine-tune" if training.cfg.fine_tuning else "scratch"
     if total > EPOCHS_NOTED[kind]:
         fewer = max(1, int(EPOCHS_NOTED[kind] * per_epoch))
-        training.report.say(f"note: {total:.1f} epochs: the run sees its training data {total:.0f} times over; "
-                            f"past about {EPOCHS_NOTED[kind]} a {'fine-tune' if kind == 'fine-tune' else 'model'} "
-                            "often learns the text by heart and validation gets worse"
-                            + (" than at step 0" if kind == "fine-tune" else "")
-                            + f". Watch the val column; <keep_best> keeps the best checkpoint; for at most "
-                            f"{EPOCHS_NOTED[kind]} epochs pass <steps> {fewer}, or train on more data")
+        training.report.note(f"note: {total:.1f} epochs: the run sees its training data {total:.0f} times over; "
+                             f"past about {EPOCHS_NOTED[kind]} a {'fine-tune' if kind == 'fine-tune' else 'model'} "
+                             "often learns the text by heart and validation gets worse"
+                             + (" than at step 0" if kind == "fine-tune" else "")
+                             + f". Watch the val column; <keep_best> keeps the best checkpoint; for at most "
+                             f"{EPOCHS_NOTED[kind]} epochs pass <steps> {fewer}, or train on more data")
 
 
 def keep_if_best(training: Run, best: Best | None, step: int, val_loss: float, loss: float | None) -> None:
@@ -450,8 +450,8 @@ def finish(training: Run, loss: float, stopped_at: int | None, best: Best | None
             training.world.Barrier()
         then = ("so the batch script requeues the job (--resume auto continues)" if code == lifecycle.REQUEUE_EXIT_CODE
                 else f"(interrupted); continue with <resume> auto <out> {cfg.out_dir}")
-        report.say(f"{training.stop.signal_name} received: checkpoint at step {stopped_at} written; exiting with code "
-                   f"{code} {then}")
+        report.note(f"{training.stop.signal_name} received: checkpoint at step {stopped_at} written; exiting with code "
+                    f"{code} {then}")
         report.log.warning("stopped by %s at step %d (checkpointed)", training.stop.signal_name, stopped_at)
         return RunResult(stopped_at, loss, code, training.stop.signal_name,
                          checkpoint.manifest_path(training.ckpt_dir, stopped_at), training.model)
@@ -467,7 +467,7 @@ def finish(training: Run, loss: float, stopped_at: int | None, best: Best | None
     if training.start_step >= cfg.steps:
         report.say(f"nothing to do: the checkpoint is already at step {training.start_step} of <steps> {cfg.steps}")
     if training.stop.requested:
-        report.say(f"note: {training.stop.signal_name} arrived during the final checkpoint; the run is complete")
+        report.note(f"note: {training.stop.signal_name} arrived during the final checkpoint; the run is complete")
     final = checkpoint.manifest_path(training.ckpt_dir, max(cfg.steps, training.start_step))
     report.say(f"done: {max(0, cfg.steps - training.start_step)} steps in "
                f"{hms(time.perf_counter() - training.t_start)}; checkpoint {final}, "
@@ -503,11 +503,11 @@ def sample(training: Run, arrays: dict) -> None:
     """Rank 0 may hold only the first pipeline stage: sample from a full copy."""
     if training.tokenizer is None:
         # Token ids without a tokenizer say nothing to a reader; a silent skip looked like a bug.
-        training.report.say("no sample at the end: the data has no tokenizer (token shards, nanoGPT's or llm.c's, "
-                            "without a tokenizer.json beside them), so nothing can turn token ids into text; put the "
-                            "tokenizer.json the data was made with beside the shards, or prepare the text with "
-                            "`ringpipe prepare`; "
-                            "<sample_tokens> 0 skips the sample")
+        training.report.note("no sample at the end: the data has no tokenizer (token shards, nanoGPT's or llm.c's, "
+                             "without a tokenizer.json beside them), so nothing can turn token ids into text; put the "
+                             "tokenizer.json the data was made with beside the shards, or prepare the text with "
+                             "`ringpipe prepare`; "
+                             "<sample_tokens> 0 skips the sample")
         return
     full = training.recipe.build(training.shape, dtype=training.dtype)
     full.params.load_flat(full.params.data, {k[6:]: v for k, v in arrays.items() if k.startswith("param/")})

@@ -132,7 +132,7 @@ def test_collectives_on_device_arrays_equal_host_ones(ranks, aware):
 
 TRAIN = ["--steps", "3", "--layers", "2", "--d-model", "32", "--heads", "2", "--context", "16",
          "--batch-size", "4", "--eval-every", "3", "--eval-batches", "1", "--sample-tokens", "0", "--overwrite",
-         "--quiet", "--dtype", "float64"]
+         "--dtype", "float64"]          # not --quiet: the device lines are start-up facts
 
 
 def _losses(d):

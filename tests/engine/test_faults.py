@@ -17,7 +17,7 @@ from ringpipe.engine.job.lifecycle import REQUEUE_EXIT_CODE
 from tests.support import ROOT
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 TINY = ["--data", "synthetic", "--layers", "2", "--d-model", "16", "--heads", "2", "--context", "16",
-        "--batch-size", "8", "--sample-tokens", "0", "--quiet", "--dtype", "float64", "--lr", "1e-3"]
+        "--batch-size", "8", "--sample-tokens", "0", "--dtype", "float64", "--lr", "1e-3"]  # no --quiet: "resumed from" is read
 ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1")
 
 pytestmark = pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec next to this python")

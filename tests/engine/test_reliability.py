@@ -163,7 +163,7 @@ def test_resume_auto_skips_a_checkpoint_whose_manifest_was_edited(tmp_path, caps
     manifest = json.load(open(path))
     manifest["step"] = 3
     json.dump(manifest, open(path, "w"))
-    run(out, "--steps", "4", "--resume", "auto")
+    run_flags([a for a in TINY if a != "--quiet"] + ["--out", out, "--steps", "4", "--resume", "auto"])   # says where
     said = capsys.readouterr().out
     assert "skipping invalid checkpoint(s) newer than ckpt_00000002.json: ckpt_00000004.json" in said
     assert "resumed from" in said and "at step 2" in said
@@ -190,7 +190,7 @@ def test_a_fifo_named_like_a_manifest_does_not_block_resume(tmp_path):
     os.mkfifo(os.path.join(out, "checkpoints", "ckpt_00000009.json"))
     r = cli("--out", out, "--steps", "3", "--resume", "auto", timeout=60)
     assert r.returncode == 0, r.stderr
-    assert "not a regular file" in r.stdout and "at step 2" in r.stdout
+    assert "not a regular file" in r.stdout and "newer than ckpt_00000002.json" in r.stdout
 
 
 # ---- divergence: never apply, save or recommend a poisoned update ---------------------------
@@ -355,7 +355,7 @@ def test_data_path_alone_means_text_and_with_synthetic_is_refused(tmp_path, caps
     text = tmp_path / "corpus.txt"
     text.write_text("hello world, this is text. " * 200)
     run(tmp_path / "a", "--data-path", str(text), "--steps", "1", "--data", "text")
-    args = [a for a in TINY if a not in ("--data", "synthetic")]
+    args = [a for a in TINY if a not in ("--data", "synthetic", "--quiet")]      # the data line is a start-up fact
     run_flags(args + ["--out", str(tmp_path / "b"), "--data-path", str(text), "--steps", "1"])
     said = capsys.readouterr().out
     assert "reading it as --data text" in said and "1 file, 5.3 KiB, memory-mapped" in said
@@ -370,7 +370,7 @@ def test_text_folder_says_what_it_read_skips_binaries_and_the_cap(tmp_path, caps
         (folder / f"notes{i:02d}.log").write_text(f"entry {i}: " + "some words of text " * 100)
     (folder / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 8)
     (folder / "__init__.py").write_text("")
-    args = [a for a in TINY if a not in ("--data", "synthetic")]
+    args = [a for a in TINY if a not in ("--data", "synthetic", "--quiet")]      # the data line is a start-up fact
     run_flags(args + ["--out", str(tmp_path / "r"), "--data", "text", "--data-path", str(folder),
                              "--steps", "1", "--max-data-mb", "0.02"])
     said = capsys.readouterr().out

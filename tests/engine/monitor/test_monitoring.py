@@ -142,7 +142,8 @@ def test_the_text_file_is_replaced_only_by_a_run_of_its_own_directory(tmp_path):
 def test_the_metrics_port_serves_while_the_run_goes_and_closes_after(tmp_path):
     port = free_port()
     out = str(tmp_path / "port")
-    child = subprocess.Popen([sys.executable, "-m", "ringpipe.train", *TINY_FLAGS, "--steps", "400",
+    loud = [f for f in TINY_FLAGS if f != "--quiet"]            # the Prometheus line is a start-up fact
+    child = subprocess.Popen([sys.executable, "-m", "ringpipe.train", *loud, "--steps", "400",
                               "--monitor-every", "10", "--no-tensorboard", "--metrics-port", str(port),
                               "--out", out], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True)

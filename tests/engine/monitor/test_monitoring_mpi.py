@@ -111,7 +111,8 @@ def test_a_slowed_rank_is_named_the_straggler(shared_dir, monkeypatch, capsys):
             return original(self, *args, **kwargs)
         monkeypatch.setattr(LayerChain, "loss_and_grad", slowed)
     out = os.path.join(shared_dir, "straggler")
-    run(Config(**TINY, dp=world.size, steps=20, monitor_every=2, straggler_intervals=3, out=out), world=world)
+    run(Config(**dict(TINY, quiet=False), dp=world.size, steps=20, monitor_every=2, straggler_intervals=3, out=out),
+        world=world)
     world.Barrier()
     if world.rank != 0:
         return

@@ -84,7 +84,7 @@ def test_a_resumed_fine_tune_does_not_validate_step_0_again(tmp_path, model):
 # ---- 2. epochs ----------------------------------------------------------------------------------
 
 def test_every_record_says_its_epoch_and_the_start_says_the_runs(tmp_path, model, capsys):
-    out = fine_tune(tmp_path, model, "ft", steps=6)
+    out = fine_tune(tmp_path, model, "ft", steps=6, quiet=False)
     train_tokens = len(shards.open_dataset(model[0], 16, 0).splits["train"])
     per_step = TINY_TOKENS_PER_STEP
     for m in metrics(out)[1:]:
@@ -183,7 +183,7 @@ def test_a_resume_that_leaves_the_best_trajectory_does_not_claim_its_checkpoint(
     checkpoint.save(rundir.best_path(out), 3, arrays, meta, alone=True)
     capsys.readouterr()
     fine_tune(tmp_path, model, "ft", steps=4, eval_every=1, checkpoint_every=2, lr=0.05, resume="auto",
-              overwrite=False)
+              overwrite=False, quiet=False)
     said = capsys.readouterr().out
     assert "best validation: step 0, val" in said
     assert "its checkpoint is not kept" in said and "ckpt_00000003.json, written before this run resumed" in said

@@ -129,7 +129,7 @@ def test_block_activations_are_what_the_blocks_keep(family, recompute):
 
 def _small(tmp_path, **settings):
     return Config(steps=2, layers=1, d_model=32, heads=2, context=32, data="synthetic", batch_size=4,
-                  out=str(tmp_path / "run"), sample_tokens=0, quiet=True, **settings)
+                  out=str(tmp_path / "run"), sample_tokens=0, quiet=False, **settings)   # they read the start-up report
 
 
 def test_the_start_up_line_says_the_predicted_peak(tmp_path, capsys):

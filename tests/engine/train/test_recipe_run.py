@@ -13,7 +13,7 @@ from tests.engine.model.test_recipes import toy  # noqa: F401  (the fixture that
 
 def test_a_registered_family_trains_saves_and_resumes(toy, tmp_path, capsys):  # noqa: F811
     out = str(tmp_path / "run")
-    result = run(Config(model="toy", steps=2, batch_size=8, out=out, quiet=True), world=MPI.COMM_SELF)
+    result = run(Config(model="toy", steps=2, batch_size=8, out=out), world=MPI.COMM_SELF)
     said = capsys.readouterr().out
     assert result.steps_done == 2 and result.exit_code == 0
     assert "ringpipe | toy {'n_in': 32, 'n_classes': 4}" in said and "8 rows/step" in said
@@ -22,6 +22,6 @@ def test_a_registered_family_trains_saves_and_resumes(toy, tmp_path, capsys):  #
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     assert [r["step"] for r in records] == [1, 2] and all("rows_per_s" in r for r in records)
-    resumed = run(Config(model="toy", steps=3, batch_size=8, out=out, quiet=True, resume="auto"),
+    resumed = run(Config(model="toy", steps=3, batch_size=8, out=out, resume="auto"),
                   world=MPI.COMM_SELF)
     assert resumed.steps_done == 3 and "resumed from" in capsys.readouterr().out
