@@ -97,6 +97,7 @@ class StopFlag:
     def __init__(self, signals=DEFAULT_SIGNALS, install: bool = True):
         self.signals = tuple(signals)
         self._received = 0       # written by the handler only
+        self._heard = 0          # a signal another process got and told this rank of (heard())
         self._agreed = 0         # the MAX over ranks from the last should_stop
         self._failure: str | None = None
         self._buf = None         # preallocated for the Allreduce (numpy imported lazily)
@@ -203,6 +204,20 @@ class StopFlag:
         """Request a stop without a signal (tests, programmatic stops)."""
         self._received = int(signum)
 
+    def heard(self, signum: int) -> None:
+        """A stop signal that another process of the job got and told this rank of (a
+        dedicated parameter server, which takes no part in should_stop: engine/parallel/ps.py).
+        The next should_stop() counts it as if it had come here; `requested` and `received`
+        stay this rank's own."""
+        self._heard = max(self._heard, int(signum))
+
+    def decided(self, code: int, checkpoint_step: int | None = None) -> None:
+        """The exit code is decided and covered by a checkpoint (the stop checkpoint of
+        `checkpoint_step`, or the final one): a second signal from now on exits with it."""
+        self.forced_exit_code = code
+        self.forced_note = (f"the checkpoint of step {checkpoint_step} is written" if checkpoint_step is not None
+                            else "the run is complete and its final checkpoint written")
+
     def fail(self, message: str) -> None:
         """Report a failure of this rank that every rank must stop for at the
         next should_stop() (which then raises StopError with the message)."""
@@ -213,14 +228,19 @@ class StopFlag:
         """This rank got a signal (local; no communication)."""
         return bool(self._received)
 
+    @property
+    def received(self) -> int:
+        """The signal number this rank got itself (0: none; local, no communication)."""
+        return int(self._received)
+
     def should_stop(self, comm=None) -> bool:
         """Collective over `comm` (default COMM_WORLD): True on every rank iff
-        any rank has received a stop signal; StopError on every rank iff any
+        any rank has received a stop signal (or heard() of one); StopError on every rank iff any
         rank called fail(). One 16-byte Allreduce."""
         if self._buf is None:
             import numpy as np
             self._buf = np.zeros(2, dtype=np.int64)
-        self._buf[0] = self._received
+        self._buf[0] = max(self._received, self._heard)
         self._buf[1] = self._failure is not None
         if comm is None:
             from mpi4py import MPI
@@ -244,13 +264,15 @@ class StopFlag:
     @property
     def signal_name(self) -> str | None:
         """'SIGUSR1', 'SIGTERM', ... for messages; None if no stop was requested."""
-        s = self.signum
-        if not s:
-            return None
-        try:
-            return signal.Signals(s).name
-        except ValueError:
-            return f"signal {s}"
+        return signal_name(self.signum) if self.signum else None
+
+
+def signal_name(signum: int) -> str:
+    """'SIGTERM' for 15, 'signal 99' for a number no signal has."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 class StopError(RuntimeError):

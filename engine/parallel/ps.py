@@ -68,6 +68,17 @@ messages only, never on a push that will not come: whatever ends the workers
 (the last step, a signal, a bad batch, divergence, an error before the model is
 built) ends with STOP, and the workers' outcome is then broadcast over the job,
 so the servers return the same exit code or raise alike.
+A stop signal to a server (its StopFlag; a server takes part in no all-reduce)
+is told to the first worker after the control message it came during: each
+server sends it exactly one message, the signal, or 0 when STOP comes first,
+into a receive the first worker posted when the link was made; each step's stop
+agreement tests those receives (one Testsome, no message of its own) and counts
+a server's signal as the first worker's own (StopFlag.heard), so the workers'
+all-reduce carries it on and every rank stops at that step boundary with the
+workers' checkpoint, as for a signal to a worker. Once the exit code is decided
+and a checkpoint covers it, the servers are told (DECIDED): a second signal then
+exits a server with that code, as it does a worker; after a stop every rank's own
+signal is gathered on the first worker, whose line names who got which.
 The busiest link is a server's: n M / K each way per step (or a worker's M).
 
 Checkpoints: the optimizer state of the owned chunks gathered whole on the
@@ -99,10 +110,11 @@ from ringpipe.engine.parallel import GradSync
 
 _STATE_TAG = 1          # the checkpoint gather's messages, on a communicator of their own
 # Dedicated servers: the first worker's control messages (int64 [kind, a, b]) and the
-# arrays that follow them, on ServerLink's own communicator.
-_CONTROL_TAG, _DATA_TAG = 2, 3
+# arrays that follow them, on ServerLink's own communicator; each server's one message
+# back to the first worker about a stop signal (ServerLink.relay_signal).
+_CONTROL_TAG, _DATA_TAG, _SIGNAL_TAG = 2, 3, 4
 _COORDINATE_TAG_BASE = 100      # Create_group's tag for coordinate p's communicator: 100 + p
-START, INIT, STEP, SAVE, STOP, FETCH = 1, 2, 3, 4, 5, 6
+START, INIT, STEP, SAVE, STOP, FETCH, DECIDED = 1, 2, 3, 4, 5, 6, 7
 # The chunks' size, read when a model is built (tests make it small, so a small model
 # has many chunks: chunks across parameters, every rank a server of several).
 CHUNK_BYTES = comm.ps.CHUNK_BYTES
@@ -143,6 +155,12 @@ class ServerLink:
         self.stopped = False                  # STOP sent (first worker) or received (a server)
         self.server_places: list = []         # the servers' {"rank", "node", "pid"} (the trainer fills it)
         self.outcome = None                   # the first worker's: how the run ended (share_outcome)
+        # A stop signal to a server (module docstring): each server sends the first worker
+        # exactly one message, the signal it got or 0 at STOP, into a receive posted now.
+        self.relayed = False                  # a server: its message sent
+        self._signals = np.zeros(len(self.servers), dtype=np.int64)
+        self._signal_receives = [self.channel.Irecv(self._signals[i:i + 1], source=server, tag=_SIGNAL_TAG)
+                                 for i, server in enumerate(self.servers)] if self.is_first_worker else []
 
     # ---- the first worker's side -----------------------------------------------------
     def tell(self, kind: int, a: int = 0, b: int = 0) -> None:
@@ -155,16 +173,45 @@ class ServerLink:
 
     def stop(self) -> None:
         """STOP to every server, once: from the model's close(), or from the trainer's end
-        when no model was built (an error before it): no server is left waiting."""
+        when no model was built (an error before it): no server is left waiting. Each
+        server answers STOP with its signal message if it has not sent it yet, so every
+        receive posted for them completes."""
         if self.is_first_worker and not self.stopped:
             self.tell(STOP)
+            MPI.Request.Waitall(self._signal_receives)
         self.stopped = True
+
+    def servers_signal(self) -> int:
+        """The largest stop signal a server has told of so far (0: none; a worker but the
+        first: 0). One Testsome of the receives posted at the start: no message of its own."""
+        if self._signal_receives:
+            MPI.Request.Testsome(self._signal_receives)
+        return int(self._signals.max(initial=0))
+
+    def decided(self, code: int, checkpoint_step: int | None) -> None:
+        """DECIDED: the job's exit code, covered by the stop checkpoint of `checkpoint_step`
+        (or, None, the final one), so that a second signal to a server exits with it as a
+        worker's does (the first worker only)."""
+        if self.is_first_worker:
+            self.tell(DECIDED, code, -1 if checkpoint_step is None else checkpoint_step)
+
+    def gather_signals(self, signum: int) -> list | None:
+        """Every rank of the job's own signal number (0: none), on the first worker
+        (None elsewhere): who got what, named when the job stops. Collective over the job."""
+        return self.channel.gather(int(signum), root=self.workers[0])
 
     # ---- a server's side -----------------------------------------------------------------
     def receive(self) -> tuple[int, int, int]:
         msg = np.zeros(3, dtype=np.int64)
         self.channel.Recv(msg, source=self.workers[0], tag=_CONTROL_TAG)
         return int(msg[0]), int(msg[1]), int(msg[2])
+
+    def relay_signal(self, signum: int) -> None:
+        """A server's one message to the first worker: the stop signal it got, or 0 (at STOP,
+        when none came). Its receive is posted already: the send cannot wait."""
+        if not self.relayed:
+            self.relayed = True
+            self.channel.Send(np.array([signum], dtype=np.int64), dest=self.workers[0], tag=_SIGNAL_TAG)
 
     def receive_array(self, n: int, dtype, source: int | None = None) -> np.ndarray:
         """An array the first worker (or `source`, a coordinate's lead) sent after a control message."""
@@ -191,18 +238,24 @@ class ServerLink:
         return self.channel.bcast(outcome if self.is_first_worker else None, root=self.workers[0])
 
     def free(self) -> None:
+        if not MPI.Is_finalized():
+            for request in self._signal_receives:     # never stopped (an error before STOP): not waited for
+                if request != MPI.REQUEST_NULL:
+                    request.Cancel()
+                    request.Wait()
         for c in (self.workers_comm, self.channel):
             if c != MPI.COMM_NULL and not MPI.Is_finalized():
                 c.Free()
 
 
-def serve(cfg, link: ServerLink) -> dict:
+def serve(cfg, link: ServerLink, stop: lifecycle.StopFlag | None = None) -> dict:
     """A dedicated server rank's run (`--ps-servers K`, module docstring): answer the
     first worker's control messages until STOP; returns the workers' outcome
     (ServerLink.share_outcome). Optimizer, learning rate and clipping come from cfg;
     under --ps-mode async (ps_modes.py) each worker's push is an update of its own.
     A server serves every (pipeline, tensor) coordinate's group (one without those axes);
-    the global norm is theirs added in coordinate order."""
+    the global norm is theirs added in coordinate order. `stop`: this rank's StopFlag: a
+    signal it got is told to the first worker after the control message it came during."""
     coordinates: list[_Coordinate] = []
     served = 0
     log = None
@@ -211,6 +264,7 @@ def serve(cfg, link: ServerLink) -> dict:
             kind, a, b = link.receive()
             if kind == STOP:
                 link.stopped = True
+                link.relay_signal(stop.received if stop is not None else 0)    # (0: none came)
                 if log is not None:
                     log.info("stopped by the workers after serving %d update(s)", served)
                 break
@@ -264,8 +318,15 @@ def serve(cfg, link: ServerLink) -> dict:
                     for w in c.workers:
                         for i in range(len(c.owned)):
                             link.send(w, c.state.chunk(i))
+            elif kind == DECIDED:        # a: the job's exit code; b: the stop checkpoint's step (-1: the final one)
+                _decided(stop, link, log, a, b)
             else:
                 raise RuntimeError(f"parameter server rank {link.rank}: unknown control message {kind}")
+            if stop is not None and stop.requested and not link.relayed:
+                link.relay_signal(stop.received)
+                if log is not None:
+                    log.warning("%s received by this parameter server (rank %d): the workers are told, and the job "
+                                "stops at their next step boundary with a checkpoint", stop.signal_name, link.rank)
     except Exception:
         # The abort handler that ends the job names the rank only, and the workers' ranks
         # look alike: say that this one is a server, and how far it got.
@@ -277,6 +338,18 @@ def serve(cfg, link: ServerLink) -> dict:
             for c in coordinates:
                 c.free()
     return link.share_outcome(None)
+
+
+def _decided(stop, link: ServerLink, log, code: int, step: int) -> None:
+    """DECIDED on a server: the workers' exit code is covered by a checkpoint, so a second
+    signal here exits with it, as on a worker; after a stop (step >= 0) every rank's own
+    signal goes to the first worker, which names who got what (ServerLink.gather_signals)."""
+    if stop is not None:
+        stop.decided(code, step if step >= 0 else None)
+    if step >= 0:
+        if log is not None:
+            log.info("the workers stopped with the checkpoint of step %d: exit code %d", step, code)
+        link.gather_signals(stop.received if stop is not None else 0)
 
 
 def streamed(cfg, coordinate) -> bool:

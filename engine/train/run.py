@@ -76,7 +76,7 @@ def run(cfg: Config, world=None, stop=None, render=None) -> RunResult:
             # themselves (`world` becomes theirs); see engine/parallel/ps.py.
             servers = split_for_servers(cfg, world, cleanup)
             if servers.is_server:
-                return served(serve(cfg, servers), cfg, servers)
+                return served(serve(cfg, servers, stop), cfg, servers)
             world = servers.workers_comm
         training = assemble(cfg, world, stop, cleanup, render, servers)
         best = Best.from_manifest(training.manifest) if cfg.best_kept else None
@@ -371,7 +371,11 @@ def next_batch_problem(training: Run, batches: Prefetcher, done: int):
 def agree_to_stop(training: Run, problem=None) -> bool:
     """A collective every step: all ranks see the same answer, so none is left behind.
     `problem`: this rank's with the next batch (next_batch_problem), raised as
-    BadBatch on every rank when any rank has one."""
+    BadBatch on every rank when any rank has one. With dedicated parameter servers, a
+    signal a server got (told to the first worker: ServerLink.servers_signal) counts as
+    the first worker's own."""
+    if training.servers is not None:
+        training.stop.heard(training.servers.servers_signal())
     try:
         return training.stop.should_stop(training.world)
     except lifecycle.StopError as e:
@@ -439,20 +443,12 @@ def finish(training: Run, loss: float, stopped_at: int | None, best: Best | None
     cfg, report = training.cfg, training.report
     if stopped_at is not None:
         code = lifecycle.INTERRUPT_EXIT_CODE if training.stop.signum == signal.SIGINT else lifecycle.REQUEUE_EXIT_CODE
-        # A second signal from here on must not turn this into "killed": the checkpoint is on disk.
-        stop = training.stop
-        stop.forced_exit_code, stop.forced_note = code, f"the checkpoint of step {stopped_at} is written"
-        # Every rank holds the code before rank 0 announces it. Without this, a second
-        # signal could end another rank (still on its way here) as "killed" after rank 0
-        # had announced this code: the job's exit code would contradict what it said.
-        # A second signal before this point ends the job as killed, with nothing announced.
-        if training.world.Get_size() > 1:
-            training.world.Barrier()
+        who = signalled(decide_exit(training, code, stopped_at), training.servers)
         then = ("so the batch script requeues the job (--resume auto continues)" if code == lifecycle.REQUEUE_EXIT_CODE
                 else f"(interrupted); continue with <resume> auto <out> {cfg.out_dir}")
         report.note(f"{training.stop.signal_name} received: checkpoint at step {stopped_at} written; exiting with code "
-                    f"{code} {then}")
-        report.log.warning("stopped by %s at step %d (checkpointed)", training.stop.signal_name, stopped_at)
+                    f"{code} {then}{who}")
+        report.log.warning("stopped by %s at step %d (checkpointed)%s", training.stop.signal_name, stopped_at, who)
         return RunResult(stopped_at, loss, code, training.stop.signal_name,
                          checkpoint.manifest_path(training.ckpt_dir, stopped_at), training.model)
     if training.tracer:
@@ -462,8 +458,7 @@ def finish(training: Run, loss: float, stopped_at: int | None, best: Best | None
     if summary:
         report.say(summary)
     arrays = save(training, cfg.steps, loss, best) if training.start_step < cfg.steps else None
-    stop = training.stop
-    stop.forced_exit_code, stop.forced_note = 0, "the run is complete and its final checkpoint written"
+    decide_exit(training, 0)
     if training.start_step >= cfg.steps:
         report.say(f"nothing to do: the checkpoint is already at step {training.start_step} of <steps> {cfg.steps}")
     if training.stop.requested:
@@ -486,6 +481,48 @@ def finish(training: Run, loss: float, stopped_at: int | None, best: Best | None
     world = training.servers.world if training.servers is not None else training.world
     rundir.mark_finished(cfg.out_dir, world.Get_rank(), world.Get_size(), max(cfg.steps, training.start_step))
     return RunResult(max(cfg.steps, training.start_step), loss, 0, None, final, training.model)
+
+
+def decide_exit(training: Run, code: int, stopped_at: int | None = None) -> list | None:
+    """The exit code is decided and covered by a checkpoint (the stop checkpoint of
+    `stopped_at`, or the final one): a second signal from now on must not turn it into
+    "killed", on any rank (dedicated servers are told: DECIDED). After a stop, every rank's
+    own signal is gathered on rank 0 (returned there, None elsewhere): rank 0 announces
+    the code only once every rank holds it. Without that, a second signal could end another
+    rank (still on its way here) as "killed" after rank 0 had announced this code: the
+    job's exit code would contradict what it said. A second signal before this point ends
+    the job as killed, with nothing announced."""
+    training.stop.decided(code, stopped_at)
+    link = training.servers
+    if link is not None:
+        link.decided(code, stopped_at)
+    if stopped_at is None:
+        return None
+    if link is not None:
+        return link.gather_signals(training.stop.received)
+    return training.world.gather(training.stop.received, root=0)
+
+
+def signalled(signals: list | None, link=None) -> str:
+    """'; SIGTERM to rank 2 (a parameter server)': who got which signal, from every rank's
+    own (decide_exit's gather, indexed by the job's ranks); '' where not known (not rank 0)."""
+    if not signals:
+        return ""
+    servers = set(link.servers) if link is not None else set()
+    by_signal: dict = {}
+    for rank, signum in enumerate(signals):
+        if signum:
+            by_signal.setdefault(signum, []).append(rank)
+    parts = []
+    for signum, ranks in sorted(by_signal.items()):
+        name = lifecycle.signal_name(signum)
+        if len(ranks) == len(signals) and len(ranks) > 1:
+            parts.append(f"{name} to every rank")
+            continue
+        shown = ", ".join(f"{r} (a parameter server)" if r in servers else str(r) for r in ranks[:8])
+        more = f" and {len(ranks) - 8} more" if len(ranks) > 8 else ""
+        parts.append(f"{name} to rank{'s' if len(ranks) > 1 else ''} {shown}{more}")
+    return "; " + "; ".join(parts) if parts else ""
 
 
 def summarize_job(training: Run) -> None:

@@ -1,7 +1,10 @@
 """Whole-job behaviour of dedicated parameter servers (`--sync ps --ps-servers 1`) under
 faults: a 3-rank mpiexec job (workers 0 and 1, server 2) of a tiny GPT, once it trains,
 loses the server or a worker to SIGKILL, or the server raises; each time the whole job
-must end within seconds, with a non-zero exit code, its output naming the rank."""
+must end within seconds, with a non-zero exit code, its output naming the rank. A stop
+signal to the server stops the whole job as one to a worker does (every mode, and the
+resume: tests/engine/parallel/test_ps_signals.py; every signal, target and mode:
+benchmarks/fault_matrix.py's ps-signal)."""
 import os
 import re
 import signal
@@ -11,7 +14,8 @@ import time
 
 import pytest
 
-from benchmarks.fault_matrix import rank_pids
+from benchmarks.fault_matrix import rank_pids_by_rank
+from ringpipe.engine.job import checkpoint
 
 from tests.support import MPI_SCRIPTS, MPIEXEC, ROOT
 from tests.engine.test_faults import ENV, TINY, ends_within, wait_for_steps
@@ -23,24 +27,13 @@ SERVER, WORKER = 2, 1
 pytestmark = pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec next to this python")
 
 
-def pids_by_rank(proc) -> dict[int, int]:
-    """{rank: pid} of a job's python ranks, from the PMI_RANK hydra gives each (rank_pids'
-    order is the pids', not the ranks')."""
-    ranks = {}
-    for pid in rank_pids(proc.pid):
-        with open(f"/proc/{pid}/environ", "rb") as fh:
-            env = dict(v.split(b"=", 1) for v in fh.read().split(b"\0") if b"=" in v)
-        ranks[int(env[b"PMI_RANK"])] = pid
-    return ranks
-
-
 def killed_job(tmp_path_factory, rank: int) -> dict:
     """Train with a dedicated server, SIGKILL `rank` once two steps are logged: how the job ended."""
     out = str(tmp_path_factory.mktemp(f"killed{rank}"))
     p = subprocess.Popen([MPIEXEC, "-n", "3", sys.executable, "-m", "ringpipe.train", *TINY, *PS, "--out", out],
                          cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_steps(out, 2, p)
-    pids = pids_by_rank(p)
+    pids = rank_pids_by_rank(p.pid)
     assert sorted(pids) == [0, 1, 2], pids
     t0 = time.time()
     os.kill(pids[rank], signal.SIGKILL)
@@ -86,3 +79,21 @@ def test_an_exception_in_the_server_aborts_the_job_naming_the_server(tmp_path):
     assert "[ringpipe rank 2/3 on " in output, output[-2000:]           # the abort handler's line
     assert "error: parameter server rank 2 failed after serving " in output, output[-2000:]    # serve()'s
     assert "RuntimeError: deliberate failure of the parameter server" in output, output[-2000:]
+
+
+def test_a_stop_signal_to_the_server_stops_the_job_with_a_checkpoint(tmp_path):
+    """A real SIGTERM to the server (Slurm's preemption of a hetjob's server component) once
+    two steps are logged: the job stops at a step boundary with a checkpoint, every rank
+    exits 85, and the stop's line names the server. (It used to be read by no one: the job
+    trained on to its last step.)"""
+    out = str(tmp_path / "run")
+    p = subprocess.Popen([MPIEXEC, "-n", "3", sys.executable, "-m", "ringpipe.train", *TINY, *PS, "--out", out],
+                         cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_steps(out, 2, p)
+    os.kill(rank_pids_by_rank(p.pid)[SERVER], signal.SIGTERM)
+    stdout, stderr = ends_within(p, BOUND_S, "the server got SIGTERM")
+    assert p.returncode == 85, (p.returncode, stdout[-2000:], stderr[-2000:])
+    step = checkpoint.read_manifest(checkpoint.find_latest(os.path.join(out, "checkpoints")))["step"]
+    assert f"SIGTERM received: checkpoint at step {step} written; exiting with code 85" in stdout, stdout[-2000:]
+    assert "SIGTERM to rank 2 (a parameter server)" in stdout, stdout[-2000:]
+    assert "SIGTERM received by this parameter server (rank 2)" in stderr, stderr[-2000:]
