@@ -2,11 +2,12 @@
 disk, fed damaged or hostile files, or sharing their output folder with a second
 run, each repeated with random timing, and what happened.
 
-    python benchmarks/fault_matrix.py --repeat 10 --json faults.json     # ~15 minutes on 2 cores
+    python benchmarks/fault_matrix.py --repeat 10 --json faults.json     # ~20 minutes on 2 cores
     python benchmarks/fault_matrix.py --repeat 1 --only kill,disk-full   # what CI runs, in seconds
 
 Training trials are real `mpiexec -n 2 python -m ringpipe.train` jobs of a tiny
-float64 GPT; the tool trials run `ringpipe prepare` (under `mpiexec -n 2` where
+float64 GPT (the parameter-server trials: `mpiexec -n 3`, two workers and a dedicated
+server, `--sync ps --ps-servers 1`); the tool trials run `ringpipe prepare` (under `mpiexec -n 2` where
 it matters), `export`, `sample`, `train --init-from` and `finished` the way a
 user would. For each trial the table counts:
 
@@ -18,7 +19,10 @@ user would. For each trial the table counts:
     truthful  the exit code says what happened (0 only for work done; 2 for a
               refusal; the signal's or the abort's code for a stop)
     exact     (training) `--resume auto` then finishes bit-identical (every
-              parameter) to an uninterrupted run of the same seed
+              parameter) to an uninterrupted run of the same seed (ps-signal: in
+              the modes that keep sync's math, sync and streamed; ssp and async
+              change it, by design, and their stop checkpoint must resume to the
+              end, counted in `kept`)
 
 A check that does not apply to a scenario is shown as "-".
 
@@ -53,7 +57,7 @@ MODEL = ["--data", "synthetic", "--layers", "2", "--d-model", "16", "--heads", "
 ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1",
            PYTHONUNBUFFERED="1")
 LONG = 10**6       # steps of a run that is stopped by its fault long before it ends
-SCENARIOS = ("kill", "double-signal", "disk-full", "bad-checkpoint", "concurrent",
+SCENARIOS = ("kill", "double-signal", "disk-full", "bad-checkpoint", "concurrent", "ps-signal",
              "prepare-kill", "prepare-interrupt", "prepare-disk-full", "prepare-concurrent",
              "export-overwrite", "hostile-load", "hostile-markers")
 CHECKS = ("ended", "named", "kept", "truthful", "exact")
@@ -61,8 +65,8 @@ CHECKS = ("ended", "named", "kept", "truthful", "exact")
 
 # ---- running jobs -------------------------------------------------------------------------
 
-def launch(out, *extra, steps=STEPS):
-    return subprocess.Popen([MPIEXEC, "-n", "2", PY, "-m", "ringpipe.train", *MODEL, "--steps", str(steps),
+def launch(out, *extra, steps=STEPS, ranks=2):
+    return subprocess.Popen([MPIEXEC, "-n", str(ranks), PY, "-m", "ringpipe.train", *MODEL, "--steps", str(steps),
                              "--out", out, *extra], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -79,8 +83,8 @@ def finish(proc, deadline):
         return proc.returncode, out + err, time.time() - t0, False
 
 
-def run_to_end(out, *extra, steps=STEPS, deadline=300):
-    rc, output, _, _ = finish(launch(out, *extra, steps=steps), deadline)
+def run_to_end(out, *extra, steps=STEPS, deadline=300, ranks=2):
+    rc, output, _, _ = finish(launch(out, *extra, steps=steps, ranks=ranks), deadline)
     return rc, output
 
 
@@ -340,6 +344,71 @@ def concurrent(rng, folder, reference, deadline):
                 named=f"pid {first.pid}" in output2 or "is in use by another run" in output2,
                 kept=len(valid) == stopped_at // 2 or len(valid) == stopped_at // 2 + 1,
                 exact=same_as(params(alone), out))
+
+
+# The parameter-server signal trials: every stop signal, to the server (rank 2) and to a
+# worker (rank 0 or 1), in every mode of `--sync ps --ps-servers 1`. The trials of a matrix
+# take these combinations in turn (from a random one on), so --repeat 24 runs each once.
+PS_MODES = {"sync": [], "ssp": ["--ps-mode", "ssp:2"], "async": ["--ps-mode", "async"],
+            "streamed": ["--grad-clip", "0"]}
+PS_SIGNAL_TRIALS = [(mode, sig, target) for mode in PS_MODES
+                    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT) for target in ("server", "worker")]
+# The modes that repeat bit for bit: a resume must end as the uninterrupted run of the same mode
+# (ps_reference: the servers' global norm is added in another order than the all-reduce's, so
+# a clipped step's bits differ from the all-reduce reference's).
+PS_EXACT = ("sync", "streamed")
+_PS_REFERENCES: dict = {}
+
+
+def ps_reference(root, mode):
+    """The parameters of an uninterrupted `mode` run of STEPS steps, made once per matrix."""
+    if (root, mode) not in _PS_REFERENCES:
+        out = os.path.join(root, f"reference-ps-{mode}")
+        rc, output = run_to_end(out, "--sync", "ps", "--ps-servers", "1", *PS_MODES[mode], ranks=3)
+        if rc != 0:
+            raise SystemExit(f"fault_matrix: the uninterrupted {mode} reference run failed:\n{output[-3000:]}")
+        _PS_REFERENCES[(root, mode)] = params(out)
+    return _PS_REFERENCES[(root, mode)]
+
+
+def ps_signal(rng, folder, reference, deadline, trial=None):
+    mode, sig, target = trial or rng.choice(PS_SIGNAL_TRIALS)
+    out = os.path.join(folder, "run")
+    flags = ["--sync", "ps", "--ps-servers", "1", *PS_MODES[mode]]
+    victim = 2 if target == "server" else rng.randint(0, 1)
+    at = rng.randint(2, STEPS // 2 - 10)
+    proc = launch(out, "--checkpoint-every", "4", "--keep", "0", *flags, steps=LONG, ranks=3)
+    wait_for_step(out, at, proc)
+    time.sleep(rng.uniform(0, 0.05))                    # anywhere in the step
+    before = valid_checkpoints(out)
+    os.kill(rank_pids_by_rank(proc.pid)[victim], sig)
+    rc, output, seconds, ended = finish(proc, deadline)
+    code = 130 if sig == signal.SIGINT else 85
+    latest = checkpoint.find_latest(os.path.join(out, "checkpoints"))
+    stopped_at = checkpoint.read_manifest(latest)["step"] if latest else None
+    # The stop's line on rank 0 names the step, the code every rank exits with, and who got what.
+    announced = f"checkpoint at step {stopped_at} written; exiting with code {code}" in output
+    kept = set(before) <= set(valid_checkpoints(out)) and stopped_at is not None
+    resumed, _ = run_to_end(out, "--resume", "auto", "--checkpoint-every", "2", *flags, ranks=3)
+    result = dict(did=f"{sig.name} to {target} rank {victim} ({mode}) after step {at}", seconds=seconds, ended=ended,
+                  truthful=rc == code and announced, named=f"{sig.name} to rank {victim}" in output, kept=kept)
+    if mode in PS_EXACT:
+        result["exact"] = resumed == 0 and same_as(ps_reference(os.path.dirname(folder), mode), out)
+    else:                            # ssp, async: the resume follows the mode's own trajectory to the end
+        final = checkpoint.find_latest(os.path.join(out, "checkpoints"))
+        result["kept"] = kept and resumed == 0 and checkpoint.read_manifest(final)["step"] == STEPS
+    return result
+
+
+def rank_pids_by_rank(mpiexec_pid) -> dict:
+    """{rank: pid} of a job's python ranks, from the rank its launcher gives each in the
+    environment (rank_pids' order is the pids', not the ranks')."""
+    ranks = {}
+    for pid in rank_pids(mpiexec_pid):
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            env = dict(v.split(b"=", 1) for v in fh.read().split(b"\0") if b"=" in v)
+        ranks[int(env.get(b"PMI_RANK", env.get(b"OMPI_COMM_WORLD_RANK", b"-1")))] = pid
+    return ranks
 
 
 # ---- the tools around training: prepare, export, sample, --init-from, finished --------------
@@ -698,11 +767,13 @@ def hostile_markers(rng, folder, reference, deadline):
 
 
 RUNNERS = {"kill": kill, "double-signal": double_signal, "disk-full": disk_full,
-           "bad-checkpoint": bad_checkpoint, "concurrent": concurrent,
+           "bad-checkpoint": bad_checkpoint, "concurrent": concurrent, "ps-signal": ps_signal,
            "prepare-kill": prepare_kill, "prepare-interrupt": prepare_interrupt, "prepare-disk-full": prepare_disk_full,
            "prepare-concurrent": prepare_concurrent, "export-overwrite": export_overwrite,
            "hostile-load": hostile_load, "hostile-markers": hostile_markers}
-TRAINING = ("kill", "double-signal", "disk-full", "bad-checkpoint", "concurrent")
+TRAINING = ("kill", "double-signal", "disk-full", "bad-checkpoint", "concurrent")    # (ps-signal: ps_reference)
+# Scenarios whose trials take a list of cases in turn (from a random one on), not at random.
+CYCLED = {"ps-signal": PS_SIGNAL_TRIALS}
 
 
 # ---- the matrix ---------------------------------------------------------------------------
@@ -728,10 +799,12 @@ def run_matrix(scenarios, repeat, seed, deadline, log=print):
         reference = reference_params(root) if any(s in TRAINING for s in scenarios) else None
         trials = []
         for name in scenarios:
+            first = rng.randrange(len(CYCLED[name])) if name in CYCLED else 0
             for i in range(repeat):
                 folder = os.path.join(root, f"{name}-{i}")
                 os.makedirs(folder)
-                result = RUNNERS[name](rng, folder, reference, deadline)
+                case = dict(trial=CYCLED[name][(first + i) % len(CYCLED[name])]) if name in CYCLED else {}
+                result = RUNNERS[name](rng, folder, reference, deadline, **case)
                 result["scenario"] = name
                 trials.append(result)
                 verdict = "skipped" if result.get("skipped") else " ".join(
@@ -754,6 +827,7 @@ def summarize(trials):
                "skipped": sum(1 for t in trials if t["scenario"] == name and t.get("skipped"))}
         for k in CHECKS:
             row[k] = sum(1 for t in ts if t.get(k)) if any(k in t for t in ts) else None
+            row[f"{k}_trials"] = sum(1 for t in ts if k in t)       # those it applies to (ps-signal's exact)
         row["max_seconds"] = max((t["seconds"] for t in ts), default=None)
         rows.append(row)
     return rows
@@ -787,7 +861,8 @@ def main(argv=None):
     for r in rows:
         slowest = f"{r['max_seconds']:.1f}" if r["max_seconds"] is not None else "-"
         skipped = f" ({r['skipped']} skipped)" if r["skipped"] else ""
-        counts = " | ".join("-" if r[k] is None else str(r[k]) for k in CHECKS)
+        counts = " | ".join("-" if r[k] is None else str(r[k]) if r[f"{k}_trials"] == r["trials"]
+                            else f"{r[k]} of {r[f'{k}_trials']}" for k in CHECKS)
         print(f"| {r['scenario']} | {r['trials']}{skipped} | {counts} | {slowest} |")
     if args.json:
         with open(args.json, "w") as fh:

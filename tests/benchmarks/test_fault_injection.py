@@ -1,8 +1,9 @@
 """The fault matrix (benchmarks/fault_matrix.py), once per scenario with random timing:
 training (kills, double signals, a full disk, damaged and hostile checkpoints, two runs on
-one --out) and the tools around it (prepare killed, interrupted on one rank, out of disk,
-run twice on one --out; export --overwrite onto folders that are not models; hostile
-folders and manifests for --init-from, sample and export; hostile completion markers).
+one --out, a stop signal to a parameter server or a worker in a PS mode) and the tools
+around it (prepare killed, interrupted on one rank, out of disk, run twice on one --out;
+export --overwrite onto folders that are not models; hostile folders and manifests for
+--init-from, sample and export; hostile completion markers).
 Each trial must end within seconds, name its cause, lose nothing, exit with a truthful
 code and (training) resume bit-identical. A failure prints the seed to replay it:
 
