@@ -7,6 +7,7 @@ contiguous slice of it, so the same list serves one process and a pipeline.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -61,14 +62,23 @@ PRESETS = {
 }
 
 
+# divisors() tries at most this many candidates (the pairs i, n // i up to sqrt(n)): all of
+# them for any n below 2^40, far past any width or head count (Config bounds them lower).
+DIVISOR_SEARCH = 1 << 20
+
+
+def divisors(n):
+    """The divisors of n in increasing order, found in pairs (i, n // i) up to sqrt(n): a
+    few thousand steps for any real width. Past n = 2^40 only the pairs of the first
+    DIVISOR_SEARCH candidates (an error message's suggestion must not hang)."""
+    small = [i for i in range(1, min(math.isqrt(n), DIVISOR_SEARCH) + 1) if n % i == 0]
+    return sorted(set(small + [n // i for i in small]))
+
+
 def _divisor_near(n, k):
-    """The divisor of n closest to k (the lower one on a tie). Searches outwards
-    from k, so it stops within k steps (1 divides everything) even for a huge n."""
-    for delta in range(n + k):
-        for d in (k - delta, k + delta):
-            if 1 <= d <= n and n % d == 0:
-                return d
-    return 1
+    """The divisor of n closest to k (the lower one on a tie), whatever the size of k:
+    chosen from divisors(n), never by stepping from k (a k of 10^20 would take 10^20 steps)."""
+    return min(divisors(n), key=lambda d: (abs(d - k), d))
 
 
 def gpt_layers(cfg: GPTConfig, tensor=None):
@@ -101,19 +111,29 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
     return 3.0 * forward
 
 
+# The most tokens one call of generate may be asked for (<sample_tokens>, `ringpipe sample
+# --tokens`): a million tokens is a few megabytes of text and hours on a CPU; more is a typo.
+MAX_NEW_TOKENS = 1_000_000
+
+
 def generate(model: LayerChain, prompt: list, n_new: int, context: int, temperature=1.0, seed=0,
-             cache=True) -> list:
+             cache=True, stop=None, on_token=None) -> list:
     """Sample n_new token ids after the `prompt` ids, each from the logits of the last
     `context` tokens. The padding rows' logits are masked by the head.
     cache=True (where the model decodes: LayerChain.decodes) keeps every layer's keys and
     values, so a step runs the model on the one new token; cache=False runs it on the
     whole window each step. Both give the same logits up to rounding, hence the same
     tokens for a seed and temperature (a draw could differ only where rounding moves a
-    probability across the uniform number drawn)."""
+    probability across the uniform number drawn).
+    on_token(id): called with each new id as it is drawn (a caller that streams the text).
+    stop(): asked before each token; True ends the sampling early (a stop signal), and the
+    ids drawn so far are returned."""
     rng = np.random.default_rng(seed)
     tokens = [int(t) for t in prompt] or [10]
     decoder = CachedDecoder(model, context) if cache and model.decodes else None
     for _ in range(n_new):
+        if stop is not None and stop():
+            break
         logits = decoder.last_logits(tokens) if decoder else _window_logits(model, tokens, context)
         last = np.asarray(to_host(logits), dtype=np.float64)
         if temperature <= 0:
@@ -122,6 +142,8 @@ def generate(model: LayerChain, prompt: list, n_new: int, context: int, temperat
             p = np.exp((last - last.max()) / temperature)
             nxt = int(rng.choice(len(p), p=p / p.sum()))
         tokens.append(nxt)
+        if on_token is not None:
+            on_token(nxt)
     return tokens[len(prompt):]
 
 

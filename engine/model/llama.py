@@ -26,7 +26,7 @@ import numpy as np
 from ringpipe import kernels as K
 from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.model.chain import LayerChain
-from ringpipe.engine.model.gpt import VOCAB_PAD_MULTIPLE, VOCAB_SIZE, _divisor_near, generate
+from ringpipe.engine.model.gpt import VOCAB_PAD_MULTIPLE, VOCAB_SIZE, _divisor_near, divisors, generate
 from ringpipe.engine.model.layers import (BF16, WHOLE, Block, Layer, LMHead, attend_cached, causal_attention,
                                           causal_attention_backward, scatter_add_rows)
 from ringpipe.engine.model.params import ParamSpec
@@ -69,7 +69,7 @@ class LlamaConfig:
             raise ConfigError(f"the head size {self.head_dim} must be even (rotary embedding turns pairs of "
                               "channels): change <d_model> or <heads>")
         if self.n_head % self.n_kv_head:
-            works = [d for d in range(1, self.n_head + 1) if self.n_head % d == 0]
+            works = divisors(self.n_head)         # in pairs up to sqrt: no loop of <heads> steps
             raise ConfigError(f"<kv_heads> {self.n_kv_head} does not divide <heads> {self.n_head} (each key/value "
                               f"head serves an equal group of query heads): use <kv_heads> "
                               f"{', '.join(map(str, works))}")
