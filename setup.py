@@ -55,7 +55,9 @@ setup(
         # SYCL and OpenCL runtimes). x86-64 Linux wheels only; elsewhere bf16 is emulated.
         "bf16": ["onednn-cpu-gomp; platform_machine == 'x86_64' and sys_platform == 'linux'"],
         # transformers and torch are the tests' oracle for the exported models (never used by ringpipe
-        # itself). torch==2.13.0: its CPU wheel; an unpinned torch resolves to a multi-GB CUDA build.
+        # itself). torch==2.13.0: the version the tests run. PyPI's torch wheel for Linux is the CUDA
+        # build (several GB with its nvidia-* packages); the CPU build (2.13.0+cpu) comes from
+        # https://download.pytorch.org/whl/cpu or a local wheel (pip's --find-links).
         # Hugging Face's kernels and Jupyter's comm share names with the checkout's folders: the
         # tests check those folders step aside for them (tests/test_shadowing.py).
         "test": ["pytest>=7", "pytest-mpi>=0.6", "ruff", "transformers>=4.40", "torch==2.13.0", "kernels", "comm"],
