@@ -94,17 +94,40 @@ class ClassificationDataset:
         self.splits = {"train": (x_train, y_train), "val": (x_val, y_val)}
         self.seed, self.name, self.n_classes = seed, name, n_classes
         self.n_features = x_train.shape[1]
+        self._order = None         # the validation split's shuffle (_val_order), made on first use
 
     def describe(self) -> str:
         (x_train, _), (x_val, _) = self.splits["train"], self.splits["val"]
         return (f"{self.name}: {len(x_train)} train / {len(x_val)} val examples, {self.n_features} features, "
                 f"{self.n_classes} classes")
 
+    def examples(self, split="val") -> int:
+        """How many examples `split` holds."""
+        return len(self.splits[split][0])
+
     def batch(self, step, batch_size, lo=0, hi=None, split="train"):
+        """Training: batch_size examples drawn at random (with replacement: an epoch is as
+        many draws as the split holds). Validation: the examples at positions step x
+        batch_size onwards of one fixed shuffle of the split, so the batches 0, 1, ... of a
+        pass never count an example twice, and together cover the whole split; the last of
+        them holds what is left (fewer rows, or none of this rank's lo:hi)."""
         hi = batch_size if hi is None else hi
         x, y = self.splits[split]
-        idx = _rng(self.seed, step, split).integers(0, len(x), size=batch_size)[lo:hi]
+        if split != "val":
+            idx = _rng(self.seed, step, split).integers(0, len(x), size=batch_size)[lo:hi]
+            return x[idx], y[idx].astype(np.int64)
+        if not 0 <= step * batch_size < len(x):
+            raise ValueError(f"{self.name}: validation batch {step} of {batch_size} examples starts past the "
+                             f"{len(x)} examples of the split")
+        idx = self._val_order()[step * batch_size:(step + 1) * batch_size][lo:hi]
         return x[idx], y[idx].astype(np.int64)
+
+    def _val_order(self):
+        """The validation split's fixed shuffle (the seed's), made once: a subset of batches
+        is a random sample of the split, even of one stored sorted by class."""
+        if self._order is None:
+            self._order = _rng(self.seed, 0, "val").permutation(self.examples("val"))
+        return self._order
 
 
 # ---- the stdlib corpus and text folders ---------------------------------------------

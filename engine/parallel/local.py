@@ -18,8 +18,10 @@ from ringpipe.engine.parallel import NO_SYNC, load_named_state, named_state, sta
 
 
 def split_micro(arr, m):
-    """m equal micro-batches of the rows of `arr` (the caller checked divisibility)."""
-    return [arr[i * (len(arr) // m):(i + 1) * (len(arr) // m)] for i in range(m)]
+    """m micro-batches of the rows of `arr`: equal in training (the caller checked
+    divisibility); the last batch of a validation pass over a whole split may not divide,
+    and then its rows are spread as evenly as they go (some one shorter, or empty), none left out."""
+    return [arr[i * len(arr) // m:(i + 1) * len(arr) // m] for i in range(m)]
 
 
 class LocalModel:

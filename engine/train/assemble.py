@@ -23,7 +23,7 @@ from ringpipe.engine.train import config as config_checks, memory
 from ringpipe.engine.job.agreement import agree, agree_on_rank0
 from ringpipe.engine.train.agreement import check_same_config
 from ringpipe.engine.train.config import (DATA_WORDS, DATASETS, Config, check_memory, check_tensor_parallel,
-                                          model_config, resume_differences)
+                                          check_validation, model_config, resume_differences)
 from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.model.optim import lr_at
 from ringpipe.engine.model.registry import names_of
@@ -385,6 +385,7 @@ def describe_data(training: Run) -> None:
     local_batch = training.cfg.batch_size // training.grid.size("data")
     first = training.grid.index("data") * local_batch
     training.rows = (first, first + local_batch)
+    check_validation(training.cfg, training.dataset)     # <eval_batches> within a classification set's split
 
 
 # ---- the model and its optimizer --------------------------------------------------------

@@ -219,7 +219,7 @@ def _parallelism_flags(p):
                         "sharded)")
     g.add_argument("--ps-mode", default="sync", metavar="MODE",
                    help="with --sync ps --ps-servers K >= 1: sync (default: every step sums every worker's "
-                        "gradient, the all-reduce's math exactly), ssp:S (bounded staleness: a step computes on "
+                        "gradient, the all-reduce's math exactly), ssp:S (bounded staleness, S <= 1000: a step computes on "
                         "parameters S updates old while the pulls travel; repeats bit for bit, but not sync's "
                         "math) or async (each worker's gradient applied alone as it arrives, lr / workers each; "
                         "varies run to run). ssp and async change the math: the log and metrics say so")
@@ -258,9 +258,14 @@ def _output_flags(p):
                    help="keep the checkpoint of the best validation loss in OUT/best/ (for `ringpipe export "
                         "OUT/best` and `ringpipe sample OUT/best`) and say at the end which step it was "
                         "(default: on with --init-from, off otherwise)")
-    g.add_argument("--eval-batches", type=int, default=4, help="global batches per validation pass")
+    g.add_argument("--eval-batches", type=_eval_batches, default=None, metavar="N|all",
+                   help="global batches per validation pass (default 4; at most the validation split of a "
+                        "classification set, whose pass counts each example once), or all: a classification set's "
+                        "whole validation split, each example once (the default for the MLP's last pass)")
     g.add_argument("--log-every", type=int, default=None, help="steps between progress lines (default ~20 lines)")
-    g.add_argument("--sample-tokens", type=int, default=200, help="GPT: tokens of text to sample at the end (0: none)")
+    g.add_argument("--sample-tokens", type=int, default=200,
+                   help="GPT: tokens of text to sample at the end (0: none; at most 1,000,000; a stop signal ends "
+                        "the sample early)")
     # The flag's first name: it always counted tokens (bytes only for the byte tokenizer).
     g.add_argument("--sample-bytes", type=int, dest="sample_tokens", action=_OldName, new="--sample-tokens",
                    help=argparse.SUPPRESS)
@@ -271,6 +276,15 @@ def _output_flags(p):
                    help="print the predicted memory per rank item by item at start-up (parameters, gradients, "
                         "optimizer state, activations, communication buffers; docs/memory.md), and after step 2 "
                         "the measured peak (the largest rank's) next to it")
+
+
+def _eval_batches(text):
+    if text == "all":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of batches or all, got {text!r}") from None
 
 
 def _monitor_every(text):

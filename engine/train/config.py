@@ -24,8 +24,8 @@ import numpy as np
 from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.model.chain import RECOMPUTE
 from ringpipe.engine.model.registry import names_of
+from ringpipe.engine.train.ranges import MAX_STALENESS, check_ranges
 
-MAX_BUCKET_MB = 1 << 20        # 1 TiB: past the gradients' size a bucket is just one bucket
 # Fine-tuning (init_from) defaults, each used only where the setting was not given
 # (fine_tuning_notes prints which, and docs/fine-tuning.md says why):
 FINE_TUNING_LR_FACTOR = 0.1       # of the scratch LR: steps that large undo what the model learned
@@ -101,7 +101,8 @@ class Config:
     resume: str | None = None          # checkpoint (.json), run directory, or "auto"
     eval_every: int | None = None      # steps between validation passes (steps/5; steps/10 fine-tuning)
     keep_best: bool | None = None      # keep the checkpoint of the best validation loss in OUT/best/ (on fine-tuning)
-    eval_batches: int = 4
+    eval_batches: int | str | None = None   # batches per validation pass, or "all" (a classification set's
+    #                                  whole split); None: 4 (at most the split), a classifier's last pass all
     log_every: int | None = None       # steps between progress lines (steps/20)
     sample_tokens: int = 200           # GPT: tokens sampled at the end
     quiet: bool = False
@@ -272,63 +273,25 @@ def _check_values(cfg: Config) -> None:
     for field, value in sorted(cfg.to_dict().items()):
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"<{field}> must be a finite number, got {value}")
-    for field in ("layers", "d_model", "heads", "context", "kv_heads", "d_ff"):
-        value = getattr(cfg, field)
-        if value is not None and value < 1:
-            raise ConfigError(f"<{field}> must be >= 1, got {value}")
-    if cfg.lr is not None and cfg.lr <= 0:
-        raise ConfigError(f"<lr> must be > 0, got {cfg.lr}")
-    if not 0 <= cfg.min_lr_ratio <= 1:
-        raise ConfigError(f"<min_lr_ratio> is the fraction of <lr> the schedule decays to: it must be "
-                          f"between 0 and 1, got {cfg.min_lr_ratio}")
-    for field in ("warmup", "weight_decay", "grad_clip"):
-        value = getattr(cfg, field)
-        if value is not None and value < 0:
-            raise ConfigError(f"<{field}> must be >= 0, got {value}"
-                              f"{' (0 disables clipping)' if field == 'grad_clip' else ''}")
-    for field, value, low in (("bucket_mb", 1 if cfg.bucket_mb is None else cfg.bucket_mb, 1e-9),
-                              ("checkpoint_every", cfg.checkpoint_every, 0), ("keep", cfg.keep, 0),
-                              ("eval_batches", cfg.eval_batches, 1), ("eval_every", cfg.eval_every or 1, 1),
-                              ("log_every", cfg.log_every or 1, 1), ("watchdog", cfg.watchdog, 0),
-                              ("sample_tokens", cfg.sample_tokens, 0)):
-        if value < low:
-            raise ConfigError(f"<{field}> must be {'> 0' if low == 1e-9 else f'>= {low}'}, got {value}")
+    check_ranges(cfg)                          # every numeric setting, each against its range (ranges.py)
     if cfg.precision == "bf16" and cfg.dtype != "float32":
         raise ConfigError(f"<precision> bf16 needs <dtype> float32 (bf16 matmuls keep float32 master "
                           f"weights), got <dtype> {cfg.dtype}")
-    if cfg.seq_len is not None and cfg.seq_len < 1:
-        raise ConfigError(f"<seq_len> must be >= 1, got {cfg.seq_len}")
-    if cfg.microbatches < 1 or cfg.chunks < 1:
-        raise ConfigError("<microbatches> and <chunks> must be >= 1")
-    if cfg.steps < 1:
-        raise ConfigError(f"<steps> must be >= 1, got {cfg.steps}")
-    if cfg.batch_size < 1:
-        raise ConfigError(f"<batch_size> must be >= 1, got {cfg.batch_size}")
-    if cfg.seed < 0:
-        raise ConfigError(f"<seed> must be >= 0 (it seeds numpy's generators), got {cfg.seed}")
-    if cfg.decay_steps is not None and cfg.decay_steps < 1:
-        raise ConfigError(f"<decay_steps> must be >= 1, got {cfg.decay_steps}")
-    if cfg.max_data_mb <= 0:
-        raise ConfigError(f"<max_data_mb> must be > 0, got {cfg.max_data_mb}")
+    if cfg.peak_lr * cfg.weight_decay >= 1:
+        # AdamW multiplies each weight by 1 - lr x wd every step (SGD's decay moves it by as
+        # much): at 1 or more the weights are zeroed or flipped in sign, step after step.
+        raise ConfigError(f"<lr> {cfg.peak_lr:g} x <weight_decay> {cfg.weight_decay:g} = "
+                          f"{cfg.peak_lr * cfg.weight_decay:g}: weight decay multiplies every weight by 1 - lr x "
+                          "weight_decay each step, so the product must stay below 1 (real runs: about 1e-4); "
+                          "lower <weight_decay> or <lr>")
+    if cfg.eval_batches == "all" and cfg.recipe.data != "classes":
+        raise ConfigError(f"<eval_batches> all evaluates a classification set's validation split, each example "
+                          f"once; <model> {cfg.model} reads windows of a text drawn at random: give a number of "
+                          "batches")
     _check_monitoring(cfg)
-    if cfg.bucket_mb is not None and cfg.bucket_mb > MAX_BUCKET_MB:
-        raise ConfigError(f"<bucket_mb> {cfg.bucket_mb:g} is more than {MAX_BUCKET_MB} MiB (1 TiB); a bucket "
-                          "larger than the gradients is one bucket anyway: leave <bucket_mb> out for the "
-                          "automatic size, or give a size in MiB")
 
 
 def _check_monitoring(cfg: Config) -> None:
-    every = cfg.monitor_every
-    if every != "auto" and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
-        raise ConfigError(f"<monitor_every> is the steps between per-rank measurements: a whole number >= 0 "
-                          f"(0: off) or auto, got {every!r}")
-    if not cfg.straggler_ratio > 1:
-        raise ConfigError(f"<straggler_ratio> must be > 1 (a rank this many times its peers' median is named), "
-                          f"got {cfg.straggler_ratio}")
-    if cfg.straggler_intervals < 1:
-        raise ConfigError(f"<straggler_intervals> must be >= 1, got {cfg.straggler_intervals}")
-    if cfg.metrics_port is not None and not 0 < cfg.metrics_port < 65536:
-        raise ConfigError(f"<metrics_port> must be a TCP port, 1 to 65535, got {cfg.metrics_port}")
     if cfg.metrics_textfile is not None:
         if not cfg.metrics_textfile.endswith(".prom"):
             raise ConfigError(f"<metrics_textfile> {cfg.metrics_textfile}: node_exporter's textfile collector "
@@ -396,6 +359,11 @@ def parse_ps_mode(text: str) -> tuple[str, int]:
         if not (bound.isascii() and bound.isdigit()):
             raise ConfigError(f"<ps_mode> ssp:S takes a whole number of updates >= 0 as S, got {bound!r} "
                               "(e.g. ssp:2)")
+        # Compared as text first: int() of thousands of digits is refused by Python itself.
+        if len(bound.lstrip("0")) > len(str(MAX_STALENESS)) or int(bound) > MAX_STALENESS:
+            raise ConfigError(f"<ps_mode> ssp:{bound if len(bound) <= 30 else bound[:30] + '...'}: S is the "
+                              f"updates a worker may run ahead of the slowest, at most {MAX_STALENESS} (runs with "
+                              "bounded staleness use 1 to tens; a bound that never binds is <ps_mode> async)")
         return "ssp", int(bound)
     raise ConfigError(f"<ps_mode> is sync, ssp:S (bounded staleness) or async, got {text!r}")
 
@@ -661,6 +629,51 @@ def _fixed_shape(cfg: Config, saved, init) -> tuple[dict, str]:
 
 def _shape_words(shape: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(shape.items()))
+
+
+# ---- validation: how many batches a pass takes ----------------------------------------
+
+DEFAULT_EVAL_BATCHES = 4       # batches per validation pass when <eval_batches> is not given
+
+
+def split_examples(dataset) -> int | None:
+    """Examples in the validation split of a classification set; None for text, whose
+    validation windows are drawn at random."""
+    examples = getattr(dataset, "examples", None)
+    return examples("val") if examples is not None else None
+
+
+def validation_pass(cfg: Config, dataset, final: bool = False) -> tuple[int, int]:
+    """(batches, examples) of one validation pass; `final`: the run's last one."""
+    asked = cfg.eval_batches
+    split = split_examples(dataset)
+    if split is None:
+        batches = asked or DEFAULT_EVAL_BATCHES
+        return batches, batches * cfg.batch_size
+    whole = -(-split // cfg.batch_size)              # the split once, the last batch partial
+    if asked == "all" or (asked is None and final):
+        batches = whole
+    elif asked is None:
+        batches = min(DEFAULT_EVAL_BATCHES, whole)
+    else:
+        batches = asked
+    return batches, min(batches * cfg.batch_size, split)
+
+
+def check_validation(cfg: Config, dataset) -> None:
+    """Refuse <eval_batches> N that would go past a classification set's validation split:
+    a pass counts each example once (batches drawn at random, 1000 of 16 once counted 16,000
+    examples of Fashion-MNIST's 10,000, some many times over)."""
+    split = split_examples(dataset)
+    if split is None or not isinstance(cfg.eval_batches, int):
+        return
+    whole = -(-split // cfg.batch_size)
+    if cfg.eval_batches > whole:
+        last = split - (whole - 1) * cfg.batch_size
+        raise ConfigError(f"<eval_batches> {cfg.eval_batches} x <batch_size> {cfg.batch_size} = "
+                          f"{cfg.eval_batches * cfg.batch_size:,} examples, but the validation split of "
+                          f"{dataset.name} holds {split:,}, and a pass counts each once: use <eval_batches> all "
+                          f"(the whole split: {whole} batches, the last of {last}) or at most {whole}")
 
 
 # ---- memory: refuse what cannot fit, in milliseconds -----------------------------------

@@ -197,8 +197,9 @@ def steps(training: Run, batches: Prefetcher, best: Best | None = None) -> tuple
         reported = saved_now = False
         try:
             if done % cfg.eval_period == 0 or done == cfg.steps:
-                record.update(evaluate(training))
-                refuse_non_finite(training, done, validation_loss=record["val_loss"])
+                record.update(evaluate(training, final=done == cfg.steps))
+                if "val_loss" in record:        # none: a stop signal ended the pass (evaluation.py)
+                    refuse_non_finite(training, done, validation_loss=record["val_loss"])
             report_step(training, record)
             reported = True
             if training.sinks is not None:
@@ -258,7 +259,10 @@ def report_step(training: Run, record: dict) -> None:
 def validate_before_training(training: Run, best: Best | None) -> None:
     """Step 0: validation of the weights as given (init_from), recorded like any step's,
     so a fine-tune that makes validation worse shows it against where it began."""
-    record = {"step": 0, **({"epoch": 0.0} if epochs_at(training, 0) is not None else {}), **evaluate(training)}
+    val = evaluate(training)
+    if not val:
+        return                  # a stop signal ended the pass: the first step's boundary stops the run
+    record = {"step": 0, **({"epoch": 0.0} if epochs_at(training, 0) is not None else {}), **val}
     refuse_non_finite(training, 0, validation_loss=record["val_loss"])
     try:
         training.report.validation_before_training(record)
@@ -552,6 +556,10 @@ def sample(training: Run, arrays: dict) -> None:
     prompt = "def " if training.tokenizer.kind == "bytes" else ""
     ids = list(training.tokenizer.encode(prompt)) if prompt else list(training.tokenizer.separator)
     context = min(training.seq_len, training.shape.context)
+    # Rank 0 samples alone: its own signal ends the sample (the job's launcher signals every rank).
     new = training.recipe.generate(full, ids, training.cfg.sample_tokens, context, temperature=0.8,
-                                   seed=training.cfg.seed)
+                                   seed=training.cfg.seed, stop=lambda: training.stop.requested)
     training.report.sample(prompt + training.tokenizer.decode(new))
+    if len(new) < training.cfg.sample_tokens:
+        training.report.note(f"note: {training.stop.signal_name} arrived while sampling: the sample above stops "
+                             f"after {len(new)} of <sample_tokens> {training.cfg.sample_tokens} tokens")

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from ringpipe.engine.data.datasets import synthetic_classification
+from ringpipe.engine.data.datasets import ClassificationDataset, synthetic_classification
+from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.model.layers import ClassifierHead, confusion_counts
 from ringpipe.engine.model.mlp import MLP_RECIPE, MLPConfig
 from ringpipe.engine.train.config import Config
@@ -153,19 +154,85 @@ def test_a_model_that_is_no_classifier_reports_no_classifier_fields(tmp_path):
     assert "val_loss" in record and not set(FIELDS) & set(record)
 
 
+# ---- the whole validation split, each example once ------------------------------------------
+
+def test_validation_batches_walk_the_split_once():
+    """Batches 0, 1, ... of a pass are consecutive slices of one shuffle of the split: no
+    example twice, all of them once the batches reach the end (the last one partial), and
+    a rank's rows lo:hi of that last one may be fewer, or none."""
+    data = synthetic_classification(seed=5)
+    n = data.examples("val")
+    assert n == 205                                  # 25 batches of 8 and one of 5
+    xs, ys = zip(*(data.batch(i, 8, split="val") for i in range(26)))
+    assert [len(y) for y in ys] == [8] * 25 + [5]
+    x_val, y_val = data.splits["val"]
+    assert sorted(map(bytes, np.concatenate(xs))) == sorted(map(bytes, x_val))      # each example once
+    assert sorted(np.concatenate(ys)) == sorted(y_val)
+    assert [len(data.batch(25, 8, lo, lo + 2, split="val")[1]) for lo in (0, 2, 4, 6)] == [2, 2, 1, 0]
+    with pytest.raises(ValueError, match="validation batch 26 of 8 examples starts past the 205 examples"):
+        data.batch(26, 8, split="val")
+
+
+def split_loss(result, data):
+    """The final weights' mean loss over the whole validation split, by hand."""
+    x, y = data.splits["val"]
+    return result.model.inner.chain.loss(x, y.astype(np.int64)) / len(y)
+
+
+@pytest.mark.parametrize("eval_batches", [None, "all"], ids=["default", "all"])
+def test_a_classifier_scores_its_whole_validation_split(tmp_path, monkeypatch, eval_batches):
+    """By default a pass takes 4 batches and the last one of the run the whole split; with
+    all, every pass the whole split. Before, the last pass scored 4 x 8 = 32 of the 205."""
+    read = []
+    batch = ClassificationDataset.batch
+
+    def reading(self, step, batch_size, lo=0, hi=None, split="train"):
+        if split == "val":
+            read.append(step)
+        return batch(self, step, batch_size, lo, hi, split)
+
+    monkeypatch.setattr(ClassificationDataset, "batch", reading)
+    out = str(tmp_path / "mlp")
+    settings = dict(SETTINGS, eval_batches=eval_batches, out=out)
+    result = run(Config(**settings), world=MPI.COMM_SELF)
+    whole = list(range(26))                          # 25 batches of 8 and one of 5
+    assert read == (list(range(4)) if eval_batches is None else whole) + whole
+    assert np.sum(confusion_file(out)["val_confusion"]) == 205
+    data = synthetic_classification(Config(**settings).seed, dtype=np.float64)
+    assert metrics(out)[-1]["val_loss"] == pytest.approx(split_loss(result, data), rel=1e-12)
+
+
+def test_more_validation_batches_than_the_split_holds_are_refused(tmp_path):
+    """1000 batches of 16 once counted 16,000 examples of a 10,000-example split."""
+    with pytest.raises(ConfigError, match=r"eval_batches 27 x batch_size 8 = 216 examples, but the "
+                                          r"validation split of synthetic blobs holds 205.*use eval_batches all "
+                                          r"\(the whole split: 26 batches, the last of 5\) or at most 26"):
+        run(Config(**dict(SETTINGS, eval_batches=27), out=str(tmp_path / "mlp")), world=MPI.COMM_SELF)
+    assert not os.path.exists(tmp_path / "mlp" / "metrics.jsonl")
+    run(Config(**dict(SETTINGS, eval_batches=26), out=str(tmp_path / "mlp")), world=MPI.COMM_SELF)
+
+
 # ---- under MPI: every layout counts the same matrix ----------------------------------------
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("extra", [dict(), dict(microbatches=2), dict(zero=1)],
-                         ids=["dp", "dp-microbatches", "dp-zero1"])
+@pytest.mark.parametrize("extra", [dict(), dict(microbatches=2), dict(zero=1), dict(eval_batches="all"),
+                                   dict(eval_batches="all", microbatches=2), dict(eval_batches="all", zero=3)],
+                         ids=["dp", "dp-microbatches", "dp-zero1", "all", "all-microbatches", "all-zero3"])
 def test_every_data_parallel_layout_counts_what_one_process_counts(shared_dir, extra):
+    """With all, the last batch (5 of 8 rows) leaves a rank fewer rows, or none, and a
+    micro-batch fewer or none: every example is still counted once, by one rank."""
     if SETTINGS["batch_size"] % world.size:
         pytest.skip("global batch 8 must divide among the ranks")
     ref_out, par_out = os.path.join(shared_dir, f"ref{world.rank}"), os.path.join(shared_dir, "dp")
-    run(Config(**SETTINGS, **extra, out=ref_out), world=MPI.COMM_SELF)
-    run(Config(**SETTINGS, **extra, out=par_out), world=world)
+    alone = dict(SETTINGS, **extra)
+    if alone.get("zero", 0) >= 2:
+        alone["zero"] = 0                        # one process: ZeRO-2/3 need 2+ ranks (the same math)
+    run(Config(**alone, out=ref_out), world=MPI.COMM_SELF)
+    run(Config(**dict(SETTINGS, **extra), out=par_out), world=world)
     world.Barrier()
     ref = [{k: r[k] for k in FIELDS[:3]} for r in metrics(ref_out) if "val_loss" in r]
     par = [{k: r[k] for k in FIELDS[:3]} for r in metrics(par_out) if "val_loss" in r]
     assert len(par) == 2 and par == ref          # counts exactly; so the ratios from them too
+    if extra.get("eval_batches") == "all":
+        assert np.sum(confusion_file(par_out)["val_confusion"]) == 205
     assert confusion_file(par_out) == confusion_file(ref_out)      # the newest matrix
