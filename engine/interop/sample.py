@@ -82,7 +82,15 @@ def run_tokenizer(checkpoint_path: str, manifest: dict):
     return tokenizer
 
 
+# --temperature: 0 is greedy; below MIN_TEMPERATURE the likeliest token wins every draw
+# anyway (and below ~1e-308 the logits' differences / T overflow); above MAX_TEMPERATURE
+# every token is about as likely as any other (the text is noise).
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 100.0
+MAX_SEED = 2**63 - 1        # as ringpipe train's <seed> (engine/train/ranges.py): what an int64 holds
+
+
 def main(argv=None, prog="ringpipe sample") -> int:
+    from ringpipe.engine.model.gpt import MAX_NEW_TOKENS
     p = argparse.ArgumentParser(prog=prog, description="Generate text from a trained ringpipe GPT or Llama-family model.",
                                 epilog="Example: ringpipe sample runs/gpt --prompt 'def main(' --tokens 200")
     p.add_argument("path", nargs="?", metavar="RUN_DIR_OR_CHECKPOINT",
@@ -90,17 +98,25 @@ def main(argv=None, prog="ringpipe sample") -> int:
     p.add_argument("--checkpoint", default=None, metavar="RUN_DIR_OR_CHECKPOINT",
                    help="the same, as an option (give one of the two)")
     p.add_argument("--prompt", default="", help="text to continue (default: the start of a document)")
-    p.add_argument("--tokens", type=int, default=200, help="tokens to generate (default 200)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0: always the likeliest token (default 0.8)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokens", type=int, default=200,
+                   help=f"tokens to generate, 1 to {MAX_NEW_TOKENS:,} (default 200); printed as they come, and "
+                        "Ctrl-C ends the text there")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help=f"0: always the likeliest token; else {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g} (default 0.8)")
+    p.add_argument("--seed", type=int, default=0, help="the draws' seed, a whole number >= 0 (default 0)")
     args = p.parse_args(argv)
     if (args.path is None) == (args.checkpoint is None):
         p.error("give the run directory or checkpoint once: ringpipe sample RUN_DIR --prompt TEXT")
     args.checkpoint = args.checkpoint or args.path
-    if args.tokens < 1 or args.temperature < 0 or not np.isfinite(args.temperature):
-        p.error("--tokens must be >= 1 and --temperature a number >= 0")
-    if args.seed < 0:
-        p.error(f"--seed must be a whole number >= 0 (got {args.seed}): numpy's generator takes no negative seed")
+    if not 1 <= args.tokens <= MAX_NEW_TOKENS:
+        p.error(f"--tokens must be 1 to {MAX_NEW_TOKENS:,} (got {args.tokens}); the tokens are printed as they "
+                "come, and Ctrl-C ends the text early")
+    if not (args.temperature == 0 or MIN_TEMPERATURE <= args.temperature <= MAX_TEMPERATURE):
+        p.error(f"--temperature must be 0 (always the likeliest token) or {MIN_TEMPERATURE:g} to "
+                f"{MAX_TEMPERATURE:g} (got {args.temperature}): below {MIN_TEMPERATURE:g} the likeliest token wins "
+                f"every draw anyway, above {MAX_TEMPERATURE:g} every token is about as likely")
+    if not 0 <= args.seed <= MAX_SEED:
+        p.error(f"--seed must be a whole number from 0 to 2^63 - 1 (got {args.seed}): it seeds numpy's generator")
     from ringpipe.engine.job import checkpoint
     from ringpipe.engine.model.registry import RECIPES
     notes = []          # said whether the checkpoint then loads or not: it explains either outcome
@@ -118,10 +134,73 @@ def main(argv=None, prog="ringpipe sample") -> int:
         return 2
     manifest = checkpoint.read_manifest(path)           # load_run checked it: its family generates text
     generate = RECIPES[manifest["model"]].generate
-    new = generate(model, ids, args.tokens, manifest["model_config"]["context"], temperature=args.temperature,
-                   seed=args.seed)
-    print(shown + tokenizer.decode(new))
-    return 0
+    return stream_sample(lambda on_token: generate(model, ids, args.tokens, manifest["model_config"]["context"],
+                                                   temperature=args.temperature, seed=args.seed, on_token=on_token),
+                         tokenizer, shown, args.tokens)
+
+
+def stream_sample(generate, tokenizer, prompt_shown: str, wanted: int, out=None) -> int:
+    """Print the prompt, then each token's text as generate(on_token) draws it (flushed,
+    so a long sample shows as it grows). Ctrl-C ends it there: the text so far stays
+    printed, a note on stderr says how far it got, and the exit code is 130 (the shell's
+    for Ctrl-C). A reader that stops reading (`| head`) ends it quietly."""
+    out = out or sys.stdout
+    text = TextStream(tokenizer, out)
+    try:
+        out.write(prompt_shown)
+        out.flush()
+        generate(text.add)
+        text.finish()
+        return 0
+    except KeyboardInterrupt:
+        text.finish()
+        print(f"interrupted (Ctrl-C) after {text.count} of {wanted} tokens", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader has what it wanted; later writes (Python's own flush at exit) go nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+        return 0
+
+
+class TextStream:
+    """The text of token ids printed as they come. A token's text alone can be part of a
+    character (a byte of UTF-8) or change with its neighbours (a tokenizer's spaces), so
+    the ids since the last line end are decoded together, and what their text adds is
+    printed once it does not end in a partial character (U+FFFD). At a line end, or past
+    WINDOW ids, it starts again from the last CONTEXT ids: each token costs the decoding
+    of at most WINDOW ids, however long the sample."""
+
+    WINDOW, CONTEXT = 256, 8
+
+    def __init__(self, tokenizer, out):
+        self.tokenizer, self.out = tokenizer, out
+        self.ids: list = []            # the ids decoded together
+        self.printed = 0               # characters of their text already printed
+        self.count = 0                 # tokens received
+
+    def add(self, token: int) -> None:
+        self.ids.append(int(token))
+        self.count += 1
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return                     # a character not whole yet: its next bytes come with the next ids
+        self._write(text[self.printed:])
+        if text.endswith("\n") or len(self.ids) > self.WINDOW:
+            self.ids = self.ids[-self.CONTEXT:] if not text.endswith("\n") else []
+            self.printed = len(self.tokenizer.decode(self.ids)) if self.ids else 0
+        else:
+            self.printed = len(text)
+
+    def finish(self) -> None:
+        """The rest (a character cut off at the end shows as U+FFFD), and the line's end."""
+        text = self.tokenizer.decode(self.ids) if self.ids else ""
+        self._write(text[self.printed:] + "\n")
+        self.ids, self.printed = [], 0
+
+    def _write(self, text: str) -> None:
+        if text:
+            self.out.write(text)
+            self.out.flush()
 
 
 def prompt_ids(prompt: str, tokenizer):

@@ -51,3 +51,29 @@ def test_sample_errors_are_messages(bpe_run, tmp_path, capsys):
         sample.main([])                          # neither the path nor --checkpoint
     with pytest.raises(SystemExit):
         sample.main([bpe_run, "--tokens", "0"])
+
+
+def test_ctrl_c_ends_the_sample_with_the_tokens_printed_so_far(bpe_run, capsys, monkeypatch):
+    """The tokens are printed as they come: Ctrl-C after 5 leaves those 5 on the screen
+    (the same text as a 5-token sample) and exits 130."""
+    from ringpipe.engine.model import gpt
+    drawn = []
+    last_logits = gpt.CachedDecoder.last_logits
+
+    def interrupted(self, tokens):
+        drawn.append(len(tokens))
+        if len(drawn) == 6:
+            raise KeyboardInterrupt
+        return last_logits(self, tokens)
+
+    monkeypatch.setattr(gpt.CachedDecoder, "last_logits", interrupted)
+    try:
+        code = sample.main([bpe_run, "--prompt", "the ring", "--tokens", "100", "--seed", "1"])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped `ringpipe sample` as a traceback, the text generated so far unprinted")
+    assert code == 130
+    out, err = capsys.readouterr()
+    assert "interrupted (Ctrl-C) after 5 of 100 tokens" in err
+    monkeypatch.setattr(gpt.CachedDecoder, "last_logits", last_logits)
+    assert sample.main([bpe_run, "--prompt", "the ring", "--tokens", "5", "--seed", "1"]) == 0
+    assert out == capsys.readouterr().out
