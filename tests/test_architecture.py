@@ -371,11 +371,7 @@ MAX_FUNCTION_LINES = 100
 LENGTH_FOLDERS = ("kernels", "comm", "engine", "ringpipe")
 # Functions over the limit, not yet split, with the length they may not grow past. Remove an
 # entry once its function is split (test_the_known_long_functions_are_still_long says so).
-KNOWN_LONG = {
-    # Its file was being changed for issue 34's parameter-server signals when the limit was
-    # checked: split its wakeup-pipe watcher out once that work is in.
-    "engine/job/lifecycle.py:end_job_on_signal": 113,
-}
+KNOWN_LONG: dict = {}
 
 
 def _long_in(source, limit=MAX_FUNCTION_LINES):

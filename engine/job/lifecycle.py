@@ -385,41 +385,18 @@ def end_job_on_signal(world, tool: str, signals=TOOL_SIGNALS):
     previous = {s: signal.signal(s, handler) for s in signals}
 
     # The watcher: a signal arrives while the main thread is inside MPI (or any long C call).
-    wakeup = None
-    try:
-        r, w = os.pipe()
-        os.set_blocking(w, False)
-        old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        if old_fd != -1:                 # someone else watches already (a StopFlag): leave theirs
-            signal.set_wakeup_fd(old_fd)
-            os.close(r)
-            os.close(w)
-        else:
-            wakeup = (r, w)
-    except (ValueError, OSError):        # not the main thread, or no pipes: the handler alone
-        pass
+    wakeup = None                        # bound first: the handler reads it while the pipe is made
+    wakeup = _own_wakeup_pipe()
+
+    def watched(number: int, count: int) -> None:
+        if size > 1:
+            end_job(number)
+        elif count >= 2:
+            say(f"{tool}: second {signal.Signals(number).name}: stopping now, without cleanup")
+            os._exit(128 + number)
 
     if wakeup is not None:
-        def watch():
-            count = 0
-            while True:
-                try:
-                    data = os.read(wakeup[0], 64)
-                except OSError:
-                    return
-                if not data:
-                    return
-                for number in data:      # one byte per signal that arrived
-                    if number not in numbers:
-                        continue
-                    count += 1
-                    if size > 1:
-                        end_job(number)
-                    elif count >= 2:
-                        say(f"{tool}: second {signal.Signals(number).name}: stopping now, without cleanup")
-                        os._exit(128 + number)
-
-        threading.Thread(target=watch, name="ringpipe-end-job-on-signal", daemon=True).start()
+        _start_watcher(wakeup[0], numbers, watched)
 
     def restore() -> None:
         for s, old in previous.items():
@@ -436,6 +413,46 @@ def end_job_on_signal(world, tool: str, signals=TOOL_SIGNALS):
     if held:
         handler(held[0], None)
     return restore
+
+
+def _own_wakeup_pipe():
+    """(read end, write end) of a pipe made this process's signal wakeup fd, or None: another
+    watcher has one already (a StopFlag: theirs is left as it is), or there can be none (not
+    the main thread, no pipes), and the handler acts alone."""
+    try:
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        if old_fd != -1:                 # someone else watches already (a StopFlag): leave theirs
+            signal.set_wakeup_fd(old_fd)
+            os.close(r)
+            os.close(w)
+            return None
+        return r, w
+    except (ValueError, OSError):        # not the main thread, or no pipes: the handler alone
+        return None
+
+
+def _start_watcher(read_fd: int, numbers: set, on_signal) -> None:
+    """A daemon thread that reads the wakeup pipe (one byte per signal that arrived) and calls
+    on_signal(number, count) for each signal of `numbers`, count being how many came so far.
+    It ends when the pipe's write end is closed."""
+    def watch():
+        count = 0
+        while True:
+            try:
+                data = os.read(read_fd, 64)
+            except OSError:
+                return
+            if not data:
+                return
+            for number in data:
+                if number not in numbers:
+                    continue
+                count += 1
+                on_signal(number, count)
+
+    threading.Thread(target=watch, name="ringpipe-end-job-on-signal", daemon=True).start()
 
 
 def missing_mpi(error: ImportError) -> str | None:
