@@ -38,8 +38,11 @@ def sum_over_ranks(training: Run, local: float) -> float:
 
 def stop_agreed(training: Run) -> bool:
     """Collective: True on every rank when any rank got a stop signal (the step loop's
-    StopFlag.should_stop, one 16-byte all-reduce); a failure another rank reported to it
-    ends the job as the step boundary would."""
+    StopFlag.should_stop, one 16-byte all-reduce), a dedicated parameter server's included
+    (told to the first worker, as at a step boundary); a failure another rank reported to
+    it ends the job as the step boundary would."""
+    if training.servers is not None:
+        training.stop.heard(training.servers.servers_signal())
     try:
         return training.stop.should_stop(training.world)
     except lifecycle.StopError as e:
