@@ -98,9 +98,10 @@ def test_bf16_start_up_line_names_the_gemm(tmp_path, capsys):
     are rounded once per step; float32 runs say nothing of bf16."""
     from ringpipe import kernels
 
-    run(tmp_path, "--steps", "1", name="f32")
+    loud = [a for a in TINY if a != "--quiet"]           # the bf16 line is a start-up fact
+    run_flags(loud + ["--out", str(tmp_path / "f32"), "--steps", "1"])
     assert "bf16 GEMM" not in capsys.readouterr().out
-    run(tmp_path, "--steps", "1", "--precision", "bf16", name="bf16")
+    run_flags(loud + ["--out", str(tmp_path / "bf16"), "--steps", "1", "--precision", "bf16"])
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if line.startswith("bf16 GEMM: "))
     assert line.startswith(kernels.bf16_gemm()) and "once per step" in line
@@ -236,7 +237,8 @@ def test_checkpoint_never_unpickles(tmp_path):
 def test_resume_with_changed_trajectory_flags_says_so(tmp_path, capsys):
     out = run(tmp_path, "--steps", "2")
     capsys.readouterr()
-    run_flags(TINY + ["--out", out, "--steps", "3", "--resume", "auto", "--seed", "7", "--dp", "1"])
+    loud = [a for a in TINY if a != "--quiet"]           # "resumed from" is a start-up fact
+    run_flags(loud + ["--out", out, "--steps", "3", "--resume", "auto", "--seed", "7", "--dp", "1"])
     said = capsys.readouterr().out
     assert "note: resuming with --seed 7 where the checkpoint's run had 1337" in said
     assert "--dp" not in said.split("resumed from")[1], "a layout change is not a trajectory change"
