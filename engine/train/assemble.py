@@ -591,7 +591,7 @@ def open_sinks(training: Run):
     job = os.environ.get("SLURM_JOB_ID") or os.path.basename(os.path.abspath(cfg.out_dir))
     try:
         sinks = Sinks.open(cfg.out_dir, training.start_step, tensorboard=tensorboard, textfile=cfg.metrics_textfile,
-                           port=cfg.metrics_port, host=cfg.metrics_host, job=job, say=training.report.say)
+                           port=cfg.metrics_port, host=cfg.metrics_host, job=job, say=training.report.note)
     except MissingLibrary as e:
         raise ConfigError(str(e)) from None
     except OSError as e:
