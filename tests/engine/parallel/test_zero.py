@@ -141,7 +141,7 @@ def test_refusals_name_what_would_work():
     # recomputation of a model without blocks
     _refused(r"recompute", 1, model="mlp", recompute="full", layers=None, d_model=None, heads=None, context=None)
     # a stage or gather mode that does not exist
-    _refused(r"zero 4", 2, zero=4)
+    _refused(r"zero must be 0 \(none\), 1 .*or 3 .*got 4", 2, zero=4)
     _refused(r"zero_gather 'always'", 2, zero=3, zero_gather="always")
 
 
