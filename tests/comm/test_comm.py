@@ -141,7 +141,7 @@ def test_crossover_setting():
     finally:
         comm.set_crossover(old)
     env = dict(_clean_env(), RINGPIPE_ALLREDUCE_CROSSOVER="4096")
-    out = subprocess.run([sys.executable, "-c", "import comm; print(comm.get_crossover())"],
+    out = subprocess.run([sys.executable, "-c", "from ringpipe import comm; print(comm.get_crossover())"],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "4096", out.stderr
 

@@ -110,7 +110,7 @@ def test_ps_float32_bits_equal_canonical_allreduce(shared_dir, monkeypatch, chun
     (dict(sync="ps"), 1, "needs dp >= 2"),
     (dict(sync="ps", dp=1, tp=2), 2, "needs dp >= 2"),
     (dict(sync="ps", ps_servers=4), 4, "leaves no rank to compute gradients"),
-    (dict(sync="ps", ps_servers=-1), 4, "server ranks >= 0"),
+    (dict(sync="ps", ps_servers=-1), 4, "ps_servers must be >= 0, got -1 (dedicated server ranks"),
     (dict(sync="ps", zero=1), 2, "shards the optimizer state over its servers already"),
     (dict(sync="ps", device="cuda"), 2, "host (numpy) buffers only"),
     (dict(ps_servers=1), 4, "add sync ps"),
