@@ -255,11 +255,7 @@ def test_the_model_branch_check_lets_other_comparisons_be():
 CYCLE_FOLDERS = ("kernels", "comm", "engine")
 # Circles known and not yet untied, each with its reason, by file. Remove an entry when its
 # circle is gone (test_the_known_circles_are_still_there says so).
-KNOWN_CYCLES = {
-    # hf.py hands a Llama-family folder to hf_llama.py (a lazy import by family), which uses
-    # hf.py's readers, writers and HFError at module level: a leaf of those is still to come.
-    frozenset({"engine/interop/hf.py", "engine/interop/hf_llama.py"}),
-}
+KNOWN_CYCLES = set()
 
 
 def _module_files(folders):

@@ -1,6 +1,6 @@
 """Models in and out of the Hugging Face format: ringpipe's GPT is GPT-2 (here), its Llama
 LlamaForCausalLM (hf_llama.py, which export_hf, import_hf and check_checkpoint_shapes hand a
-Llama to).
+Llama to). What both families share, the folder's files read and written, is hf_folder.py's.
 
     export_hf(arrays, model_config, out_dir)   a checkpoint's parameters -> a folder that
                                                transformers.GPT2LMHeadModel.from_pretrained loads
@@ -29,27 +29,24 @@ never torch or transformers.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
 import re
-import shutil
-import struct
 import sys
-import tempfile
 
 import numpy as np
 
-from ringpipe.engine.interop import hf_values
+from ringpipe.engine.interop import hf_llama, hf_values
+from ringpipe.engine.interop.hf_folder import (MASK_BUFFERS, MAX_CONFIG_BYTES, MAX_TOKENIZER_BYTES, HFError,
+                                               Tokenizer, check_memory, check_out_dir, checked, files_call,
+                                               json_bytes, layer_indices, param_arrays, read_headers, read_json,
+                                               read_tensors, safetensors_header, tokenizer_of, weight_files,
+                                               write_model_folder)
 from ringpipe.engine.job import checkpoint, files
 from ringpipe.engine.model.gpt import GPTConfig, gpt_layers
 from ringpipe.engine.model.params import dedup_specs
 from ringpipe.engine.model.registry import RECIPES, names_of
-
-
-class HFError(ValueError):
-    """A Hugging Face folder, or a model, that cannot be converted; the message says why."""
 
 
 # ---- the name mapping ----------------------------------------------------------------------
@@ -112,32 +109,6 @@ def _hf_shape(ours: str, shape: tuple, transposed: bool, cfg: GPTConfig) -> tupl
 # the files' headers (read without reading any tensor data), then against the memory
 # available; only then is anything built or read.
 
-# Bytes a conversion holds per parameter, at most, as float32: the tensors as read and the
-# converted (or loaded-into) copy. A bound to refuse the hopeless early, not an estimate.
-_CONVERSION_COPIES = 2
-
-
-def _available_memory():
-    """Bytes of memory available now (MemAvailable of /proc/meminfo), or None where unknown."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _layer_indices(names) -> set:
-    """The block indices i of the names "h.<i>.<...>" (ours), written without leading zeros."""
-    found = set()
-    for name in names:
-        match = re.fullmatch(r"h\.(0|[1-9][0-9]*)\..+", name)
-        if match:
-            found.add(int(match.group(1)))
-    return found
-
 
 def check_gpt_shapes(cfg: GPTConfig, shapes: dict, where: str, wte_rows: int, naming, exact_layers=True) -> int:
     """Refuse the declared model `cfg` unless the tensors present are that model's, and it fits
@@ -172,7 +143,7 @@ def check_gpt_shapes(cfg: GPTConfig, shapes: dict, where: str, wte_rows: int, na
     if C % cfg.n_head:
         raise HFError(f"{where} declares n_head {cfg.n_head}, which does not divide d_model {C}: no GPT has that "
                       "shape (was it edited?)")
-    present = _layer_indices(shapes)
+    present = layer_indices(shapes)
     missing = [i for i in range(min(cfg.n_layer, len(present) + 1)) if i not in present]
     if missing:
         name, _ = naming(f"h.{missing[0]}.ln1.w", ())
@@ -195,12 +166,7 @@ def check_gpt_shapes(cfg: GPTConfig, shapes: dict, where: str, wte_rows: int, na
 
     n_params = (math.prod(shapes["wte"]) + math.prod(shapes["wpe"]) + 2 * C
                 + cfg.n_layer * sum(math.prod(shape) for shape in block.values()))
-    need = _CONVERSION_COPIES * 4 * max(n_params, cfg.padded_vocab * C)
-    available = _available_memory()
-    if available is not None and need > available:
-        raise HFError(f"{where} declares a model of {n_params:,} parameters: it needs about {need / 2**30:.1f} GiB "
-                      f"of memory here, and {available / 2**30:.1f} GiB are available; use a machine with more "
-                      "memory")
+    check_memory(n_params, where, floats=max(n_params, cfg.padded_vocab * C))
     return n_params
 
 
@@ -215,7 +181,7 @@ def check_checkpoint_shapes(manifest: dict, declared: dict, path: str) -> GPTCon
     checkpoint's is checked by hf_llama.check_checkpoint_shapes, and gives its LlamaConfig."""
     other = _OTHER_FAMILIES.get(manifest["model"])
     if other is not None:
-        return other().check_checkpoint_shapes(manifest, declared, path)
+        return other.check_checkpoint_shapes(manifest, declared, path)
     where = f"the manifest {path}'s model_config"
     model_config = manifest["model_config"]
     cfg = GPTConfig(**model_config)
@@ -253,21 +219,21 @@ def export_hf(arrays: dict, model_config: dict, out_dir: str, tokenizer_json: st
     tokenizer_json: a tokenizer.json path (or its JSON text) to ship with the model, so that
     AutoTokenizer.from_pretrained(out_dir) works. Written as float32 into a temp folder that
     is renamed into place, so out_dir is never half-written. A non-empty out_dir is replaced
-    only with overwrite, and only if it is a model folder (see _check_out_dir): never a run
+    only with overwrite, and only if it is a model folder (see check_out_dir): never a run
     directory, a dataset, a folder holding other files, nor one that is, holds or lies in
     one of the paths in `protect` (the checkpoint being exported)."""
     other = _OTHER_FAMILIES.get(model)
     if other is not None:
-        return other().export(arrays, model_config, out_dir, tokenizer_json, overwrite, protect)
+        return other.export(arrays, model_config, out_dir, tokenizer_json, overwrite, protect)
     cfg = _gpt_config(model_config)
-    given = _param_arrays(arrays)
+    given = param_arrays(arrays)
     # The declared depth against the layers given, before _check_params builds the GPT's
     # specs from it (a model_config of n_layer 10**6 would build a million layers first).
-    if cfg.n_layer > len(_layer_indices(given)):
+    if cfg.n_layer > len(layer_indices(given)):
         raise HFError(f"model_config declares n_layer {cfg.n_layer}, but the parameters hold "
-                      f"{len(_layer_indices(given))} layers: are they this GPT's ({cfg.to_dict()})?")
+                      f"{len(layer_indices(given))} layers: are they this GPT's ({cfg.to_dict()})?")
     params = _check_params(cfg, given)
-    tokenizer = _Tokenizer.read(tokenizer_json, cfg.vocab) if tokenizer_json is not None else None
+    tokenizer = Tokenizer.read(tokenizer_json, cfg.vocab) if tokenizer_json is not None else None
     special_id = tokenizer.end_of_text_id() if tokenizer is not None else None
 
     tensors = {}
@@ -279,64 +245,17 @@ def export_hf(arrays: dict, model_config: dict, out_dir: str, tokenizer_json: st
             array = array.T
         tensors[PREFIX + theirs] = np.ascontiguousarray(array)
 
-    files = {"config.json": _json_bytes(_hf_config(cfg, special_id)),
-             "generation_config.json": _json_bytes({"bos_token_id": special_id, "eos_token_id": special_id})}
+    files = {"config.json": json_bytes(_hf_config(cfg, special_id)),
+             "generation_config.json": json_bytes({"bos_token_id": special_id, "eos_token_id": special_id})}
     if tokenizer is not None:
         files["tokenizer.json"] = tokenizer.text.encode()
-        files["tokenizer_config.json"] = _json_bytes(tokenizer.config(cfg.context, special_id, special_id))
-        files["special_tokens_map.json"] = _json_bytes(tokenizer.special_tokens_map(special_id, special_id))
+        files["tokenizer_config.json"] = json_bytes(tokenizer.config(cfg.context, special_id, special_id))
+        files["special_tokens_map.json"] = json_bytes(tokenizer.special_tokens_map(special_id, special_id))
     return write_model_folder(tensors, files, out_dir, overwrite, protect)
 
 
-def _llama():
-    from ringpipe.engine.interop import hf_llama
-    return hf_llama
-
-
 # The families converted elsewhere, by the checkpoint's model name (the GPT's is this module's).
-_OTHER_FAMILIES = {"llama": _llama}
-
-
-def write_model_folder(tensors: dict, files: dict, out_dir: str, overwrite: bool, protect) -> str:
-    """model.safetensors of `tensors` and the files {name: bytes}, written into a temp folder
-    renamed into place (export_hf's contract); returns out_dir's absolute path. A failure to
-    write is an HFError naming out_dir (not the temp folder, which is removed)."""
-    out_dir = os.path.abspath(out_dir)
-    _check_out_dir(out_dir, overwrite, protect)
-    parent = os.path.dirname(out_dir)
-    try:
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
-    except OSError as e:                # /proc/self/x: the checks above cannot foresee every filesystem
-        raise HFError(f"--out {out_dir}: cannot create a folder in {parent} ({e.strerror or e}); choose --out in "
-                      "a folder you can write to") from None
-    try:
-        try:
-            _write_files(tmp, tensors, files)
-        except OSError as e:
-            raise HFError(f"--out {out_dir}: writing the model failed ({e.strerror or e}), and nothing was written "
-                          "there; free space on its filesystem, or choose another --out") from None
-        _check_out_dir(out_dir, overwrite, protect)     # again: it may have changed while we wrote
-        _move_into_place(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
-
-
-def _write_files(tmp: str, tensors: dict, files: dict) -> None:
-    _save_safetensors(tensors, os.path.join(tmp, "model.safetensors"))
-    for name, data in files.items():
-        with open(os.path.join(tmp, name), "wb") as fh:
-            fh.write(data)
-    # mkdtemp makes the folder 0700 and safetensors writes its file 0600: give both the
-    # modes every other file of the user gets (their umask), so the folder is not
-    # readable while model.safetensors, the one file that matters, is not.
-    umask = _umask()
-    for name in os.listdir(tmp):
-        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
-        _fsync(os.path.join(tmp, name))
-    os.chmod(tmp, 0o777 & ~umask)
+_OTHER_FAMILIES = {"llama": hf_llama}
 
 
 def _gpt_config(model_config: dict) -> GPTConfig:
@@ -350,12 +269,6 @@ def _gpt_config(model_config: dict) -> GPTConfig:
     cfg = GPTConfig(**model_config)
     cfg.validate()
     return cfg
-
-
-def _param_arrays(arrays: dict) -> dict:
-    """{our name: array}: the "param/" arrays of a checkpoint, or already bare names."""
-    params = {name[len("param/"):]: array for name, array in arrays.items() if name.startswith("param/")}
-    return params or dict(arrays)
 
 
 def _check_params(cfg: GPTConfig, params: dict) -> dict:
@@ -409,232 +322,6 @@ def _hf_config(cfg: GPTConfig, special_id) -> dict:
     }
 
 
-def _json_bytes(obj) -> bytes:
-    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
-
-
-def _save_safetensors(tensors: dict, path: str) -> None:
-    numpy_api = _safetensors("numpy")
-    # transformers refuses a safetensors file whose metadata does not name a framework;
-    # "pt" is what save_pretrained writes.
-    try:
-        numpy_api.save_file(tensors, path, metadata={"format": "pt"})
-    except OSError:
-        raise
-    except Exception as e:      # the Rust library's SafetensorError wraps the I/O error: "... (os error 28)"
-        code = re.search(r"os error ([0-9]+)", str(e))
-        if code is None:
-            raise
-        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), path) from None
-
-
-def _safetensors(module: str):
-    try:
-        if module == "numpy":
-            import safetensors.numpy as found
-        else:
-            import safetensors as found
-    except ImportError:
-        raise HFError("reading and writing Hugging Face model files needs the safetensors package: "
-                      "pip install 'ringpipe[hf]' (or pip install safetensors)") from None
-    return found
-
-
-def _umask() -> int:
-    """The process's umask, read without changing it where Linux says it (/proc: setting it
-    to read it back would briefly change it for every thread)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _fsync(path: str) -> None:
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
-
-
-# What a model folder is made of: what export_hf writes, what save_pretrained writes for a
-# GPT-2 (sharded weights, the slow tokenizer's files) and what a Hub download adds. Only a
-# folder of these is ever replaced: --overwrite of a parent folder (--out ., --out ~) must
-# not delete everything in it, the run being exported included.
-_MODEL_FOLDER_FILES = frozenset({
-    "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-    "added_tokens.json", "README.md", ".gitattributes"})
-_SHARD_NAME = re.compile(r"model-[0-9]{5}-of-[0-9]{5}\.safetensors")
-_RUN_DIR_MARKERS = ("run.lock", "checkpoints", "metrics.jsonl", "finished")
-
-
-def _is_model_file(folder: str, name: str) -> bool:
-    if name not in _MODEL_FOLDER_FILES and not _SHARD_NAME.fullmatch(name):
-        return False
-    path = os.path.join(folder, name)
-    return os.path.islink(path) or os.path.isfile(path)     # a Hub snapshot's files are links
-
-
-def _within(path: str, folder: str) -> bool:
-    return os.path.commonpath([path, folder]) == folder
-
-
-def _check_out_dir(out_dir: str, overwrite: bool, protect=()) -> None:
-    """Refuse an out_dir that an export must not replace; return if it may be written (it
-    is new or empty, or it is a model folder and overwrite is given). Only a refusal that
-    --overwrite would lift suggests it."""
-    _check_destination(out_dir)
-    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
-        raise FileExistsError(f"--out {out_dir} exists and is not a folder; choose the path of a new folder")
-    if not os.path.isdir(out_dir) or not os.listdir(out_dir):
-        return
-    names = sorted(os.listdir(out_dir))
-    real = os.path.realpath(out_dir)
-    for source in protect:
-        src = os.path.realpath(source)
-        if real == src or _within(src, real) or _within(real, src):
-            how = "is" if real == src else "holds" if _within(src, real) else "lies inside"
-            what = ("the run directory" if os.path.isdir(os.path.join(src, "checkpoints")) else
-                    "the checkpoints folder" if os.path.isdir(src) else "the checkpoint")
-            raise FileExistsError(f"--out {out_dir} {how} {what} being exported ({source}): an export never "
-                                  "replaces a folder that is, holds or lies inside what it exports (that could "
-                                  "delete the checkpoint); export to a new folder outside the run")
-    run_marks = [n for n in names if n in _RUN_DIR_MARKERS or n.startswith("ckpt_")]
-    if run_marks:
-        raise FileExistsError(f"--out {out_dir} is a ringpipe run directory (it holds {', '.join(run_marks)}): an "
-                              "export never replaces one; export to a new folder")
-    if "data.json" in names:
-        raise FileExistsError(f"--out {out_dir} is a prepared dataset (it holds data.json): an export never "
-                              "replaces one; export to a new folder")
-    foreign = [n for n in names if not _is_model_file(out_dir, n)]
-    if foreign:
-        shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
-        raise FileExistsError(f"--out {out_dir} holds {shown}, which no model folder is made of: an export "
-                              "replaces only a model folder (config.json, model.safetensors, tokenizer files), "
-                              "never a folder holding other things; export to a new or empty folder")
-    if not overwrite:
-        raise FileExistsError(f"--out {out_dir} is not empty: it holds a model ({', '.join(names[:4])}"
-                              f"{', ...' if len(names) > 4 else ''}); pass --overwrite to replace it "
-                              "(overwrite=True), or choose another folder")
-
-
-def _check_destination(out_dir: str) -> None:
-    """Refuse an out_dir that no folder can be made at, naming it, before the checkpoint is
-    read: one under a file (--out FILE/x, /dev/null/x), or in a folder this user cannot write
-    (the folders a write would create are not there yet: the nearest one that is decides)."""
-    existing = os.path.dirname(out_dir)
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise HFError(f"--out {out_dir}: {existing} is not a folder, so no folder can be made in it; choose --out "
-                      "in a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise HFError(f"--out {out_dir}: the folder {existing} is not writable by this user; choose --out in a "
-                      "folder you can write to")
-
-
-def _move_into_place(tmp: str, out_dir: str) -> None:
-    """Rename the finished temp folder to out_dir. An existing (non-empty) out_dir is first
-    renamed aside and removed only after the new folder is in place."""
-    if not os.path.isdir(out_dir) or not os.listdir(out_dir):
-        os.replace(tmp, out_dir)            # rename(2) replaces an empty folder
-        return
-    aside = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=os.path.dirname(out_dir))
-    old = os.path.join(aside, "old")
-    os.rename(out_dir, old)
-    try:
-        os.rename(tmp, out_dir)
-    except BaseException:
-        os.rename(old, out_dir)             # put the previous export back
-        os.rmdir(aside)
-        raise
-    shutil.rmtree(aside, ignore_errors=True)
-    checkpoint.fsync_dir(os.path.dirname(out_dir))
-
-
-# ---- the tokenizer -------------------------------------------------------------------------
-
-# Tokens that end a text, in the order we look for them (engine/data/tokenizer.py's order):
-# GPT-2's, Llama 3's, then SentencePiece's.
-_END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
-
-
-class _Tokenizer:
-    """A tokenizer.json (the `tokenizers` library's format), read as JSON: we only need
-    its size and its special tokens, and copy the file as it is."""
-
-    def __init__(self, text: str, ids: dict, special: list):
-        self.text = text            # the file's exact text
-        self.ids = ids              # {token: id} of the model's vocabulary and the added tokens
-        self.special = special      # the added tokens marked special
-
-    @classmethod
-    def read(cls, tokenizer_json: str, vocab: int) -> "_Tokenizer":
-        if tokenizer_json.lstrip().startswith("{"):
-            text, where = tokenizer_json, "the tokenizer JSON"
-        else:
-            where = tokenizer_json
-            raw = _files_call(files.read_regular, tokenizer_json, "the tokenizer", MAX_TOKENIZER_BYTES)
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise HFError(f"the tokenizer {tokenizer_json} is not UTF-8 text (byte {e.start})") from None
-        data = _files_call(files.parse_json, text, where)
-        if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
-            raise HFError(f"{where} is not a tokenizer.json of the tokenizers library (its \"model\" is missing or "
-                          "not an object)")
-        ids = {}
-        vocab_entries = data["model"].get("vocab")
-        added = data.get("added_tokens") or []
-        if isinstance(vocab_entries, list) and not all(isinstance(e, list) and e and isinstance(e[0], str)
-                                                       for e in vocab_entries):
-            raise HFError(f"{where}: its Unigram vocabulary is not a list of [piece, score] pairs")
-        if not isinstance(added, list) or not all(isinstance(t, dict) and isinstance(t.get("content"), str)
-                                                  for t in added):
-            raise HFError(f"{where}: its added_tokens is not a list of tokens (objects with a content and an id)")
-        if isinstance(vocab_entries, dict):              # BPE, WordPiece, WordLevel: {token: id}
-            ids.update(vocab_entries)
-        elif isinstance(vocab_entries, list):            # Unigram: [[piece, score], ...] in id order
-            ids.update({entry[0]: i for i, entry in enumerate(vocab_entries)})
-        special = []
-        for token in added:
-            ids[token["content"]] = token.get("id")
-            if token.get("special"):
-                special.append(token["content"])
-        if not ids or not all(type(i) is int and i >= 0 for i in ids.values()):
-            raise HFError(f"{where} holds no vocabulary of token ids")
-        size = max(ids.values()) + 1
-        if size > vocab:
-            raise HFError(f"the tokenizer {where} has {size} token ids, more than the model's vocabulary of "
-                          f"{vocab}: it is not the tokenizer this model was trained with")
-        return cls(text, ids, special)
-
-    def end_of_text_id(self):
-        """GPT-2's bos and eos are one token, <|endoftext|>; use it (or another end-of-text
-        token) if the tokenizer has one, else no bos/eos at all (a byte tokenizer)."""
-        for token in _END_OF_TEXT_TOKENS:
-            if token in self.ids:
-                return self.ids[token]
-        return None
-
-    def _special_token(self, special_id):
-        return next(t for t, i in self.ids.items() if i == special_id) if special_id is not None else None
-
-    def config(self, context: int, bos_id, eos_id) -> dict:
-        """tokenizer_config.json: AutoTokenizer builds a PreTrainedTokenizerFast over tokenizer.json."""
-        return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": context,
-                "bos_token": self._special_token(bos_id), "eos_token": self._special_token(eos_id),
-                "clean_up_tokenization_spaces": False}
-
-    def special_tokens_map(self, bos_id, eos_id) -> dict:
-        tokens = {"bos_token": self._special_token(bos_id), "eos_token": self._special_token(eos_id)}
-        return {key: token for key, token in tokens.items() if token is not None}
-
-
 # ---- import --------------------------------------------------------------------------------
 
 # GPT2Config's defaults, for keys a config.json leaves out (transformers would use these).
@@ -654,8 +341,6 @@ _TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 # summary_first_dropout is left out: only GPT2DoubleHeadsModel's summary head uses it.
 _DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
 _GPT2_DROPOUT_DEFAULT = 0.1     # GPT2Config's, for a key config.json leaves out
-# Buffers older transformers saved with the weights (the causal mask): not parameters.
-_BUFFER_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 
 def import_hf(hf_dir: str) -> tuple[GPTConfig, dict, str | None]:
@@ -667,16 +352,16 @@ def import_hf(hf_dir: str) -> tuple[GPTConfig, dict, str | None]:
     if not os.path.isdir(hf_dir):
         raise HFError(f"{hf_dir} is not a folder (expected a Hugging Face model folder with config.json)")
     config = _read_config(hf_dir)
-    if config.get("model_type") in _llama().MODEL_TYPES:
-        return _llama().import_folder(config, hf_dir)
+    if config.get("model_type") in hf_llama.MODEL_TYPES:
+        return hf_llama.import_folder(config, hf_dir)
     cfg = _config_from_hf(config, hf_dir)
-    headers = _read_headers(_weight_files(hf_dir), hf_dir)
+    headers = read_headers(weight_files(hf_dir), hf_dir)
     # config.json's sizes against the tensors' shapes (headers only), before any model is
     # built or tensor read: see check_gpt_shapes.
     declared = _strip_prefix({name: shape for name, (_, shape, _) in headers.items()}, hf_dir)
     check_gpt_shapes(cfg, _ours_from_gpt2(declared), f"{hf_dir}/config.json", cfg.vocab, _gpt2_naming,
                      exact_layers=False)
-    tensors = _strip_prefix(_read_tensors(headers), hf_dir)
+    tensors = _strip_prefix(read_tensors(headers), hf_dir)
     shapes = _our_shapes(cfg)
 
     arrays = {}
@@ -709,61 +394,11 @@ def import_hf(hf_dir: str) -> tuple[GPTConfig, dict, str | None]:
         raise HFError(f"{hf_dir}: lm_head.weight differs from wte (config.json tie_word_embeddings "
                       f"{config.get('tie_word_embeddings', True)}): ringpipe's LM head is always the token "
                       "embedding, so this model cannot be represented")
-    leftover = sorted(name for name in tensors if not name.endswith(_BUFFER_SUFFIXES))
+    leftover = sorted(name for name in tensors if not name.endswith(MASK_BUFFERS))
     if leftover:
         raise HFError(f"{hf_dir}: tensors that GPT-2 with this config.json does not have: "
                       f"{', '.join(leftover[:5])}{', ...' if len(leftover) > 5 else ''}")
     return cfg, arrays, tokenizer_of(hf_dir)
-
-
-def tokenizer_of(hf_dir: str) -> str | None:
-    """The path of the folder's tokenizer.json, or None where it has none; HFError naming it
-    where it is not a tokenizer."""
-    tokenizer = os.path.join(hf_dir, "tokenizer.json")
-    if not os.path.lexists(tokenizer):
-        return None
-    _check_model_tokenizer(tokenizer, hf_dir)
-    return tokenizer
-
-
-def _check_model_tokenizer(path: str, hf_dir: str) -> None:
-    """Refuse a model folder's tokenizer.json that is not a tokenizer (a FIFO, deep JSON,
-    {"model": 5}) at import, naming it: on every rank and before any work, not where the data
-    is compared with it later (a traceback there). Read as export reads it (its vocabulary),
-    then, where the `tokenizers` library is installed, as the run reads it
-    (engine/data/tokenizer.py: whatever the library raises is named too)."""
-    fix = ("replace it with the tokenizer.json the model was published with, or remove it (the data's tokenizer "
-           "then cannot be checked against the model's)")
-    try:
-        tokenizer = _Tokenizer.read(path, hf_values.MAX_VOCAB)
-    except HFError as e:
-        raise HFError(f"{e}; {fix}") from None
-    if importlib.util.find_spec("tokenizers") is None:
-        return                      # only the size is read then (check_init_data), and it was
-    from ringpipe.engine.data.tokenizer import from_json
-    try:
-        from_json(tokenizer.text, source=path, folder=hf_dir, fix=fix)
-    except ValueError as e:
-        raise HFError(str(e)) from None
-
-
-# Limits on the JSON files of a model folder: far above any real one, far below a problem.
-MAX_CONFIG_BYTES = files.MiB                # config.json, generation_config.json: a few KB
-MAX_INDEX_BYTES = 64 * files.MiB            # model.safetensors.index.json: ~100 bytes a tensor
-MAX_TOKENIZER_BYTES = 256 * files.MiB       # tokenizer.json: GPT-2's 1.4 MB, large vocabularies tens of MB
-MAX_HEADER_BYTES = 100 * files.MiB          # a safetensors header: the library's own limit
-
-
-def _files_call(function, *args):
-    """engine/files' readers, their refusals (UnreadableFile) as HFError for our callers."""
-    try:
-        return function(*args)
-    except files.UnreadableFile as e:
-        raise HFError(str(e)) from None
-
-
-def _read_json(path: str, what: str, limit: int):
-    return _files_call(files.read_json, path, what, limit)
 
 
 def check_init_data(hf_dir: str, init: tuple, data_vocab, data_has_tokenizer: bool = True) -> list:
@@ -798,8 +433,8 @@ def import_notes(hf_dir: str) -> list:
     print once: the dropout config.json sets (ringpipe trains without it, so fine-tuning
     here differs from fine-tuning the model in transformers). check_init_data includes them."""
     config = _read_config(hf_dir)
-    if config.get("model_type") in _llama().MODEL_TYPES:
-        return _llama().import_notes(config, hf_dir)
+    if config.get("model_type") in hf_llama.MODEL_TYPES:
+        return hf_llama.import_notes(config, hf_dir)
     rates = [(key, config.get(key, _GPT2_DROPOUT_DEFAULT)) for key in _DROPOUT_KEYS]
     rates = [(key, value) for key, value in rates if type(value) in (int, float) and value != 0]
     if not rates:
@@ -820,26 +455,17 @@ def family_of(hf_dir: str) -> str | None:
         return None
     if model_type == "gpt2":
         return "gpt"
-    return "llama" if model_type in _llama().MODEL_TYPES else None
+    return "llama" if model_type in hf_llama.MODEL_TYPES else None
 
 
 def _read_config(hf_dir: str) -> dict:
     path = os.path.join(hf_dir, "config.json")
     if not os.path.lexists(path):
         raise HFError(f"{hf_dir} has no config.json: it is not a Hugging Face model folder")
-    config = _read_json(path, "the model's config", MAX_CONFIG_BYTES)
+    config = read_json(path, "the model's config", MAX_CONFIG_BYTES)
     if not isinstance(config, dict):
         raise HFError(f"{path} holds no JSON object")
     return config
-
-
-def checked(where: str, key: str, value):
-    """value, if it holds the rule of `key` (hf_values.RULES; a dotted key, rope_scaling.factor,
-    by its last part); else HFError saying what to set it to."""
-    rule = hf_values.RULES[key.rsplit(".", 1)[-1]]
-    if not rule.holds(value):
-        raise HFError(hf_values.invalid(where, key, value, rule.expected()))
-    return value
 
 
 def check_config(hf_dir: str):
@@ -847,8 +473,8 @@ def check_config(hf_dir: str):
     value checked (type, range, what ringpipe's model can represent); HFError naming the key
     otherwise. Reads config.json only: cheap enough to run before anything else is said."""
     config = _read_config(hf_dir)
-    if config.get("model_type") in _llama().MODEL_TYPES:
-        return _llama().config_from_hf(config, hf_dir)
+    if config.get("model_type") in hf_llama.MODEL_TYPES:
+        return hf_llama.config_from_hf(config, hf_dir)
     return _config_from_hf(config, hf_dir)
 
 
@@ -860,7 +486,7 @@ def _config_from_hf(config: dict, hf_dir: str) -> GPTConfig:
     if model_type != "gpt2":
         raise HFError(f"{where}: ringpipe cannot import this model: model_type is {hf_values.shown(model_type)}, "
                       f"and ringpipe imports model_type \"gpt2\" (its GPT) and the Llama family "
-                      f"({', '.join(_llama().MODEL_TYPES)}). Fine-tune it with transformers instead, or choose a "
+                      f"({', '.join(hf_llama.MODEL_TYPES)}). Fine-tune it with transformers instead, or choose a "
                       "model of one of those types")
 
     defaults = dict(_GPT2_DEFAULTS, **{key: _GPT2_DROPOUT_DEFAULT for key in _DROPOUT_KEYS})
@@ -897,172 +523,6 @@ def _config_from_hf(config: dict, hf_dir: str) -> GPTConfig:
     # tie_word_embeddings false is fine if lm_head.weight equals wte: checked with the tensors.
     return GPTConfig(n_layer=sizes["n_layer"], d_model=sizes["n_embd"], n_head=sizes["n_head"],
                      context=sizes["n_positions"], vocab=sizes["vocab_size"])
-
-
-def _weight_files(hf_dir: str) -> list:
-    """The safetensors files of a model folder: model.safetensors, or the shards that
-    model.safetensors.index.json names. Pickled weights are refused, never opened."""
-    single = os.path.join(hf_dir, "model.safetensors")
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    # lexists, not isfile: a FIFO or a device under the name is refused by name when it is
-    # opened (engine/files), not mistaken for a missing file.
-    if os.path.lexists(single):
-        return [single]
-    if os.path.lexists(index):
-        return _shard_files(index, hf_dir)
-    names = os.listdir(hf_dir)
-    pickles = [n for n in names if n.endswith((".bin", ".pt", ".pth", ".ckpt"))]
-    if pickles:
-        raise HFError(f"{hf_dir} holds its weights only as {pickles[0]}, a pickle, which ringpipe never loads "
-                      "(loading a pickle can run code). Convert it to safetensors: load it with transformers "
-                      "where you trust it and re-save it with model.save_pretrained(folder, "
-                      "safe_serialization=True)")
-    raise HFError(f"{hf_dir} has no model.safetensors (nor model.safetensors.index.json)")
-
-
-def _shard_files(index: str, hf_dir: str) -> list:
-    document = _read_json(index, "the weights index", MAX_INDEX_BYTES)
-    weight_map = document.get("weight_map") if isinstance(document, dict) else None
-    if not isinstance(weight_map, dict):
-        raise HFError(f"{index} has no \"weight_map\" object: it is not a model.safetensors.index.json")
-    shards = list(weight_map.values())
-    files_ = []
-    for shard in sorted(set(shards)) if all(isinstance(v, str) for v in shards) else shards:
-        # A shard is a file next to the index, never a path elsewhere on the machine.
-        if not isinstance(shard, str) or os.path.basename(shard) != shard or shard in ("", ".", ".."):
-            raise HFError(f"{index} names the shard {shard!r}; expected a file name in {hf_dir}")
-        path = os.path.join(hf_dir, shard)
-        if not os.path.lexists(path):
-            raise HFError(f"{index} names the shard {shard}, which is missing")
-        files_.append(path)
-    return files_
-
-
-# safetensors' float dtypes and their bytes per element: a GPT's weights are floats. An
-# integer or boolean tensor would be cast to float and trained on as if it were weights.
-_FLOAT_DTYPES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
-
-
-def _read_headers(paths: list, hf_dir: str) -> dict:
-    """{tensor name: (dtype, shape, (path, absolute offset of its data))} of every tensor in
-    the files, from their headers alone; a tensor in two files is refused."""
-    headers = {}
-    for path in paths:
-        for name, entry in _safetensors_header(path).items():
-            if name in headers:
-                raise HFError(f"{hf_dir}: the tensor {name} is in two shards")
-            headers[name] = entry
-    return headers
-
-
-def _safetensors_header(path: str) -> dict:
-    """{tensor name: (dtype, shape, (path, data offset))} from one safetensors file's header,
-    every entry checked against the file's size; no tensor data is read. The layout: an
-    8-byte little-endian header size, the JSON header, then the data (offsets relative to
-    its start)."""
-    fd = _files_call(files.open_regular, path, "the weights file")
-    with os.fdopen(fd, "rb") as fh:
-        size = os.fstat(fh.fileno()).st_size
-        head = fh.read(8)
-        if len(head) != 8:
-            raise HFError(f"{path} is {size} bytes, too short to be a safetensors file")
-        (header_size,) = struct.unpack("<Q", head)
-        if header_size > min(size - 8, MAX_HEADER_BYTES):
-            raise HFError(f"{path} declares a header of {header_size:,} bytes, more than the file's {size:,} bytes "
-                          f"or safetensors' {MAX_HEADER_BYTES:,}: it is not a safetensors file, or it is damaged")
-        header = _files_call(files.parse_json, fh.read(header_size), f"the header of {path}")
-    if not isinstance(header, dict):
-        raise HFError(f"the header of {path} is not a JSON object: it is not a safetensors file")
-    data_size = size - 8 - header_size
-    entries = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        shape = info.get("shape") if isinstance(info, dict) else None
-        offsets = info.get("data_offsets") if isinstance(info, dict) else None
-        if (not isinstance(info, dict) or not isinstance(info.get("dtype"), str) or not isinstance(shape, list)
-                or not all(type(n) is int and n >= 0 for n in shape) or not isinstance(offsets, list)
-                or len(offsets) != 2 or not all(type(n) is int for n in offsets)):
-            raise HFError(f"{path}: the header's entry for the tensor {name} is malformed (expected dtype, shape "
-                          "and data_offsets): the file is damaged or not safetensors")
-        dtype = info["dtype"]
-        if dtype not in _FLOAT_DTYPES and not name.endswith(_BUFFER_SUFFIXES):
-            raise HFError(f"{path}: the tensor {name} is {dtype}, not a float type (F16, BF16, F32 or F64): a "
-                          "GPT-2's weights are floats, and ringpipe would cast it to float and train on it; "
-                          "remove the tensor or store it as floats")
-        begin, end = offsets
-        itemsize = _FLOAT_DTYPES.get(dtype)
-        if not 0 <= begin <= end <= data_size or (itemsize and end - begin != math.prod(shape) * itemsize):
-            raise HFError(f"{path}: the tensor {name} declares shape {tuple(shape)} of {dtype} at bytes "
-                          f"{begin}..{end}, which the file's {data_size:,} bytes of data do not hold: it is "
-                          "truncated or damaged")
-        entries[name] = (dtype, tuple(shape), (path, 8 + header_size + begin))
-    return entries
-
-
-def _read_tensors(headers: dict) -> dict:
-    """{name: float32 array, checked finite} of the tensors in `headers` (_read_headers), read
-    after their shapes were checked. The old causal-mask buffers are not read: nothing uses them."""
-    by_file = {}
-    for name, (dtype, shape, (path, _)) in headers.items():
-        if not name.endswith(_BUFFER_SUFFIXES):
-            by_file.setdefault(path, []).append(name)
-    tensors = {}
-    for path, names in by_file.items():
-        tensors.update(_read_safetensors_file(path, names, headers))
-    return tensors
-
-
-def _read_safetensors_file(path: str, names: list, headers: dict) -> dict:
-    """{name: float32 array} of the tensors `names` of one file, each checked finite as it is read."""
-    safetensors = _safetensors("safe_open")
-    tensors = {}
-    try:
-        with safetensors.safe_open(path, framework="np") as fh:
-            for name in names:
-                if headers[name][0] == "BF16":
-                    tensor = _read_bf16(headers[name])     # numpy has no bfloat16
-                else:
-                    tensor = fh.get_tensor(name)
-                tensors[name] = _finite_float32(tensor, name, path)
-    except HFError:
-        raise
-    except Exception as e:   # the library raises its own types (SafetensorError, TypeError) for a bad file
-        raise HFError(f"{path} cannot be read as safetensors ({type(e).__name__}: {e})") from None
-    return tensors
-
-
-def _finite_float32(tensor: np.ndarray, name: str, path: str) -> np.ndarray:
-    """The tensor as float32, ringpipe's weights, refused naming it unless every value is finite
-    there: a NaN or infinite weight (or a float64 one beyond float32's range, which becomes
-    infinite) would otherwise surface steps later as "training diverged... lower --lr",
-    blaming the learning rate for the file."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        weights = tensor.astype(np.float32, copy=False)
-        # One pass, no temporary array: a float64 sum of finite float32 values cannot overflow
-        # (each is at most 3.4e38; 2**64 of them sum to 6e57), so it is finite exactly when they all are.
-        if math.isfinite(weights.sum(dtype=np.float64)):
-            return weights
-        bad = int(weights.size - np.count_nonzero(np.isfinite(weights)))
-        unrepresentable = bool(np.isfinite(tensor).all())
-    what = (f"{bad:,} of its {weights.size:,} values beyond float32's range (3.4e38), which ringpipe trains in"
-            if unrepresentable else f"{bad:,} NaN or infinite values (of {weights.size:,})")
-    raise HFError(f"{path}: the tensor {name} holds {what}: the weights are damaged, or were saved from a run that "
-                  "diverged; use an undamaged copy of the model (download it again, or take an earlier checkpoint)")
-
-
-def _read_bf16(entry) -> np.ndarray:
-    """A bfloat16 tensor as float32: bfloat16 is the top 16 bits of a float32. Its place
-    and size in the file come from the checked header (_safetensors_header)."""
-    _, shape, (path, offset) = entry
-    count = math.prod(shape)
-    fd = _files_call(files.open_regular, path, "the weights file")
-    with os.fdopen(fd, "rb") as fh:
-        fh.seek(offset)
-        raw = np.frombuffer(fh.read(2 * count), dtype="<u2")
-    if raw.size != count:
-        raise HFError(f"{path} ends inside the tensor data: it was truncated while it was read")
-    return (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape)
 
 
 # GPT-2's names (without the prefix) of our parameters, and back.
@@ -1156,7 +616,7 @@ def _export_command(args) -> int:
     run_dir = _run_dir(args.source, manifest_path)
     npz_path = manifest_path[:-len(".json")] + ".npz"
     protect = (os.path.abspath(args.source), os.path.abspath(manifest_path), os.path.abspath(npz_path), run_dir)
-    _check_out_dir(os.path.abspath(args.out), args.overwrite, protect)
+    check_out_dir(os.path.abspath(args.out), args.overwrite, protect)
     # Only the parameters (not the optimizer's state), each checked against its declared shape.
     params, _ = checkpoint.load(manifest_path, expected={name: shape for name, (shape, _) in declared.items()
                                                          if name.startswith("param/")})
@@ -1167,7 +627,7 @@ def _export_command(args) -> int:
     # Counted from what was written, not from the checkpoint: its wte holds padding rows the
     # export trims (vocab 300 is stored as 384 rows), which the exported model does not have.
     n_params = sum(math.prod(shape) for _, shape, _ in
-                   _safetensors_header(os.path.join(out, "model.safetensors")).values())
+                   safetensors_header(os.path.join(out, "model.safetensors")).values())
     print(f"exported {manifest_path} (step {manifest['step']}, {n_params:,} parameters) to {out}:")
     print(f"  {', '.join(sorted(os.listdir(out)))}")
     print(f"  tokenizer: {about_tokenizer}")
@@ -1182,12 +642,12 @@ def _tokenizer_sha256(path: str) -> str:
     """The sha256 a checkpoint records for its tokenizer: engine.data.tokenizer's, over the JSON in
     canonical form, so re-indenting the file does not change it."""
     from ringpipe.engine.data.tokenizer import json_sha256
-    raw = _files_call(files.read_regular, path, "the run's tokenizer", MAX_TOKENIZER_BYTES)
+    raw = files_call(files.read_regular, path, "the run's tokenizer", MAX_TOKENIZER_BYTES)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise HFError(f"the run's tokenizer {path} is not UTF-8 text (byte {e.start})") from None
-    _files_call(files.parse_json, text, f"the run's tokenizer {path}")     # deep nesting refused by name
+    files_call(files.parse_json, text, f"the run's tokenizer {path}")     # deep nesting refused by name
     try:
         return json_sha256(text)
     except ValueError as e:

@@ -23,7 +23,8 @@ import re
 
 import numpy as np
 
-from ringpipe.engine.interop import hf, hf_values
+from ringpipe.engine.interop import hf_folder, hf_values
+from ringpipe.engine.interop.hf_folder import HFError
 
 # (our name, Hugging Face's name) per block, after "h.{i}." and "model.layers.{i}.".
 _BLOCK_NAMES = [
@@ -97,13 +98,7 @@ def count_params(cfg, vocab_rows: int) -> int:
 
 
 def _check_memory(cfg, where: str) -> None:
-    n_params = count_params(cfg, cfg.padded_vocab)
-    need = hf._CONVERSION_COPIES * 4 * n_params
-    available = hf._available_memory()
-    if available is not None and need > available:
-        raise hf.HFError(f"{where} declares a model of {n_params:,} parameters: it needs about {need / 2**30:.1f} "
-                         f"GiB of memory here, and {available / 2**30:.1f} GiB are available; use a machine with "
-                         "more memory")
+    hf_folder.check_memory(count_params(cfg, cfg.padded_vocab), where)
 
 
 def config_from_dict(model_config: dict):
@@ -113,8 +108,8 @@ def config_from_dict(model_config: dict):
     expected = {f.name for f in dataclasses.fields(llama.LlamaConfig)}
     if not isinstance(model_config, dict) or set(model_config) != expected:
         keys = sorted(model_config) if isinstance(model_config, dict) else type(model_config).__name__
-        raise hf.HFError(f"model_config has the keys {keys}, expected {sorted(expected)}: is it a Llama "
-                         "checkpoint's model_config?")
+        raise HFError(f"model_config has the keys {keys}, expected {sorted(expected)}: is it a Llama "
+                      "checkpoint's model_config?")
     return _validated(llama.LlamaConfig(**model_config), "model_config")
 
 
@@ -122,7 +117,7 @@ def _validated(cfg, where: str):
     try:
         cfg.validate()
     except ValueError as e:                      # ConfigError is one
-        raise hf.HFError(f"{where}: {e}") from None
+        raise HFError(f"{where}: {e}") from None
     return cfg
 
 
@@ -132,46 +127,46 @@ def export(arrays: dict, model_config: dict, out_dir: str, tokenizer_json=None, 
            protect=()) -> str:
     """hf.export_hf for a Llama: the same contract (float32, atomic, out_dir rules)."""
     cfg = config_from_dict(model_config)
-    params = hf._param_arrays(arrays)
-    layers = hf._layer_indices(params)
+    params = hf_folder.param_arrays(arrays)
+    layers = hf_folder.layer_indices(params)
     if cfg.n_layer > len(layers):                # before a table of n_layer entries is built
-        raise hf.HFError(f"model_config declares n_layer {cfg.n_layer}, but the parameters hold {len(layers)} "
-                         "layers: are they this Llama's?")
+        raise HFError(f"model_config declares n_layer {cfg.n_layer}, but the parameters hold {len(layers)} "
+                      "layers: are they this Llama's?")
     _check_params(cfg, params)
-    tokenizer = hf._Tokenizer.read(tokenizer_json, cfg.vocab) if tokenizer_json is not None else None
+    tokenizer = hf_folder.Tokenizer.read(tokenizer_json, cfg.vocab) if tokenizer_json is not None else None
     bos, eos = _special_ids(tokenizer)
     tensors = {}
     for ours, theirs in name_map(cfg):
         array = params[ours][:cfg.vocab] if ours in _VOCAB_ROWS else params[ours]   # the padding is ours alone
         tensors[theirs] = np.ascontiguousarray(array, dtype=np.float32)
-    written = {"config.json": hf._json_bytes(hf_config(cfg, bos, eos)),
-               "generation_config.json": hf._json_bytes({"bos_token_id": bos, "eos_token_id": eos})}
+    written = {"config.json": hf_folder.json_bytes(hf_config(cfg, bos, eos)),
+               "generation_config.json": hf_folder.json_bytes({"bos_token_id": bos, "eos_token_id": eos})}
     if tokenizer is not None:
         written["tokenizer.json"] = tokenizer.text.encode()
-        written["tokenizer_config.json"] = hf._json_bytes(tokenizer.config(cfg.context, bos, eos))
-        written["special_tokens_map.json"] = hf._json_bytes(tokenizer.special_tokens_map(bos, eos))
-    return hf.write_model_folder(tensors, written, out_dir, overwrite, protect)
+        written["tokenizer_config.json"] = hf_folder.json_bytes(tokenizer.config(cfg.context, bos, eos))
+        written["special_tokens_map.json"] = hf_folder.json_bytes(tokenizer.special_tokens_map(bos, eos))
+    return hf_folder.write_model_folder(tensors, written, out_dir, overwrite, protect)
 
 
 def _check_params(cfg, params: dict) -> None:
     mapped = {ours for ours, _ in name_map(cfg)}
     unmapped = sorted(set(params) - mapped)
     if unmapped:
-        raise hf.HFError(f"the parameters {unmapped[:5]} have no Hugging Face mapping in engine/interop/"
-                         "hf_llama.py (a bug: the model changed, its conversion did not), or are not this "
-                         f"Llama's ({cfg.to_dict()})")
+        raise HFError(f"the parameters {unmapped[:5]} have no Hugging Face mapping in engine/interop/"
+                      "hf_llama.py (a bug: the model changed, its conversion did not), or are not this "
+                      f"Llama's ({cfg.to_dict()})")
     for ours in sorted(mapped):
         if ours not in params:
-            raise hf.HFError(f"the parameters lack {ours!r}: are they this Llama's ({cfg.to_dict()})?")
+            raise HFError(f"the parameters lack {ours!r}: are they this Llama's ({cfg.to_dict()})?")
         array = np.asarray(params[ours])
         want = shape_of(cfg, ours, cfg.padded_vocab)
         if array.shape != want:
-            raise hf.HFError(f"parameter {ours!r} has shape {array.shape}, the Llama {cfg.to_dict()} has {want}")
+            raise HFError(f"parameter {ours!r} has shape {array.shape}, the Llama {cfg.to_dict()} has {want}")
         if array.dtype.kind != "f":
-            raise hf.HFError(f"parameter {ours!r} has dtype {array.dtype}, expected floating point")
+            raise HFError(f"parameter {ours!r} has dtype {array.dtype}, expected floating point")
         if not np.isfinite(array).all():
-            raise hf.HFError(f"parameter {ours!r} holds NaN or inf: the model diverged; export an earlier "
-                             "checkpoint")
+            raise HFError(f"parameter {ours!r} holds NaN or inf: the model diverged; export an earlier "
+                          "checkpoint")
 
 
 # Tokens that begin a text, in the order we look for them: Llama 3's, SentencePiece's, Gemma's.
@@ -245,15 +240,15 @@ def check_checkpoint_shapes(manifest: dict, declared: dict, path: str):
     cfg = config_from_dict(manifest["model_config"])
     params = {name[len("param/"):]: tuple(shape) for name, (shape, _) in declared.items()
               if name.startswith("param/")}
-    if cfg.n_layer != len(hf._layer_indices(params)):
-        raise hf.HFError(f"{where} declares n_layer {cfg.n_layer}, but the checkpoint holds "
-                         f"{len(hf._layer_indices(params))} layers: the two disagree (was it edited?)")
+    if cfg.n_layer != len(hf_folder.layer_indices(params)):
+        raise HFError(f"{where} declares n_layer {cfg.n_layer}, but the checkpoint holds "
+                      f"{len(hf_folder.layer_indices(params))} layers: the two disagree (was it edited?)")
     for ours, _ in name_map(cfg):
         want = shape_of(cfg, ours, cfg.padded_vocab)
         if params.get(ours) != want:
             have = "missing" if ours not in params else f"of shape {params[ours]}"
-            raise hf.HFError(f"the checkpoint's array param/{ours} is {have}, but {where} implies {want} "
-                             f"({_describe(cfg)}): the two disagree (was it edited?)")
+            raise HFError(f"the checkpoint's array param/{ours} is {have}, but {where} implies {want} "
+                          f"({_describe(cfg)}): the two disagree (was it edited?)")
     _check_memory(cfg, where)
     return cfg
 
@@ -301,19 +296,19 @@ class _Config:
 
     def get(self, key, default=None):
         """raw(), checked: HFError saying what to set the key to unless its type and range hold."""
-        return hf.checked(self.where, key, self.raw(key, default))
+        return hf_folder.checked(self.where, key, self.raw(key, default))
 
     def invalid(self, key, expected, value=_UNSET):
-        raise hf.HFError(hf_values.invalid(self.where, key, self.raw(key) if value is _UNSET else value, expected))
+        raise HFError(hf_values.invalid(self.where, key, self.raw(key) if value is _UNSET else value, expected))
 
     def unsupported(self, key, why, instead, value=_UNSET):
-        raise hf.HFError(hf_values.unsupported(self.where, key, self.raw(key) if value is _UNSET else value, why,
-                                               instead))
+        raise HFError(hf_values.unsupported(self.where, key, self.raw(key) if value is _UNSET else value, why,
+                                            instead))
 
     def size(self, key):
         if key not in self.config and key not in _DEFAULTS[self.model_type]:
-            raise hf.HFError(f"{self.where}: add {key} to config.json: model_type is {self.model_type!r}, whose "
-                             "config.json gives it, and this one does not (is its model_type right?)")
+            raise HFError(f"{self.where}: add {key} to config.json: model_type is {self.model_type!r}, whose "
+                          "config.json gives it, and this one does not (is its model_type right?)")
         return self.get(key)
 
 
@@ -422,7 +417,7 @@ def _rope_from_hf(c: _Config, context: int) -> tuple:
                       f"one {key} object of numbers and a rope_type")
     for name in ("rope_type", "type", "rope_theta", "partial_rotary_factor", *_LLAMA3_FIELDS):
         if name in params:
-            hf.checked(c.where, f"{key}.{name}", params[name])
+            hf_folder.checked(c.where, f"{key}.{name}", params[name])
     theta = params.get("rope_theta", c.get("rope_theta", 10000.0))      # the top level's is checked either way
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         c.unsupported(f"{key}.partial_rotary_factor", "ringpipe's RoPE rotates every dimension of a head",
@@ -463,9 +458,9 @@ def import_folder(config: dict, hf_dir: str) -> tuple:
     """hf.import_hf for a Llama-style folder: (LlamaConfig, {our name: float32 array}, the path
     of its tokenizer.json or None). wte (and lm_head.w) padded to cfg.padded_vocab rows."""
     cfg = config_from_hf(config, hf_dir)
-    headers = hf._read_headers(hf._weight_files(hf_dir), hf_dir)
+    headers = hf_folder.read_headers(hf_folder.weight_files(hf_dir), hf_dir)
     wanted = _check_headers(cfg, headers, hf_dir)
-    tensors = hf._read_tensors({name: headers[name] for name in wanted})
+    tensors = hf_folder.read_tensors({name: headers[name] for name in wanted})
     arrays = {}
     for ours, theirs in name_map(cfg):
         array = tensors[theirs].astype(np.float32)
@@ -479,10 +474,10 @@ def import_folder(config: dict, hf_dir: str) -> tuple:
     lm_head = tensors.get("lm_head.weight")
     if cfg.tie_embeddings and lm_head is not None and not np.array_equal(lm_head.astype(np.float32),
                                                                           arrays["wte"][:cfg.vocab]):
-        raise hf.HFError(f"{hf_dir}: lm_head.weight differs from model.embed_tokens.weight, but config.json says "
-                         "tie_word_embeddings true (transformers would use the embedding for both): set "
-                         "tie_word_embeddings false if the head is meant to be its own")
-    return cfg, arrays, hf.tokenizer_of(hf_dir)
+        raise HFError(f"{hf_dir}: lm_head.weight differs from model.embed_tokens.weight, but config.json says "
+                      "tie_word_embeddings true (transformers would use the embedding for both): set "
+                      "tie_word_embeddings false if the head is meant to be its own")
+    return cfg, arrays, hf_folder.tokenizer_of(hf_dir)
 
 
 def _check_headers(cfg, headers: dict, hf_dir: str) -> list:
@@ -492,30 +487,30 @@ def _check_headers(cfg, headers: dict, hf_dir: str) -> list:
     shapes = {name: shape for name, (_, shape, _) in headers.items()}
     present = {int(m.group(1)) for m in map(re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.").match, shapes) if m}
     if cfg.n_layer > len(present):               # before a table of n_layer entries is built
-        raise hf.HFError(f"{where} declares num_hidden_layers {cfg.n_layer}, but the weights hold {len(present)} "
-                         "layers: the weights are incomplete or do not match config.json")
+        raise HFError(f"{where} declares num_hidden_layers {cfg.n_layer}, but the weights hold {len(present)} "
+                      "layers: the weights are incomplete or do not match config.json")
     _check_memory(cfg, where)
     names = name_map(cfg)
     for ours, theirs in names:
         want = shape_of(cfg, ours, cfg.vocab)
         if theirs not in shapes:
-            raise hf.HFError(f"{hf_dir}: the tensor {theirs} is missing (config.json declares {_describe(cfg)}): "
-                             "the weights are incomplete or do not match config.json")
+            raise HFError(f"{hf_dir}: the tensor {theirs} is missing (config.json declares {_describe(cfg)}): "
+                          "the weights are incomplete or do not match config.json")
         if tuple(shapes[theirs]) != want:
-            raise hf.HFError(f"{hf_dir}: the tensor {theirs} has shape {tuple(shapes[theirs])}, but config.json "
-                             f"implies {want} ({_describe(cfg)}): the two disagree")
+            raise HFError(f"{hf_dir}: the tensor {theirs} has shape {tuple(shapes[theirs])}, but config.json "
+                          f"implies {want} ({_describe(cfg)}): the two disagree")
     wanted = [theirs for _, theirs in names]
     if cfg.tie_embeddings and "lm_head.weight" in shapes:
         if tuple(shapes["lm_head.weight"]) != (cfg.vocab, cfg.d_model):
-            raise hf.HFError(f"{hf_dir}: lm_head.weight has shape {tuple(shapes['lm_head.weight'])}, not the "
-                             f"embedding's {(cfg.vocab, cfg.d_model)}, but config.json ties them")
+            raise HFError(f"{hf_dir}: lm_head.weight has shape {tuple(shapes['lm_head.weight'])}, not the "
+                          f"embedding's {(cfg.vocab, cfg.d_model)}, but config.json ties them")
         wanted.append("lm_head.weight")          # read to check it is the embedding
     leftover = sorted(set(shapes) - set(wanted))
     leftover = [name for name in leftover if not name.endswith(_BUFFER_SUFFIXES)]
     if leftover:
-        raise hf.HFError(f"{hf_dir}: tensors that ringpipe's Llama with this config.json does not have: "
-                         f"{', '.join(leftover[:5])}{', ...' if len(leftover) > 5 else ''} (biases on o_proj "
-                         "or the MLP, or more layers than num_hidden_layers, are not representable)")
+        raise HFError(f"{hf_dir}: tensors that ringpipe's Llama with this config.json does not have: "
+                      f"{', '.join(leftover[:5])}{', ...' if len(leftover) > 5 else ''} (biases on o_proj "
+                      "or the MLP, or more layers than num_hidden_layers, are not representable)")
     return wanted
 
 

@@ -20,7 +20,7 @@ safetensors_numpy = pytest.importorskip("safetensors.numpy", reason="engine/inte
 
 from ringpipe.engine.job import checkpoint
 from ringpipe.engine.model import gpt
-from ringpipe.engine.interop import hf, sample  # noqa: E402
+from ringpipe.engine.interop import hf, hf_folder, sample  # noqa: E402
 from ringpipe.engine.model.gpt import GPTConfig, build_gpt  # noqa: E402
 from tests.support.hostile import deadline, tmpfs  # noqa: E402
 
@@ -210,7 +210,7 @@ def test_export_hf_checks_the_declared_depth_before_building(no_big_models, tmp_
 def test_a_model_larger_than_memory_is_refused_before_it_is_built(tmp_path, capsys, monkeypatch):
     run = make_run(tmp_path / "run")
     folder = make_hf_folder(tmp_path / "hf")
-    monkeypatch.setattr(hf, "_available_memory", lambda: 1 << 16)
+    monkeypatch.setattr(hf_folder, "_available_memory", lambda: 1 << 16)
     monkeypatch.setattr(gpt, "build_gpt", lambda *a, **k: pytest.fail("built before the memory check"))
     assert sample.main([str(run), "--tokens", "2"]) == 2
     assert "GiB are available" in capsys.readouterr().err

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch", reason="the Hugging Face tests need torch (
 transformers = pytest.importorskip("transformers", reason="the Hugging Face tests need transformers")
 pytest.importorskip("safetensors.numpy", reason="engine/interop/hf.py needs safetensors")
 
-from ringpipe.engine.interop import hf, hf_llama  # noqa: E402
+from ringpipe.engine.interop import hf, hf_folder, hf_llama  # noqa: E402
 from ringpipe.engine.model.chain import LayerChain  # noqa: E402
 from ringpipe.engine.model.llama import PRESETS, LlamaConfig, llama_layers  # noqa: E402
 
@@ -364,7 +364,7 @@ def test_export_writes_every_config_key_and_hugging_faces_names(tmp_path):
     assert config["dtype"] == config["torch_dtype"] == "float32"
     loaded = transformers.AutoConfig.from_pretrained(out)
     assert (loaded.rms_norm_eps, loaded.tie_word_embeddings, loaded.num_key_value_heads) == (1e-5, False, 2)
-    names = set(hf.__dict__["_safetensors"]("numpy").load_file(os.path.join(out, "model.safetensors")))
+    names = set(hf_folder.__dict__["_safetensors"]("numpy").load_file(os.path.join(out, "model.safetensors")))
     assert names == {theirs for _, theirs in hf_llama.name_map(cfg)}
     assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
             "model.layers.1.self_attn.o_proj.weight", "model.layers.1.mlp.down_proj.weight"} <= names
