@@ -9,15 +9,21 @@ Training trials are real `mpiexec -n 2 python -m ringpipe.train` jobs of a tiny
 float64 GPT (the parameter-server trials: `mpiexec -n 3`, two workers and a dedicated
 server, `--sync ps --ps-servers 1`); the tool trials run `ringpipe prepare` (under `mpiexec -n 2` where
 it matters), `export`, `sample`, `train --init-from` and `finished` the way a
-user would. For each trial the table counts:
+user would. The hostile-value trials give `train`, `sample` and `prepare` absurd numbers,
+`--init-from` model folders with values out of type or range (config.json, a weight,
+tokenizer.json), `report` and `top` a run whose metrics.jsonl or monitor.json holds what no
+run writes, the tools places no file may be written, and Ctrl-C to a streaming `sample`.
+For each trial the table counts:
 
     ended     the job ended within --deadline seconds of the fault (no hang)
     named     its output names the cause (the signal, "disk full", the damaged
-              checkpoint or file, the other run's pid)
+              checkpoint or file, the other run's pid; the flag, key, file or tensor),
+              with no traceback, raw errno line or temp file's name in its place
     kept      nothing valid before the fault was lost: every checkpoint, the run,
-              the dataset (old or new, never a mix), the files beside them
+              the dataset (old or new, never a mix), the files beside them (another
+              exporter's .prom file); a refusal wrote nothing
     truthful  the exit code says what happened (0 only for work done; 2 for a
-              refusal; the signal's or the abort's code for a stop)
+              refusal; the signal's or the abort's code for a stop; 130 for Ctrl-C)
     exact     (training) `--resume auto` then finishes bit-identical (every
               parameter) to an uninterrupted run of the same seed (ps-signal: in
               the modes that keep sync's math, sync and streamed; ssp and async
@@ -59,7 +65,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_
 LONG = 10**6       # steps of a run that is stopped by its fault long before it ends
 SCENARIOS = ("kill", "double-signal", "disk-full", "bad-checkpoint", "concurrent", "ps-signal",
              "prepare-kill", "prepare-interrupt", "prepare-disk-full", "prepare-concurrent",
-             "export-overwrite", "hostile-load", "hostile-markers")
+             "export-overwrite", "hostile-load", "hostile-markers", "hostile-values")
 CHECKS = ("ended", "named", "kept", "truthful", "exact")
 
 
@@ -592,12 +598,17 @@ def prepare_concurrent(rng, folder, reference, deadline):
                 truthful=truthful)
 
 
-def _tiny_run(folder, data):
-    """A 2-step GPT run on `data` with a checkpoint per step (a run to export, sample, damage)."""
-    run = os.path.join(folder, "run")
-    rc, output, _, _ = run_tool("train", "--data", data, "--layers", "1", "--d-model", "16", "--heads", "2",
-                                "--context", "16", "--batch-size", "4", "--steps", "2", "--checkpoint-every", "1",
-                                "--sample-tokens", "0", "--quiet", "--out", run, deadline=300)
+# The shape of the tools' runs: one block, trained in a second or two.
+TINY = ["--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16", "--batch-size", "4",
+        "--sample-tokens", "0", "--quiet"]
+
+
+def _tiny_run(folder, data, *flags, name="run"):
+    """A 2-step GPT run on `data` with a checkpoint per step (a run to export, sample, damage);
+    `flags` (e.g. --model llama) follow the shape's."""
+    run = os.path.join(folder, name)
+    rc, output, _, _ = run_tool("train", "--data", data, *TINY, "--steps", "2", "--checkpoint-every", "1", *flags,
+                                "--out", run, deadline=300)
     if rc != 0:
         raise SystemExit(f"fault_matrix: the run to export failed:\n{output[-3000:]}")
     return run
@@ -662,14 +673,21 @@ def _edit_json(path, edit):
         json.dump(obj, fh)
 
 
-def _int_tensor(model_dir):
-    """Rewrite model.safetensors with one tensor stored as int64."""
+def _rewrite_tensor(model_dir, change):
+    """Rewrite model.safetensors with its first tensor (by name) replaced by change(tensor);
+    returns the tensor's name."""
     from safetensors.numpy import load_file, save_file
     path = os.path.join(model_dir, "model.safetensors")
     tensors = load_file(path)
     name = sorted(tensors)[0]
-    tensors[name] = tensors[name].astype(np.int64)
+    tensors[name] = change(tensors[name])
     save_file(tensors, path)
+    return name
+
+
+def _int_tensor(model_dir):
+    """Rewrite model.safetensors with one tensor stored as int64."""
+    return _rewrite_tensor(model_dir, lambda tensor: tensor.astype(np.int64))
 
 
 HOSTILE = ("init-from: config.json n_layer 10^6", "init-from: config.json n_embd 10^8",
@@ -766,14 +784,258 @@ def hostile_markers(rng, folder, reference, deadline):
     return dict(did=kind, seconds=seconds, ended=ended, named=named, kept=True, truthful=rc in (1, 2))
 
 
+# ---- hostile values: absurd numbers, model folders and files no run writes (issue 34) -------
+# Each case runs one command the way a user would, on a copy of what it needs: a tiny GPT run
+# (sample, export, top, report), a tiny Llama's Hugging Face folder (--init-from) or a small
+# dataset (prepare), each made once per matrix when a case first asks for it. Every case is a
+# refusal (exit 2 on every rank, naming the flag, key, file or tensor, before anything is
+# written, nothing of anyone's changed) but one: Ctrl-C of a sample that streams, which keeps
+# the text printed so far and exits 130. The trials take the cases in turn (from a random one
+# on), so --repeat len(HOSTILE_VALUES) runs each once.
+
+HUGE = "9" * 20                        # the issue's 99999999999999999999, about 10^20
+LONG_INT = "9" * 5000                  # past Python's int() limit of 4,300 digits
+DEEP = "[" * 100_000 + "]" * 100_000   # past the JSON parser's recursion
+# A valid Llama 3 RoPE scaling for the tiny Llama (context 16); each case breaks one number of it.
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8}
+MLP = ["--model", "mlp", "--data", "synthetic", "--layers", "1", "--d-model", "16", "--batch-size", "16",
+       "--quiet"]
+
+
+def _config(**changes):
+    """A change of the folder's config.json; returns the key the refusal must name."""
+    def change(model):
+        _edit_json(os.path.join(model, "config.json"), lambda c: c.update(changes))
+        return next(iter(changes))
+    return change
+
+
+def _rope(**bad):
+    def change(model):
+        _edit_json(os.path.join(model, "config.json"), lambda c: c.update(rope_scaling=dict(LLAMA3, **bad)))
+        return f"rope_scaling.{next(iter(bad))}"
+    return change
+
+
+def _weight(value, dtype):
+    """One value of the folder's first tensor set to `value`, the tensor stored as `dtype`."""
+    def poison(tensor):
+        tensor = tensor.astype(dtype)
+        tensor.flat[0] = value
+        return tensor
+    return lambda model: _rewrite_tensor(model, poison)
+
+
+def _not_a_tokenizer(model):
+    with open(os.path.join(model, "tokenizer.json"), "w") as fh:
+        fh.write('{"model": 5}')
+    return "tokenizer.json"
+
+
+# (what was done, the command, its hostile part, what its refusal must name, ranks)
+HOSTILE_VALUES = [
+    ("train --eval-batches 10^20", "train", ["--eval-batches", HUGE], "--eval-batches", 1),
+    ("train --sample-tokens 10^20", "train", ["--sample-tokens", HUGE], "--sample-tokens", 1),
+    ("train --heads 10^20", "train", ["--heads", HUGE], "--heads", 1),
+    ("mpiexec -n 2 train --pp 0", "train", ["--pp", "0"], "--pp", 2),
+    ("train --weight-decay 1e20", "train", ["--weight-decay", "1e20"], "--weight-decay", 1),
+    ("mpiexec -n 3 train --sync ps --ps-servers 1 --ps-mode ssp:1e20", "train",
+     ["--sync", "ps", "--ps-servers", "1", "--ps-mode", "ssp:1e20"], "--ps-mode", 3),
+    ("mpiexec -n 3 train --sync ps --ps-servers 1 --ps-mode ssp:10^20", "train",
+     ["--sync", "ps", "--ps-servers", "1", "--ps-mode", "ssp:" + HUGE], "--ps-mode", 3),
+    ("train --model mlp --eval-batches 1000 (16,000 examples of a 205-example split)", "mlp",
+     ["--eval-batches", "1000"], "--eval-batches", 1),
+    ("mpiexec -n 2 train --metrics-textfile onto another exporter's .prom file", "textfile", [], "node.prom", 2),
+    ("sample --tokens 10^20", "sample", ["--tokens", HUGE], "--tokens", 1),
+    ("sample --temperature 1e-320", "sample", ["--temperature", "1e-320"], "--temperature", 1),
+    ("sample --tokens 10^6, Ctrl-C once text has streamed", "ctrl-c", [], "interrupted (Ctrl-C)", 1),
+    ("prepare --overwrite --val-every 10^20 onto a dataset", "prepare", ["--val-every", "1" + "0" * 20],
+     "--val-every", 1),
+    ("prepare --overwrite --tokens-per-shard 1 onto a dataset", "prepare", ["--tokens-per-shard", "1"],
+     "--tokens-per-shard", 1),
+    ("init-from: rope_scaling low_freq_factor 0", "init-from", _rope(low_freq_factor=0.0), None, 2),
+    ("init-from: rope_scaling original_max_position_embeddings 0", "init-from",
+     _rope(original_max_position_embeddings=0), None, 2),
+    ("init-from: rope_scaling original_max_position_embeddings 1.5", "init-from",
+     _rope(original_max_position_embeddings=1.5), None, 2),
+    ("init-from: rope_scaling factor NaN", "init-from", _rope(factor=float("nan")), None, 2),
+    ("init-from: layer_types of 1 for 2 layers", "init-from", _config(layer_types=["full_attention"]), None, 2),
+    ('init-from: attention_dropout "x"', "init-from", _config(attention_dropout="x"), None, 2),
+    ("init-from: rope_theta Infinity", "init-from", _config(rope_theta=float("inf")), None, 2),
+    ("init-from: a NaN weight", "init-from", _weight(np.nan, np.float32), None, 2),
+    ("init-from: a float64 weight of 1e39 (past float32)", "init-from", _weight(1e39, np.float64), None, 2),
+    ('init-from: tokenizer.json {"model": 5}', "init-from", _not_a_tokenizer, None, 2),
+    ("report: metrics.jsonl holds a 5,000-digit integer", "report", ("metrics.jsonl", LONG_INT), "metrics.jsonl", 1),
+    ("report: metrics.jsonl nested 10^5 deep", "report", ("metrics.jsonl", DEEP), "metrics.jsonl", 1),
+    ("report: monitor.json holds a 5,000-digit integer", "report", ("monitor.json", LONG_INT), "monitor.json", 1),
+    ("report: monitor.json nested 10^5 deep", "report", ("monitor.json", DEEP), "monitor.json", 1),
+    ("top --once: metrics.jsonl holds a 5,000-digit integer", "top", ("metrics.jsonl", LONG_INT), "damaged line", 1),
+    ("top --once: metrics.jsonl nested 10^5 deep", "top", ("metrics.jsonl", DEEP), "damaged line", 1),
+    ("top --once: monitor.json holds a 5,000-digit integer", "top", ("monitor.json", LONG_INT), "monitor.json", 1),
+    ("top --once: monitor.json nested 10^5 deep", "top", ("monitor.json", DEEP), "monitor.json", 1),
+    ("top --screenshot /missing/x.svg", "screenshot", [], "/missing", 1),
+    ("export --out /proc/self/x", "export", [], "--out /proc/self/x", 1),
+]
+_HOSTILE_BASES: dict = {}
+
+
+def hostile_base(root, name):
+    """What the cases damage a copy of, made once per matrix: "gpt" a 2-step GPT run, "llama" a
+    2-layer Llama's Hugging Face folder (ringpipe export of a 2-step run), "data" a small dataset."""
+    if (root, name) not in _HOSTILE_BASES:
+        base = os.path.join(root, f"hostile-base-{name}")
+        os.makedirs(base, exist_ok=True)
+        rc, output = 0, ""
+        if name == "gpt":
+            made = _tiny_run(base, "synthetic")
+        elif name == "llama":
+            made = os.path.join(base, "model")
+            run = _tiny_run(base, "synthetic", "--model", "llama", "--layers", "2")
+            rc, output, _, _ = run_tool("export", run, "--out", made, deadline=300)
+        else:
+            made = os.path.join(base, "data")
+            rc, output, _, _ = run_tool(*prepare_args(_corpus(root, "A", 4, 8), made), deadline=300)
+        if rc != 0:
+            raise SystemExit(f"fault_matrix: making the hostile cases' {name} failed:\n{output[-3000:]}")
+        _HOSTILE_BASES[(root, name)] = made
+    return _HOSTILE_BASES[(root, name)]
+
+
+def _copy_of(folder, name):
+    """A copy, in the trial's folder, of the matrix's base `name` (hostile_base)."""
+    copy = os.path.join(folder, name)
+    shutil.copytree(hostile_base(os.path.dirname(folder), name), copy, symlinks=True)
+    return copy
+
+
+def _spoil(run, name, value):
+    """A value no run writes in the run's metrics.jsonl (a record appended) or monitor.json (a key added)."""
+    path = os.path.join(run, name)
+    if name == "metrics.jsonl":
+        with open(path, "a") as fh:
+            fh.write('{"step": 3, "loss": %s}\n' % value)
+    else:
+        with open(path) as fh:
+            text = fh.read().rstrip()[:-1]
+        with open(path, "w") as fh:
+            fh.write(text + ', "extra": %s}' % value)
+
+
+def _hostile_command(kind, part, folder):
+    """(argv, paths that must stay as they were, paths that must stay empty or absent, what to
+    name or None) of a case: the input it damages is made and damaged here."""
+    new = os.path.join(folder, "new")
+    if kind in ("train", "mlp", "textfile"):
+        shape = MLP if kind == "mlp" else ["--data", "synthetic", *TINY]
+        precious = []
+        if kind == "textfile":                      # node_exporter's folder, holding another exporter's file
+            precious = [os.path.join(folder, "textfiles")]
+            os.makedirs(precious[0])
+            with open(os.path.join(precious[0], "node.prom"), "w") as fh:
+                fh.write("# HELP node_disk_io_now I/Os in progress.\nnode_disk_io_now{device=\"sda\"} 0\n")
+            part = ["--metrics-textfile", os.path.join(precious[0], "node.prom")]
+        return ["train", *shape, "--steps", "2", *part, "--out", new], precious, [new], None
+    if kind == "prepare":
+        data = _copy_of(folder, "data")
+        corpus = _corpus(os.path.dirname(folder), "A", 4, 8)
+        return list(prepare_args(corpus, data, "--overwrite", *part)), [data, corpus], [], None
+    if kind == "init-from":
+        model = _copy_of(folder, "llama")
+        culprit = part(model)
+        return (["train", "--init-from", f"hf:{model}", "--data", "synthetic", "--steps", "1", "--batch-size", "2",
+                 "--sample-tokens", "0", "--quiet", "--out", new], [model], [new], culprit)
+    run = _copy_of(folder, "gpt")
+    if kind in ("report", "top"):
+        _spoil(run, *part)
+        report = os.path.join(folder, "report.html")
+        args = ["report", run, "--out", report] if kind == "report" else ["top", run, "--once"]
+        return args, [run], [report], None
+    if kind == "screenshot":
+        return ["top", run, "--screenshot", "/missing/x.svg"], [run], ["/missing"], None
+    if kind == "export":
+        return ["export", run, "--out", "/proc/self/x"], [run], [], None
+    return ["sample", run, *part], [run], [], None
+
+
+def _holds_nothing(path):
+    """Absent, or a folder holding no file but a run's run.lock (its claim on the folder, taken first)."""
+    return not os.path.exists(path) or (os.path.isdir(path) and all(
+        name == "run.lock" and d == path for d, _, names in os.walk(path) for name in names))
+
+
+def _told_plainly(output):
+    """No traceback, raw errno line, temp file's name or numpy warning instead of the message."""
+    return not any(s in output for s in ("Traceback", "[Errno", ".tmp-", "RuntimeWarning"))
+
+
+def hostile_values(rng, folder, reference, deadline, trial=None):
+    what, kind, part, culprit, ranks = trial or rng.choice(HOSTILE_VALUES)
+    if kind == "ctrl-c":
+        return _interrupted_sample(what, folder, deadline)
+    args, precious, fresh, damaged = _hostile_command(kind, part, folder)
+    culprit = culprit or damaged
+    if any(os.path.exists(p) for p in fresh):
+        return dict(did=f"skipped: {', '.join(fresh)} exists on this machine", skipped=True)
+    before = _snapshot(precious)
+    rc, output, seconds, ended = run_tool(*args, ranks=ranks, deadline=deadline)
+    kept = _snapshot(precious) == before and all(_holds_nothing(p) for p in fresh)
+    return dict(did=what, seconds=seconds, ended=ended, named=culprit in output and _told_plainly(output),
+                kept=kept, truthful=rc == 2, said=_line_naming(culprit, output))
+
+
+def _line_naming(culprit, output):
+    """The first line of the output that names the culprit (else its last line), for the record."""
+    lines = [line for line in output.splitlines() if line.strip()]
+    return next((line for line in lines if culprit in line), lines[-1] if lines else "")[:400]
+
+
+def _interrupted_sample(what, folder, deadline):
+    """Ctrl-C as a terminal sends it (SIGINT to the foreground process group) to a sample of up
+    to 10^6 tokens once its first 64 bytes of text are out: it must end at once with exit 130,
+    the text printed so far kept (and what it printed before, still valid UTF-8), and say so."""
+    import select
+    run = _copy_of(folder, "gpt")
+    before = _snapshot([run])
+    proc = subprocess.Popen(ringpipe_cmd("sample", run, "--tokens", "1000000"), cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    streamed, until = b"", time.time() + 120
+    while len(streamed) < 64 and time.time() < until and proc.poll() is None:
+        if select.select([proc.stdout], [], [], 0.5)[0]:
+            streamed += os.read(proc.stdout.fileno(), 4096) or b""
+    t0 = time.time()
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+    except ProcessLookupError:                       # it had ended already: the check below says so
+        pass
+    try:
+        rest, err = proc.communicate(timeout=deadline)
+        ended = True
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        rest, err = proc.communicate()
+        ended = False
+    text, said = streamed + rest, err.decode(errors="replace")
+    try:
+        text.decode()
+        whole = True
+    except UnicodeDecodeError:
+        whole = False
+    return dict(did=f"{what} ({len(streamed)} bytes streamed before it, {len(text)} in all)",
+                seconds=time.time() - t0, ended=ended, truthful=proc.returncode == 130,
+                named="interrupted (Ctrl-C) after" in said and _told_plainly(said),
+                said=_line_naming("interrupted (Ctrl-C) after", said),
+                kept=len(streamed) >= 64 and whole and _snapshot([run]) == before)
+
+
 RUNNERS = {"kill": kill, "double-signal": double_signal, "disk-full": disk_full,
            "bad-checkpoint": bad_checkpoint, "concurrent": concurrent, "ps-signal": ps_signal,
            "prepare-kill": prepare_kill, "prepare-interrupt": prepare_interrupt, "prepare-disk-full": prepare_disk_full,
            "prepare-concurrent": prepare_concurrent, "export-overwrite": export_overwrite,
-           "hostile-load": hostile_load, "hostile-markers": hostile_markers}
+           "hostile-load": hostile_load, "hostile-markers": hostile_markers, "hostile-values": hostile_values}
 TRAINING = ("kill", "double-signal", "disk-full", "bad-checkpoint", "concurrent")    # (ps-signal: ps_reference)
 # Scenarios whose trials take a list of cases in turn (from a random one on), not at random.
-CYCLED = {"ps-signal": PS_SIGNAL_TRIALS}
+CYCLED = {"ps-signal": PS_SIGNAL_TRIALS, "hostile-values": HOSTILE_VALUES}
 
 
 # ---- the matrix ---------------------------------------------------------------------------
