@@ -985,9 +985,11 @@ def hostile_values(rng, folder, reference, deadline, trial=None):
 
 
 def _line_naming(culprit, output):
-    """The first line of the output that names the culprit (else its last line), for the record."""
+    """The first error line of the output that names the culprit (else any line naming it, else
+    its last line), for the record: argparse's usage lines name every flag."""
     lines = [line for line in output.splitlines() if line.strip()]
-    return next((line for line in lines if culprit in line), lines[-1] if lines else "")[:400]
+    naming = [line for line in lines if culprit in line]
+    return next((line for line in naming if "error" in line), naming[0] if naming else lines[-1] if lines else "")[:400]
 
 
 def _interrupted_sample(what, folder, deadline):
