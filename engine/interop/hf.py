@@ -194,6 +194,12 @@ def check_checkpoint_shapes(manifest: dict, declared: dict, path: str) -> GPTCon
             params[name[len("param/"):]] = tuple(shape)
     check_gpt_shapes(cfg, params, where, cfg.padded_vocab,
                      lambda ours, shape: (f"param/{ours}", shape))
+    # Every value's range too (the manifest is a file anyone can edit): what the arrays do
+    # not bind, or a value the shapes above happen to agree with.
+    try:
+        cfg.validate()
+    except ValueError as e:                     # ConfigError is one
+        raise HFError(f"{where}: {e}; the manifest was edited: use the checkpoint as it was written") from None
     # The run's own record of its flags and tokenizer, where they name a size: n_head is in no
     # array's shape, so an edited n_head shows only against what the run was started with.
     heads = manifest.get("args", {}).get("heads")

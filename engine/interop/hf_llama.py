@@ -101,8 +101,9 @@ def _check_memory(cfg, where: str) -> None:
     hf_folder.check_memory(count_params(cfg, cfg.padded_vocab), where)
 
 
-def config_from_dict(model_config: dict):
-    """The LlamaConfig of a checkpoint's model_config, checked."""
+def config_from_dict(model_config: dict, where: str = "model_config"):
+    """The LlamaConfig of a checkpoint's model_config, every value checked (LlamaConfig.validate);
+    where: what holds it, for a refusal (the manifest's path)."""
     llama = _llama_module()
     import dataclasses
     expected = {f.name for f in dataclasses.fields(llama.LlamaConfig)}
@@ -110,7 +111,7 @@ def config_from_dict(model_config: dict):
         keys = sorted(model_config) if isinstance(model_config, dict) else type(model_config).__name__
         raise HFError(f"model_config has the keys {keys}, expected {sorted(expected)}: is it a Llama "
                       "checkpoint's model_config?")
-    return _validated(llama.LlamaConfig(**model_config), "model_config")
+    return _validated(llama.LlamaConfig(**model_config), where)
 
 
 def _validated(cfg, where: str):
@@ -237,7 +238,10 @@ def check_checkpoint_shapes(manifest: dict, declared: dict, path: str):
     """hf.check_checkpoint_shapes for a Llama checkpoint: its model_config against the arrays
     its npz declares, before anything is built or read."""
     where = f"the manifest {path}'s model_config"
-    cfg = config_from_dict(manifest["model_config"])
+    try:
+        cfg = config_from_dict(manifest["model_config"], where)
+    except HFError as e:
+        raise HFError(f"{e}; the manifest was edited: use the checkpoint as it was written") from None
     params = {name[len("param/"):]: tuple(shape) for name, (shape, _) in declared.items()
               if name.startswith("param/")}
     if cfg.n_layer != len(hf_folder.layer_indices(params)):

@@ -17,15 +17,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-# Sane maxima: far beyond any published model, far below a size that would cost memory or
-# time before the tensors are found to disagree with it.
-MAX_WIDTH = 2**20           # hidden_size, intermediate_size, head_dim (Llama 3 405B: 16384, 53248)
-MAX_LAYERS = 2**14          # the deepest published models have a few hundred
-MAX_HEADS = 2**14           # Llama 3 405B: 128
-MAX_CONTEXT = 2**24         # positions (Llama 4 Scout: 10M); also a sliding window's tokens
-MAX_VOCAB = 2**32           # token ids are stored as uint32 at most (engine/data/tokenizer.py)
-MAX_ROPE_THETA = 1e12       # Llama 3: 500,000; Qwen2: 1,000,000
-MAX_ROPE_FACTOR = 2.0**16   # Llama 3's scaling: factor 8 to 32, low 1, high 4
+# The sane maxima are the model's own (engine/model/limits.py): far beyond any published
+# model, far below a size that would cost memory or time before the tensors are found to
+# disagree with it. MAX_CONTEXT bounds a sliding window's tokens too.
+from ringpipe.engine.model.limits import (MAX_CONTEXT, MAX_FFN, MAX_HEADS, MAX_LAYERS, MAX_ROPE_FACTOR,
+                                          MAX_ROPE_THETA, MAX_VOCAB, MAX_WIDTH)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +109,7 @@ RULES = {
     # sizes
     "vocab_size": Rule("int", 1, MAX_VOCAB),
     "hidden_size": Rule("int", 1, MAX_WIDTH), "n_embd": Rule("int", 1, MAX_WIDTH),
-    "intermediate_size": Rule("int", 1, MAX_WIDTH), "n_inner": Rule("int", 1, MAX_WIDTH, null=True),
+    "intermediate_size": Rule("int", 1, MAX_FFN), "n_inner": Rule("int", 1, MAX_FFN, null=True),
     "num_hidden_layers": Rule("int", 1, MAX_LAYERS), "n_layer": Rule("int", 1, MAX_LAYERS),
     "num_attention_heads": Rule("int", 1, MAX_HEADS), "n_head": Rule("int", 1, MAX_HEADS),
     "num_key_value_heads": Rule("int", 1, MAX_HEADS, null=True),

@@ -14,6 +14,7 @@ import numpy as np
 
 from ringpipe.engine.job.array_module import to_host
 from ringpipe.engine.job.errors import ConfigError
+from ringpipe.engine.model import limits
 from ringpipe.engine.model.layers import WHOLE, Block
 from ringpipe.engine.model.chain import LayerChain
 from ringpipe.engine.model.recipe import ModelRecipe
@@ -34,9 +35,11 @@ class GPTConfig:
     vocab: int = VOCAB_SIZE
 
     def validate(self):
-        for name in ("n_layer", "d_model", "n_head", "context", "vocab"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"GPT <{name}> must be >= 1, got {getattr(self, name)}")
+        """Check every value, type and range (limits.py: a manifest or a notebook may hold
+        anything), then the shape. Returns self."""
+        for name, high in (("n_layer", limits.MAX_LAYERS), ("d_model", limits.MAX_WIDTH), ("n_head", limits.MAX_HEADS),
+                           ("context", limits.MAX_CONTEXT), ("vocab", limits.MAX_VOCAB)):
+            limits.check_whole(f"GPT <{name}>", getattr(self, name), 1, high)
         if self.d_model % self.n_head:
             raise ConfigError(f"<d_model> {self.d_model} must be divisible by <n_head> {self.n_head} "
                               f"(try <n_head> {_divisor_near(self.d_model, self.n_head)})")

@@ -26,6 +26,7 @@ import numpy as np
 from ringpipe import kernels as K
 from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.model.chain import LayerChain
+from ringpipe.engine.model import limits
 from ringpipe.engine.model.gpt import VOCAB_PAD_MULTIPLE, VOCAB_SIZE, _divisor_near, divisors, generate
 from ringpipe.engine.model.layers import (BF16, WHOLE, Block, Layer, LMHead, attend_cached, causal_attention,
                                           causal_attention_backward, scatter_add_rows)
@@ -53,13 +54,12 @@ class LlamaConfig:
     qkv_bias: bool = False
 
     def validate(self):
-        """Check the shape and fill in the sizes left to their rule (n_kv_head, d_ff,
-        head_dim), so a checkpoint records them explicitly. Returns self."""
+        """Check every value, type and range (limits.py: a checkpoint's manifest or a notebook
+        may hold anything), then the shape; fill in the sizes left to their rule (n_kv_head,
+        d_ff, head_dim), so a checkpoint records them explicitly. Returns self."""
+        _check_values(self)
         self.n_kv_head = self.n_head if self.n_kv_head is None else self.n_kv_head
         self.d_ff = -(-8 * self.d_model // 3 // 32) * 32 if self.d_ff is None else self.d_ff
-        for name in ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "context", "vocab"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"Llama <{name}> must be >= 1, got {getattr(self, name)}")
         if self.head_dim is None:
             if self.d_model % self.n_head:
                 raise ConfigError(f"<d_model> {self.d_model} must be divisible by <heads> {self.n_head} "
@@ -73,8 +73,6 @@ class LlamaConfig:
             raise ConfigError(f"<kv_heads> {self.n_kv_head} does not divide <heads> {self.n_head} (each key/value "
                               f"head serves an equal group of query heads): use <kv_heads> "
                               f"{', '.join(map(str, works))}")
-        if not self.rope_theta > 0 or not self.rms_eps > 0:
-            raise ConfigError(f"<rope_theta> ({self.rope_theta}) and the RMSNorm eps ({self.rms_eps}) must be > 0")
         _check_rope_scaling(self.rope_scaling)
         return self
 
@@ -85,6 +83,23 @@ class LlamaConfig:
 
     def to_dict(self):
         return asdict(self)
+
+
+def _check_values(cfg: LlamaConfig) -> None:
+    """Every value's type and range, before any arithmetic on them: a rope_theta of 1e300 or
+    "abc", an rms_eps of 5 or a qkv_bias of "yes" would otherwise reach the kernels."""
+    for name, high in (("n_layer", limits.MAX_LAYERS), ("d_model", limits.MAX_WIDTH), ("n_head", limits.MAX_HEADS),
+                       ("context", limits.MAX_CONTEXT), ("vocab", limits.MAX_VOCAB)):
+        limits.check_whole(f"Llama <{name}>", getattr(cfg, name), 1, high)
+    limits.check_whole("Llama <n_kv_head>", cfg.n_kv_head, 1, limits.MAX_HEADS, none="as many as <heads>")
+    limits.check_whole("Llama <d_ff>", cfg.d_ff, 1, limits.MAX_FFN, none="8/3 <d_model>, rounded up to 32")
+    limits.check_whole("Llama <head_dim>", cfg.head_dim, 2, limits.MAX_WIDTH, none="<d_model> / <heads>")
+    # The RoPE base and the norm's eps by what the math needs (> 0); the flags and
+    # config.json ask for more (engine/train/ranges.py, engine/interop/hf_values.py).
+    limits.check_number("Llama <rope_theta>", cfg.rope_theta, 0, limits.MAX_ROPE_THETA)
+    limits.check_number("Llama <rms_eps>", cfg.rms_eps, 0, 1, open_high=True)
+    for name in ("tie_embeddings", "qkv_bias"):
+        limits.check_switch(f"Llama <{name}>", getattr(cfg, name))
 
 
 def _check_rope_scaling(scaling) -> None:
@@ -102,8 +117,12 @@ def _check_rope_scaling(scaling) -> None:
         raise ConfigError(f"rope_scaling (llama3) takes exactly {', '.join(ROPE_SCALING_KEYS)}"
                           + (f"; missing {', '.join(missing)}" if missing else "")
                           + (f"; unknown {', '.join(unknown)}" if unknown else ""))
-    if scaling["high_freq_factor"] <= scaling["low_freq_factor"] or scaling["factor"] <= 0:
-        raise ConfigError(f"rope_scaling needs factor > 0 and high_freq_factor > low_freq_factor, got {scaling}")
+    for name in ("factor", "low_freq_factor", "high_freq_factor"):
+        limits.check_number(f"Llama rope_scaling's {name}", scaling[name], 0, limits.MAX_ROPE_FACTOR)
+    limits.check_whole("Llama rope_scaling's original_max_position_embeddings",
+                       scaling["original_max_position_embeddings"], 1, limits.MAX_CONTEXT)
+    if scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
+        raise ConfigError(f"rope_scaling needs high_freq_factor > low_freq_factor, got {scaling}")
 
 
 # Standard shapes, by name (<preset>). The real models' presets hold their vocabulary

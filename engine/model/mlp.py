@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ringpipe.engine.job.errors import ConfigError
+from ringpipe.engine.model import limits
 from ringpipe.engine.model.layers import ClassifierHead, DenseGELU
 from ringpipe.engine.model.recipe import ModelRecipe
 
@@ -16,9 +16,11 @@ class MLPConfig:
     n_classes: int = 10
 
     def validate(self):
-        for name in ("n_in", "hidden", "n_layer", "n_classes"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"MLP <{name}> must be >= 1, got {getattr(self, name)}")
+        """Check every value, type and range (limits.py). The data decides n_in and n_classes:
+        bounded as token ids are, far past any dataset; what fits is check_memory's."""
+        for name, high in (("n_in", limits.MAX_VOCAB), ("hidden", limits.MAX_WIDTH), ("n_layer", limits.MAX_LAYERS),
+                           ("n_classes", limits.MAX_VOCAB)):
+            limits.check_whole(f"MLP <{name}>", getattr(self, name), 1, high)
         return self
 
     def to_dict(self):

@@ -193,6 +193,13 @@ def find_checkpoint(training: Run) -> None:
             raise ConfigError(f"checkpoint {training.resume_path} holds a {training.manifest.get('model')} model, "
                               f"not <model> {training.cfg.model}: pass <model> {training.manifest.get('model')} to "
                               "continue it, or a new <out> to start another run")
+        # The manifest is a file anyone can edit: its model's every value (type and range: the
+        # shape's validate) is checked here, naming the file, before any data is opened.
+        try:
+            training.recipe.shape(**training.manifest["model_config"]).validate()
+        except ConfigError as e:
+            raise ConfigError(f"checkpoint {training.resume_path}'s model_config: {e}; the manifest was edited: "
+                              "resume from the checkpoint as it was written, or from an earlier one") from None
 
 
 def _find_resume(cfg: Config, ckpt_dir: str):

@@ -19,14 +19,12 @@ from dataclasses import dataclass
 
 from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.model.gpt import MAX_NEW_TOKENS
+# The model's shape: the bounds every model config's validate() holds, the same for a flag,
+# a checkpoint and a Hugging Face config.json (MAX_CONTEXT bounds <seq_len> too).
+from ringpipe.engine.model.limits import MAX_CONTEXT, MAX_FFN, MAX_HEADS, MAX_LAYERS, MAX_ROPE_THETA, MAX_WIDTH
 
 MAX_STEPS = 10**9              # a step a millisecond for 11 days; real runs: up to a few million
 MAX_RANKS = 1 << 24            # the largest machines have millions of cores
-MAX_LAYERS = 10_000            # the deepest published transformers have a few hundred blocks
-MAX_WIDTH = 1 << 20            # d_model: the widest real models are 16k-25k
-MAX_HEADS = 1 << 16            # real models: up to 128
-MAX_FFN = 1 << 22              # d_ff: real models up to 73,728 (PaLM)
-MAX_CONTEXT = 1 << 24          # 16M tokens: Llama 4 Scout's context is 10M
 MAX_BATCH = 1 << 24            # sequences or examples in one global batch
 MAX_EVAL_BATCHES = 1_000_000   # a validation pass (nanoGPT: 200 batches; Megatron: 100)
 MAX_SEED = 2**63 - 1           # what an int64 holds (numpy's generators take any whole number >= 0)
@@ -64,8 +62,9 @@ RANGES = {
     "context": Range(1, MAX_CONTEXT, "the longest sequence the model reads, in tokens"),
     "kv_heads": Range(1, MAX_HEADS, "key/value heads, dividing <heads>"),
     "d_ff": Range(1, MAX_FFN, "the SwiGLU intermediate size; real models use 2.5 to 4 x <d_model>"),
-    "rope_theta": Range(1, 1e12, "the rotary base: its powers theta^(-2i/d) must fall from 1 for the frequencies to "
-                                 "span long wavelengths; real models use 10^4 to 10^7", above=True, real=True),
+    "rope_theta": Range(1, MAX_ROPE_THETA, "the rotary base: its powers theta^(-2i/d) must fall from 1 for the "
+                                           "frequencies to span long wavelengths; real models use 10^4 to 10^7",
+                        above=True, real=True),
     # ---- data
     "max_data_mb": Range(0, MAX_DATA_MB, "MiB of a text folder read into memory per rank", above=True, real=True),
     "seq_len": Range(1, MAX_CONTEXT, "tokens in a training sequence, at most the <context>"),

@@ -202,8 +202,9 @@ def test_sample_and_export_check_the_manifest_against_the_npz_first(tmp_path, ca
 
 
 def test_export_hf_checks_the_declared_depth_before_building(no_big_models, tmp_path):
-    with deadline(20), pytest.raises(ValueError, match="n_layer 1000000, but the parameters hold 2 layers"):
-        hf.export_hf(params_of(CONFIG), dict(CONFIG, n_layer=10**6), str(tmp_path / "hf"))
+    # 2^14: the most layers a model may have (engine/model/limits.py refuses more before this check)
+    with deadline(20), pytest.raises(ValueError, match="n_layer 16384, but the parameters hold 2 layers"):
+        hf.export_hf(params_of(CONFIG), dict(CONFIG, n_layer=2**14), str(tmp_path / "hf"))
     assert not os.path.exists(tmp_path / "hf")
 
 

@@ -55,7 +55,7 @@ def test_every_numeric_setting_has_a_range():
     (["--microbatches", "0"], "--microbatches must be >= 1, got 0"),
     (["--pp", HUGE], "--pp must be <= 16,777,216"),
     # shapes and sizes far past anything real
-    (["--layers", "1000000"], "--layers must be <= 10,000"),
+    (["--layers", "1000000"], "--layers must be <= 16,384"),
     (["--d-model", HUGE], "--d-model must be <= 1,048,576"),
     (["--context", HUGE], "--context must be <= 16,777,216"),
     (["--seq-len", HUGE], "--seq-len must be <= 16,777,216"),
