@@ -328,13 +328,31 @@ def check_tokenizer(training: Run) -> None:
         for note in hf.check_init_data(training.cfg.hf_dir, training.init, vocab, data_has_tokenizer=mine is not None):
             training.report.note(note)
     if training.init and training.init[2] and mine:
-        from ringpipe.engine.data.tokenizer import load_tokenizer
-        theirs = load_tokenizer(training.init[2]).identity
+        theirs = _model_tokenizer_identity(training)
         if theirs != mine:
             raise ConfigError(f"the data was prepared with another tokenizer than the model of <init_from> "
                               f"({training.init[2]}; they give different ids: their vocabularies, merges, normalizers, "
                               "pre-tokenizers or special tokens differ): prepare it with "
                               f"`ringpipe prepare ... --tokenizer {training.init[2]}`")
+
+
+def _model_tokenizer_identity(training: Run) -> str:
+    """The identity of the tokenizer.json of the model of <init_from>, read to compare the data's
+    tokenizer with it. Where it cannot be read (the `tokenizers` library is not installed, the
+    file is damaged), a ConfigError that says what to do, not the reader's ValueError."""
+    from ringpipe.engine.data.tokenizer import CHOOSE_ANOTHER, load_tokenizer
+    path = training.init[2]
+    try:
+        return load_tokenizer(path).identity
+    except ValueError as e:
+        problem = str(e).removesuffix(f"; {CHOOSE_ANOTHER}")     # that advice is --tokenizer's, not this file's
+    if importlib.util.find_spec("tokenizers") is None:
+        raise ConfigError(f"install the Hugging Face tokenizers library (pip install 'tokenizers>=0.19', or pip "
+                          f"install -e '.[data]'): the data has a tokenizer of its own, and checking that it is the "
+                          f"tokenizer of the model of <init_from> ({path}) needs the library to read that file")
+    raise ConfigError(f"the tokenizer of the model of <init_from> ({path}) cannot be read, so the data's cannot be "
+                      f"checked against it: {problem}; replace it with the tokenizer.json the model was published "
+                      "with")
 
 
 def _saved_tokenizer(training: Run, saved: dict):
