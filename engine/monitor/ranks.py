@@ -104,12 +104,15 @@ class RankMonitor:
     """One per rank; collective where it says so (every rank calls it at the same steps)."""
 
     def __init__(self, world, *, out_dir: str, interval, ratio: float, intervals: int, coords: dict,
-                 header: dict, say=None, gpu_index: int | None = None):
+                 header: dict, say=None, note=None, gpu_index: int | None = None):
         """Collective. interval: steps between gathers, "auto", or 0 (no gathers: off).
         coords: this rank's {"dp", "pp", "tp"} indices. header: monitor.json's fields the
-        trainer knows (steps, start_step, model, unit, items_per_step, ...)."""
+        trainer knows (steps, start_step, model, unit, items_per_step, ...). say(text): a fact
+        (the interval chosen: Reporter.say, silent under quiet); note(text): a warning (a
+        straggler named, or no longer one: Reporter.note, printed quiet or not)."""
         self.world, self.rank, self.size = world, world.Get_rank(), world.Get_size()
-        self.out_dir, self.say = out_dir, say or (lambda text: None)
+        self.out_dir = out_dir
+        self.say, self.note = say or (lambda text: None), note or (lambda text: None)
         self.enabled = interval != 0
         self.interval = None if interval == "auto" else int(interval)
         self.agree_at = header["start_step"] + 2 if interval == "auto" else None
@@ -191,9 +194,9 @@ class RankMonitor:
             rows.append(row)
         named, new, gone = self.stragglers.update(rows)
         for entry in new:
-            self.say(describe_straggler(entry, steps))
+            self.note(describe_straggler(entry, steps))
         for r, what in gone:
-            self.say(f"straggler no more: rank {r} on node {self.nodes[r]} ({what} back within "
+            self.note(f"straggler no more: rank {r} on node {self.nodes[r]} ({what} back within "
                      f"{self.stragglers.ratio:g}x the median)")
         record.update(interval_steps=steps, ranks=rows, stragglers=named)
 

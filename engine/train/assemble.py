@@ -587,7 +587,8 @@ def start_monitoring(training: Run, cleanup) -> None:
         gpu = int(training.xp.cuda.Device().id)
     training.monitor = agree(world, lambda: RankMonitor(
         world, out_dir=cfg.out_dir, interval=cfg.monitor_every, ratio=cfg.straggler_ratio,
-        intervals=cfg.straggler_intervals, coords=coords, header=header, say=report.say, gpu_index=gpu),
+        intervals=cfg.straggler_intervals, coords=coords, header=header, say=report.say, note=report.note,
+        gpu_index=gpu),
         "the monitor header (OUT/monitor.json)")
 
     def sinks_on_rank0():                 # the sinks stay on rank 0: only their verdict is shared
