@@ -81,27 +81,33 @@ def read_header(run_dir: str) -> dict | None:
     return header
 
 
-def _parse_lines(data: bytes, path: str, first_line: int = 1, skipped: list | None = None) -> list[dict]:
+def _parse_lines(data: bytes, path: str, skipped: list | None = None, offset: int | None = None) -> list[dict]:
     """The records of whole lines. A line that is not a step record raises ReadError, or, with
-    `skipped` (a list), is left out and its line number appended there."""
+    `skipped` (a list), is left out and the ReadError's message appended there instead.
+    offset: where `data` starts in the file when it is a tail cut after a line's end; its
+    lines are then named by the byte they start at, since their numbers are not known."""
     records = []
     lines = data.split(b"\n")
+    at = offset
     # The last piece is "" after a final newline, or a line still being written: left out.
-    for number, line in enumerate(lines[:-1], start=first_line):
+    for number, line in enumerate(lines[:-1], start=1):
+        where = f"{path} line {number}" if offset is None else f"{path}: the line at byte {at:,}"
+        if offset is not None:
+            at += len(line) + 1
         if not line.strip():
             continue
         try:
-            record, why = parse(line, f"{path} line {number}"), None
+            record, why = parse(line, where), None
         except UnreadableFile as e:
             record, why = None, str(e)
         step = record.get("step") if isinstance(record, dict) else None
         if type(step) is not int or step < 0:           # bool is an int to Python: refused too
+            problem = (f"{why}: it is not a metrics log ringpipe wrote, or it was damaged" if why else
+                       f"{where} is not a step record (no whole number \"step\" >= 0)")
             if skipped is not None:
-                skipped.append(number)
+                skipped.append(problem)
                 continue
-            if why:
-                raise ReadError(f"{why}: it is not a metrics log ringpipe wrote, or it was damaged")
-            raise ReadError(f"{path} line {number} is not a step record (no whole number \"step\" >= 0)")
+            raise ReadError(problem)
         records.append(record)
     return records
 
@@ -146,7 +152,7 @@ def tail_records(run_dir: str, max_bytes: int = TAIL_BYTES, skipped: list | None
             return _parse_lines(data, path, skipped=skipped)
         cut = data.find(b"\n")             # the first piece is the end of a line cut in two
         if cut >= 0 and data.find(b"\n", cut + 1) >= 0:         # a whole line after it
-            return _parse_lines(data[cut + 1:], path, first_line=0, skipped=skipped)   # 0: counted from the cut
+            return _parse_lines(data[cut + 1:], path, skipped=skipped, offset=start + cut + 1)
         if window >= limit:
             raise ReadError(f"{path}: its newest record is longer than {limit:,} bytes, more than this live view "
                             "reads back; it is not a record ringpipe writes now (`ringpipe report` reads the "

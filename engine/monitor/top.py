@@ -231,8 +231,9 @@ def load_view(run_dir: str, now: float | None = None) -> View:
         return view
     if damaged:
         # The good records around them still show; the report (which reads every line) refuses.
-        view.error = (f"{len(damaged)} damaged line(s) in the log's tail skipped (not step records); the "
-                      "other records are shown")
+        # Why the first was skipped, as the report says it (the file, the line, the fault).
+        view.error = _text(f"{len(damaged)} damaged line(s) in the log's tail skipped, the other records are "
+                           f"shown; the first: {damaged[0]}", 2000)
     if header:
         view.facts.append(f"model {_text(header.get('model', '?'))}")
         view.facts.append(_layout(header))
