@@ -15,12 +15,15 @@ One module per concern:
     collectives.py  the public allreduce / reduce_scatter / allgather: buffer
                     handling, layout check and validation, algorithm choice
                     (set_crossover); allreduce_on_context, the entry point for
-                    callers with their own private context (GradBuckets)
+                    callers with their own private context (GradBuckets); the
+                    hierarchical all-reduce's three steps (allreduce_hierarchical)
     ring.py         the ring algorithm: chunk_bounds, its schedule and hot loop
                     (set_subchunk_bytes)
     small.py        recursive doubling, the latency-optimal all-reduce
-    hierarchical.py the all-reduce by node: reduce-scatter inside, across, all-gather
-                    inside (the network carries 2(N-1)/N, not 2(p-1)/p, bytes per byte)
+    hierarchical.py the all-reduce by node (reduce-scatter inside, across, all-gather
+                    inside: the network carries 2(N-1)/N, not 2(p-1)/p, bytes per byte):
+                    the nodes and the communicators it runs on (Hierarchy); the steps
+                    run in collectives.py, over those communicators
     layout.py       what the ranks compare before a call: the layout record,
                     its codes and legend, and validation
     fingerprint.py  the layout fingerprints in the message tags
