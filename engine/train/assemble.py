@@ -144,9 +144,10 @@ def own_run_directory(training: Run, cleanup) -> None:
         if cfg.trace:
             make_writable_dir("trace", cfg.trace)
 
-    agree(training.world, make_output_dirs, "output directory")
-    # Rank 0 writes the Prometheus text file: its verdict (never replace another's file) for all.
+    # Rank 0 writes the Prometheus text file: its verdict (never replace another's file) for all,
+    # before --out is made, so a refused run leaves no folder behind.
     agree_on_rank0(training.world, lambda: check_textfile(cfg.metrics_textfile, cfg.out_dir), "metrics text file")
+    agree(training.world, make_output_dirs, "output directory")
     run_dir = rundir.RunDir(cfg.out_dir)
     if training.world.Get_rank() == 0:
         cleanup.callback(run_dir.unlock)
