@@ -423,6 +423,8 @@ def _rope_from_hf(c: _Config, context: int) -> tuple:
         if name in params:
             hf_folder.checked(c.where, f"{key}.{name}", params[name])
     theta = params.get("rope_theta", c.get("rope_theta", 10000.0))      # the top level's is checked either way
+    # Checked whatever the RoPE, though only llama3 scaling reads it.
+    top = c.get("original_max_position_embeddings") if "original_max_position_embeddings" in c.config else None
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         c.unsupported(f"{key}.partial_rotary_factor", "ringpipe's RoPE rotates every dimension of a head",
                       "partial_rotary_factor 1.0, or none", params["partial_rotary_factor"])
@@ -436,7 +438,6 @@ def _rope_from_hf(c: _Config, context: int) -> tuple:
     scaling = {name: params.get(name, hf_values.MISSING) for name in _LLAMA3_FIELDS}
     if scaling["original_max_position_embeddings"] is hf_values.MISSING:
         scaling["original_max_position_embeddings"] = context       # transformers' default
-    top = c.get("original_max_position_embeddings") if "original_max_position_embeddings" in c.config else None
     if top is not None and top != scaling["original_max_position_embeddings"]:
         # transformers 5 takes the top level's, 4 the one in the RoPE object: the two must agree.
         c.invalid("original_max_position_embeddings", f"{key}.original_max_position_embeddings "

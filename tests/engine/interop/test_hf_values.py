@@ -68,6 +68,10 @@ LLAMA_INVALID = {
                                  "rope_scaling.original_max_position_embeddings"),
     "original contexts disagree": (dict(scaled(), original_max_position_embeddings=16),
                                    "original_max_position_embeddings"),
+    # at the top level beside the default RoPE, which does not read it: checked all the same
+    "top-level original context 0": (dict(original_max_position_embeddings=0), "original_max_position_embeddings"),
+    "top-level float original context": (dict(original_max_position_embeddings=1.5),
+                                         "original_max_position_embeddings"),
     "rope_scaling a string": (dict(rope_scaling="llama3"), "rope_scaling"),
     "rope_type a number": (scaled(rope_type=3), "rope_scaling.rope_type"),
     "rope_theta Infinity": (dict(rope_theta=INF), "rope_theta"),
