@@ -195,7 +195,8 @@ def test_train_job_matches_mpiexec(slurm, tmp_path):
 
 def test_usr1_checkpoints_requeues_and_matches_uninterrupted(slurm, tmp_path):
     steps = 300                       # a few seconds: the signal must land before the end
-    args = TINY[:-6] + ["--steps", str(steps), "--dtype", "float64", "--sample-tokens", "0", "--quiet"]
+    # Not --quiet: the job's log must say "resumed from" (a fact, which quiet leaves out).
+    args = TINY[:-6] + ["--steps", str(steps), "--dtype", "float64", "--sample-tokens", "0"]
     ref = mpiexec_reference(str(tmp_path / "ref"), args)
     finish(ref)                       # first, so the two runs do not share the 2 cores
     run = tmp_path / "run"
