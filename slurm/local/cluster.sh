@@ -196,7 +196,7 @@ queued_jobs() {
 }
 
 cmd_down() {
-    local force=${1:-} caller me others jobs
+    local force=${1:-} caller
     case "$force" in ""|--force) ;; *) die "unknown option '$force' for down (none, or --force)" 2;; esac
     # Not ours alone: nothing in it is read, signalled or removed (exit 2).
     private_dir "cluster state folder" "$DIR" check
@@ -205,27 +205,9 @@ cmd_down() {
         return 0
     fi
     caller=$(rp_caller_pid)
-    rp_holders_init "$DIR"
-    me=$(rp_describe "$caller")
     # Also the hold of the stop.sh that runs this (RP_SLURM_STOP_PID): rp_release says why.
-    if rp_release "$caller" $$ ${RP_SLURM_STOP_PID:-}; then
-        log "$me lets go of its hold on $DIR"
-    else
-        log "$me had no hold on $DIR to let go (\`up\` was run from another process)"
-    fi
-    others=$(rp_holders_but "$caller" $$ ${RP_SLURM_STOP_PID:-})
-    jobs=$(queued_jobs)
-    if [ -n "$force" ]; then
-        [ -z "$others$jobs" ] || log "--force: taking it down${others:+ although $others still hold it}${jobs:+, with jobs $jobs}"
-    elif [ -n "$others" ]; then
-        log "left up: $DIR is still held by $others; nothing cancelled. Each holder's own \`down\` lets go, the" \
-            "last one takes it down (down --force takes it down now, with every job)"
-        return 0
-    elif [ -n "${jobs// /}" ]; then
-        log "left up: no one else holds $DIR, but jobs $jobs are in its queue (squeue); nothing cancelled. Let" \
-            "them finish or scancel them, then \`down\` again (down --force takes it down with them)"
-        return 0
-    fi
+    rp_let_go "$DIR" "$caller" $$ ${RP_SLURM_STOP_PID:-}
+    rp_may_stop "$DIR" "$force" "$(queued_jobs)" "\`down\`" "left up" || return 0
     cluster_stop
     rm -rf "$DIR"
     log "down"

@@ -134,3 +134,42 @@ rp_holders_but() {
     done
     echo "$out"
 }
+
+# rp_let_go DIR CALLER PID...: CALLER's hold on DIR let go (and these PIDs'), said with log;
+# RP_OTHERS: the live holders left, described.
+rp_let_go() {
+    local dir=$1 caller=$2 me
+    shift 2
+    rp_holders_init "$dir"
+    me=$(rp_describe "$caller")
+    if rp_release "$caller" "$@"; then
+        log "$me lets go of its hold on $dir"
+    else
+        log "$me had no hold on $dir to let go (it was started from another process)"
+    fi
+    RP_OTHERS=$(rp_holders_but "$caller" "$@")
+}
+
+# rp_may_stop DIR FORCE JOBS CMD LEFT: status 0 when the cluster of DIR may stop now (no
+# other live holder, RP_OTHERS, and an empty queue, JOBS; or FORCE), else 1 after saying what
+# is left and why. CMD names the stop command in the messages (stop.sh, `down`), LEFT what
+# it leaves ("left running"). A job is cancelled only with FORCE.
+rp_may_stop() {
+    local dir=$1 force=$2 jobs=$3 cmd=$4 left=$5
+    if [ -n "$force" ]; then
+        [ -z "$RP_OTHERS${jobs// /}" ] ||
+            log "--force: stopping it${RP_OTHERS:+ although $RP_OTHERS still hold it}${jobs:+, cancelling jobs $jobs}"
+        return 0
+    fi
+    if [ -n "$RP_OTHERS" ]; then
+        log "$left: $dir is still held by $RP_OTHERS; nothing cancelled. Each holder's own $cmd lets go," \
+            "the last one stops it ($cmd --force stops it now, cancelling every job)"
+        return 1
+    fi
+    if [ -n "${jobs// /}" ]; then
+        log "$left: no one else holds $dir, but jobs $jobs are in its queue (squeue); nothing cancelled." \
+            "Let them finish or scancel them, then $cmd again ($cmd --force cancels them and stops it)"
+        return 1
+    fi
+    return 0
+}

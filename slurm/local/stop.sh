@@ -85,32 +85,10 @@ pid_of() {  # pid_of NAME PIDFILE -> the PID if that file names a live NAME star
 # let_go: release this caller's hold; status 1 (after saying what is left running and why)
 # when the cluster must keep running: another live holder, or jobs in its queue, and no --force.
 let_go() {
-    local me others
-    rp_holders_init "$DIR"
-    me=$(rp_describe "$CALLER")
-    if rp_release "$CALLER" $$; then
-        log "$me lets go of its hold on $DIR"
-    else
-        log "$me had no hold on $DIR to let go (start.sh was run from another process)"
-    fi
-    others=$(rp_holders_but "$CALLER" $$)
+    rp_let_go "$DIR" "$CALLER" $$
     # Nothing of it runs (it died): nothing to leave running for anyone; what it left is cleared.
     [ -n "$ctld$slurmd_pid$munge" ] || return 0
-    if [ -n "$FORCE" ]; then
-        log "--force: stopping it${others:+ although $others still hold it}${jobs:+, cancelling jobs $jobs}"
-        return 0
-    fi
-    if [ -n "$others" ]; then
-        log "left running: $DIR is still held by $others; nothing cancelled. Each holder's own stop.sh" \
-            "lets go, the last one stops it (stop.sh --force stops it now, cancelling every job)"
-        return 1
-    fi
-    if [ -n "${jobs// /}" ]; then
-        log "left running: no one else holds $DIR, but jobs $jobs are in its queue (squeue); nothing" \
-            "cancelled. Let them finish or scancel them, then stop.sh again (--force cancels them and stops it)"
-        return 1
-    fi
-    return 0
+    rp_may_stop "$DIR" "$FORCE" "$jobs" stop.sh "left running"
 }
 
 stop_pids() {  # stop_pids LABEL PID...: TERM all, wait (STOP_WAIT tenths, default 100), KILL the rest, wait

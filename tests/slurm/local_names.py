@@ -1,11 +1,13 @@
 """The names slurm/local/*.sh derive per user (folders, port, network namespaces), read
-from slurm/local/names.sh itself: the scripts and the tests share one rule."""
+from slurm/local/names.sh itself: the scripts and the tests share one rule. Also how the
+tests run those scripts (script) and see whether a daemon they started still runs (running)."""
 import os
 import subprocess
 
 from tests.support import ROOT
 
-NAMES_SH = os.path.join(ROOT, "slurm", "local", "names.sh")
+LOCAL = os.path.join(ROOT, "slurm", "local")
+NAMES_SH = os.path.join(LOCAL, "names.sh")
 
 
 def local_names(env=None) -> dict:
@@ -19,3 +21,18 @@ def own_prefix(kind: str) -> str:
     """A namespace prefix of this test process's own (`rp` + kind + pid, at most 12 characters):
     emulated nodes a test brings up never meet a user's (rpUID-*) nor another test run's."""
     return f"rp{kind}{os.getpid()}"[:12]
+
+
+def script(name, env, *args, timeout=120, wrapper=()):
+    """Run slurm/local/<name> under env (`wrapper`: a launcher before bash, e.g. timeout)."""
+    return subprocess.run([*wrapper, "bash", os.path.join(LOCAL, name), *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def running(pid) -> bool:
+    """Is process `pid` alive (not a zombie)?"""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False

@@ -19,29 +19,15 @@ import time
 
 import pytest
 
-from tests.support import free_port_pair, ROOT
-from tests.slurm.local_names import own_prefix
+from tests.support import free_port_pair
+from tests.slurm.local_names import LOCAL, own_prefix, running, script
 
-LOCAL = os.path.join(ROOT, "slurm", "local")
 # cluster.sh down takes down every namespace of its prefix: one of this test run's own.
 PREFIX = own_prefix("a")
 NS = f"/run/netns/{PREFIX}"
 ENV = dict(os.environ, RINGPIPE_SLURM_NO_INSTALL="1", RINGPIPE_NETNS_PREFIX=PREFIX)
 ENV.pop("SLURM_CONF", None)
 IS_ROOT = os.geteuid() == 0
-
-
-def script(name, env, *args, timeout=120):
-    return subprocess.run(["bash", os.path.join(LOCAL, name), *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def running(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 @pytest.fixture

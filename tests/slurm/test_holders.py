@@ -26,10 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import free_port_pair, ROOT
-from tests.slurm.local_names import own_prefix
+from tests.support import free_port_pair
+from tests.slurm.local_names import LOCAL, own_prefix, running, script
 
-LOCAL = os.path.join(ROOT, "slurm", "local")
 # Never a user's own cluster: every test names its folder; cluster.sh gets a prefix of this run's own.
 ENV = dict(os.environ, RINGPIPE_SLURM_NO_INSTALL="1", RINGPIPE_NETNS_PREFIX=own_prefix("h"))
 for _var in ("SLURM_CONF", "RINGPIPE_SLURM_HOLDER_PID"):
@@ -43,19 +42,6 @@ CLIENTS = {
     "scancel": '#!/bin/sh\necho "scancel $*" >>"$FAKE_LOG"\n: >"$FAKE_QUEUE"\n',
     "sbatch": "#!/bin/sh\nexit 0\n", "srun": "#!/bin/sh\nexit 0\n", "scontrol": "#!/bin/sh\nexit 0\n",
 }
-
-
-def script(name, env, *args, timeout=60, wrapper=()):
-    return subprocess.run([*wrapper, "bash", os.path.join(LOCAL, name), *args], env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def running(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def stopped(proc):
