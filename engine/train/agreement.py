@@ -3,6 +3,7 @@ engine/job/agreement.py: one configuration, and a batch every rank may use.
 
     check_same_config(cfg, world)       # MPMD launches with other flags
     agree_batch(world, error)           # a batch some rank could not read (or holds a bad id): all stop
+    stop_requested(training)            # a stop signal any rank (or dedicated server) got: all stop
 """
 from __future__ import annotations
 
@@ -25,6 +26,17 @@ def check_same_config(cfg, world) -> None:
     if diffs:
         raise ConfigError("the ranks were launched with different arguments; every rank must get the same "
                           "command line:\n  " + "\n  ".join(diffs[:10]))
+
+
+def stop_requested(training) -> bool:
+    """Collective: True on every rank when any rank got a stop signal (StopFlag.should_stop,
+    one 16-byte all-reduce), a dedicated parameter server's included (told to the first
+    worker: ServerLink.servers_signal, counted as the first worker's own). A failure a rank
+    reported (StopFlag.fail) raises lifecycle.StopError, the same on every rank: the caller
+    says what it means there (the step loop, validation)."""
+    if training.servers is not None:
+        training.stop.heard(training.servers.servers_signal())
+    return training.stop.should_stop(training.world)
 
 
 # ---- a batch every rank may use -------------------------------------------------------

@@ -24,7 +24,7 @@ from ringpipe import comm
 from ringpipe.engine.job import lifecycle
 from ringpipe.engine.job.errors import JobFailure
 from ringpipe.engine.model.layers import ClassifierHead
-from ringpipe.engine.train.agreement import agree_batch
+from ringpipe.engine.train.agreement import agree_batch, stop_requested
 from ringpipe.engine.train.assemble import Run
 from ringpipe.engine.train.config import validation_pass
 
@@ -37,14 +37,10 @@ def sum_over_ranks(training: Run, local: float) -> float:
 
 
 def stop_agreed(training: Run) -> bool:
-    """Collective: True on every rank when any rank got a stop signal (the step loop's
-    StopFlag.should_stop, one 16-byte all-reduce), a dedicated parameter server's included
-    (told to the first worker, as at a step boundary); a failure another rank reported to
-    it ends the job as the step boundary would."""
-    if training.servers is not None:
-        training.stop.heard(training.servers.servers_signal())
+    """stop_requested (the step loop's collective stop check) inside a validation pass; a
+    failure another rank reported ends the job as the step boundary would."""
     try:
-        return training.stop.should_stop(training.world)
+        return stop_requested(training)
     except lifecycle.StopError as e:
         raise JobFailure(str(e)) from None
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from ringpipe import kernels as K
 from ringpipe.engine.job import checkpoint, lifecycle, rundir
-from ringpipe.engine.train.agreement import BadBatch, agree_batch, batch_error, batch_problem
+from ringpipe.engine.train.agreement import BadBatch, agree_batch, batch_error, batch_problem, stop_requested
 from ringpipe.engine.train.assemble import Run, assemble
 from ringpipe.engine.train import memory
 from ringpipe.engine.monitor import jobstats
@@ -375,13 +375,10 @@ def next_batch_problem(training: Run, batches: Prefetcher, done: int):
 def agree_to_stop(training: Run, problem=None) -> bool:
     """A collective every step: all ranks see the same answer, so none is left behind.
     `problem`: this rank's with the next batch (next_batch_problem), raised as
-    BadBatch on every rank when any rank has one. With dedicated parameter servers, a
-    signal a server got (told to the first worker: ServerLink.servers_signal) counts as
-    the first worker's own."""
-    if training.servers is not None:
-        training.stop.heard(training.servers.servers_signal())
+    BadBatch on every rank when any rank has one. A signal a dedicated parameter server
+    got counts too (stop_requested)."""
     try:
-        return training.stop.should_stop(training.world)
+        return stop_requested(training)
     except lifecycle.StopError as e:
         # Every rank holds the same StopError (the first failing rank's message), so
         # all take the same branch here, and the gather below is collective.
