@@ -381,9 +381,11 @@ def test_engine_trains_on_emulated_gpu_like_on_cpu(tmp_path, precision):
     # through kernels.cuda.register) on the emulation: same losses as the CPU run.
     # bf16: the tensor-core GEMM against the CPU's emulated bf16 rounding.
     _need_gxx()
+    # --monitor-every 0: the monitor's start-up GEMM peak (four 768^3 GEMMs, engine/monitor/probes.py)
+    # took 47 of the bf16 run's 58 s on the emulation (one OS thread per CUDA thread).
     args = ["--steps", "3", "--layers", "1", "--d-model", "32", "--heads", "2", "--context", "16",
             "--batch-size", "2", "--eval-every", "3", "--eval-batches", "1", "--sample-tokens", "0", "--overwrite",
-            "--quiet", "--precision", precision]
+            "--quiet", "--precision", precision, "--monitor-every", "0"]
     cpu = _run([sys.executable, "-m", "ringpipe.train", "--device", "cpu", *args, "--out", str(tmp_path / "cpu")])
     if cpu.returncode != 0 and "--device" in cpu.stderr:
         pytest.skip("ringpipe train has no --device option")
@@ -416,7 +418,7 @@ def test_engine_on_emulated_gpu_with_two_ranks_equals_one_cpu_process(tmp_path, 
         pytest.skip("no mpiexec next to this python")
     args = ["--steps", "3", "--layers", "2", "--d-model", "32", "--heads", "2", "--context", "16",
             "--batch-size", "4", "--eval-every", "3", "--eval-batches", "1", "--sample-tokens", "0", "--overwrite",
-            "--quiet", "--dtype", "float64"]
+            "--quiet", "--dtype", "float64", "--monitor-every", "0"]      # no GEMM peak: see above
     cpu = _run([sys.executable, "-m", "ringpipe.train", "--device", "cpu", *args, "--out", str(tmp_path / "cpu")])
     assert cpu.returncode == 0, cpu.stderr[-3000:]
     with tempfile.TemporaryDirectory() as tmp:
