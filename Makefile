@@ -48,8 +48,9 @@ venv: $(VENV)/.installed
 
 # The test tools on top of the training environment.
 $(VENV)/.installed-test: $(VENV)/.installed setup.py
-	@echo "adding the test tools to $(VENV): pytest, ruff, torch (CPU) + transformers, tokenizers, pyarrow," \
-	      "safetensors, matplotlib (about 1.4 GB more installed) ..."
+	@echo "adding the test tools to $(VENV): pytest, ruff, torch + transformers, tokenizers, pyarrow," \
+	      "safetensors, matplotlib (about 1.4 GB more installed with torch's CPU build; where pip takes torch" \
+	      "from PyPI itself, its Linux wheel is the CUDA build, several GB: see docs/testing.md) ..."
 	$(PY) -m pip install -e '.[$(TEST_EXTRAS)]'
 	touch $@
 
