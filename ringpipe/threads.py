@@ -19,8 +19,28 @@ never changed (OMP_NUM_THREADS alone, the general knob, also stands for the
 library variables left unset), nor is a Numba thread count set at run time.
 "The cores this process may use" are its CPU affinity (taskset, Slurm's cpusets)
 and its cgroup's CPU quota (cgroup v2 cpu.max, v1 cpu.cfs_quota_us), not
-os.cpu_count(). When the ranks and threads add up to more than those cores, one
-warning says what to set.
+os.cpu_count(), less the cores other programs keep busy: a shared node (a login
+node, a neighbour's job, more ranks than cores) is the normal case on a cluster.
+The node's load is what the kernel says runs right now (/proc/loadavg's count of
+runnable threads, the median of a few readings over ~15 ms, less this job's own
+ranks); RINGPIPE_NODE_LOAD=ignore trusts the cores to be this job's alone (a
+dedicated node: no readings), a number says how many other threads to count on.
+Reported (issue 35): one process at 2 threads on a busy 2-core node ran 40 steps in
+72.5 s, and in 7.3 s with 1 thread: the threads of one GEMM wait for each other while
+the neighbours hold the cores.
+
+When the node's threads outnumber its cores, waiting must not spin: besides
+OMP_WAIT_POLICY=PASSIVE (oneDNN's OpenMP, Numba's omp layer), ringpipe then sets
+
+    OPENBLAS_THREAD_TIMEOUT=4                     OpenBLAS's idle threads sleep at once
+                                                  (its default spins 2^28 cycles)
+    MPIR_CVAR_CH4_PROGRESS_THROTTLE=1 and         MPICH's progress loop sleeps (usleep) after
+    MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT=16   16 polls that found nothing
+    OMPI_MCA_mpi_yield_when_idle=1                Open MPI yields while it waits
+
+which MPI_Init and the libraries read when they load. When the ranks and threads
+add up to more than the cores, one warning says what to set; when ringpipe chose
+fewer threads for a busy node, the start-up line says so.
 
 Standard library only: it runs before numpy is imported. kernels/ and engine/
 both use it (kernels/ must not import engine/).
@@ -29,11 +49,21 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import sys
+import time
 
 # The thread counts of the compute libraries, in the order a reader looks for them.
 COMPUTE_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 TOKENIZER_VARIABLE = "RAYON_NUM_THREADS"
+# How the node's load is found: auto (read it), ignore (the cores are this job's), or a count.
+LOAD_VARIABLE = "RINGPIPE_NODE_LOAD"
+LOAD_SAMPLES, LOAD_GAP_S = 8, 0.002
+# Waiting that yields the core, set where the node's threads outnumber its cores (see above).
+YIELDING_WAITS = {"OPENBLAS_THREAD_TIMEOUT": "4",
+                  "MPIR_CVAR_CH4_PROGRESS_THROTTLE": "1",
+                  "MPIR_CVAR_CH4_PROGRESS_THROTTLE_NO_PROGRESS_COUNT": "16",
+                  "OMPI_MCA_mpi_yield_when_idle": "1"}
 # Which variables ringpipe itself set, and to what: a process started from a ringpipe process
 # (mpiexec from a test or a benchmark) inherits them, and must make its own split, not take
 # its parent's defaults for the user's choice. A value the user changed since no longer matches.
@@ -162,6 +192,70 @@ def available_cores(cgroup_root="/sys/fs/cgroup", self_cgroup=None, affinity=Non
     return cores, why
 
 
+# ---- the node's load ----------------------------------------------------------------------------
+
+def running_threads(path="/proc/loadavg"):
+    """Runnable threads on this machine right now, the reader included (the fourth field of
+    /proc/loadavg, "RUNNING/TOTAL"), or None where there is no such file."""
+    words = _read_numbers(path)
+    try:
+        return int(words[3].split("/")[0])
+    except (TypeError, IndexError, ValueError):
+        return None
+
+
+def _load_setting(environ):
+    """("auto" | "ignore" | a count, None) or (None, what is wrong with RINGPIPE_NODE_LOAD)."""
+    text = environ.get(LOAD_VARIABLE, "auto").strip().lower() or "auto"
+    if text in ("auto", "ignore"):
+        return text, None
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if 0 <= n <= 1_000_000:
+        return n, None
+    return None, (f"{LOAD_VARIABLE}={environ[LOAD_VARIABLE]!r} is not auto, ignore or a count of other "
+                  "programs' runnable threads (0 to 1000000); unset it to have ringpipe read the node's load")
+
+
+def node_load(environ, own: int, cores: int, machine_cores: int | None = None, read=running_threads,
+              sleep=time.sleep) -> tuple[int, str | None]:
+    """(other programs' runnable threads on this process's CORES, how that was found; None when
+    ringpipe did not look). The kernel counts runnable threads machine-wide, this job's OWN
+    on this node among them (at start-up its ranks, this reader included; later each rank's
+    compute threads, which may still be spinning); the median of a few readings
+    ~2 ms apart smooths a passing blip. Where this process may use fewer cores than the
+    machine has (an affinity set, a cgroup quota, a container), the others are assumed
+    spread evenly over the machine's cores."""
+    setting, _ = _load_setting(environ)
+    if setting is None or setting == "ignore":
+        return 0, None
+    if setting != "auto":
+        return setting, f"{LOAD_VARIABLE}={setting}"
+    readings = []
+    for i in range(LOAD_SAMPLES):
+        if i:
+            sleep(LOAD_GAP_S)
+        n = read()
+        if n is not None:
+            readings.append(n)
+    if not readings:
+        return 0, None
+    others = max(0, round(statistics.median(readings)) - own)
+    machine = machine_cores or os.cpu_count() or cores
+    if machine > cores:
+        others = others * cores // machine
+    return others, "the node's runnable threads, /proc/loadavg"
+
+
+def check_load_setting(environ=None) -> None:
+    """A ValueError saying what is wrong with RINGPIPE_NODE_LOAD (the trainer refuses it)."""
+    _, problem = _load_setting(os.environ if environ is None else environ)
+    if problem:
+        raise ValueError(problem)
+
+
 # ---- the choice -------------------------------------------------------------------------------
 
 def _positive_int(text):
@@ -172,31 +266,61 @@ def _positive_int(text):
     return n if n > 0 else None
 
 
+def _ours(environ) -> dict:
+    """{variable: value} ringpipe set in this process or the one that started it (MARKER)."""
+    return dict(item.split("=", 1) for item in environ.get(MARKER, "").split(",") if "=" in item)
+
+
 def user_settings(environ) -> dict:
-    """{variable: value} of the thread settings in ENVIRON that ringpipe did not set itself."""
-    ours = dict(item.split("=", 1) for item in environ.get(MARKER, "").split(",") if "=" in item)
-    return {v: environ[v] for v in COMPUTE_VARIABLES + (TOKENIZER_VARIABLE, "OMP_WAIT_POLICY")
+    """{variable: value} of the thread and waiting settings in ENVIRON that ringpipe did not set itself."""
+    ours = _ours(environ)
+    return {v: environ[v] for v in COMPUTE_VARIABLES + (TOKENIZER_VARIABLE, "OMP_WAIT_POLICY") + tuple(YIELDING_WAITS)
             if v in environ and ours.get(v) != environ[v]}
+
+
+def _plural(n, word):
+    return f"{n} {word}{'s' if n != 1 else ''}"
 
 
 class Choice:
     """What a process runs: PER_RANK compute threads on each of RANKS ranks of this node,
-    which may use CORES cores (CORES_WHY says where that number comes from). USER holds
-    the settings the user made ({name: value}); empty when ringpipe split the cores."""
+    which may use CORES cores (CORES_WHY says where that number comes from), beside OTHERS
+    runnable threads of other programs (OTHERS_WHY: how that was found; None: not looked).
+    USER holds the settings the user made ({name: value}); empty when ringpipe chose."""
 
-    def __init__(self, per_rank: int, user: dict, ranks: int, cores: int, cores_why: str):
+    def __init__(self, per_rank: int, user: dict, ranks: int, cores: int, cores_why: str,
+                 others: int = 0, others_why: str | None = None):
         self.per_rank, self.user, self.ranks, self.cores, self.cores_why = per_rank, user, ranks, cores, cores_why
+        self.others, self.others_why = others, others_why
+
+    @property
+    def crowded(self) -> bool:
+        """This node's runnable threads (this job's and the others') outnumber its cores:
+        a thread that waits must give its core away, not spin on it."""
+        return self.ranks * self.per_rank + self.others > self.cores
+
+    @property
+    def fair(self) -> int:
+        """The threads per rank that fit beside the others' threads: at least one."""
+        return max(1, min(self.cores, self.cores - self.others) // self.ranks)
 
     def _ranks(self):
-        return f"{self.ranks} rank{'s' if self.ranks > 1 else ''}"
+        return _plural(self.ranks, "rank")
 
     def _cores(self):
-        return f"{self.cores} core{'s' if self.cores > 1 else ''} available to {self._ranks()} ({self.cores_why})"
+        return f"{_plural(self.cores, 'core')} available to {self._ranks()} ({self.cores_why})"
 
     def describe(self) -> str:
         """The start-up line: "threads: 2 per rank (2 cores available to 1 rank, ...)"."""
         kept = f"; the user's settings kept: {self._settings()}" if self.user else ""
-        return f"threads: {self.per_rank} per rank{kept}; {self._cores()}"
+        busy = ""
+        if self.others:
+            busy = (f"; the node is busy: {_plural(self.others, 'other runnable thread')} on these cores "
+                    f"({self.others_why})")
+            if not self.user and self.per_rank < self.cores // self.ranks:
+                busy += f", so {self.per_rank} per rank instead of {self.cores // self.ranks}"
+        waits = "; waiting threads yield their core (OpenBLAS, MPI)" if self.crowded else ""
+        return f"threads: {self.per_rank} per rank{kept}; {self._cores()}{busy}{waits}"
 
     def _settings(self):
         # An environment variable as NAME=VALUE, a call made at run time as name(value).
@@ -204,26 +328,33 @@ class Choice:
 
     def warning(self) -> str | None:
         """What to do when the ranks and threads of this node outnumber its cores; None when they fit."""
-        if self.ranks * self.per_rank <= self.cores:
-            return None
         if self.ranks > self.cores:
             return (f"ringpipe: warning: {self._cores()} on this node: the ranks "
                     f"take turns on the cores and every collective waits for the slowest; start at most "
                     f"{self.cores} ranks per node (or give the job more cores)")
-        fair = max(1, self.cores // self.ranks)
         settings = self._settings() or "the thread settings"
-        return (f"ringpipe: warning: {self._ranks()} x {self.per_rank} threads ({settings}) oversubscribe the "
-                f"{self._cores()}: the threads spin against each other and a step can be many times slower; "
-                f"set OMP_NUM_THREADS={fair} NUMBA_NUM_THREADS={fair} (or unset them: ringpipe then splits "
-                f"the cores itself)")
+        advice = (f"set OMP_NUM_THREADS={self.fair} NUMBA_NUM_THREADS={self.fair} (or unset them: ringpipe then "
+                  "chooses from the cores and the node's load)")
+        if self.ranks * self.per_rank > self.cores:
+            return (f"ringpipe: warning: {self._ranks()} x {self.per_rank} threads ({settings}) oversubscribe the "
+                    f"{self._cores()}: the threads spin against each other and a step can be many times slower; "
+                    f"{advice}")
+        if self.user and self.crowded and self.per_rank > self.fair:
+            return (f"ringpipe: warning: {self._ranks()} x {self.per_rank} threads ({settings}) share the "
+                    f"{self._cores()} with {_plural(self.others, 'other runnable thread')} ({self.others_why}): "
+                    f"the threads of one GEMM wait for each other while the others hold the cores; {advice}")
+        return None
 
 
-def choose(environ, ranks: int, cores: int, cores_why: str) -> tuple[Choice, dict]:
+def choose(environ, ranks: int, cores: int, cores_why: str, others: int = 0,
+           others_why: str | None = None) -> tuple[Choice, dict]:
     """(the choice, {variable: value} to set): the user's settings stay, the rest is the
-    split of CORES among RANKS. OMP_NUM_THREADS alone, the general knob, stands for the
-    library variables the user left unset."""
+    split among RANKS of the CORES that OTHERS (other programs' runnable threads) leave free,
+    at least one thread each. OMP_NUM_THREADS alone, the general knob, stands for the
+    library variables the user left unset. Where the node's threads would outnumber its
+    cores, waiting yields (YIELDING_WAITS), unless the user set those too."""
     user = user_settings(environ)
-    split = str(max(1, cores // ranks))
+    split = str(max(1, min(cores, cores - others) // ranks))
     general = user.get("OMP_NUM_THREADS") if _positive_int(user.get("OMP_NUM_THREADS")) else None
     to_set = {v: general or split for v in COMPUTE_VARIABLES if v not in user}
     if TOKENIZER_VARIABLE not in user:
@@ -233,7 +364,10 @@ def choose(environ, ranks: int, cores: int, cores_why: str) -> tuple[Choice, dic
     counts = [_positive_int(user.get(v, to_set.get(v))) for v in COMPUTE_VARIABLES]
     per_rank = max([n for n in counts if n] or [int(split)])
     told = {v: user[v] for v in COMPUTE_VARIABLES if v in user}
-    return Choice(per_rank, told, ranks, cores, cores_why), to_set
+    choice = Choice(per_rank, told, ranks, cores, cores_why, others, others_why)
+    if choice.crowded:
+        to_set.update({v: value for v, value in YIELDING_WAITS.items() if v not in user})
+    return choice, to_set
 
 
 # ---- applying it, once per process ------------------------------------------------------------
@@ -247,7 +381,13 @@ def apply_defaults() -> Choice:
     user loaded before ringpipe, the limit is applied at run time where it can be."""
     if _state["choice"] is None:
         cores, why = available_cores()
-        choice, to_set = choose(os.environ, local_rank_count(), cores, why)
+        ranks = local_rank_count()
+        others, others_why = node_load(os.environ, ranks, cores)
+        choice, to_set = choose(os.environ, ranks, cores, why, others, others_why)
+        # What a ringpipe parent set for its own node and this process does not want: gone.
+        for v, value in _ours(os.environ).items():
+            if v not in to_set and os.environ.get(v) == value:
+                del os.environ[v]
         os.environ.update(to_set)
         os.environ[MARKER] = ",".join(f"{k}={v}" for k, v in to_set.items())
         _limit_loaded_numba(choice)
@@ -302,7 +442,7 @@ def warn_once() -> None:
     only; not where a start-up report will say it (leave_warning_to_report)."""
     if _state["report_warns"] or _state["warned"]:
         return
-    text = apply_defaults().warning()
+    text = _setting_warning() or apply_defaults().warning()
     if text and launcher_rank() == 0:
         print(text, file=sys.stderr, flush=True)
         _state["warned"] = True
@@ -312,7 +452,14 @@ def report_lines() -> list[str]:
     """The start-up report's lines: the threads chosen and why, and the warning if not yet said."""
     choice = apply_defaults()
     lines = [choice.describe()]
-    if choice.warning() and not _state["warned"]:
-        lines.append(choice.warning())
+    warning = _setting_warning() or choice.warning()
+    if warning and not _state["warned"]:
+        lines.append(warning)
         _state["warned"] = True
     return lines
+
+
+def _setting_warning() -> str | None:
+    """A RINGPIPE_NODE_LOAD nothing can use, for a library's user (the trainer refuses it)."""
+    problem = _load_setting(os.environ)[1]
+    return f"ringpipe: warning: {problem}; the node's load is not counted" if problem else None

@@ -19,6 +19,7 @@ THREAD_VARIABLES = threads.COMPUTE_VARIABLES + (threads.TOKENIZER_VARIABLE, "OMP
 LAUNCHER_VARIABLES = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE",
                       "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
 ALL_VARIABLES = threads.COMPUTE_VARIABLES + (threads.TOKENIZER_VARIABLE, "OMP_WAIT_POLICY")
+YIELD_VARIABLES = tuple(threads.YIELDING_WAITS)
 
 # What the commands, the library and the kernels import first (ringpipe/cli.py's COMMANDS).
 ENTRY_POINTS = ["ringpipe.cli", "ringpipe.engine.data.prepare", "ringpipe.engine.train.cli", "ringpipe.engine.interop.sample",
@@ -30,8 +31,11 @@ SHOW_SETTINGS = ("import importlib, json, os, sys; importlib.import_module(sys.a
 
 
 def child(code, *args, cpus=None, **env_vars):
-    """Run CODE in a fresh python with no thread or launcher variables but ENV_VARS, on CPUS if given."""
-    env = {k: v for k, v in os.environ.items() if k not in THREAD_VARIABLES + LAUNCHER_VARIABLES}
+    """Run CODE in a fresh python with no thread or launcher variables but ENV_VARS, on CPUS if given.
+    The node's load counts as none unless ENV_VARS say otherwise: the machine is shared, and a
+    test judges only what it set up itself."""
+    env = {k: v for k, v in os.environ.items() if k not in THREAD_VARIABLES + LAUNCHER_VARIABLES + YIELD_VARIABLES}
+    env[threads.LOAD_VARIABLE] = "0"
     env.update(env_vars)
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus is not None else None
     r = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -170,3 +174,84 @@ def test_a_cgroup_limit_sets_the_split_and_explicit_settings_over_it_are_warned_
     assert choice.warning().startswith("ringpipe: warning: 2 ranks x 8 threads (OMP_NUM_THREADS=8) oversubscribe "
                                        "the 2 cores available to 2 ranks (cgroup CPU quota of 2.5 cores)")
     assert "set OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1" in choice.warning()
+
+
+# ---- a busy node (issue 35) ---------------------------------------------------------------------
+
+SHOW_ALL = ("import json, os; import ringpipe.kernels; from ringpipe import threads; "
+            f"print(json.dumps({{v: os.environ.get(v) for v in {ALL_VARIABLES + YIELD_VARIABLES!r}}})); "
+            "print(threads.apply_defaults().describe())")
+
+
+def test_a_busy_node_gets_fewer_threads_and_waits_that_yield_and_the_start_up_line_says_so():
+    """Two other programs' threads on 2 cores: one thread per rank, not 2, and OpenBLAS's and MPI's
+    waits sleep; the same node quiet: the cores split, and no waiting setting at all."""
+    choice, to_set = threads.choose({}, ranks=1, cores=2, cores_why="test", others=2, others_why="counted")
+    assert to_set["OMP_NUM_THREADS"] == to_set["NUMBA_NUM_THREADS"] == "1" and choice.crowded
+    assert {k: to_set[k] for k in YIELD_VARIABLES} == threads.YIELDING_WAITS
+    assert "the node is busy: 2 other runnable threads on these cores (counted), so 1 per rank instead of 2" \
+        in choice.describe() and "yield" in choice.describe() and choice.warning() is None
+    choice, to_set = threads.choose({}, ranks=1, cores=2, cores_why="test", others=0)
+    assert to_set["OMP_NUM_THREADS"] == "2" and not choice.crowded and not set(YIELD_VARIABLES) & set(to_set)
+    assert "busy" not in choice.describe()
+    # 4 ranks on 2 cores (what make train once ran): the ranks themselves crowd the node.
+    choice, to_set = threads.choose({}, ranks=4, cores=2, cores_why="test")
+    assert choice.crowded and to_set["MPIR_CVAR_CH4_PROGRESS_THROTTLE"] == "1"
+    # A fresh process told the load by RINGPIPE_NODE_LOAD.
+    r = child(SHOW_ALL, RINGPIPE_NODE_LOAD="5")
+    got, line = json.loads(r.stdout.splitlines()[0]), r.stdout.splitlines()[1]
+    assert got["OMP_NUM_THREADS"] == "1" and got["OPENBLAS_THREAD_TIMEOUT"] == "4", got
+    assert got["OMPI_MCA_mpi_yield_when_idle"] == "1" and "RINGPIPE_NODE_LOAD=5" in line, line
+
+
+def test_the_users_waiting_settings_win_and_threads_over_a_busy_node_are_warned_of():
+    choice, to_set = threads.choose({"OMPI_MCA_mpi_yield_when_idle": "0", "OMP_NUM_THREADS": "2"}, ranks=1,
+                                    cores=2, cores_why="test", others=2, others_why="counted")
+    assert "OMPI_MCA_mpi_yield_when_idle" not in to_set and to_set["OPENBLAS_THREAD_TIMEOUT"] == "4"
+    assert choice.warning().startswith("ringpipe: warning: 1 rank x 2 threads (OMP_NUM_THREADS=2) share the 2 cores")
+    assert "set OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1" in choice.warning()
+    # One thread each over a busy node: nothing fewer to advise.
+    choice, _ = threads.choose({"OMP_NUM_THREADS": "1"}, ranks=2, cores=2, cores_why="test", others=3, others_why="x")
+    assert choice.warning() is None
+
+
+def test_the_load_is_read_from_the_kernels_count_of_runnable_threads(tmp_path):
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("3.10 2.00 1.00 5/300 4242\n")
+    read = lambda: threads.running_threads(str(loadavg))       # noqa: E731
+    # 5 runnable, 1 of them this reader (1 rank): 4 others; on 2 of the machine's 8 cores: 1 of them.
+    assert threads.node_load({}, 1, 8, machine_cores=8, read=read, sleep=lambda s: None) == \
+        (4, "the node's runnable threads, /proc/loadavg")
+    assert threads.node_load({}, 1, 2, machine_cores=8, read=read, sleep=lambda s: None)[0] == 1
+    assert threads.node_load({"RINGPIPE_NODE_LOAD": "ignore"}, 1, 8, read=read) == (0, None)
+    assert threads.node_load({}, 1, 8, read=lambda: None, sleep=lambda s: None) == (0, None)
+    assert threads.running_threads(str(tmp_path / "missing")) is None
+
+
+def test_a_real_busy_neighbour_is_seen(tmp_path):
+    """Two spinning processes this test started: the fresh process counts them (at least one:
+    the kernel's count is a snapshot) and takes one thread."""
+    spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        import time
+        time.sleep(0.5)
+        r = child(SHOW_ALL, RINGPIPE_NODE_LOAD="auto", cpus=set(list(os.sched_getaffinity(0))[:2]))
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()
+    got, line = json.loads(r.stdout.splitlines()[0]), r.stdout.splitlines()[1]
+    assert "the node is busy" in line and got["OMP_NUM_THREADS"] == "1", line
+
+
+@pytest.mark.parametrize("value", ["many", "-1", "1e9"])
+def test_a_bad_load_setting_is_warned_of_by_the_library_and_refused_by_the_trainer(value, tmp_path):
+    r = child("import ringpipe.kernels; from ringpipe import threads; threads.warn_once()", RINGPIPE_NODE_LOAD=value)
+    assert "RINGPIPE_NODE_LOAD" in r.stderr and "not auto, ignore or a count" in r.stderr, r.stderr
+    flags = ["--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16",
+             "--batch-size", "4", "--sample-tokens", "0", "--steps", "1", "--out", str(tmp_path / "run")]
+    env = {k: v for k, v in os.environ.items()}
+    env["RINGPIPE_NODE_LOAD"] = value
+    r = subprocess.run([sys.executable, "-m", "ringpipe.cli", "train", *flags], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "RINGPIPE_NODE_LOAD" in r.stderr + r.stdout, r.stdout + r.stderr
