@@ -10,7 +10,9 @@ people, with one verdict line per node), each atomically. `header` is monitor.js
     rank, node, wall_s, cpu_s (user + sys), cores (this rank's CPU affinity count),
     peak_bytes (VmHWM), compute_s, comm_s, bubble_s, data_s, other_s (sums over the run's
     steps), steps; optional cpus (the affinity set itself, a list of CPU numbers),
-    gpu_util_percent (mean), gpu_mem_peak_bytes
+    gpu_util_percent (mean), gpu_mem_peak_bytes, threads (compute threads per rank),
+    others_runnable (other programs' runnable threads on the rank's cores, the most seen at
+    start and at the end: ringpipe/threads.py)
 
 The definitions are Jobstats': CPU efficiency = CPU seconds / (cores x wall seconds), with
 the run's wall time; a node's memory peak is the sum of its ranks' peaks (VmHWM), against
@@ -250,6 +252,8 @@ def _node(name: str, rs: list[dict], wall: float | None, slurm: dict | None, mis
         "memory_limit_bytes": limit, "memory_limit_from": limit_from,
         "memory_use": _ratio(peak, limit),
         "time_split": _split(rs),
+        "threads": _sum(_num(t.get("threads")) for t in rs),
+        "others_runnable": max((_num(t.get("others_runnable")) or 0 for t in rs), default=0),
         "gpu_util_percent": sum(gpu_util) / len(gpu_util) if gpu_util else None,
         "gpu_mem_peak_bytes": _sum(_num(t.get("gpu_mem_peak_bytes")) for t in rs),
     }
@@ -285,8 +289,7 @@ def verdict(node: dict) -> str:
     says = []
     eff = node.get("cpu_efficiency")
     if eff is not None and eff < LOW_CPU_EFFICIENCY:
-        says.append(f"CPU efficiency {eff:.0%}: the job asked for more cores than it uses; "
-                    "ask for fewer (-c) or set more threads per rank")
+        says.append(_low_efficiency(node, eff))
     elif eff is not None and eff > OVER_CPU_EFFICIENCY:
         says.append(f"CPU efficiency {eff:.0%}: more CPU time than {node.get('cores')} cores give; "
                     "the cores are under-counted (ranks report their affinity sets to count them exactly)")
@@ -308,6 +311,22 @@ def verdict(node: dict) -> str:
     if eff is None:
         return "CPU efficiency unknown (see missing)"
     return f"CPU efficiency {eff:.0%}: good"
+
+
+def _low_efficiency(node: dict, eff: float) -> str:
+    """Why the node's cores sat idle, and what to change. More threads only where the ranks
+    ran fewer threads than cores on a node nobody else used: on a busy node the ranks waited
+    for the CPU, and more threads would wait too."""
+    others, used, cores = node.get("others_runnable") or 0, node.get("threads"), node.get("cores")
+    if others:
+        return (f"CPU efficiency {eff:.0%}: the node was busy ({others:g} other programs' runnable threads on "
+                "its cores): the ranks waited for the CPU, not for threads (more threads would wait too); "
+                "ask for cores of your own (--exclusive, a quiet node) for full speed")
+    if used is not None and cores and used >= cores:
+        return (f"CPU efficiency {eff:.0%}: the job asked for more cores than it uses; its {used:g} threads "
+                "wait for communication, data or Python between kernels: ask for fewer (-c)")
+    return (f"CPU efficiency {eff:.0%}: the job asked for more cores than it uses; "
+            "ask for fewer (-c) or set more threads per rank")
 
 
 # ---- Slurm's accounting ------------------------------------------------------------------

@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from ringpipe import comm
+from ringpipe import comm, threads
 from ringpipe.engine.job.files import write_text_atomic
 from ringpipe.engine.monitor.probes import Probe, allowed_cpus, cpu_seconds
 from ringpipe.engine.monitor.read import FORMAT, header_path
@@ -204,8 +204,11 @@ class RankMonitor:
     def totals_at_end(self) -> list[dict] | None:
         """Collective: every rank's totals for the job summary (rank 0; None elsewhere)."""
         wall = time.perf_counter() - self.t_start
+        chosen = threads.apply_defaults()
+        others_now, _ = threads.node_load(os.environ, chosen.ranks * chosen.per_rank, chosen.cores)
         mine = {"wall_s": wall, "cpu_s": cpu_seconds() - self.cpu_start, "cores": allowed_cpus(), "peak_bytes": float(self.probe.sample()["peak_bytes"]),
-                "steps": self.total_steps, **{f"{part}_s": self.totals[part] for part in SPLIT}}
+                "steps": self.total_steps, **{f"{part}_s": self.totals[part] for part in SPLIT},
+                "threads": chosen.per_rank, "others_runnable": max(chosen.others, others_now)}
         if self.gpu_util:
             mine["gpu_util_percent"] = sum(self.gpu_util) / len(self.gpu_util)
         try:

@@ -114,6 +114,22 @@ def test_efficiency_memory_and_split_per_node(tmp_path):
     assert s["missing"] == []
 
 
+def test_low_efficiency_advises_more_threads_only_on_a_quiet_node_with_cores_to_spare(tmp_path):
+    """A busy node (other programs' runnable threads seen by a rank): the ranks waited for the CPU,
+    and more threads would wait too (issue 35: a newcomer was told to ask for more threads).
+    Threads already filling the cores: fewer cores, not more threads."""
+    busy = totals()
+    busy[1]["others_runnable"] = 3
+    n1 = _write(tmp_path, _env(str(tmp_path / "nobin"), **SLURM_ENV), tots=busy)[0]["nodes"][0]
+    assert n1["others_runnable"] == 3 and "the node was busy (3 other programs' runnable threads" in n1["verdict"]
+    assert "more threads" not in n1["verdict"].replace("more threads would wait too", "")
+    full = totals()
+    for t in full[:2]:
+        t["threads"] = 1
+    n1 = _write(tmp_path, _env(str(tmp_path / "nobin"), **SLURM_ENV), tots=full)[0]["nodes"][0]
+    assert n1["threads"] == 2 and "ask for fewer (-c)" in n1["verdict"] and "more threads" not in n1["verdict"]
+
+
 def test_cores_without_affinity_sets_are_the_ranks_counts(tmp_path):
     s, _ = _write(tmp_path, _env(str(tmp_path / "nobin"), **SLURM_ENV), tots=totals(with_sets=False))
     n1, n2 = s["nodes"]
