@@ -52,6 +52,10 @@ How to add a kernel op:
      checks the GPU backends define what they claim (no GPU needed) and needs a
      test_gpu_* test, which the CPU emulation of the CUDA C runs here too.
 
+float32 GEMMs on the CPU run numpy's BLAS or oneDNN's sgemm, whichever a short calibration
+found faster on this host (cached per host; RINGPIPE_SGEMM=blas|onednn forces one;
+float32_gemm() says which and why): kernels/sgemm.py.
+
 Importing this package does not import numba or cupy; numba loads on the first
 "numba" call and compiles (or loads from its on-disk cache) per dtype.
 
@@ -79,6 +83,8 @@ else:
         bf16_gemm,
         column_sum,
         cross_entropy_forward_backward,
+        float32_gemm,
+        float32_gemm_choice,
         from_bf16,
         gelu_backward,
         gelu_forward,
@@ -99,6 +105,7 @@ else:
         swiglu_backward,
         swiglu_forward,
         to_bf16,
+        use_float32_gemm,
     )
     from .backend import (  # noqa: F401 (_dispatch and resolve_matmul_precision: as before the ops moved)
         DTYPES,
@@ -127,7 +134,7 @@ else:
         "DTYPES", "KernelDtypeError", "get_array_module", "get_backend", "is_gpu_array", "resolve_dtype",
         "set_backend", "set_num_threads", "get_num_threads",
         "MATMUL_PRECISIONS", "set_matmul_precision", "get_matmul_precision", "round_to_bf16",
-        "to_bf16", "from_bf16", "bf16_gemm",
+        "to_bf16", "from_bf16", "bf16_gemm", "float32_gemm", "float32_gemm_choice", "use_float32_gemm",
         "matmul", "matmul_nt", "matmul_tn", "linear_forward", "column_sum",
         "layernorm_forward", "layernorm_backward",
         "gelu_forward", "gelu_backward",

@@ -160,6 +160,29 @@ def bf16_gemm():
     return bf16.describe()
 
 
+def float32_gemm():
+    """One line: which library runs float32 GEMMs on the CPU in this process (numpy's BLAS or
+    oneDNN's sgemm, kernels/sgemm.py), and why; the choice is made on the first call."""
+    from . import sgemm
+
+    return sgemm.describe()
+
+
+def float32_gemm_choice():
+    """"blas" or "onednn": the library of this process's float32 CPU GEMMs (chosen on the first call)."""
+    from . import sgemm
+
+    return sgemm.choice()[0]
+
+
+def use_float32_gemm(name, why="chosen by the caller"):
+    """Run float32 CPU GEMMs with NAME ("blas" or "onednn") from now on: a job's ranks take one
+    choice (the trainer gives each rank rank 0's), whatever each would have measured."""
+    from . import sgemm
+
+    sgemm.use(name, why)
+
+
 # ---------------------------------------------------------------------------
 # matmul
 

@@ -227,16 +227,16 @@ def get_matmul_precision():
 
 
 def set_num_threads(n):
-    """Threads for the numba CPU kernels (and the CPU's bf16 GEMM, for calls from this
-    thread) in this process. Under MPI give each rank
+    """Threads for the numba CPU kernels (and oneDNN's GEMMs, bf16 and float32, for calls
+    from this thread) in this process. Under MPI give each rank
     cores_per_node // ranks_per_node: the default (all cores, in every rank)
     oversubscribes the node and OpenMP's spin-waiting makes that very slow."""
     import numba
 
     numba.set_num_threads(int(n))
-    from . import bf16   # the CPU's bf16 GEMM runs on OpenMP threads of its own
+    from . import onednn   # oneDNN's GEMMs run on OpenMP threads of their own
 
-    bf16.set_num_threads(int(n))
+    onednn.set_num_threads(int(n))
 
 
 def get_num_threads():

@@ -6,7 +6,8 @@ What runs (kernels/cpu.py's matmul sends every bf16 GEMM here):
   native    oneDNN's C API, dnnl_gemm_bf16bf16f32, through ctypes: bf16 operands,
             float32 accumulation and result, row-major, transpose flags and leading
             dimensions (so transposed views cost no copy). From PyPI's onednn-cpu-gomp
-            (the `bf16` extra; its library needs only libgomp and libstdc++).
+            (the `bf16` extra; its library needs only libgomp and libstdc++), loaded
+            by kernels/onednn.py.
   emulated  reference.matmul's numbers bit for bit: float32 operands rounded to bf16
             values held in float32 (one Numba pass each), then the float32 BLAS GEMM.
             The same numbers as native up to the accumulation order, a little slower
@@ -32,11 +33,10 @@ once per update. Float32 operands are rounded to nearest, ties to even, as
 reference.round_to_bf16 (the same bits; NaNs stay NaN).
 
 Threads: oneDNN's OpenMP (libgomp) reads OMP_NUM_THREADS when it loads, which importing
-ringpipe sets per rank (ringpipe/threads.py); set_num_threads changes it afterwards.
+ringpipe sets per rank (ringpipe/threads.py); kernels.set_num_threads changes it afterwards
+(kernels/onednn.py).
 """
 
-import ctypes
-import importlib.metadata
 import os
 import sys
 
@@ -45,19 +45,12 @@ from numba import njit, prange
 
 from ringpipe import threads
 
-from . import reference
+from . import onednn, reference
 
 ENV = "RINGPIPE_BF16_GEMM"
 MODES = ("auto", "native", "emulate")
 # The CPU flags (Linux /proc/cpuinfo names) of bf16 dot-product instructions.
 CPU_FLAGS = ("avx512_bf16", "amx_bf16")
-# PyPI distributions that ship libdnnl, the fewest runtime dependencies first:
-# onednn-cpu-gomp needs libgomp and libstdc++ only; onednn (2025+) pulls Intel's
-# SYCL/OpenCL runtimes (hundreds of MB), -iomp Intel's OpenMP, -tbb TBB.
-LIBRARY_PACKAGES = ("onednn-cpu-gomp", "onednn-cpu-iomp", "onednn-cpu-tbb", "onednn")
-# GEMMs of fewer multiply-adds per matrix than this run on one OpenMP thread (see matmul).
-SMALL_MACS = 1 << 21
-INSTALL_HINT = "pip install 'ringpipe[bf16]' (or onednn-cpu-gomp)"
 
 
 class Bf16Unavailable(RuntimeError):
@@ -151,58 +144,7 @@ def cpu_bf16_flags(path="/proc/cpuinfo"):
     return ()
 
 
-def find_library():
-    """(path of libdnnl from an installed PyPI package, package name), or (None, None)."""
-    for package in LIBRARY_PACKAGES:
-        try:
-            files = importlib.metadata.files(package) or ()
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        found = sorted(str(f.locate()) for f in files if os.path.basename(str(f)).startswith("libdnnl.so"))
-        if found:
-            # libdnnl.so.3 (the soname) over the bare .so link and the full version
-            found.sort(key=lambda p: (p.count(".so.") != 1, len(p)))
-            return found[0], package
-    return None, None
-
-
-class _Version(ctypes.Structure):
-    _fields_ = [("major", ctypes.c_int), ("minor", ctypes.c_int), ("patch", ctypes.c_int),
-                ("hash", ctypes.c_char_p), ("cpu_runtime", ctypes.c_uint), ("gpu_runtime", ctypes.c_uint)]
-
-
-class Native:
-    """The loaded oneDNN: its GEMM and what to call it."""
-
-    def __init__(self, path, package):
-        self.lib = ctypes.CDLL(path)
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self.gemm = self.lib.dnnl_gemm_bf16bf16f32
-        self.gemm.argtypes = [ctypes.c_char, ctypes.c_char, i64, i64, i64, ctypes.c_float, ptr, i64, ptr, i64,
-                              ctypes.c_float, ptr, i64]
-        self.gemm.restype = ctypes.c_int
-        self.lib.dnnl_version.restype = ctypes.POINTER(_Version)
-        v = self.lib.dnnl_version().contents
-        self.version = f"{v.major}.{v.minor}.{v.patch}"
-        self.package = package
-        self.openmp = v.cpu_runtime == 2     # DNNL_RUNTIME_OMP; TBB and sequential builds ignore OpenMP
-        # the OpenMP runtime the library links (libgomp for onednn-cpu-gomp)
-        self.omp = ctypes.CDLL("libgomp.so.1") if self.openmp else None
-        if _state["threads"] is not None:
-            self.set_num_threads(_state["threads"])
-
-    def set_num_threads(self, n):
-        if self.omp is not None:
-            self.omp.omp_set_num_threads(n)
-
-    def get_num_threads(self):
-        return self.omp.omp_get_max_threads() if self.omp is not None else 1
-
-    def describe(self):
-        return f"oneDNN {self.version} dnnl_gemm_bf16bf16f32 ({self.package})"
-
-
-_state = {"choice": None, "noted": False, "threads": None}
+_state = {"choice": None, "noted": False}
 
 
 def mode():
@@ -213,23 +155,17 @@ def mode():
 
 
 def _choose():
-    # (Native or None, why not native or None)
+    # (onednn.Library or None, why not native or None)
     m = mode()
     if m == "emulate":
         return None, f"{ENV}=emulate"
     flags = cpu_bf16_flags()
-    why = None
     if not flags:
         why = "this CPU has no bf16 dot-product instructions (AVX512_BF16 or AMX-BF16)"
     else:
-        path, package = find_library()
-        if path is None:
-            why = f"no oneDNN library is installed ({INSTALL_HINT})"
-        else:
-            try:
-                return Native(path, package), None
-            except (OSError, AttributeError) as exc:
-                why = f"{path} did not load ({exc})"
+        lib, why = onednn.library()
+        if lib is not None:
+            return lib, None
     if m == "native":
         raise Bf16Unavailable(f"{ENV}=native, but {why}; unset {ENV} (or set it to emulate) to round the "
                               "operands to bf16 and run the float32 GEMM instead")
@@ -237,7 +173,7 @@ def _choose():
 
 
 def native():
-    """The native GEMM (Native), or None when bf16 GEMMs are emulated; chosen on the
+    """The native GEMM (onednn.Library), or None when bf16 GEMMs are emulated; chosen on the
     first call. In auto mode, the first emulated call says why, once."""
     if _state["choice"] is None:
         _state["choice"] = _choose()
@@ -264,18 +200,8 @@ def describe():
     except Bf16Unavailable as exc:
         return f"bf16 GEMM: unavailable ({exc})"
     if lib is not None:
-        return f"bf16 GEMM: native, {lib.describe()}, on {'/'.join(cpu_bf16_flags())}"
+        return f"bf16 GEMM: native, {lib.describe()} dnnl_gemm_bf16bf16f32, on {'/'.join(cpu_bf16_flags())}"
     return f"bf16 GEMM: emulated (float32 operands rounded to bf16, float32 BLAS): {_state['choice'][1]}"
-
-
-def set_num_threads(n):
-    """Threads of the native GEMM (oneDNN's OpenMP, an OpenMP setting of the calling
-    thread) for calls from this thread; kernels.set_num_threads calls it. Before the
-    library loads, kept for when it does."""
-    _state["threads"] = int(n)
-    choice = _state["choice"]
-    if choice is not None and choice[0] is not None:
-        choice[0].set_num_threads(int(n))
 
 
 # ---------------------------------------------------------------------------
@@ -301,33 +227,6 @@ def _operand(x, trans):
     return x, trans
 
 
-def _ld(x):
-    # leading dimension (elements between rows) of a matrix with unit column stride
-    rows, cols = x.shape[-2:]
-    return max(1, cols, x.strides[-2] // x.itemsize if rows > 1 else cols)
-
-
-def _writable_direct(out, N):
-    # can the library write out's matrices in place? (unit column stride, rows apart)
-    M = out.shape[-2]
-    return ((out.strides[-1] == 4 or N <= 1)
-            and (M <= 1 or (out.strides[-2] % 4 == 0 and out.strides[-2] >= 4 * N)))
-
-
-def _matrix_addresses(batch, *arrays):
-    """The address of each matrix of each array over the broadcast batch dims, as
-    tuples of ints: computed at once, since the Python loop over them is what costs
-    on small batched GEMMs (attention heads), not the library's call."""
-    if not batch:
-        return [tuple(x.ctypes.data for x in arrays)]
-    index = np.indices(batch).reshape(len(batch), -1).T          # (matrices, batch dims)
-    columns = []
-    for x in arrays:
-        strides = np.broadcast_to(x, batch + x.shape[-2:]).strides[:len(batch)]   # 0 where broadcast
-        columns.append((x.ctypes.data + index @ np.array(strides, np.int64)).tolist())
-    return list(zip(*columns))
-
-
 def emulated_matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False):
     """The fallback: the reference's numbers bit for bit (bf16 operands widened exactly,
     float32 ones rounded to bf16 values into C-contiguous copies, the float32 GEMM), the
@@ -344,40 +243,5 @@ def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False):
         return emulated_matmul(a, b, out, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate)
     a, ta = _operand(a, trans_a)
     b, tb = _operand(b, trans_b)
-    M, K = (a.shape[-1], a.shape[-2]) if ta else a.shape[-2:]
-    N = b.shape[-2] if tb else b.shape[-1]
-    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    if out is None:
-        out = np.empty(batch + (M, N), np.float32)
-    c = out if _writable_direct(out, N) else np.empty(batch + (M, N), np.float32)
-    if M == 0 or N == 0:
-        return out
-    if K == 0:
-        if not accumulate:
-            out[...] = 0.0
-        return out
-    beta = 1.0 if accumulate and c is out else 0.0
-    ca, cb = (b"T" if ta else b"N"), (b"T" if tb else b"N")
-    lda, ldb, ldc = _ld(a), _ld(b), _ld(c)
-    gemm = lib.gemm
-    # Small matrices (attention heads) run on one thread: waking a second sleeping
-    # OpenMP thread costs about 10 us a call (measured), more than a 128^3 GEMM gains.
-    threads = lib.get_num_threads() if M * N * K < SMALL_MACS else 1
-    if threads > 1:
-        lib.set_num_threads(1)
-    try:
-        for pa, pb, pc in _matrix_addresses(batch, a, b, c):
-            status = gemm(ca, cb, M, N, K, 1.0, pa, lda, pb, ldb, beta, pc, ldc)
-            if status != 0:
-                raise RuntimeError(f"dnnl_gemm_bf16bf16f32 failed with status {status} on ({M}, {N}, {K}) "
-                                   f"trans {ca.decode()}{cb.decode()}, lda {lda} ldb {ldb} ldc {ldc}; "
-                                   f"set {ENV}=emulate to run the emulated GEMM")
-    finally:
-        if threads > 1:
-            lib.set_num_threads(threads)
-    if c is not out:
-        if accumulate:
-            out += c
-        else:
-            out[...] = c
-    return out
+    return onednn.gemm(lib, lib.gemm, "dnnl_gemm_bf16bf16f32", a, ta, b, tb, out, accumulate,
+                       f"set {ENV}=emulate to run the emulated GEMM")

@@ -30,7 +30,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from . import bf16, reference
+from . import bf16, reference, sgemm
 
 GELU_SCALE = reference.GELU_SCALE
 GELU_CUBE = reference.GELU_CUBE
@@ -540,6 +540,9 @@ def matmul(a, b, out=None, *, trans_a=False, trans_b=False, accumulate=False, pr
     # else the reference's emulation (kernels/bf16.py chooses, once)
     if precision == "bf16" or bf16.is_bf16(a) or bf16.is_bf16(b):
         return bf16.matmul(a, b, out, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate)
+    # float32: oneDNN's sgemm where it beats the BLAS on this host (kernels/sgemm.py chooses, once)
+    if sgemm.wants(a, b, out, trans_a, trans_b):
+        return sgemm.matmul(a, b, out, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate)
     return reference.matmul(a, b, out, trans_a=trans_a, trans_b=trans_b, accumulate=accumulate)
 
 

@@ -8,19 +8,13 @@ import os
 import shutil
 import tempfile
 
+from ringpipe.cache import cache_root
 from ringpipe.engine.data import shards
 from ringpipe.engine.data import tokenizer as tokenizers_
 from ringpipe.engine.data.errors import PrepareError
 from ringpipe.engine.data.parts import build_manifest
 
 STDLIB_CACHE_VERSION = 1          # raise when what the cached folder holds changes
-
-
-def cache_root() -> str:
-    """$RINGPIPE_CACHE, else $XDG_CACHE_HOME/ringpipe, else ~/.cache/ringpipe."""
-    if os.environ.get("RINGPIPE_CACHE"):
-        return os.environ["RINGPIPE_CACHE"]
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ringpipe")
 
 
 def _stdlib_key(max_bytes: int) -> tuple[str, str]:

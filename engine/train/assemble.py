@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ringpipe import comm, kernels as K
+from ringpipe import comm, kernels as K, threads
 from ringpipe.engine.job import checkpoint, lifecycle, rundir, runtime
 from ringpipe.engine.train import config as config_checks, memory
 from ringpipe.engine.job.agreement import agree, agree_on_rank0
@@ -92,6 +92,7 @@ def assemble(cfg: Config, world, stop, cleanup, render=None, servers=None) -> Ru
     """servers: with --ps-servers K, the ServerLink; `world` is then the workers' communicator."""
     check_same_config(cfg, world)
     agree(world, comm.check_settings, "RINGPIPE_* settings", hint="is the environment the same on every node?")
+    agree(world, threads.check_load_setting, "RINGPIPE_NODE_LOAD setting", hint="is the environment the same on every node?")
     ranks = servers.world.Get_size() if servers is not None else world.Get_size()    # the servers' included
     notes = config_checks.check(cfg, ranks) + runtime.unknown_variables()
     if cfg.hf_dir:
@@ -111,6 +112,7 @@ def assemble(cfg: Config, world, stop, cleanup, render=None, servers=None) -> Ru
     own_run_directory(training, cleanup)
     find_checkpoint(training)
     shape_data_device(training)
+    agree_on_float32_gemm(training)
     # The shards' descriptors and the data folder's shared lock are let go when the run
     # ends, not whenever the dataset is collected (a prepare may wait for them).
     cleanup.callback(lambda: getattr(training.dataset, "close", lambda: None)())
@@ -493,6 +495,20 @@ def schedule_change(saved: dict, cfg: Config, start_step: int) -> list[str]:
             f"{saved_span}"]
 
 
+def agree_on_float32_gemm(training: Run) -> None:
+    """Every rank runs rank 0's float32 CPU GEMM (kernels/sgemm.py: numpy's BLAS, or oneDNN's
+    sgemm where a calibration found it faster on this host): two libraries sum in different
+    orders, and a job's ranks run one. A RINGPIPE_SGEMM nothing can use is refused on every rank."""
+    if training.xp is not np or training.dtype != np.float32 or training.cfg.precision == "bf16":
+        return
+    world = training.world
+    name = agree_on_rank0(world, K.float32_gemm_choice, "choice of the float32 GEMM (RINGPIPE_SGEMM)")
+    if world.Get_rank() != 0:
+        agree(world, lambda: K.use_float32_gemm(name, "rank 0's choice"), "float32 GEMM of rank 0")
+    else:
+        agree(world, lambda: None, "float32 GEMM of rank 0")
+
+
 # ---- reporting --------------------------------------------------------------------------------
 
 def bf16_line(training: Run) -> str:
@@ -515,6 +531,8 @@ def start_reporting(training: Run, cleanup) -> None:
                           cfg.precision == "bf16"))
     if cfg.precision == "bf16":
         report.say(bf16_line(training))
+    elif training.xp is np and training.dtype == np.float32:
+        report.say(K.float32_gemm())
     layout = f"dp {training.grid.size('data')} x pp {training.grid.size('pipe')}" + \
         (f" x tp {training.grid.size('tensor')}" if training.grid.size("tensor") > 1 else "")
     described = training.model.describe()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ringpipe import kernels
-from ringpipe.kernels import bf16
+from ringpipe.kernels import bf16, onednn
 from ringpipe.kernels import reference as ref
 
 SHAPES = [(1, 1, 1), (7, 13, 5), (129, 65, 257), (1, 300, 2), (64, 1, 513), (33, 47, 1)]
@@ -209,7 +209,7 @@ def test_fallback_is_the_emulation(rng, monkeypatch, capsys, how):
         monkeypatch.setattr(bf16, "cpu_bf16_flags", lambda path=None: ())
     else:
         monkeypatch.setattr(bf16, "cpu_bf16_flags", lambda path=None: ("avx512_bf16",))
-        monkeypatch.setattr(bf16, "find_library", lambda: (None, None))
+        monkeypatch.setattr(onednn, "library", lambda: (None, f"no oneDNN library is installed ({onednn.INSTALL_HINT})"))
     a, b = _operands(rng, 19, 23, 70, False, True)
     for _ in range(2):
         c = kernels.matmul_nt(a, b, precision="bf16")
@@ -239,7 +239,7 @@ def test_native_forced_where_it_cannot_run_is_a_clear_error(monkeypatch):
         kernels.matmul_nt(a, a, precision="bf16")
     bf16.reset()
     monkeypatch.setattr(bf16, "cpu_bf16_flags", lambda path=None: ("avx512_bf16",))
-    monkeypatch.setattr(bf16, "find_library", lambda: (None, None))
+    monkeypatch.setattr(onednn, "library", lambda: (None, f"no oneDNN library is installed ({onednn.INSTALL_HINT})"))
     with pytest.raises(bf16.Bf16Unavailable, match=r"no oneDNN library is installed \(pip install"):
         kernels.matmul_nt(a, a, precision="bf16")
     # float32 GEMMs never ask
