@@ -222,10 +222,12 @@ def measure_steps(step, spec):
 
 def run_child(script, framework, spec, thread_vars, cwd, what=""):
     """`python SCRIPT --child FRAMEWORK SPEC RESULT` with spec["threads"] threads in each of
-    thread_vars; its JSON result plus what the parent saw of it: peak memory (wait4), wall
+    thread_vars (0: none of them set); its JSON result plus what the parent saw of it: peak memory (wait4), wall
     and CPU time, and how disturbed it was (the 1-minute load average around it, its own
     threads included, and how often the kernel preempted it)."""
     env = dict(os.environ, **{var: str(spec["threads"]) for var in thread_vars})
+    if not spec["threads"]:                  # 0: each framework's own default, as a user who sets none
+        env = {k: v for k, v in env.items() if k not in thread_vars}
     name = os.path.basename(script)
     fd, result = tempfile.mkstemp(prefix=f"{name[:-3]}-{framework}-", suffix=".json")
     os.close(fd)

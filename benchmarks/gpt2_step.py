@@ -75,7 +75,8 @@ def _tokens(spec):
     import numpy as np
     rng = np.random.default_rng(0)
     shape = (spec["batch"], spec["seq"])
-    return rng.integers(0, GPT2_VOCAB, size=shape), rng.integers(0, GPT2_VOCAB, size=shape)
+    vocab = spec.get("vocab", GPT2_VOCAB)
+    return rng.integers(0, vocab, size=shape), rng.integers(0, vocab, size=shape)
 
 
 def _gemm_peak(matmul, make, n=GEMM_N, repeats=5):
@@ -125,7 +126,8 @@ def child_ringpipe(spec, precision="float32"):
 
     K.set_matmul_precision(precision)
     n_layer, d_model, n_head, context = spec["shape"]
-    cfg = GPTConfig(n_layer=n_layer, d_model=d_model, n_head=n_head, context=context, vocab=GPT2_VOCAB)
+    cfg = GPTConfig(n_layer=n_layer, d_model=d_model, n_head=n_head, context=context,
+                    vocab=spec.get("vocab", GPT2_VOCAB))
     dtype = np.dtype(np.float32)
     model = LocalModel(gpt_layers(cfg), dtype, seed=1337)
     params = model.params
@@ -150,7 +152,7 @@ def child_ringpipe(spec, precision="float32"):
     out.update(params=int(params.size), vocab_rows=cfg.padded_vocab, loss_vocab=cfg.vocab,
                flops_per_token=flops_per_token(cfg, spec["seq"]), import_rss_bytes=import_rss,
                dtype="bf16 matmuls" if precision == "bf16" else "float32",
-               **({"bf16_gemm": K.bf16_gemm()} if precision == "bf16" else {}),
+               **({"bf16_gemm": K.bf16_gemm()} if precision == "bf16" else {"float32_gemm": K.float32_gemm()}),
                state_bytes=int(state), memory_floor_bytes=int(floor), memory_floor_what=floor_what,
                threads={"blas": _blas_threads(), **{v: os.environ.get(v) for v in THREAD_VARS},
                         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY")},
@@ -167,13 +169,15 @@ def child_torch(spec, bf16=False):
     from transformers import GPT2Config, GPT2LMHeadModel
     import_rss = rss_bytes()
 
-    torch.set_num_threads(spec["threads"])
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])        # 0: torch's own default (a thread per core)
     torch.manual_seed(0)
     n_layer, d_model, n_head, context = spec["shape"]
-    vocab_rows = -(-GPT2_VOCAB // 128) * 128          # ringpipe's padded rows (GPTConfig.padded_vocab)
+    vocab_rows = -(-spec.get("vocab", GPT2_VOCAB) // 128) * 128    # ringpipe's padded rows (GPTConfig.padded_vocab)
     config = GPT2Config(vocab_size=vocab_rows, n_positions=context, n_embd=d_model, n_layer=n_layer,
                         n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-                        layer_norm_epsilon=1e-5, activation_function="gelu_new", tie_word_embeddings=True)
+                        layer_norm_epsilon=1e-5, activation_function="gelu_new", tie_word_embeddings=True,
+                        bos_token_id=min(50256, vocab_rows - 1), eos_token_id=min(50256, vocab_rows - 1))
     config._attn_implementation = spec["torch_attn"]
     model = GPT2LMHeadModel(config).to(torch.float32)
     model.train()
@@ -250,7 +254,8 @@ def row(framework, r, spec, fpt):
             "losses": r["losses"], "threads": r["threads"], "versions": r["versions"],
             **{k: r[k] for k in ("wall_s", "cpu_s", "involuntary_switches", "load_before", "load_after")},
             **({"attn_implementation": r["attn_implementation"]} if "attn_implementation" in r else {}),
-            **({"bf16_gemm": r["bf16_gemm"]} if "bf16_gemm" in r else {})}
+            **({"bf16_gemm": r["bf16_gemm"]} if "bf16_gemm" in r else {}),
+            **({"float32_gemm": r["float32_gemm"]} if "float32_gemm" in r else {})}
 
 
 COLUMNS = [("framework", "framework", ""), ("dtype", "dtype", ""), ("step_s", "step s", ".3f"), ("fwd_bwd_s", "fwd+bwd s", ".3f"),
@@ -271,8 +276,12 @@ def parse_args(argv=None):
                    help=f"timed steps per framework (default {DEFAULTS['steps']}; --quick {QUICK['steps']})")
     p.add_argument("--warmup", type=nonneg_int, default=None,
                    help=f"untimed steps first (default {DEFAULTS['warmup']}; --quick {QUICK['warmup']})")
-    p.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1,
-                   help="threads for BLAS/OpenMP/Numba and torch, alike for both (default: every core, %(default)s)")
+    p.add_argument("--threads", type=nonneg_int, default=os.cpu_count() or 1,
+                   help="threads for BLAS/OpenMP/Numba and torch, alike for both (default: every core, %(default)s); "
+                        "0: each framework's own default (ringpipe's choice from the cores and the node's load, "
+                        "torch's thread per core)")
+    p.add_argument("--vocab", type=positive_int, default=GPT2_VOCAB,
+                   help=f"vocabulary (default GPT-2's, {GPT2_VOCAB}; the issue's small GPT also runs 256)")
     p.add_argument("--frameworks", type=choice_list(FRAMEWORKS), default=["ringpipe", "torch"],
                    help="comma list, run in this order (default ringpipe,torch; ringpipe-bf16 and torch-bf16: "
                         "bf16 matmuls and torch's bf16 autocast)")
@@ -309,15 +318,15 @@ def main(argv=None):
     if args.child:
         return child_main(*args.child)
     spec = {"shape": list(args.shape), "batch": args.batch, "seq": args.seq, "steps": args.steps,
-            "warmup": args.warmup, "threads": args.threads, "torch_attn": args.torch_attn}
+            "warmup": args.warmup, "threads": args.threads, "torch_attn": args.torch_attn, "vocab": args.vocab}
     from ringpipe.engine.model.gpt import GPTConfig, flops_per_token
     n_layer, d_model, n_head, context = args.shape
-    cfg = GPTConfig(n_layer=n_layer, d_model=d_model, n_head=n_head, context=context, vocab=GPT2_VOCAB)
+    cfg = GPTConfig(n_layer=n_layer, d_model=d_model, n_head=n_head, context=context, vocab=args.vocab)
     fpt = flops_per_token(cfg, args.seq)
     tokens = args.batch * args.seq
     name = args.shape_name
     print(f"# GPT-2 train step ({name}: {n_layer} layers x {d_model}, {n_head} heads, context {context}, vocab "
-          f"{GPT2_VOCAB} -> {cfg.padded_vocab} rows) | batch {args.batch} x seq {args.seq} = {tokens} tokens/step | "
+          f"{args.vocab} -> {cfg.padded_vocab} rows) | batch {args.batch} x seq {args.seq} = {tokens} tokens/step | "
           f"{', '.join(args.frameworks)} | {args.threads} thread(s) | median of {args.steps} steps after {args.warmup} | "
           f"{fpt * tokens / 1e12:.3f} TFLOP/step (engine.model.gpt.flops_per_token)", flush=True)
     runs = {fw: [] for fw in args.frameworks}

@@ -24,8 +24,9 @@ random token ids.
     clip_grad_norm_, torch.optim.AdamW (its default implementation); float32.
   * torch-bf16: the same model in float32 with torch.autocast("cpu", torch.bfloat16) around
     forward and loss (mixed precision: float32 weights, gradients and AdamW). Offered where the
-    CPU multiplies bf16 natively (lscpu flags avx512_bf16 or amx_bf16); ringpipe has no bf16
-    on the CPU, so this row is the bar a mixed-precision CPU user would compare with.
+    CPU multiplies bf16 natively (lscpu flags avx512_bf16 or amx_bf16).
+  * ringpipe-bf16 (asked for with --frameworks): ringpipe with kernels.set_matmul_precision("bf16"),
+    the trainer's --precision bf16 (bf16 GEMMs, float32 sums, master weights and AdamW).
 Each framework runs in a fresh child process, so its peak memory (ru_maxrss, from wait4) is its
 own; --rounds alternates the children (ringpipe, torch, torch-bf16, ringpipe, ...). Every child
 gets the same thread count in OMP_NUM_THREADS, OPENBLAS_NUM_THREADS, MKL_NUM_THREADS and
@@ -51,7 +52,7 @@ from _common import (choice_list, measure_steps, median, nonneg_int, output_path
 from _common import run_child as common_run_child  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FRAMEWORKS = ("ringpipe", "torch", "torch-bf16")
+FRAMEWORKS = ("ringpipe", "torch", "torch-bf16", "ringpipe-bf16")
 SHAPES = {        # LlamaConfig fields; "small" is ours, the others are engine/model/llama.py PRESETS
     "small": dict(n_layer=4, d_model=256, n_head=8, n_kv_head=2, d_ff=768, context=2048, vocab=49152,
                   tie_embeddings=True, rope_theta=100000.0),
@@ -96,7 +97,7 @@ def _threads(**own):
     return {**own, **{v: os.environ.get(v) for v in THREAD_VARS}}
 
 
-def child_ringpipe(spec):
+def child_ringpipe(spec, precision="float32"):
     from ringpipe.engine.job import runtime
     runtime.set_thread_defaults()          # as `ringpipe train` does, before numpy loads BLAS
     runtime.reuse_freed_memory()
@@ -109,7 +110,7 @@ def child_ringpipe(spec):
     from ringpipe.engine.train.config import Config, memory_floor
     import_rss = rss_bytes()
 
-    K.set_matmul_precision("float32")
+    K.set_matmul_precision(precision)
     cfg = shape_config(spec["shape"])
     dtype = np.dtype(np.float32)
     model = LocalModel(llama_layers(cfg), dtype, seed=1337)
@@ -131,7 +132,9 @@ def child_ringpipe(spec):
     state = params.data.nbytes + params.grad.nbytes + params.size + opt.m.nbytes + opt.v.nbytes
     floor, _ = memory_floor(Config(model="llama", batch_size=spec["batch"], seq_len=spec["seq"]), cfg, 1)
     out.update(params=int(params.size), vocab_rows=cfg.padded_vocab, loss_vocab=cfg.vocab, import_rss_bytes=import_rss,
-               state_bytes=int(state), memory_floor_bytes=int(floor), dtype="float32",
+               state_bytes=int(state), memory_floor_bytes=int(floor),
+               dtype="bf16 matmuls" if precision == "bf16" else "float32",
+               **({"bf16_gemm": K.bf16_gemm()} if precision == "bf16" else {"float32_gemm": K.float32_gemm()}),
                threads=_threads(numba=numba.get_num_threads()),
                versions={"numpy": np.__version__})
     return out
@@ -158,7 +161,8 @@ def child_torch(spec, bf16):
     import transformers
     import_rss = rss_bytes()
 
-    torch.set_num_threads(spec["threads"])
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])        # 0: torch's own default (a thread per core)
     cfg = shape_config(spec["shape"])
     model = _torch_model(cfg)
     params = list(model.parameters())                 # tied embedding counted once
@@ -197,7 +201,10 @@ def child_torch(spec, bf16):
 
 def child_main(framework, spec_json, result_path):
     spec = json.loads(spec_json)
-    out = child_ringpipe(spec) if framework == "ringpipe" else child_torch(spec, framework == "torch-bf16")
+    if framework.startswith("ringpipe"):
+        out = child_ringpipe(spec, "bf16" if framework == "ringpipe-bf16" else "float32")
+    else:
+        out = child_torch(spec, framework == "torch-bf16")
     with open(result_path, "w") as fh:
         json.dump(out, fh)
 
