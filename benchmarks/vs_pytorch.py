@@ -250,6 +250,20 @@ COLUMNS = [("load", "load", ""), ("label", "cell", ""), ("threads", "threads", "
            ("ratio", "ratio", ".2f"), ("ratio_range", "rounds", ""), ("peak_rss_ratio", "peak RSS ratio", ".2f")]
 
 
+def kept_shares(rows):
+    """Each busy row's share of its quiet twin's speed (same cell, threads and precision), per framework."""
+    kept = []
+    for r in rows:
+        if r["load"] != "quiet" and r["torch_tokens_per_s"]:
+            base = [q for q in rows if q["load"] == "quiet" and q["cell"] == r["cell"]
+                    and q["threads"] == r["threads"] and q["precision"] == r["precision"]]
+            if base:
+                kept.append({"load": r["load"], "label": r["label"], "threads": r["threads"], "precision": r["precision"],
+                             "ringpipe_kept": r["ringpipe_tokens_per_s"] / base[0]["ringpipe_tokens_per_s"],
+                             "torch_kept": r["torch_tokens_per_s"] / base[0]["torch_tokens_per_s"]})
+    return kept
+
+
 # ---- ranks per job ----------------------------------------------------------------------------
 
 def ranks_comparison(rounds, tmp, quick):
@@ -338,15 +352,7 @@ def main(argv=None):
                         raw.append({"load": load, "cell": name, "threads": threads, "runs": runs})
         ranks = ranks_comparison(max(2, args.rounds if not args.quick else 1), tmp, args.quick) if args.ranks else []
     print(table(rows, COLUMNS))
-    kept = []
-    for r in rows:
-        if r["load"] != "quiet" and r["torch_tokens_per_s"]:
-            base = [q for q in rows if q["load"] == "quiet" and q["cell"] == r["cell"]
-                    and q["threads"] == r["threads"] and q["precision"] == r["precision"]]
-            if base:
-                kept.append({"load": r["load"], "label": r["label"], "threads": r["threads"], "precision": r["precision"],
-                             "ringpipe_kept": r["ringpipe_tokens_per_s"] / base[0]["ringpipe_tokens_per_s"],
-                             "torch_kept": r["torch_tokens_per_s"] / base[0]["torch_tokens_per_s"]})
+    kept = kept_shares(rows)
     if kept:
         print(table(kept, [("load", "load", ""), ("label", "cell", ""), ("threads", "threads", ""),
                            ("precision", "precision", ""), ("ringpipe_kept", "ringpipe keeps", ".0%"),
