@@ -298,12 +298,24 @@ def ranks_comparison(rounds, tmp, quick):
 
 # ---- main -------------------------------------------------------------------------------------
 
+def thread_counts(text):
+    """"1,2" -> [1, 2]: thread counts, 0 for each framework's own default."""
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        counts = [-1]
+    if any(n < 0 or n > 1024 for n in counts):
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma list of thread counts, 0 (each framework's default) "
+                                         "to 1024")
+    return counts
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cells", type=choice_list(tuple(CELLS)), default=list(CELLS), help="comma list (default all)")
     p.add_argument("--busy-cells", type=choice_list(tuple(CELLS)), default=["small256"],
                    help="the cells the busy phases run (default small256)")
-    p.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2],
+    p.add_argument("--threads", type=thread_counts, default=[1, 2],
                    help="comma list of thread counts (default 1,2; 0: each framework's default)")
     p.add_argument("--rounds", type=positive_int, default=3, help="fresh children per framework, alternating")
     p.add_argument("--loads", type=choice_list(LOADS), default=["quiet"], help=f"comma list of {', '.join(LOADS)}")
@@ -314,8 +326,6 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.gemm_child:
         return args
-    if any(t < 0 for t in args.threads):
-        p.error("argument --threads: counts are 0 (each framework's default) or more")
     if args.quick:
         args.cells = [c for c in args.cells if c in QUICK_CELLS] or ["small256"]
         args.busy_cells = [c for c in args.busy_cells if c in QUICK_CELLS] or ["small256"]
