@@ -258,7 +258,11 @@ def wants(a, b, out, trans_a=False, trans_b=False):
     """Does this GEMM go to oneDNN? float32 numpy operands (and out), matrices of at least
     SMALL_MACS multiply-adds, and oneDNN chosen."""
     arrays = (a, b) if out is None else (a, b, out)
-    if not all(type(x) is np.ndarray and x.dtype == np.float32 and x.flags.aligned for x in arrays):
+    if not all(type(x) is np.ndarray and x.dtype == np.float32 and x.flags.aligned and x.ndim >= 2 for x in arrays):
+        return False
+    # numpy's own checks and copies where the library would write blindly: a read-only out,
+    # or an out that overlaps an operand
+    if out is not None and (not out.flags.writeable or np.may_share_memory(out, a) or np.may_share_memory(out, b)):
         return False
     M, K = (a.shape[-1], a.shape[-2]) if trans_a else a.shape[-2:]
     N = b.shape[-2] if trans_b else b.shape[-1]

@@ -65,6 +65,14 @@ def test_batched_and_broadcast_gemms_and_small_ones_left_to_numpy(monkeypatch):
     np.testing.assert_allclose(kernels.matmul(a, b), _ref(a, b, False, False), rtol=1e-4, atol=1e-4)
     w = rng.standard_normal((64, 48), dtype=np.float32)
     np.testing.assert_allclose(kernels.matmul(a, w, trans_b=True), _ref(a, w, False, True), rtol=1e-4, atol=1e-4)
+    # what the library cannot do safely goes to numpy: a read-only or overlapping out, vectors
+    ro = np.zeros((64, 64), np.float32)
+    ro.flags.writeable = False
+    sq = rng.standard_normal((64, 64), dtype=np.float32)
+    assert not sgemm.wants(sq, sq, ro) and not sgemm.wants(sq, sq, sq) and sgemm.wants(sq, sq, None)
+    with pytest.raises(ValueError):
+        kernels.matmul(sq, sq, ro)
+    assert not sgemm.wants(sq[0], sq, None)
     small = rng.standard_normal((8, 8), dtype=np.float32)
     assert not sgemm.wants(small, small, None)                    # 512 multiply-adds: numpy's
     assert not sgemm.wants(a.astype(np.float64), b.astype(np.float64), None)
