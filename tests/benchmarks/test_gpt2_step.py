@@ -76,7 +76,8 @@ def test_quick_one_framework_two_rounds_has_no_ratio(tmp_path):
     (["--quick", "--seq", "65"], ["--seq", "context 64"]),
     (["--steps", "0"], ["--steps", ">= 1"]),
     (["--warmup", "-1"], ["--warmup", ">= 0"]),
-    (["--threads", "0"], ["--threads", ">= 1"]),
+    (["--threads", "-1"], ["--threads", ">= 0"]),      # 0: each framework's own default
+    (["--vocab", "0"], ["--vocab", ">= 1"]),
     (["--frameworks", "ringpipe,jax"], ["--frameworks", "'jax'", "ringpipe,torch"]),
     (["--rounds", "0"], ["--rounds", ">= 1"]),
     (["--torch-attn", "flash"], ["--torch-attn", "invalid choice"]),
