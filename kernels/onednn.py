@@ -154,23 +154,62 @@ def gemm(lib, fn, name, a, ta, b, tb, out, accumulate, hint):
     beta = 1.0 if accumulate and c is out else 0.0
     ca, cb = (b"T" if ta else b"N"), (b"T" if tb else b"N")
     lda, ldb, ldc = leading_dim(a), leading_dim(b), leading_dim(c)
-    # Small matrices (attention heads) run on one thread: waking a second sleeping
-    # OpenMP thread costs about 10 us a call (measured), more than a 128^3 GEMM gains.
+    # Small matrices (attention heads) run on one OpenMP thread each: waking a second
+    # sleeping OpenMP thread costs about 10 us a call (measured), more than a 128^3 GEMM
+    # gains. A batch of them is shared out among the threads instead (_run_shared).
     threads = lib.get_num_threads() if M * N * K < SMALL_MACS else 1
+    addresses = matrix_addresses(batch, a, b, c)
+    args = (ca, cb, M, N, K, 1.0, lda, ldb, beta, ldc)
     if threads > 1:
         lib.set_num_threads(1)
     try:
-        for pa, pb, pc in matrix_addresses(batch, a, b, c):
-            status = fn(ca, cb, M, N, K, 1.0, pa, lda, pb, ldb, beta, pc, ldc)
-            if status != 0:
-                raise RuntimeError(f"{name} failed with status {status} on ({M}, {N}, {K}) "
-                                   f"trans {ca.decode()}{cb.decode()}, lda {lda} ldb {ldb} ldc {ldc}; {hint}")
+        failed = _run_shared(lib, fn, args, addresses, threads) if threads > 1 and len(addresses) > 1 \
+            else _run(fn, args, addresses)
     finally:
         if threads > 1:
             lib.set_num_threads(threads)
+    if failed:
+        raise RuntimeError(f"{name} failed with status {failed} on ({M}, {N}, {K}) "
+                           f"trans {ca.decode()}{cb.decode()}, lda {lda} ldb {ldb} ldc {ldc}; {hint}")
     if c is not out:
         if accumulate:
             out += c
         else:
             out[...] = c
     return out
+
+
+def _run(fn, args, addresses):
+    """Each matrix's GEMM in turn; the first failing status, or 0."""
+    ca, cb, M, N, K, alpha, lda, ldb, beta, ldc = args
+    for pa, pb, pc in addresses:
+        status = fn(ca, cb, M, N, K, alpha, pa, lda, pb, ldb, beta, pc, ldc)
+        if status != 0:
+            return status
+    return 0
+
+
+_pool = {"executor": None, "size": 0}
+
+
+def _run_shared(lib, fn, args, addresses, threads):
+    """The matrices of a batch of small GEMMs shared out among THREADS threads, each matrix on
+    one (this thread takes the first share; ctypes lets go of the GIL during each call, so the
+    shares run at once). Every matrix is computed as _run would: the same numbers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if _pool["size"] != threads - 1:
+        if _pool["executor"] is not None:
+            _pool["executor"].shutdown(wait=True)
+        _pool["executor"] = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="ringpipe-gemm")
+        _pool["size"] = threads - 1
+    step = -(-len(addresses) // threads)
+    shares = [addresses[i:i + step] for i in range(0, len(addresses), step)]
+
+    def share(part):
+        lib.set_num_threads(1)        # an OpenMP setting of the calling thread: one thread per matrix
+        return _run(fn, args, part)
+
+    futures = [_pool["executor"].submit(share, part) for part in shares[1:]]
+    statuses = [_run(fn, args, shares[0])] + [f.result() for f in futures]
+    return next((s for s in statuses if s), 0)

@@ -141,3 +141,30 @@ def test_the_settings_force_a_library_and_a_bad_one_is_refused(monkeypatch):
         kernels.use_float32_gemm("mkl")
     kernels.use_float32_gemm("blas", "rank 0's choice")
     assert kernels.float32_gemm_choice() == "blas" and "rank 0's choice" in kernels.float32_gemm()
+
+
+@needs_onednn
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_batch_of_small_gemms_shared_among_threads_gives_the_same_bits(bf16):
+    """Attention's per-head GEMMs run one thread each; with 2 threads the batch is shared out
+    between two Python threads (kernels/onednn.py _run_shared): every matrix computed as alone."""
+    lib = onednn.library()[0]
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((4, 3, 64, 32), dtype=np.float32)
+    k = rng.standard_normal((4, 3, 64, 32), dtype=np.float32)
+    if bf16:
+        q, k = kernels.to_bf16(q), kernels.to_bf16(k)
+    fn = lib.gemm if bf16 else lib.sgemm
+    before = lib.get_num_threads()
+    try:
+        lib.set_num_threads(1)
+        alone = onednn.gemm(lib, fn, "gemm", q, False, k, True, None, False, "")
+        lib.set_num_threads(2)
+        shared = onednn.gemm(lib, fn, "gemm", q, False, k, True, None, False, "")
+        assert lib.get_num_threads() == 2                       # this thread's setting restored
+    finally:
+        lib.set_num_threads(before)
+    np.testing.assert_array_equal(shared, alone)
+    ref = np.matmul((kernels.from_bf16(q) if bf16 else q).astype(np.float64),
+                    np.swapaxes(kernels.from_bf16(k) if bf16 else k, -1, -2).astype(np.float64))
+    np.testing.assert_allclose(alone, ref, rtol=1e-4, atol=1e-4)
