@@ -13,6 +13,8 @@ fixed batch of random GPT-2 token ids (batch x seq).
     vocabulary 50257 padded to 50304 rows, the padding's logits masked.
   * ringpipe-bf16: the same with kernels.set_matmul_precision("bf16") (the trainer's --precision
     bf16: bf16 GEMMs, float32 sums, master weights and AdamW; kernels.bf16_gemm() says which GEMM).
+  * ringpipe-bf16-selective: ringpipe-bf16 with the trainer's --recompute selective (attention's
+    probabilities computed again in the backward instead of kept: what PyTorch's SDPA does).
   * torch-bf16: the PyTorch model below in float32 with torch.autocast("cpu", torch.bfloat16)
     around forward and loss (the loss on float32 logits), what a PyTorch user on a bf16 CPU runs.
   * --shape small: 4 layers x 256, 8 heads, context 256, GPT-2's vocabulary (a small GPT).
@@ -51,7 +53,7 @@ from _common import (choice_list, measure_steps, median, nonneg_int, output_path
 from _common import run_child as common_run_child  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FRAMEWORKS = ("ringpipe", "torch", "ringpipe-bf16", "torch-bf16")
+FRAMEWORKS = ("ringpipe", "torch", "ringpipe-bf16", "torch-bf16", "ringpipe-bf16-selective")
 GPT2_VOCAB = 50257
 PRESET = "gpt2-124m"                 # engine/model/gpt.py PRESETS: (n_layer, d_model, n_head, context)
 SMALL_SHAPE = (4, 256, 8, 256)       # --shape small
@@ -112,7 +114,7 @@ def _blas_threads():
     return None
 
 
-def child_ringpipe(spec, precision="float32"):
+def child_ringpipe(spec, precision="float32", recompute="none"):
     from ringpipe.engine.job import runtime
     runtime.set_thread_defaults()          # as `ringpipe train` does, before numpy loads BLAS
     runtime.reuse_freed_memory()
@@ -130,6 +132,7 @@ def child_ringpipe(spec, precision="float32"):
                     vocab=spec.get("vocab", GPT2_VOCAB))
     dtype = np.dtype(np.float32)
     model = LocalModel(gpt_layers(cfg), dtype, seed=1337)
+    model.chain.set_recompute(recompute)      # the trainer's --recompute (selective: attention's probabilities)
     params = model.params
     opt = make_optimizer("adamw", params.size, dtype, np, params.decay_mask(), 0.1)
     x, y = _tokens(spec)
@@ -223,7 +226,8 @@ def child_torch(spec, bf16=False):
 def child_main(framework, spec_json, result_path):
     spec = json.loads(spec_json)
     if framework.startswith("ringpipe"):
-        out = child_ringpipe(spec, "bf16" if framework == "ringpipe-bf16" else "float32")
+        out = child_ringpipe(spec, "bf16" if framework.startswith("ringpipe-bf16") else "float32",
+                             "selective" if framework.endswith("-selective") else "none")
     else:
         out = child_torch(spec, bf16=framework == "torch-bf16")
     out["peak_rss_self_bytes"] = _peak_rss_bytes()

@@ -69,7 +69,7 @@ QUICK_CELLS = {
               "label": "tiny Llama (hf-tiny)"},
 }
 LOADS = ("quiet", "busy2", "ringpipe")
-PAIRS = (("ringpipe", "torch"), ("ringpipe-bf16", "torch-bf16"))
+PAIRS = (("ringpipe", "torch"), ("ringpipe-bf16", "torch-bf16"), ("ringpipe-bf16-selective", "torch-bf16"))
 SCRIPTS = {"gpt2": gpt2_step, "llama": llama_step}
 
 
@@ -194,11 +194,13 @@ class Neighbours:
 
 # ---- one cell ---------------------------------------------------------------------------------
 
-def frameworks(bf16):
-    return ["ringpipe", "torch"] + (["ringpipe-bf16", "torch-bf16"] if bf16 else [])
+def frameworks(bf16, selective=False):
+    """The children of a round, in order; SELECTIVE adds ringpipe-bf16 with --recompute selective."""
+    return ["ringpipe", "torch"] + (["ringpipe-bf16", "torch-bf16"] if bf16 else []) + \
+        (["ringpipe-bf16-selective"] if bf16 and selective else [])
 
 
-def run_cell(name, cell, threads, rounds, bf16, extra_one_thread=False):
+def run_cell(name, cell, threads, rounds, bf16, extra_one_thread=False, selective=False):
     """Alternating rounds of every framework on one cell: {framework: [round results]}."""
     script = SCRIPTS[cell["script"]]
     spec = {k: cell[k] for k in ("shape", "batch", "seq", "steps", "warmup")}
@@ -207,7 +209,7 @@ def run_cell(name, cell, threads, rounds, bf16, extra_one_thread=False):
         spec["vocab"] = cell["vocab"]
     tokens = cell["batch"] * cell["seq"]
     runs = {}
-    order = frameworks(bf16) + (["ringpipe@1"] if extra_one_thread else [])
+    order = frameworks(bf16, selective and cell["script"] == "gpt2") + (["ringpipe@1"] if extra_one_thread else [])
     for n in range(rounds):
         for fw in order:
             one = fw == "ringpipe@1"
@@ -229,7 +231,8 @@ def summarize(name, cell, threads, runs, load):
         ratios = [x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(runs[a], runs[b])]
         mem = [x["peak_rss_bytes"] / y["peak_rss_bytes"] for x, y in zip(runs[a], runs[b])]
         rows.append({"load": load, "cell": name, "label": cell["label"], "threads": threads or "default",
-                     "precision": "bf16" if "bf16" in a else "float32",
+                     "precision": ("bf16, --recompute selective" if a.endswith("-selective") else "bf16")
+                     if "bf16" in a else "float32",
                      "ringpipe_tokens_per_s": median([x["tokens_per_s"] for x in runs[a]]),
                      "torch_tokens_per_s": median([y["tokens_per_s"] for y in runs[b]]),
                      "ratio": median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
@@ -319,6 +322,9 @@ def parse_args(argv=None):
                    help="comma list of thread counts (default 1,2; 0: each framework's default)")
     p.add_argument("--rounds", type=positive_int, default=3, help="fresh children per framework, alternating")
     p.add_argument("--loads", type=choice_list(LOADS), default=["quiet"], help=f"comma list of {', '.join(LOADS)}")
+    p.add_argument("--selective", action="store_true",
+                   help="GPT cells also run ringpipe bf16 with --recompute selective (no attention probabilities "
+                        "kept, as PyTorch's SDPA)")
     p.add_argument("--ranks", action="store_true", help="also 2 vs 4 ranks of `ringpipe train` on this node")
     p.add_argument("--quick", action="store_true", help="tiny shapes, one round (for tests)")
     p.add_argument("--json", type=output_path, default=None, help="write the results here")
@@ -357,7 +363,7 @@ def main(argv=None):
                 for name in names:
                     for threads in counts:
                         runs = run_cell(name, cells[name], threads, args.rounds, bf16,
-                                        extra_one_thread=load != "quiet" and threads == 0)
+                                        extra_one_thread=load != "quiet" and threads == 0, selective=args.selective)
                         rows += summarize(name, cells[name], threads, runs, load)
                         raw.append({"load": load, "cell": name, "threads": threads, "runs": runs})
         ranks = ranks_comparison(max(2, args.rounds if not args.quick else 1), tmp, args.quick) if args.ranks else []
