@@ -186,7 +186,10 @@ class Neighbours:
     def __exit__(self, *exc):
         for p in self.procs:
             try:
-                os.killpg(p.pid, signal.SIGKILL) if self.load == "ringpipe" else p.kill()
+                if self.load == "ringpipe":           # the loop's shell and the trainer it started
+                    os.killpg(p.pid, signal.SIGKILL)
+                else:
+                    p.kill()
             except ProcessLookupError:
                 pass
             p.wait()

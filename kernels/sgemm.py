@@ -219,9 +219,10 @@ def choice():
 def use(name, why="chosen by the caller"):
     """Run NAME ("blas" or "onednn") from now on: the trainer gives every rank rank 0's choice."""
     if name not in CHOICES:
-        raise ValueError(f"kernels.use_sgemm: {name!r} is not one of {', '.join(CHOICES)}")
-    if name == "onednn" and onednn.library()[0] is None:
-        raise SgemmUnavailable(f"oneDNN's sgemm was chosen, but {onednn.library()[1]}")
+        raise ValueError(f"kernels.use_float32_gemm: {name!r} is not one of {', '.join(CHOICES)}")
+    lib, missing = onednn.library()
+    if name == "onednn" and lib is None:
+        raise SgemmUnavailable(f"oneDNN's sgemm was chosen, but {missing}")
     _state["choice"] = (name, why)
 
 

@@ -503,10 +503,9 @@ def agree_on_float32_gemm(training: Run) -> None:
         return
     world = training.world
     name = agree_on_rank0(world, K.float32_gemm_choice, "choice of the float32 GEMM (RINGPIPE_SGEMM)")
-    if world.Get_rank() != 0:
-        agree(world, lambda: K.use_float32_gemm(name, "rank 0's choice"), "float32 GEMM of rank 0")
-    else:
-        agree(world, lambda: None, "float32 GEMM of rank 0")
+    # rank 0 already runs it; the others take it (an error where a rank lacks the library)
+    agree(world, lambda: world.Get_rank() == 0 or K.use_float32_gemm(name, "rank 0's choice"),
+          "float32 GEMM of rank 0")
 
 
 # ---- reporting --------------------------------------------------------------------------------
