@@ -76,11 +76,17 @@ def test_every_rank_reports_a_plausible_time_split(shared_dir, layout):
             assert row["items_per_s"] == pytest.approx(expected, rel=0.1), where
         # Each rank's mean over the interval against the interval's global step times (rank 0's clock).
         global_mean = statistics.mean(by_step[s]["step_ms"] for s in range(step - 3, step + 1))
-        # (Ranks enter a step at different moments: rank 0 writes the records between steps. With
-        # more ranks than cores the scheduler's cuts make these ~10 ms steps differ more.)
-        close = 0.2 if world.size <= len(os.sched_getaffinity(0)) else 0.4
+        # (Ranks enter a step at different moments: rank 0 writes the records between steps.) The
+        # time from a step's last collective to its end (the update) is each rank's own: with more
+        # ranks than cores (4 on the 2-core CI machine) a rank taken off its core there for a
+        # scheduler slice or two (3 ms each) lengthens its own step only. These steps take 3-6 ms,
+        # so that is allowed for as time (12 ms over the interval's 4 steps), not as a ratio: a
+        # unit or interval mistake (x1000, x4) still fails.
+        oversubscribed = world.size > len(os.sched_getaffinity(0))
+        close = 0.4 if oversubscribed else 0.2
+        slack_ms = 12.0 / 4 if oversubscribed else 0.0
         for row in rows:
-            assert row["step_ms"] == pytest.approx(global_mean, rel=close), (layout, step, row["rank"])
+            assert row["step_ms"] == pytest.approx(global_mean, rel=close, abs=slack_ms), (layout, step, row["rank"])
     sections = [row for step in (4, 8, 12) for row in by_step[step]["ranks"]]
     # The issue's "the time split adds up to the step time within 5%": what no span timed,
     # over every rank and interval of the run. With more ranks than cores (4 on the 2-core CI
