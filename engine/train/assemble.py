@@ -12,6 +12,7 @@ import importlib.util
 import math
 import os
 import sys
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -265,6 +266,7 @@ def shape_data_device(training: Run) -> None:
                           + (f"<seq_len> (the context is {fixed}'s)" if fixed else
                              f"<seq_len> or raise <context> (at least {training.seq_len})"))
     check_tokenizer(training)
+    cfg = training.cfg = resolve_recompute(training)
     check_tensor_parallel(cfg, training.shape, training.seq_len)
     # Nodes may differ in memory: every rank checks its own node, all agree.
     dp = training.grid.size("data")
@@ -281,6 +283,22 @@ def shape_data_device(training: Run) -> None:
     training.xp, training.transport = agree(training.world, pick_device, "device setup",
                                             hint="does every node have CuPy and a visible GPU?")
     describe_data(training)
+
+
+def resolve_recompute(training: Run) -> Config:
+    """<recompute> auto made concrete from the model's shape (memory.recompute_of), said when it
+    recomputes; the run's Config from here on carries the mode (the layers, the memory report,
+    the checkpoint's arguments). The user's Config is left as it was."""
+    cfg = training.cfg
+    if cfg.recompute != "auto":
+        return cfg
+    mode = memory.recompute_of(cfg, training.shape, training.seq_len)
+    if mode != "none":
+        share = memory.probabilities_share(training.shape, training.seq_len)
+        training.report.say(f"recompute {mode} (auto): the attention probabilities would be {share:.0%} of what a "
+                            f"block keeps at T {training.seq_len}, so backward computes them again from q and k "
+                            "(as SDPA does; a few percent more compute); --recompute none keeps them")
+    return dataclasses.replace(cfg, recompute=mode)
 
 
 def check_assumed_vocab(training: Run) -> None:

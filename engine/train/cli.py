@@ -184,8 +184,10 @@ def _parallelism_flags(p):
                    help="with --tp: LayerNorms and the residual stream split along the sequence between the "
                         "tensor-parallel regions (all-gather/reduce-scatter instead of all-reduce; activation "
                         "memory there / tp). --seq-len must be a multiple of --tp")
-    g.add_argument("--recompute", choices=["none", "full", "selective"], default="none",
-                   help="activation recomputation of transformer blocks (GPT, Llama): none (default) keeps every "
+    g.add_argument("--recompute", choices=["auto", "none", "full", "selective"], default="auto",
+                   help="activation recomputation of transformer blocks (GPT, Llama): auto (default) is selective "
+                        "where the attention probabilities would be a third or more of what a block keeps (long "
+                        "sequences: GPT-2 124M at T 1024), else none; none keeps every "
                         "activation until backward; full keeps only each block's input and runs the block's "
                         "forward again in backward (about a third more compute; a block keeps T x C numbers a sequence); selective "
                         "drops only the attention probabilities (heads x T x T per sequence) and recomputes "

@@ -24,6 +24,7 @@ import numpy as np
 from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.model.chain import RECOMPUTE
 from ringpipe.engine.model.registry import names_of
+from ringpipe.engine.train.memory import recompute_of
 from ringpipe.engine.train.ranges import MAX_STALENESS, check_ranges
 
 # Fine-tuning (init_from) defaults, each used only where the setting was not given
@@ -87,7 +88,7 @@ class Config:
     tp: int = 1                        # tensor-parallel ranks (GPT, Llama): heads, MLP features, vocabulary split
     sequence_parallel: bool = False    # with tp > 1: the stream between the TP regions split along T
     tp_overlap: str = "auto"           # auto | on | off: input-gradient reductions beside weight-gradient GEMMs
-    recompute: str = "none"            # none | full | selective: activations a block recomputes in backward
+    recompute: str = "auto"            # auto | none | full | selective: activations a block recomputes in backward
     schedule: str | None = None        # gpipe | 1f1b | interleaved | zbh1 (1f1b)
     microbatches: int = 1              # per step and data-parallel replica
     chunks: int = 1                    # model chunks per pipeline rank (interleaved)
@@ -463,9 +464,9 @@ def _check_combinations(cfg: Config, dp: int, world_size: int = 0) -> list[str]:
     _check_recipe(cfg)
     if cfg.tp_overlap not in ("auto", "on", "off"):
         raise ConfigError(f"<tp_overlap> must be auto, on or off, got {cfg.tp_overlap!r}")
-    if cfg.recompute not in RECOMPUTE:
-        raise ConfigError(f"<recompute> must be {', '.join(RECOMPUTE)}, got {cfg.recompute!r}")
-    if cfg.recompute != "none" and not cfg.recipe.blocks:
+    if cfg.recompute not in ("auto", *RECOMPUTE):
+        raise ConfigError(f"<recompute> must be auto, {', '.join(RECOMPUTE)}, got {cfg.recompute!r}")
+    if cfg.recompute not in ("auto", "none") and not cfg.recipe.blocks:
         raise ConfigError(f"<recompute> {cfg.recompute} recomputes transformer blocks in backward, and <model> "
                           f"{cfg.model} has none: it works for <model> {names_of(lambda r: r.blocks)}; leave "
                           f"<recompute> none for <model> {cfg.model}")
@@ -685,7 +686,7 @@ def memory_floor(cfg: Config, shape, dp: int) -> tuple[float, str]:
     of failing with a MemoryError minutes in. Real use is higher."""
     itemsize = np.dtype(cfg.dtype).itemsize
     n_params, elements = cfg.recipe.memory(shape, cfg.batch_size // dp, cfg.microbatches, cfg.seq_len, cfg.pp)
-    if cfg.recompute != "none" and hasattr(shape, "n_layer"):
+    if recompute_of(cfg, shape, cfg.seq_len or getattr(shape, "context", 0)) != "none" and hasattr(shape, "n_layer"):
         # Recomputation holds one block's activations whole at a time (full: the one it runs
         # again; selective: the probabilities of the one in backward): count one block a stage.
         one_block = dataclasses.replace(shape, n_layer=cfg.pp)

@@ -159,6 +159,33 @@ def block_activations(shape, rows, T, tp=1, sp=False, recompute="none"):
     return s * whole, s * working
 
 
+# <recompute> auto: selective where the attention probabilities (H T^2 a sequence) would be at
+# least this share of what a block keeps. They are what PyTorch's SDPA and every flash-attention
+# trainer never keep; computing them again costs QK^T and the softmax, about T / (36 C) of the
+# block's compute: 4% at GPT-2 124M's T = 1024, C = 768, where they are half of the block. A
+# small model's short sequences keep them (a fifth of the block at T = 128, C = 256, H = 8).
+AUTO_SELECTIVE_SHARE = 1 / 3
+
+
+def probabilities_share(shape, T) -> float:
+    """The share of a block's kept activations that are its attention probabilities
+    (block_activations with recompute none; 0 for a model without blocks)."""
+    if not hasattr(shape, "n_head") or not T:
+        return 0.0
+    kept, _ = block_activations(shape, 1, T)
+    return 4 * shape.n_head * T * T / kept
+
+
+def recompute_of(cfg, shape, T) -> str:
+    """The run's recomputation: <recompute> as given, or auto's choice for this shape and
+    sequence length (selective at AUTO_SELECTIVE_SHARE, else none; none without blocks)."""
+    mode = getattr(cfg, "recompute", "none") or "none"
+    if mode != "auto":
+        return mode
+    blocks = getattr(getattr(cfg, "recipe", None), "blocks", False)
+    return "selective" if blocks and probabilities_share(shape, T) >= AUTO_SELECTIVE_SHARE else "none"
+
+
 def embedding_activations(rows, T):
     return 8 * rows * T             # the token ids (int64) it keeps for its backward
 
@@ -352,9 +379,9 @@ def _predict_activations(b, cfg, shape, seq_len, dp, pipe_rank, layers, bounds, 
     the schedule's micro-batches in flight, plus the largest backward working set."""
     s = np.dtype(cfg.dtype).itemsize
     tp, sp = cfg.tp, bool(cfg.sequence_parallel)
-    recompute = getattr(cfg, "recompute", "none") or "none"
     rows = cfg.batch_size // dp // cfg.microbatches
     T = seq_len or 1
+    recompute = recompute_of(cfg, shape, T)
     scale = s / 4
     per_chunk, working = {}, 0.0
     is_text = cfg.recipe.data == "tokens" and hasattr(shape, "n_head")

@@ -15,7 +15,7 @@ from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.model.chain import BlockInput, LayerChain
 from ringpipe.engine.model.gpt import GPTConfig, gpt_layers
 from ringpipe.engine.model.llama import LlamaConfig, llama_layers
-from ringpipe.engine.train import config as config_checks
+from ringpipe.engine.train import config as config_checks, memory
 from ringpipe.engine.train.config import Config
 
 from tests.support.parity import assert_same_arrays, final_arrays, losses, train
@@ -126,10 +126,27 @@ def test_recomputation_of_a_model_without_blocks_is_refused_naming_what_works():
     with pytest.raises(ConfigError, match=r"recompute full .* model mlp has none: it works for model gpt "
                                           r"or llama; leave recompute none"):
         config_checks.check(Config(model="mlp", recompute="full"), 1)
-    with pytest.raises(ConfigError, match="recompute must be none, full, selective"):
+    with pytest.raises(ConfigError, match="recompute must be auto, none, full, selective"):
         config_checks.check(Config(recompute="partial"), 1)
-    for mode in MODES:
+    for mode in MODES + ("auto",):
         config_checks.check(Config(model="llama", recompute=mode), 1)
+    config_checks.check(Config(model="mlp"), 1)         # auto, the default: nothing to recompute, no refusal
+
+
+def test_auto_recomputes_where_the_attention_probabilities_outweigh_the_rest():
+    """auto: selective where H T^2 is a third or more of what a block keeps (GPT-2 124M at
+    T 1024: a half), none for short sequences (the small GPT at T 128: a fifth) and for a
+    model without blocks; a mode given is kept."""
+    gpt2 = GPTConfig(n_layer=12, d_model=768, n_head=12, context=1024, vocab=50257)
+    small = GPTConfig(n_layer=4, d_model=256, n_head=8, context=128, vocab=256)
+    assert memory.probabilities_share(gpt2, 1024) == pytest.approx(0.5, abs=0.01)
+    assert memory.probabilities_share(small, 128) == pytest.approx(0.2, abs=0.01)
+    assert memory.recompute_of(Config(), gpt2, 1024) == "selective"
+    assert memory.recompute_of(Config(), gpt2, 128) == "none"       # the same model on short sequences
+    assert memory.recompute_of(Config(), small, 128) == "none"
+    assert memory.recompute_of(Config(model="mlp"), gpt2, 1024) == "none"
+    for mode in MODES:
+        assert memory.recompute_of(Config(recompute=mode), gpt2, 1024) == mode
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])
@@ -148,3 +165,22 @@ def test_a_run_with_recomputation_equals_one_without(tmp_path, model):
         assert losses(par.out) == losses(ref.out)
         assert_same_arrays(final_arrays(par.out), final_arrays(ref.out), 0.0, mode)
         assert f"recompute {mode}" in par.model.describe()
+
+
+def test_auto_through_the_library_recomputes_long_sequences_and_says_so(tmp_path, capsys):
+    """Heads 4 at T 64, C 16: the probabilities are half of a block's activations, so auto (the
+    default) runs selective: the same bits as none, the start-up lines say it and why, and the
+    caller's Config still says auto."""
+    def config(mode, **more):
+        return Config(data="synthetic", layers=2, d_model=16, heads=4, context=64, batch_size=2, steps=2,
+                      sample_tokens=0, eval_every=2, eval_batches=1, out=os.path.join(tmp_path, mode), **more)
+    auto = config("auto", quiet=False)
+    par = train(auto, MPI.COMM_SELF)
+    assert auto.recompute == "auto"
+    assert "recompute selective" in par.model.describe()
+    said = capsys.readouterr().out
+    assert "recompute selective (auto): the attention probabilities would be 50% of what a block keeps at T 64" in said
+    ref = train(config("none", recompute="none", quiet=True), MPI.COMM_SELF)
+    assert "recompute" not in ref.model.describe()
+    assert losses(par.out) == losses(ref.out)
+    assert_same_arrays(final_arrays(par.out), final_arrays(ref.out), 0.0, "auto")
