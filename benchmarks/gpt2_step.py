@@ -114,13 +114,14 @@ def _blas_threads():
     return None
 
 
-def child_ringpipe(spec, precision="float32", recompute="none"):
+def child_ringpipe(spec, precision="float32", recompute="auto"):
     from ringpipe.engine.job import runtime
     runtime.set_thread_defaults()          # as `ringpipe train` does, before numpy loads BLAS
     runtime.reuse_freed_memory()
     import numpy as np
     from ringpipe import kernels as K
     from ringpipe.engine.train.config import Config, memory_floor
+    from ringpipe.engine.train.memory import recompute_of
     from ringpipe.engine.model.gpt import GPTConfig, flops_per_token, gpt_layers
     from ringpipe.engine.model.optim import clip, make_optimizer
     from ringpipe.engine.parallel.local import LocalModel
@@ -132,10 +133,13 @@ def child_ringpipe(spec, precision="float32", recompute="none"):
                     vocab=spec.get("vocab", GPT2_VOCAB))
     dtype = np.dtype(np.float32)
     model = LocalModel(gpt_layers(cfg), dtype, seed=1337)
-    model.chain.set_recompute(recompute)      # the trainer's --recompute (selective: attention's probabilities)
+    # The trainer's --recompute: auto (its default) is selective where attention's probabilities
+    # would be a third of a block's activations (GPT-2 124M at T 1024), else none.
+    x, y = _tokens(spec)
+    recompute = recompute_of(Config(recompute=recompute), cfg, x.shape[1])
+    model.chain.set_recompute(recompute)
     params = model.params
     opt = make_optimizer("adamw", params.size, dtype, np, params.decay_mask(), 0.1)
-    x, y = _tokens(spec)
     tokens = x.size
 
     def step():
@@ -151,8 +155,9 @@ def child_ringpipe(spec, precision="float32", recompute="none"):
     out["gemm_flops"] = _gemm_peak(np.matmul, lambda n, seed: np.random.default_rng(seed).standard_normal(
         (n, n)).astype(np.float32))
     state = params.data.nbytes + params.grad.nbytes + params.size + opt.m.nbytes + opt.v.nbytes
-    floor, floor_what = memory_floor(Config(model="gpt", batch_size=spec["batch"], seq_len=spec["seq"]), cfg, 1)
-    out.update(params=int(params.size), vocab_rows=cfg.padded_vocab, loss_vocab=cfg.vocab,
+    floor, floor_what = memory_floor(Config(model="gpt", batch_size=spec["batch"], seq_len=spec["seq"],
+                                            recompute=recompute), cfg, 1)
+    out.update(params=int(params.size), recompute=recompute, vocab_rows=cfg.padded_vocab, loss_vocab=cfg.vocab,
                flops_per_token=flops_per_token(cfg, spec["seq"]), import_rss_bytes=import_rss,
                dtype="bf16 matmuls" if precision == "bf16" else "float32",
                **({"bf16_gemm": K.bf16_gemm()} if precision == "bf16" else {"float32_gemm": K.float32_gemm()}),
@@ -227,7 +232,7 @@ def child_main(framework, spec_json, result_path):
     spec = json.loads(spec_json)
     if framework.startswith("ringpipe"):
         out = child_ringpipe(spec, "bf16" if framework.startswith("ringpipe-bf16") else "float32",
-                             "selective" if framework.endswith("-selective") else "none")
+                             "selective" if framework.endswith("-selective") else "auto")
     else:
         out = child_torch(spec, bf16=framework == "torch-bf16")
     out["peak_rss_self_bytes"] = _peak_rss_bytes()
