@@ -9,6 +9,8 @@ Shapes (engine/model/llama.py; both with SmolLM2's vocabulary, 49152, a multiple
 neither framework pads or masks anything):
   * small:        4 layers x 256, 8 heads, 2 KV heads, intermediate 768, tied, theta 100000
   * smollm2-135m: the preset (30 x 576, 9 heads, 3 KV heads, intermediate 1536, tied, theta 100000)
+  * qwen3-0.6b:   the preset (28 x 1024, 16 heads of 128, 8 KV heads, intermediate 3072, the per-head
+                  q/k norm, tied, vocabulary 151936), against transformers' Qwen3ForCausalLM (issue 36)
   * --quick:      hf-tiny (2 x 32, 4 heads, 2 KV heads, intermediate 37, vocab 99 -> 128 rows)
 The sequence is short (default batch 1 x 256 tokens) so both shapes, every framework and two
 rounds finish in a few minutes on 2 cores; the context does not enter the step's cost.
@@ -57,6 +59,7 @@ SHAPES = {        # LlamaConfig fields; "small" is ours, the others are engine/m
     "small": dict(n_layer=4, d_model=256, n_head=8, n_kv_head=2, d_ff=768, context=2048, vocab=49152,
                   tie_embeddings=True, rope_theta=100000.0),
     "smollm2-135m": "smollm2-135m",
+    "qwen3-0.6b": "qwen3-0.6b",
     "hf-tiny": "hf-tiny",
 }
 QUICK = {"shapes": ["hf-tiny"], "batch": 2, "seq": 32, "steps": 2, "warmup": 1, "rounds": 1}
@@ -141,16 +144,21 @@ def child_ringpipe(spec, precision="float32"):
 
 
 def _torch_model(cfg):
+    """transformers' model of cfg's shape: LlamaForCausalLM, or Qwen3ForCausalLM for Qwen3's q/k norm."""
     import torch
-    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
-    hf = HFConfig(vocab_size=cfg.padded_vocab, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+    import transformers
+    common = dict(vocab_size=cfg.padded_vocab, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
                   num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
                   head_dim=cfg.head_dim, max_position_embeddings=cfg.context, rms_norm_eps=cfg.rms_eps,
                   rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-                  tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False, use_cache=False)
+                  tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, use_cache=False)
+    if cfg.qk_norm == "head":
+        hf, model_class = transformers.Qwen3Config(**common, use_sliding_window=False), transformers.Qwen3ForCausalLM
+    else:
+        hf, model_class = transformers.LlamaConfig(**common, mlp_bias=False), transformers.LlamaForCausalLM
     hf._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    return LlamaForCausalLM(hf).to(torch.float32).train()
+    return model_class(hf).to(torch.float32).train()
 
 
 def child_torch(spec, bf16):

@@ -3,7 +3,7 @@
     export(arrays, model_config, out_dir, ...)   a Llama checkpoint -> a folder that
                                                  LlamaForCausalLM.from_pretrained loads
     import_folder(config, hf_dir)                a Llama-style folder (model_type llama, or a
-                                                 mistral/qwen2 config ringpipe can represent)
+                                                 mistral/qwen2/qwen3 config ringpipe can represent)
                                                  -> (LlamaConfig, {our name: array}, tokenizer.json)
 
 A conversion is renaming and the vocabulary's padding only. ringpipe's Llama stores every
@@ -14,7 +14,8 @@ permutation: they are not a format read here).
 
 config.json is written in full rather than left to transformers' defaults, which differ
 from Llama 3's (rms_norm_eps 1e-6, tie_word_embeddings false). A model with q/k/v biases
-exports as Qwen2ForCausalLM: Llama's attention_bias would put one on o_proj as well.
+exports as Qwen2ForCausalLM: Llama's attention_bias would put one on o_proj as well. A model
+with the per-head q/k norm (qk_norm "head") exports as Qwen3ForCausalLM.
 """
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ _BLOCK_NAMES = [
     ("mlp.gate.w", "mlp.gate_proj.weight"),
     ("mlp.up.w", "mlp.up_proj.weight"),
     ("mlp.down.w", "mlp.down_proj.weight"),
+]
+_QK_NORM_NAMES = [                       # qk_norm "head" only (Qwen3's)
+    ("attn.q_norm.w", "self_attn.q_norm.weight"),
+    ("attn.k_norm.w", "self_attn.k_norm.weight"),
 ]
 _BIAS_NAMES = [                          # qkv_bias only (Qwen2's)
     ("attn.q.b", "self_attn.q_proj.bias"),
@@ -61,7 +66,7 @@ def head_dim(cfg) -> int:
 
 def name_map(cfg) -> list:
     """[(our name, Hugging Face's name)] of every parameter of the model `cfg`."""
-    block = _BLOCK_NAMES + (_BIAS_NAMES if cfg.qkv_bias else [])
+    block = _BLOCK_NAMES + (_BIAS_NAMES if cfg.qkv_bias else []) + (_QK_NORM_NAMES if cfg.qk_norm == "head" else [])
     names = [("wte", "model.embed_tokens.weight")]
     for i in range(cfg.n_layer):
         names += [(f"h.{i}.{ours}", f"model.layers.{i}.{theirs}") for ours, theirs in block]
@@ -79,6 +84,8 @@ def block_shapes(cfg) -> dict:
               "attn.o.w": (C, q), "norm2.w": (C,), "mlp.gate.w": (F, C), "mlp.up.w": (F, C), "mlp.down.w": (C, F)}
     if cfg.qkv_bias:
         shapes.update({"attn.q.b": (q,), "attn.k.b": (kv,), "attn.v.b": (kv,)})
+    if cfg.qk_norm == "head":
+        shapes.update({"attn.q_norm.w": (hd,), "attn.k_norm.w": (hd,)})
     return shapes
 
 
@@ -107,6 +114,8 @@ def config_from_dict(model_config: dict, where: str = "model_config"):
     llama = _llama_module()
     import dataclasses
     expected = {f.name for f in dataclasses.fields(llama.LlamaConfig)}
+    if isinstance(model_config, dict) and "qk_norm" not in model_config:
+        model_config = {**model_config, "qk_norm": "none"}      # written before Qwen3: none
     if not isinstance(model_config, dict) or set(model_config) != expected:
         keys = sorted(model_config) if isinstance(model_config, dict) else type(model_config).__name__
         raise HFError(f"model_config has the keys {keys}, expected {sorted(expected)}: is it a Llama "
@@ -224,13 +233,21 @@ def hf_config(cfg, bos, eos) -> dict:
         "dtype": "float32",                      # transformers >= 4.56 reads "dtype",
         "torch_dtype": "float32",                # older versions "torch_dtype"
     }
+    if cfg.qkv_bias and cfg.qk_norm != "none":
+        raise HFError("a model with both q/k/v biases (Qwen2's) and a q/k norm (Qwen3's) has no Hugging Face "
+                      "class to export to: transformers' Qwen3 has no biases, its Qwen2 no q/k norm")
+    windowless = dict(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layer,
+                      layer_types=["full_attention"] * cfg.n_layer)
     if cfg.qkv_bias:
         # Qwen2: biases on q, k and v and none elsewhere, ringpipe's qkv_bias; no sliding window.
         for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
             del config[key]
-        config.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False,
-                      sliding_window=None, max_window_layers=cfg.n_layer,
-                      layer_types=["full_attention"] * cfg.n_layer)
+        config.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", **windowless)
+    if cfg.qk_norm == "head":
+        # Qwen3: q_norm and k_norm over each head; its attention_bias would bias o_proj too (false here).
+        for key in ("mlp_bias", "pretraining_tp"):
+            del config[key]
+        config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", **windowless)
     return config
 
 
@@ -274,9 +291,13 @@ _DEFAULTS = {
     "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
               "tie_word_embeddings": False, "hidden_act": "silu", "head_dim": None, "use_sliding_window": False,
               "sliding_window": 4096, "max_window_layers": 28},
+    "qwen3": {"num_key_value_heads": 32, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+              "tie_word_embeddings": False, "hidden_act": "silu", "head_dim": 128, "attention_bias": False,
+              "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28},
 }
 MODEL_TYPES = tuple(_DEFAULTS)
-_QKV_BIAS = {"llama": False, "mistral": False, "qwen2": True}     # Qwen2's q/k/v projections have biases
+_QKV_BIAS = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False}   # Qwen2's q/k/v have biases
+_QK_NORM = {"llama": "none", "mistral": "none", "qwen2": "none", "qwen3": "head"}   # Qwen3's q_norm, k_norm
 # transformers' names of SiLU (ACT2FN): the gate's activation of ringpipe's SwiGLU.
 _SILUS = ("silu", "swish")
 # Keys that make a model a mixture of experts (a model_type we read, extended by hand).
@@ -344,7 +365,8 @@ def config_from_hf(config: dict, hf_dir: str):
     cfg = llama.LlamaConfig(n_layer=sizes["num_hidden_layers"], d_model=width, n_head=heads, n_kv_head=kv_heads,
                             d_ff=sizes["intermediate_size"], context=context, vocab=sizes["vocab_size"], head_dim=hd,
                             rope_theta=theta, rope_scaling=scaling, rms_eps=c.get("rms_norm_eps"),
-                            tie_embeddings=c.get("tie_word_embeddings"), qkv_bias=_QKV_BIAS[c.model_type])
+                            tie_embeddings=c.get("tie_word_embeddings"), qkv_bias=_QKV_BIAS[c.model_type],
+                            qk_norm=_QK_NORM[c.model_type])
     return _validated(cfg, c.where)
 
 
@@ -352,7 +374,8 @@ def _refuse_unsupported(c: _Config, context: int, n_layer: int) -> None:
     """Activations, biases, windows, experts and quantization ringpipe's Llama does not have."""
     if c.get("hidden_act") not in _SILUS:
         c.unsupported("hidden_act", "ringpipe's Llama MLP is SwiGLU, whose gate uses silu", "hidden_act silu")
-    # Only Llama reads these two (Mistral's and Qwen2's biases are fixed by the architecture).
+    # Only Llama and Qwen3 read attention_bias, only Llama mlp_bias (Mistral's and Qwen2's biases are
+    # fixed by the architecture).
     reads = _DEFAULTS[c.model_type]
     if "attention_bias" in reads and c.get("attention_bias"):
         c.unsupported("attention_bias", "it puts a bias on o_proj too, and ringpipe's Llama has biases on q, k and "
@@ -403,7 +426,7 @@ def _refuse_windows(c: _Config, context: int, n_layer: int) -> None:
                       "the model would compute differently", "no sliding window shorter than its context")
 
 
-_WINDOW_SWITCH = {"qwen2": "use_sliding_window"}
+_WINDOW_SWITCH = {"qwen2": "use_sliding_window", "qwen3": "use_sliding_window"}
 
 
 def _rope_from_hf(c: _Config, context: int) -> tuple:

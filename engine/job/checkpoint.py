@@ -81,11 +81,14 @@ _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 # The keys of model_config for each model (engine.model.gpt.GPTConfig, engine.model.mlp.MLPConfig).
 _MODEL_CONFIG_KEYS = {"gpt": ("context", "d_model", "n_head", "n_layer", "vocab"),
                       "llama": ("context", "d_ff", "d_model", "head_dim", "n_head", "n_kv_head", "n_layer",
-                                "qkv_bias", "rms_eps", "rope_scaling", "rope_theta", "tie_embeddings", "vocab"),
+                                "qk_norm", "qkv_bias", "rms_eps", "rope_scaling", "rope_theta", "tie_embeddings",
+                                "vocab"),
                       "mlp": ("hidden", "n_classes", "n_in", "n_layer")}
+# Keys a model_config written before they existed lacks (its model then had the default: no q/k norm).
+_OPTIONAL_MODEL_CONFIG_KEYS = {"llama": ("qk_norm",)}
 # The model_config keys that are settings rather than counts: a number, a switch, or
 # (rope_scaling) null or an object of numbers and names.
-_MODEL_SETTINGS = ("qkv_bias", "rms_eps", "rope_scaling", "rope_theta", "tie_embeddings")
+_MODEL_SETTINGS = ("qk_norm", "qkv_bias", "rms_eps", "rope_scaling", "rope_theta", "tie_embeddings")
 _LAYOUT_KEYS = ("chunks", "dp", "pp", "tp")
 _OPTIONAL_LAYOUT_KEYS = ("tp",)          # checkpoints written before tensor parallelism have none
 _KEYS = ("args", "best", "checksum", "dtype", "format", "layout", "loss", "model", "model_config", "npz", "npz_bytes",
@@ -628,7 +631,8 @@ def _check_schema(m):
     _check_int("npz_crc32", m["npz_crc32"], 0, 2**32 - 1)
     if not isinstance(m["model"], str) or m["model"] not in _MODEL_CONFIG_KEYS:
         raise _wrong("model", m["model"], " or ".join(repr(k) for k in _MODEL_CONFIG_KEYS))
-    _check_object("model_config", m["model_config"], _MODEL_CONFIG_KEYS[m["model"]])
+    _check_object("model_config", m["model_config"], _MODEL_CONFIG_KEYS[m["model"]],
+                  _OPTIONAL_MODEL_CONFIG_KEYS.get(m["model"], ()))
     _check_short_name("optimizer", m["optimizer"])
     _check_int("opt_step_count", m["opt_step_count"], 0, 2**62)
     loss = m["loss"]

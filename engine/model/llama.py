@@ -1,9 +1,15 @@
-"""A Llama-family language model (Llama 3, SmolLM2, TinyLlama, Mistral shapes), in one readable file.
+"""A Llama-family language model (Llama 3, SmolLM2, TinyLlama, Mistral, Qwen2 and Qwen3 shapes), in one
+readable file.
 
     tokens (B, T) -> TokenEmbedding -> n_layer x LlamaBlock -> LlamaHead (RMSNorm, logits, loss)
     LlamaBlock:  x + attn(norm1(x)), then + mlp(norm2(x))
     attn:        grouped-query causal attention, rotary positions on q and k
+                 (qk_norm "head", Qwen3's: each head's q and k RMS-normalised over its hd
+                 channels, before the rotation)
     mlp:         down(silu(gate(x)) * up(x))   (SwiGLU)
+
+The families differ by parts the shape names (LlamaConfig): q/k/v biases (Qwen2), the q/k
+norm (Qwen3), head_dim apart from d_model / n_head, the RoPE's base and scaling.
 
 Parameters are laid out as Hugging Face's LlamaForCausalLM lays them out, so its weights
 copy by name with no permutation: every Linear weight is (out, in); q and k rows are
@@ -11,6 +17,7 @@ heads in order, and within a head the rotary pairs are (i, i + hd/2) (`rotate_ha
 the "half-split" layout), not neighbours. Names:
 
     wte (V, C) · h.{i}.norm1.w · h.{i}.attn.{q,k,v,o}.w (+ q/k/v .b when qkv_bias) ·
+    h.{i}.attn.{q,k}_norm.w (hd,) when qk_norm is "head" ·
     h.{i}.norm2.w · h.{i}.mlp.{gate,up,down}.w · norm_f.w · lm_head.w (V, C) when untied
 
 Shapes: B batch, T time, C d_model, H query heads, Hkv key/value heads, G = H/Hkv query
@@ -33,6 +40,10 @@ from ringpipe.engine.model.layers import (BF16, WHOLE, Block, Layer, LMHead, att
 from ringpipe.engine.model.params import ParamSpec
 from ringpipe.engine.model.recipe import ModelRecipe
 
+# The q/k norm: none (Llama, Qwen2), or "head": an RMSNorm of hd weights applied to each head's q
+# and k before RoPE (Qwen3: q_norm and k_norm, shared by the heads).
+QK_NORMS = ("none", "head")
+
 # Llama 3's frequency scaling (Hugging Face's rope_scaling with rope_type "llama3").
 ROPE_SCALING_KEYS = ("factor", "high_freq_factor", "low_freq_factor", "original_max_position_embeddings")
 
@@ -52,6 +63,7 @@ class LlamaConfig:
     rms_eps: float = 1e-5
     tie_embeddings: bool = True
     qkv_bias: bool = False
+    qk_norm: str = "none"            # QK_NORMS: "head" normalises each head's q and k over hd (Qwen3)
 
     def validate(self):
         """Check every value, type and range (limits.py: a checkpoint's manifest or a notebook
@@ -100,6 +112,9 @@ def _check_values(cfg: LlamaConfig) -> None:
     limits.check_number("Llama <rms_eps>", cfg.rms_eps, 0, 1, open_high=True)
     for name in ("tie_embeddings", "qkv_bias"):
         limits.check_switch(f"Llama <{name}>", getattr(cfg, name))
+    if not isinstance(cfg.qk_norm, str) or cfg.qk_norm not in QK_NORMS:
+        raise ConfigError(f"Llama <qk_norm> must be one of {', '.join(QK_NORMS)} (head: Qwen3's per-head norm of q "
+                          f"and k), got {cfg.qk_norm!r}")
 
 
 def _check_rope_scaling(scaling) -> None:
@@ -137,6 +152,11 @@ PRESETS = {
                     tie_embeddings=True, rope_theta=10000.0),
     "smollm2-135m": dict(n_layer=30, d_model=576, n_head=9, n_kv_head=3, d_ff=1536, context=8192, vocab=49152,
                          tie_embeddings=True, rope_theta=100000.0),
+    # Qwen3 (dense): head_dim 128 apart from d_model / n_head, the per-head q/k norm, rms_eps 1e-6.
+    "qwen3-0.6b": dict(n_layer=28, d_model=1024, n_head=16, n_kv_head=8, d_ff=3072, head_dim=128, context=40960,
+                       vocab=151936, tie_embeddings=True, rope_theta=1000000.0, rms_eps=1e-6, qk_norm="head"),
+    "qwen3-1.7b": dict(n_layer=28, d_model=2048, n_head=16, n_kv_head=8, d_ff=6144, head_dim=128, context=40960,
+                       vocab=151936, tie_embeddings=True, rope_theta=1000000.0, rms_eps=1e-6, qk_norm="head"),
     "llama3.2-1b": dict(n_layer=16, d_model=2048, n_head=32, n_kv_head=8, d_ff=8192, context=131072,
                         vocab=128256, tie_embeddings=True, rope_theta=500000.0,
                         rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
@@ -242,7 +262,11 @@ class GroupedQueryAttention(Layer):
     r*H/size ... and key/value heads r*Hkv/size ..., which are exactly the ones its query
     heads read (H/size = G * Hkv/size), so attention needs no communication; o is row-parallel.
     keep_probs False (selective recomputation, Block.set_recompute): the probabilities
-    (B, H, T, T) are not kept; the backward computes them again from q and k."""
+    (B, H, T, T) are not kept; the backward computes them again from q and k.
+    qk_norm "head" (Qwen3): q_norm and k_norm, RMSNorms of hd weights, normalise each head's
+    q and k before the rotation. Every tensor-parallel rank holds them whole and applies them
+    to its own heads, so its weight gradient is its heads' part (ParamSpec.partial: summed
+    over the group)."""
 
     keep_probs = True
 
@@ -258,13 +282,24 @@ class GroupedQueryAttention(Layer):
         self.o = maker.row(f"{name}.o", cfg.n_head * hd, C, std=_residual_std(cfg.n_layer), bias=False)
         self.qkv = _shared_input(maker, [self.q, self.k, self.v])        # q, k and v read the same x
         self.parts = [self.qkv, self.o]
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm == "head":
+            self.q_norm = RMSNorm(f"{name}.q_norm", hd, cfg.rms_eps, partial=maker.size > 1)
+            self.k_norm = RMSNorm(f"{name}.k_norm", hd, cfg.rms_eps, partial=maker.size > 1)
+        # The norms' gradients are added in their backward_input (RMSNorm's), so they are
+        # not among the parts a backward_weight walks.
+        self.norms = [n for n in (self.q_norm, self.k_norm) if n is not None]
 
     def specs(self):
-        return [s for part in self.parts for s in part.specs()]
+        return [s for part in self.parts + self.norms for s in part.specs()]
 
     def bind(self, params):
-        for part in self.parts:
+        for part in self.parts + self.norms:
             part.bind(params)
+
+    def _normed(self, norm, x):
+        """x (B, T, heads, hd) -> (norm(x) over hd, its ctx); x itself without a q/k norm."""
+        return (x, None) if norm is None else norm.forward(x)
 
     def forward(self, x):
         xp = K.get_array_module(x)
@@ -272,8 +307,10 @@ class GroupedQueryAttention(Layer):
         (q, k, v), qkv_ctx = self.qkv.forward(x)                           # (B, T, H*hd), k and v (B, T, Hkv*hd)
         B, T, _ = q.shape          # the whole sequence, also when x is a sequence-parallel part
         cos, sin = self.rotary.tables(T, x)
-        q = K.rope_forward(q.reshape(B, T, H, hd), cos, sin).transpose(0, 2, 1, 3)      # (B, H, T, hd)
-        k = K.rope_forward(k.reshape(B, T, Hkv, hd), cos, sin).transpose(0, 2, 1, 3)    # (B, Hkv, T, hd)
+        q, qn_ctx = self._normed(self.q_norm, q.reshape(B, T, H, hd))                  # (B, T, H, hd)
+        k, kn_ctx = self._normed(self.k_norm, k.reshape(B, T, Hkv, hd))                # (B, T, Hkv, hd)
+        q = K.rope_forward(q, cos, sin).transpose(0, 2, 1, 3)                          # (B, H, T, hd)
+        k = K.rope_forward(k, cos, sin).transpose(0, 2, 1, 3)                          # (B, Hkv, T, hd)
         # q, k and v are each read by two GEMMs and kept: rounded once under bf16 (BF16)
         q = BF16.of(xp.ascontiguousarray(q))
         k = xp.repeat(BF16.of(k), G, axis=1)                               # (B, H, T, hd): head h reads h // G
@@ -281,7 +318,7 @@ class GroupedQueryAttention(Layer):
         scale = 1.0 / math.sqrt(hd)
         y, att = causal_attention(q, k, v, scale)                          # (B, T, H*hd)
         out, o_ctx = self.o.forward(y)
-        return out, (qkv_ctx, o_ctx, q, k, v, att if self.keep_probs else None, scale)
+        return out, (qkv_ctx, o_ctx, q, k, v, att if self.keep_probs else None, scale, qn_ctx, kn_ctx)
 
     def decode(self, x, cache, start):
         """x (B, T, C) of positions start..start+T-1 -> (B, T, C) (sampling, LayerChain.decode):
@@ -292,8 +329,8 @@ class GroupedQueryAttention(Layer):
         H, Hkv, hd = self.h, self.h_kv, self.hd
         cos, sin = self.rotary.tables(cache.capacity, x)
         cos, sin = cos[start:start + T], sin[start:start + T]                      # (T, hd): these positions
-        q = K.rope_forward(self.q.forward(x)[0].reshape(B, T, H, hd), cos, sin)    # (B, T, H, hd)
-        k = K.rope_forward(self.k.forward(x)[0].reshape(B, T, Hkv, hd), cos, sin)  # (B, T, Hkv, hd)
+        q = K.rope_forward(self._normed(self.q_norm, self.q.forward(x)[0].reshape(B, T, H, hd))[0], cos, sin)
+        k = K.rope_forward(self._normed(self.k_norm, self.k.forward(x)[0].reshape(B, T, Hkv, hd))[0], cos, sin)
         v = self.v.forward(x)[0].reshape(B, T, Hkv, hd)
         k, v = cache.append(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), start)   # (B, Hkv, start+T, hd)
         y = attend_cached(xp.ascontiguousarray(q.transpose(0, 2, 1, 3)), k, v, start, 1.0 / math.sqrt(hd))
@@ -301,7 +338,7 @@ class GroupedQueryAttention(Layer):
         return self.o.forward(y)[0]
 
     def backward_input(self, dout, ctx):
-        qkv_ctx, o_ctx, q, k, v, att, scale = ctx
+        qkv_ctx, o_ctx, q, k, v, att, scale, qn_ctx, kn_ctx = ctx
         xp = K.get_array_module(dout)
         B, H, T, hd = q.shape
         Hkv, G = self.h_kv, self.h // self.h_kv
@@ -310,8 +347,12 @@ class GroupedQueryAttention(Layer):
         dq, dk, dv = causal_attention_backward(dy, q, k, v, att, scale)    # (B, H, T, hd), per query head
         # A key/value head's gradient is the sum over the G query heads that read it.
         dk, dv = (d.reshape(B, Hkv, G, T, hd).sum(axis=2).transpose(0, 2, 1, 3) for d in (dk, dv))   # (B, T, Hkv, hd)
-        dq = K.rope_backward(dq.transpose(0, 2, 1, 3), cos, sin).reshape(B, T, H * hd)
-        dk = K.rope_backward(dk, cos, sin).reshape(B, T, Hkv * hd)
+        dq = K.rope_backward(dq.transpose(0, 2, 1, 3), cos, sin)                  # (B, T, H, hd)
+        dk = K.rope_backward(dk, cos, sin)                                        # (B, T, Hkv, hd)
+        if self.q_norm is not None:              # (their weight gradients are added here)
+            dq = self.q_norm.backward_input(dq, qn_ctx)[0]
+            dk = self.k_norm.backward_input(dk, kn_ctx)[0]
+        dq, dk = dq.reshape(B, T, H * hd), dk.reshape(B, T, Hkv * hd)
         dx, qkv_w = self.qkv.backward_input([dq, dk, xp.ascontiguousarray(dv).reshape(B, T, Hkv * hd)], qkv_ctx)
         return dx, (qkv_w, o_w)
 
@@ -447,7 +488,8 @@ def parameter_count(cfg: LlamaConfig) -> int:
     C, hd = cfg.d_model, cfg.head_dim
     attn = 2 * C * cfg.n_head * hd + 2 * C * cfg.n_kv_head * hd
     bias = (cfg.n_head + 2 * cfg.n_kv_head) * hd if cfg.qkv_bias else 0
-    per_layer = attn + bias + 3 * C * cfg.d_ff + 2 * C
+    qk_norm = 2 * hd if cfg.qk_norm == "head" else 0
+    per_layer = attn + bias + qk_norm + 3 * C * cfg.d_ff + 2 * C
     return cfg.padded_vocab * C * (1 if cfg.tie_embeddings else 2) + cfg.n_layer * per_layer + C
 
 
@@ -467,7 +509,7 @@ LLAMA_RECIPE = ModelRecipe(
     name="llama", shape=LlamaConfig,
     fields={"layers": "n_layer", "d_model": "d_model", "heads": "n_head", "context": "context",
             "kv_heads": "n_kv_head", "d_ff": "d_ff", "rope_theta": "rope_theta",
-            "tie_embeddings": "tie_embeddings"},
+            "tie_embeddings": "tie_embeddings", "qk_norm": "qk_norm"},
     layers=llama_layers, flops_per_item=flops_per_token, memory=memory,
     data="tokens", default_data="stdlib", data_path_data="text", unit="tokens", rate_unit="tok",
     axes=("data", "pipe", "tensor"), presets=PRESETS, generate=generate, blocks=True,

@@ -95,6 +95,9 @@ def _model_flags(p):
     g.add_argument("--rope-theta", type=float, default=None, help="llama: rotary embedding base theta (default 10000)")
     g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
                    help="llama: the output head reuses the token embedding (default), or has its own (--no-...)")
+    g.add_argument("--qk-norm", choices=["none", "head"], default=None,
+                   help="llama: head normalises each attention head's q and k (an RMSNorm over the head's "
+                        "channels, before the rotation) as Qwen3 does; none (default) as Llama and Qwen2")
     g.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="compute dtype (default float32)")
     g.add_argument("--precision", choices=["float32", "bf16"], default="float32",
                    help="matmul inputs: float32, or bf16 (rounded to bfloat16, float32 accumulation, "

@@ -38,7 +38,8 @@ DATASET_NAMES = ("stdlib", "synthetic", "fashion-mnist", "text")
 DATASETS = {"tokens": ("prepared", "stdlib", "synthetic", "text"), "classes": ("fashion-mnist", "synthetic")}
 DATA_WORDS = {"tokens": "a text corpus", "classes": "a classification set"}
 # The Config fields that set a model's shape; a family takes those its recipe maps.
-SHAPE_FIELDS = ("layers", "d_model", "heads", "context", "kv_heads", "d_ff", "rope_theta", "tie_embeddings")
+SHAPE_FIELDS = ("layers", "d_model", "heads", "context", "kv_heads", "d_ff", "rope_theta", "tie_embeddings",
+                "qk_norm")
 
 
 @dataclass
@@ -55,6 +56,7 @@ class Config:
     d_ff: int | None = None            # llama: SwiGLU intermediate size (8/3 d_model, rounded up to 32s)
     rope_theta: float | None = None    # llama: rotary embedding base (10000)
     tie_embeddings: bool | None = None   # llama: the head reuses the token embedding (True)
+    qk_norm: str | None = None         # llama: none | head (Qwen3's RMSNorm of each head's q and k) (none)
     dtype: str = "float32"             # float32 | float64
     precision: str = "float32"         # float32 | bf16 (GEMM inputs; float32 master weights)
     device: str = "cpu"                # cpu | cuda

@@ -45,10 +45,11 @@ def test_swiglu_mlp(d_ff):
     check_layer(M.SwiGLU("mlp", tiny(d_model=6, n_head=1, n_kv_head=1, d_ff=d_ff)), rng.normal(size=(2, 3, 6)))
 
 
-@pytest.mark.parametrize("kv_heads,bias", [(4, False), (2, False), (1, False), (2, True)], ids=["mha", "gqa", "mqa",
-                                                                                          "gqa-bias"])
-def test_grouped_query_attention(kv_heads, bias):
-    cfg = tiny(n_kv_head=kv_heads, qkv_bias=bias)
+@pytest.mark.parametrize("kv_heads,bias,qk_norm", [(4, False, "none"), (2, False, "none"), (1, False, "none"),
+                                                   (2, True, "none"), (2, False, "head"), (1, False, "head")],
+                         ids=["mha", "gqa", "mqa", "gqa-bias", "gqa-qk-norm", "mqa-qk-norm"])
+def test_grouped_query_attention(kv_heads, bias, qk_norm):
+    cfg = tiny(n_kv_head=kv_heads, qkv_bias=bias, qk_norm=qk_norm, head_dim=6)
     layer = M.GroupedQueryAttention("attn", cfg, M.Rotary(cfg.head_dim, 100.0))
     check_layer(layer, rng.normal(size=(2, 5, 8)))
 
@@ -85,6 +86,7 @@ def test_defaults_are_filled_in_and_recorded():
     (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "rope_type 'yarn' is not supported"),
     (dict(rope_scaling={"factor": 2.0}), "missing high_freq_factor"),
     (dict(rope_theta=0.0), "must be > 0"),
+    (dict(qk_norm="all"), "qk_norm must be one of none, head"),
 ])
 def test_bad_shapes_are_refused_saying_what_works(shape, says):
     with pytest.raises(ConfigError, match=says):
@@ -97,6 +99,9 @@ def test_presets_are_the_real_shapes():
     one_b = M.LlamaConfig(**M.PRESETS["llama3.2-1b"]).validate()
     assert abs(M.parameter_count(one_b) - 1_235_814_400) < 0.01 * 1_235_814_400  # Llama 3.2 1B
     assert M.flops_per_token(smol, 2048) > 6 * M.parameter_count(smol) * 0.5
+    # Qwen3-0.6B and 1.7B as Hugging Face counts them (tied embeddings, q/k norms of 128 each).
+    assert M.parameter_count(M.LlamaConfig(**M.PRESETS["qwen3-0.6b"]).validate()) == 596_049_920
+    assert M.parameter_count(M.LlamaConfig(**M.PRESETS["qwen3-1.7b"]).validate()) == 1_720_574_976
 
 
 # ---- exactness against transformers ------------------------------------------------
@@ -113,6 +118,10 @@ SHAPES = {
     "mqa-untied": dict(HF_TINY, n_kv_head=1, tie_embeddings=False),
     "llama3-rope": dict(HF_TINY, rope_scaling=LLAMA3, rope_theta=500000.0),
     "qwen2-qkv-bias": dict(HF_TINY, qkv_bias=True, rms_eps=1e-6),     # compared with Qwen2ForCausalLM
+    # Qwen3ForCausalLM: the per-head q/k norm; the issue's odd shape (head_dim 16, not 48 / 6).
+    "qwen3-qk-norm": dict(HF_TINY, qk_norm="head", rms_eps=1e-6),
+    "qwen3-odd": dict(n_layer=2, d_model=48, n_head=6, n_kv_head=2, d_ff=37, head_dim=16, context=32, vocab=97,
+                      qk_norm="head", rms_eps=3e-6, rope_theta=77777.0, tie_embeddings=False),
 }
 
 
@@ -132,6 +141,9 @@ def hf_model(cfg: M.LlamaConfig, monkeypatch):
     family = (transformers.Qwen2Config, transformers.Qwen2ForCausalLM) if qwen else \
         (transformers.LlamaConfig, transformers.LlamaForCausalLM)
     extra = dict(use_sliding_window=False) if qwen else dict(attention_bias=False, mlp_bias=False)
+    if cfg.qk_norm == "head":    # Qwen3: Llama's block with q_norm and k_norm over each head
+        family, extra = (transformers.Qwen3Config, transformers.Qwen3ForCausalLM), dict(use_sliding_window=False,
+                                                                                        attention_bias=False)
     hf_cfg = family[0](
         vocab_size=cfg.vocab, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layer,
         num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head, head_dim=cfg.head_dim,
@@ -155,6 +167,7 @@ def hf_model(cfg: M.LlamaConfig, monkeypatch):
     monkeypatch.setattr(rotary, "forward", float64_rope)
     monkeypatch.setattr(transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", _float64_rmsnorm)
     monkeypatch.setattr(transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm, "forward", _float64_rmsnorm)
+    monkeypatch.setattr(transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm, "forward", _float64_rmsnorm)
     return model
 
 
@@ -169,6 +182,9 @@ def hf_names(cfg: M.LlamaConfig) -> dict:
             names[hf + f"self_attn.{p}_proj.weight"] = ours + f"attn.{p}.w"
             if cfg.qkv_bias and p != "o":
                 names[hf + f"self_attn.{p}_proj.bias"] = ours + f"attn.{p}.b"
+        if cfg.qk_norm == "head":
+            for p in "qk":
+                names[hf + f"self_attn.{p}_norm.weight"] = ours + f"attn.{p}_norm.w"
         for p in ("gate", "up", "down"):
             names[hf + f"mlp.{p}_proj.weight"] = ours + f"mlp.{p}.w"
     if not cfg.tie_embeddings:
@@ -242,6 +258,27 @@ def test_a_wrong_layout_fails_the_exactness_test(wrong, monkeypatch):
     tokens = rng.integers(0, cfg.vocab, size=(2, 13))
     delta, worst = compare(cfg, hf, ours_from(hf, cfg, permute=wrong(cfg)), tokens, tokens)
     assert delta > 1e-6 and worst > 1e-6, (delta, worst)
+
+
+def test_a_qk_norm_over_the_whole_width_fails_the_exactness_test(monkeypatch):
+    """The negative control of Qwen3's norm: one RMSNorm over all of a position's q (or k)
+    channels, the weights repeated per head (OLMo 2's placement), is another model."""
+    cfg = M.LlamaConfig(**SHAPES["qwen3-odd"]).validate()
+    hf = hf_model(cfg, monkeypatch)
+    tokens = rng.integers(0, cfg.vocab, size=(2, 13))
+    right = ours_from(hf, cfg)
+    expected = hf(torch.from_numpy(tokens)).logits.detach().numpy()
+    assert np.abs(right.forward(tokens, need_grad=False)[0][..., :cfg.vocab] - expected).max() <= 1e-10
+
+    def over_the_width(self, norm, x):
+        if norm is None:
+            return x, None
+        B, T, heads, hd = x.shape
+        y, _ = K.rmsnorm_forward(x.reshape(B * T, heads * hd), np.tile(norm.w, heads), norm.eps)
+        return y.reshape(x.shape), None
+    monkeypatch.setattr(M.GroupedQueryAttention, "_normed", over_the_width)
+    delta = np.abs(ours_from(hf, cfg).forward(tokens, need_grad=False)[0][..., :cfg.vocab] - expected).max()
+    assert delta > 1e-6, delta
 
 
 # ---- training through the library ----------------------------------------------------

@@ -33,6 +33,9 @@ LAYOUTS = {
     "pp2-zbh1": dict(pp=2, schedule="zbh1", microbatches=4),
     "pp2-interleaved": dict(pp=2, schedule="interleaved", chunks=2, microbatches=2),
     "pp2-1f1b-untied": dict(pp=2, schedule="1f1b", microbatches=2, tie_embeddings=False),
+    # Qwen3's per-head q/k norm (qk_norm head) under the pipeline and under ZeRO-3 with recomputation
+    "pp2-1f1b-qwen3": dict(pp=2, schedule="1f1b", microbatches=4, qk_norm="head"),
+    "dp2-zero3-qwen3-recompute": dict(dp=2, zero=3, qk_norm="head", recompute="full"),
 }
 
 
@@ -42,7 +45,7 @@ def test_llama_layout_equals_single_process(shared_dir, name):
     if world.size != 2:
         pytest.skip("written for 2 ranks")
     layout = dict(LAYOUTS[name])
-    shape = {k: layout.pop(k) for k in ("tie_embeddings",) if k in layout}
+    shape = {k: layout.pop(k) for k in ("tie_embeddings", "qk_norm") if k in layout}
     layers = 4 if layout.get("chunks") else 2
     ref = reference(base(layers, 8, out=os.path.join(shared_dir, f"llama-ref-{name}-{world.rank}"), **shape))
     grid = train(base(layers, 8, out=os.path.join(shared_dir, f"llama-{name}"), **shape, **layout), world)

@@ -10,6 +10,7 @@ Run with `mpiexec -n 2|4 python tests/support/mpi_pytest.py -m mpi --with-mpi te
 - a checkpoint written at tp 2 continues at tp 1;
 - key/value heads the group cannot split are refused before any work, on every rank.
 """
+import dataclasses
 import os
 
 import numpy as np
@@ -104,10 +105,17 @@ def _rotary(cfg):
     return Rotary(cfg.head_dim, cfg.rope_theta)
 
 
+def _qk_normed(cfg):
+    return dataclasses.replace(cfg, qk_norm="head")
+
+
 LAYERS = {
     "gqa": lambda cfg, m: GroupedQueryAttention("a", cfg, _rotary(cfg), maker=m),
     "swiglu": lambda cfg, m: SwiGLU("m", cfg, maker=m),
     "block": lambda cfg, m: LlamaBlock("h", cfg, _rotary(cfg), maker=m),
+    # Qwen3's per-head q/k norm: whole on every rank, applied to its own heads
+    "gqa-qk-norm": lambda cfg, m: GroupedQueryAttention("a", _qk_normed(cfg), _rotary(cfg), maker=m),
+    "block-qk-norm": lambda cfg, m: LlamaBlock("h", _qk_normed(cfg), _rotary(cfg), maker=m),
 }
 
 
@@ -115,7 +123,7 @@ def _layer_cases():
     size = world.size if world.size in (2, 4) else 0
     kv = [size, 2 * size] if size else []          # GQA (2 or 4 query heads a KV head), and MHA at tp 2
     return [(name, size, k, sp, bias) for name in LAYERS for k in kv for sp in (False, True)
-            for bias in ((False, True) if name == "gqa" else (False,))]
+            for bias in ((False, True) if name.startswith("gqa") else (False,))]
 
 
 @pytest.mark.mpi(min_size=2)
@@ -141,12 +149,20 @@ def test_each_llama_tensor_parallel_layer_equals_its_whole_twin(name, size, kv, 
         np.testing.assert_allclose(dx_part, _seq(dx, tensor), rtol=TOL, atol=TOL, err_msg="dx")
         # q, k and v (gate and up) share f: one gather of x and one reduction of its gradient
         # per sub-layer, as GPT's fused qkv; plus g (o's, down's) forward and backward.
-        subs = 2 if name == "block" else 1
+        subs = 2 if name.startswith("block") else 1
         calls = {kind: n for kind, (n, _) in ((k, tensor.stats[k]) for k in ("all-reduce", "all-gather",
                                                                              "reduce-scatter"))}
         assert calls == ({"all-reduce": 0, "all-gather": 3 * subs, "reduce-scatter": 2 * subs} if sp else
                          {"all-reduce": 2 * subs, "all-gather": 0, "reduce-scatter": 0})
         _compare_grads(part_params, whole_params, tensor)      # (its partial sums add all-reduces)
+        if name.endswith("qk-norm"):
+            # The negative control: a rank's q/k norm gradient is its heads' part alone, and
+            # wrong without the group's sum (ParamSpec.partial).
+            for which in ("q_norm", "k_norm"):
+                spec = next(s for s in part_params.specs if s.name.endswith(f".{which}.w"))
+                assert spec.partial, spec.name
+                mine, whole_grad = part_params.grad_view(spec.name), whole_params.grad_view(spec.name)
+                assert np.abs(mine - whole_grad).max() > 1e-6 * np.abs(whole_grad).max(), spec.name
     finally:
         tensor.close()
         tensor.comm.Free()
@@ -199,7 +215,7 @@ def base(**more):
                             quiet=True, overwrite=True, eval_every=3, eval_batches=1), **more})
 
 
-SHAPE_KEYS = ("layers", "heads", "kv_heads", "d_model", "tie_embeddings", "d_ff")
+SHAPE_KEYS = ("layers", "heads", "kv_heads", "d_model", "tie_embeddings", "d_ff", "qk_norm")
 RUNS_2 = {
     "tp2": dict(tp=2),
     "tp2-sp": dict(tp=2, sequence_parallel=True),
@@ -207,6 +223,8 @@ RUNS_2 = {
     "tp2-sp-untied": dict(tp=2, sequence_parallel=True, tie_embeddings=False, tp_overlap="on"),
     "tp2-mha": dict(tp=2, kv_heads=4),
     "tp2-sp-mha-even-dff": dict(tp=2, sequence_parallel=True, kv_heads=4, d_ff=24),
+    "tp2-qwen3-qk-norm": dict(tp=2, qk_norm="head"),
+    "tp2-sp-qwen3-qk-norm-recompute": dict(tp=2, sequence_parallel=True, qk_norm="head", recompute="selective"),
 }
 RUNS_4 = {
     "dp2-tp2": dict(dp=2, tp=2, zero=1),
@@ -219,6 +237,7 @@ RUNS_4 = {
     "pp2-tp2-interleaved": dict(pp=2, tp=2, schedule="interleaved", chunks=2, microbatches=2, layers=4),
     "tp4": dict(tp=4, heads=8, kv_heads=4),
     "tp4-sp": dict(tp=4, heads=8, kv_heads=4, sequence_parallel=True),
+    "pp2-tp2-zbh1-qwen3-qk-norm": dict(pp=2, tp=2, schedule="zbh1", microbatches=4, qk_norm="head"),
 }
 
 
@@ -313,26 +332,36 @@ def test_the_command_line_refuses_key_value_heads_tp_cannot_split_with_exit_2(tm
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_hugging_face_llama_fine_tunes_at_tp2_as_one_process(shared_dir):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_hugging_face_llama_fine_tunes_at_tp2_as_one_process(shared_dir, family):
     """--init-from a save_pretrained folder of transformers' own test shape (2 key/value heads,
     intermediate 37: padded to 2 x 19 at tp 2), untied, trained at tp 2 with sequence
-    parallelism: the same losses, gradients and weights as one process."""
+    parallelism: the same losses, gradients and weights as one process. Qwen3: the same with
+    its per-head q/k norm and head_dim 16 (not 32 / 4)."""
     if world.size != 2:
         pytest.skip("written for 2 ranks")
     transformers = pytest.importorskip("transformers")
     import torch
-    folder = os.path.join(shared_dir, "llama-tp-hf")
+    folder = os.path.join(shared_dir, f"{family}-tp-hf")
     if world.rank == 0:
         torch.manual_seed(5)
-        config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                          num_key_value_heads=2, intermediate_size=37, max_position_embeddings=16,
-                                          tie_word_embeddings=False, rms_norm_eps=1e-5)
-        transformers.LlamaForCausalLM(config).save_pretrained(folder)
+        shape = dict(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, intermediate_size=37, max_position_embeddings=16,
+                     tie_word_embeddings=False, rms_norm_eps=1e-5)
+        if family == "qwen3":
+            model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape, head_dim=16))
+            with torch.no_grad():         # the q/k norms away from 1, so a mix-up of heads shows
+                for name, p in model.named_parameters():
+                    if name.endswith(("q_norm.weight", "k_norm.weight")):
+                        p.uniform_(0.5, 1.5)
+        else:
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
+        model.save_pretrained(folder)
     world.Barrier()
     common = dict(model="llama", init_from=f"hf:{folder}", data="synthetic", seq_len=16, batch_size=4, steps=3,
                   dtype="float64", sample_tokens=0, quiet=True, overwrite=True, eval_every=3, eval_batches=1)
-    ref = reference(Config(out=os.path.join(shared_dir, f"llama-tp-hf-ref{world.rank}"), **common))
-    trained = train(Config(out=os.path.join(shared_dir, "llama-tp-hf-run"), tp=2, sequence_parallel=True,
+    ref = reference(Config(out=os.path.join(shared_dir, f"{family}-tp-hf-ref{world.rank}"), **common))
+    trained = train(Config(out=os.path.join(shared_dir, f"{family}-tp-hf-run"), tp=2, sequence_parallel=True,
                            **common), world)
     world.Barrier()
     # (a fine-tuning run's first record is the validation before step 1, without a loss)

@@ -322,14 +322,19 @@ def test_every_layout_with_tensor_parallelism_equals_one_process(shared_dir, tmp
 
 
 @pytest.mark.mpi(min_size=8)
-@pytest.mark.parametrize("dp,pp,tp,sp,schedule", [(2, 2, 2, True, "zbh1")], ids=["llama-2-2-2-True-zbh1"])
-def test_a_llama_layout_of_every_axis_equals_one_process(shared_dir, dp, pp, tp, sp, schedule):
-    """The Llama family on all three axes at once (tests/run_mpi.sh --ranks 8 selects it by its id)."""
+@pytest.mark.parametrize("dp,pp,tp,sp,schedule,qk_norm", [(2, 2, 2, True, "zbh1", "none"),
+                                                          (2, 2, 2, True, "zbh1", "head")],
+                         ids=["llama-2-2-2-True-zbh1", "qwen3-2-2-2-True-zbh1"])
+def test_a_llama_layout_of_every_axis_equals_one_process(shared_dir, dp, pp, tp, sp, schedule, qk_norm):
+    """The Llama family on all three axes at once, and Qwen3's per-head q/k norm there (its
+    weight gradient summed over the tensor group) (tests/run_mpi.sh --ranks 8 selects both by
+    their ids)."""
     if world.size != 8:
         pytest.skip("written for 8 ranks")
     from tests.engine.parallel.test_llama_tensor import compare_layout
-    compare_layout(shared_dir, "dp2-pp2-tp2-sp-zbh1", dict(dp=dp, pp=pp, tp=tp, sequence_parallel=sp,
-                                                           schedule=schedule, microbatches=4))
+    compare_layout(shared_dir, f"dp2-pp2-tp2-sp-zbh1-{qk_norm}", dict(dp=dp, pp=pp, tp=tp, sequence_parallel=sp,
+                                                                      schedule=schedule, microbatches=4,
+                                                                      qk_norm=qk_norm))
 
 
 @pytest.mark.mpi(min_size=2)

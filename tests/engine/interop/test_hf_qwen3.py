@@ -1,0 +1,163 @@
+"""Qwen3 (dense) in and out of Hugging Face's format (issue 36): a Llama block with the
+per-head q/k norm (LlamaConfig.qk_norm "head"), head_dim apart from hidden / heads.
+
+transformers' Qwen3ForCausalLM is the oracle, in float64 (its RMSNorms and RoPE tables
+lifted to float64, as tests/engine/interop/test_hf_llama.py does): a saved random model
+imported by --init-from gives its logits; ringpipe's export loads as Qwen3ForCausalLM with
+ringpipe's logits and greedy tokens; export -> import -> export is bitwise; the config keys a
+Qwen3 folder may set that ringpipe's model would compute differently are refused by name.
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the Hugging Face tests need torch (pip install torch==2.13.0)")
+transformers = pytest.importorskip("transformers", reason="the Hugging Face tests need transformers")
+pytest.importorskip("safetensors.numpy", reason="engine/interop/hf.py needs safetensors")
+
+from ringpipe.engine.interop import hf, hf_llama  # noqa: E402
+from ringpipe.engine.model.chain import LayerChain  # noqa: E402
+from ringpipe.engine.model.llama import PRESETS, LlamaConfig, llama_layers  # noqa: E402
+
+from tests.engine.interop.test_hf_llama import (EXACT, checkpoint_arrays, config_only, folder_bytes,  # noqa: E402
+                                                hf_logits, imported_diff, lift_to_float64, random_tokens,
+                                                randomize, ringpipe_logits, ringpipe_model, save)
+
+# The issue's odd shape: hidden 48, 6 heads of 16 (not 48 / 6), 2 key/value heads,
+# intermediate 37, eps and theta off their defaults.
+ODD = dict(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+           head_dim=16, intermediate_size=37, max_position_embeddings=24, rms_norm_eps=3e-6, rope_theta=77777.0)
+# The same as a ringpipe shape.
+ODD_OURS = dict(n_layer=2, d_model=48, n_head=6, n_kv_head=2, head_dim=16, d_ff=37, context=24, vocab=97,
+                rms_eps=3e-6, rope_theta=77777.0, qk_norm="head")
+
+
+def random_qwen3(seed=0, **overrides):
+    config = transformers.Qwen3Config(**{**ODD, "tie_word_embeddings": True, "use_sliding_window": False, **overrides})
+    return randomize(transformers.Qwen3ForCausalLM(config), seed)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_an_imported_qwen3_gives_transformers_logits(tmp_path, tied):
+    folder = save(random_qwen3(seed=1, tie_word_embeddings=tied), tmp_path / "hf")
+    cfg, arrays, _ = hf.import_hf(folder)
+    assert cfg == LlamaConfig(**dict(ODD_OURS, tie_embeddings=tied)).validate()
+    assert arrays["h.1.attn.q_norm.w"].shape == arrays["h.1.attn.k_norm.w"].shape == (16,)
+    assert arrays["h.1.attn.k_norm.w"].any()
+    assert imported_diff(folder) <= EXACT
+
+
+def test_a_qwen3_default_config_reads_head_dim_128(tmp_path):
+    """Qwen3's head_dim defaults to 128 whatever hidden / heads is (transformers' Qwen3Config)."""
+    config = dict(model_type="qwen3", hidden_act="silu", vocab_size=99, hidden_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, intermediate_size=37, max_position_embeddings=24)
+    cfg = hf_llama.config_from_hf(config, "here")
+    assert (cfg.head_dim, cfg.n_kv_head, cfg.qk_norm, cfg.qkv_bias, cfg.rms_eps) == (128, 1, "head", False, 1e-6)
+
+
+@pytest.mark.parametrize("config, key", [
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(use_sliding_window=True, sliding_window=8, max_window_layers=0), "use_sliding_window"),
+    (dict(num_experts=8), "num_experts"),
+], ids=["o_proj bias", "a window that binds", "experts"])
+def test_a_qwen3_config_ringpipe_cannot_represent_is_refused_naming_the_key(tmp_path, config, key):
+    folder = config_only(tmp_path, model_type="qwen3", architectures=["Qwen3ForCausalLM"], **config)
+    with pytest.raises(hf.HFError) as refused:
+        hf.import_hf(folder)
+    assert key in str(refused.value) and "config.json" in str(refused.value)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_an_exported_qwen3_loads_as_qwen3_with_ringpipes_logits(tmp_path, tied):
+    cfg = LlamaConfig(**dict(ODD_OURS, tie_embeddings=tied)).validate()
+    arrays = checkpoint_arrays(cfg, seed=2)
+    out = hf.export_hf(arrays, cfg.to_dict(), str(tmp_path / "hf"), model="llama")
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["model_type"] == "qwen3"
+    assert (config["head_dim"], config["rms_norm_eps"], config["attention_bias"]) == (16, 3e-6, False)
+    assert config["use_sliding_window"] is False and config["layer_types"] == ["full_attention"] * 2
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(loaded).__name__ == "Qwen3ForCausalLM"
+    tokens = random_tokens(cfg.vocab)
+    ours = ringpipe_logits(ringpipe_model(cfg, {k[len("param/"):]: v for k, v in arrays.items()}), tokens, cfg.vocab)
+    assert np.abs(hf_logits(out, tokens) - ours).max() <= EXACT
+
+
+def test_qwen3_export_import_export_is_bitwise(tmp_path):
+    cfg = LlamaConfig(**dict(ODD_OURS, tie_embeddings=False)).validate()
+    first = hf.export_hf(checkpoint_arrays(cfg, seed=3), cfg.to_dict(), str(tmp_path / "1"), model="llama")
+    cfg2, arrays, _ = hf.import_hf(first)
+    assert cfg2 == cfg
+    second = hf.export_hf(arrays, cfg2.to_dict(), str(tmp_path / "2"), model="llama")
+    assert folder_bytes(first) == folder_bytes(second)
+
+
+def test_generate_on_a_qwen3_export_gives_ringpipes_greedy_tokens(tmp_path):
+    """transformers' greedy generate on the export = ringpipe's sampler (KV cache, q/k norm
+    at every decoded position), float64, 20 tokens."""
+    from ringpipe.engine.model.registry import RECIPES
+    cfg = LlamaConfig(**ODD_OURS).validate()
+    arrays = checkpoint_arrays(cfg, seed=4)
+    out = hf.export_hf(arrays, cfg.to_dict(), str(tmp_path / "hf"), model="llama")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa",
+                                                              dtype=torch.float64).eval()
+    lift_to_float64(model)
+    prompt = [5, 17, 42]
+    with torch.no_grad():
+        generated = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                                   attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    ours = ringpipe_model(cfg, {k[len("param/"):]: v for k, v in arrays.items()})
+    assert generated[0, len(prompt):].tolist() == list(RECIPES["llama"].generate(ours, prompt, 20, cfg.context,
+                                                                                 temperature=0))
+
+
+def test_a_model_with_biases_and_a_qk_norm_is_refused_by_the_export(tmp_path):
+    cfg = LlamaConfig(**dict(ODD_OURS, qkv_bias=True)).validate()
+    with pytest.raises(hf.HFError, match="no Hugging Face class"):
+        hf.export_hf(checkpoint_arrays(cfg), cfg.to_dict(), str(tmp_path / "hf"), model="llama")
+    assert not os.path.exists(tmp_path / "hf")
+
+
+def test_the_qwen3_name_table_is_the_models_parameters():
+    cfg = LlamaConfig(**ODD_OURS).validate()
+    model = LayerChain(llama_layers(cfg))
+    ours = {name: model.params.view(name).shape for name in model.params.names()}
+    assert ours == {name: hf_llama.shape_of(cfg, name, cfg.padded_vocab) for name, _ in hf_llama.name_map(cfg)}
+    assert ("h.0.attn.q_norm.w", "model.layers.0.self_attn.q_norm.weight") in hf_llama.name_map(cfg)
+
+
+def test_a_llama_checkpoint_written_before_qk_norm_still_exports(tmp_path):
+    """model_config without qk_norm (every Llama checkpoint before Qwen3): no q/k norm."""
+    cfg = LlamaConfig(**dict(PRESETS["hf-tiny"], context=24)).validate()
+    old = {k: v for k, v in cfg.to_dict().items() if k != "qk_norm"}
+    out = hf.export_hf(checkpoint_arrays(cfg), old, str(tmp_path / "hf"), model="llama")
+    assert json.load(open(os.path.join(out, "config.json")))["model_type"] == "llama"
+
+
+def test_a_qwen3_folder_fine_tunes_exports_and_samples(tmp_path, capsys):
+    """save_pretrained -> --init-from (the family from config.json) -> two steps -> ringpipe
+    export (Qwen3ForCausalLM) -> transformers gives the checkpoint's logits; ringpipe sample."""
+    from ringpipe.engine.data.tokenizer import load_tokenizer
+    from ringpipe.engine.interop import sample
+    from ringpipe.engine.job import checkpoint
+    from ringpipe.engine.train.cli import run_flags
+    folder = save(random_qwen3(seed=5, vocab_size=256, max_position_embeddings=32), tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text(load_tokenizer("bytes").to_json())
+    run = tmp_path / "run"
+    run_flags(["--init-from", f"hf:{folder}", "--data", "synthetic", "--steps", "2", "--batch-size", "4",
+               "--seq-len", "32", "--quiet", "--out", str(run)])
+    assert hf.main([str(run), "--out", str(tmp_path / "out")]) == 0
+    config = json.load(open(tmp_path / "out" / "config.json"))
+    assert config["model_type"] == "qwen3" and config["head_dim"] == 16
+    arrays, manifest = checkpoint.load(str(run))
+    assert manifest["model_config"]["qk_norm"] == "head"
+    cfg = LlamaConfig(**manifest["model_config"])
+    tokens = random_tokens(256, length=32)
+    ours = ringpipe_logits(ringpipe_model(cfg, {k[len("param/"):]: v.astype(np.float32)
+                                                for k, v in arrays.items() if k.startswith("param/")}), tokens, 256)
+    assert np.abs(hf_logits(str(tmp_path / "out"), tokens) - ours).max() <= EXACT
+    capsys.readouterr()
+    assert sample.main([str(run), "--prompt", "def ", "--tokens", "4", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
