@@ -3,7 +3,8 @@
     export(arrays, model_config, out_dir, ...)   a Llama checkpoint -> a folder that
                                                  LlamaForCausalLM.from_pretrained loads
     import_folder(config, hf_dir)                a Llama-style folder (model_type llama, or a
-                                                 mistral/qwen2/qwen3 config ringpipe can represent)
+                                                 mistral/qwen2/qwen3/smollm3 config ringpipe can
+                                                 represent)
                                                  -> (LlamaConfig, {our name: array}, tokenizer.json)
 
 A conversion is renaming and the vocabulary's padding only. ringpipe's Llama stores every
@@ -15,7 +16,8 @@ permutation: they are not a format read here).
 config.json is written in full rather than left to transformers' defaults, which differ
 from Llama 3's (rms_norm_eps 1e-6, tie_word_embeddings false). A model with q/k/v biases
 exports as Qwen2ForCausalLM: Llama's attention_bias would put one on o_proj as well. A model
-with the per-head q/k norm (qk_norm "head") exports as Qwen3ForCausalLM.
+with the per-head q/k norm (qk_norm "head") exports as Qwen3ForCausalLM, one with NoPE
+blocks (nope_layers) as SmolLM3ForCausalLM (its no_rope_layers: 1 rotates, 0 does not).
 """
 from __future__ import annotations
 
@@ -114,8 +116,9 @@ def config_from_dict(model_config: dict, where: str = "model_config"):
     llama = _llama_module()
     import dataclasses
     expected = {f.name for f in dataclasses.fields(llama.LlamaConfig)}
-    if isinstance(model_config, dict) and "qk_norm" not in model_config:
-        model_config = {**model_config, "qk_norm": "none"}      # written before Qwen3: none
+    if isinstance(model_config, dict):
+        # Written before these parts existed: none of either.
+        model_config = {"qk_norm": "none", "nope_layers": None, **model_config}
     if not isinstance(model_config, dict) or set(model_config) != expected:
         keys = sorted(model_config) if isinstance(model_config, dict) else type(model_config).__name__
         raise HFError(f"model_config has the keys {keys}, expected {sorted(expected)}: is it a Llama "
@@ -233,9 +236,12 @@ def hf_config(cfg, bos, eos) -> dict:
         "dtype": "float32",                      # transformers >= 4.56 reads "dtype",
         "torch_dtype": "float32",                # older versions "torch_dtype"
     }
-    if cfg.qkv_bias and cfg.qk_norm != "none":
-        raise HFError("a model with both q/k/v biases (Qwen2's) and a q/k norm (Qwen3's) has no Hugging Face "
-                      "class to export to: transformers' Qwen3 has no biases, its Qwen2 no q/k norm")
+    parts = [name for name, used in (("q/k/v biases (Qwen2's)", cfg.qkv_bias), ("a q/k norm (Qwen3's)",
+                                                                              cfg.qk_norm != "none"),
+                                     ("NoPE blocks (SmolLM3's)", cfg.nope_layers)) if used]
+    if len(parts) > 1:
+        raise HFError(f"a model with {' and '.join(parts)} has no Hugging Face class to export to: each of "
+                      "transformers' Qwen2, Qwen3 and SmolLM3 has one of these parts and not the others")
     windowless = dict(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layer,
                       layer_types=["full_attention"] * cfg.n_layer)
     if cfg.qkv_bias:
@@ -248,6 +254,14 @@ def hf_config(cfg, bos, eos) -> dict:
         for key in ("mlp_bias", "pretraining_tp"):
             del config[key]
         config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", **windowless)
+    if cfg.nope_layers:
+        # SmolLM3: no_rope_layers[i] is 1 where block i rotates q and k, 0 where it does not (NoPE).
+        for key in ("pretraining_tp",):
+            del config[key]
+        nope = set(cfg.nope_layers)
+        config.update(architectures=["SmolLM3ForCausalLM"], model_type="smollm3",
+                      no_rope_layers=[0 if i in nope else 1 for i in range(cfg.n_layer)],
+                      use_sliding_window=False, sliding_window=None, layer_types=["full_attention"] * cfg.n_layer)
     return config
 
 
@@ -294,10 +308,14 @@ _DEFAULTS = {
     "qwen3": {"num_key_value_heads": 32, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
               "tie_word_embeddings": False, "hidden_act": "silu", "head_dim": 128, "attention_bias": False,
               "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28},
+    "smollm3": {"num_key_value_heads": 4, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+                "tie_word_embeddings": True, "hidden_act": "silu", "head_dim": None, "attention_bias": False,
+                "mlp_bias": False, "use_sliding_window": False, "sliding_window": None, "rope_theta": 2000000.0,
+                "no_rope_layers": None, "no_rope_layer_interval": 4},
 }
 MODEL_TYPES = tuple(_DEFAULTS)
-_QKV_BIAS = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False}   # Qwen2's q/k/v have biases
-_QK_NORM = {"llama": "none", "mistral": "none", "qwen2": "none", "qwen3": "head"}   # Qwen3's q_norm, k_norm
+_QKV_BIAS = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "smollm3": False}   # Qwen2's
+_QK_NORM = {"llama": "none", "mistral": "none", "qwen2": "none", "qwen3": "head", "smollm3": "none"}   # Qwen3's
 # transformers' names of SiLU (ACT2FN): the gate's activation of ringpipe's SwiGLU.
 _SILUS = ("silu", "swish")
 # Keys that make a model a mixture of experts (a model_type we read, extended by hand).
@@ -366,8 +384,27 @@ def config_from_hf(config: dict, hf_dir: str):
                             d_ff=sizes["intermediate_size"], context=context, vocab=sizes["vocab_size"], head_dim=hd,
                             rope_theta=theta, rope_scaling=scaling, rms_eps=c.get("rms_norm_eps"),
                             tie_embeddings=c.get("tie_word_embeddings"), qkv_bias=_QKV_BIAS[c.model_type],
-                            qk_norm=_QK_NORM[c.model_type])
+                            qk_norm=_QK_NORM[c.model_type], nope_layers=_nope_from_hf(c, sizes["num_hidden_layers"]))
     return _validated(cfg, c.where)
+
+
+def _nope_from_hf(c: _Config, n_layer: int):
+    """SmolLM3's blocks without RoPE, from no_rope_layers (1: rotates, 0: NoPE; one per layer), or
+    from no_rope_layer_interval where it is null (transformers' rule: every interval-th block);
+    None for the other model types, whose every block rotates."""
+    if c.model_type != "smollm3":
+        return None
+    flags = c.raw("no_rope_layers")
+    if flags is None:
+        interval = c.raw("no_rope_layer_interval")
+        if type(interval) is not int or not 1 <= interval <= 2**14:
+            c.invalid("no_rope_layer_interval", "a whole number from 1 to 16,384 (every interval-th block has no RoPE)")
+        flags = [int((i + 1) % interval != 0) for i in range(n_layer)]
+    if (not isinstance(flags, list) or len(flags) != n_layer or not all(type(f) is int and f in (0, 1)
+                                                                         for f in flags)):
+        c.invalid("no_rope_layers", f"a list of num_hidden_layers {n_layer} values, each 1 (the block rotates q "
+                                    "and k) or 0 (NoPE), or null")
+    return [i for i, rotates in enumerate(flags) if not rotates] or None
 
 
 def _refuse_unsupported(c: _Config, context: int, n_layer: int) -> None:
@@ -426,7 +463,7 @@ def _refuse_windows(c: _Config, context: int, n_layer: int) -> None:
                       "the model would compute differently", "no sliding window shorter than its context")
 
 
-_WINDOW_SWITCH = {"qwen2": "use_sliding_window", "qwen3": "use_sliding_window"}
+_WINDOW_SWITCH = {"qwen2": "use_sliding_window", "qwen3": "use_sliding_window", "smollm3": "use_sliding_window"}
 
 
 def _rope_from_hf(c: _Config, context: int) -> tuple:

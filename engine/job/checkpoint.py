@@ -81,14 +81,15 @@ _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 # The keys of model_config for each model (engine.model.gpt.GPTConfig, engine.model.mlp.MLPConfig).
 _MODEL_CONFIG_KEYS = {"gpt": ("context", "d_model", "n_head", "n_layer", "vocab"),
                       "llama": ("context", "d_ff", "d_model", "head_dim", "n_head", "n_kv_head", "n_layer",
-                                "qk_norm", "qkv_bias", "rms_eps", "rope_scaling", "rope_theta", "tie_embeddings",
-                                "vocab"),
+                                "nope_layers", "qk_norm", "qkv_bias", "rms_eps", "rope_scaling", "rope_theta",
+                                "tie_embeddings", "vocab"),
                       "mlp": ("hidden", "n_classes", "n_in", "n_layer")}
 # Keys a model_config written before they existed lacks (its model then had the default: no q/k norm).
-_OPTIONAL_MODEL_CONFIG_KEYS = {"llama": ("qk_norm",)}
+_OPTIONAL_MODEL_CONFIG_KEYS = {"llama": ("nope_layers", "qk_norm")}
 # The model_config keys that are settings rather than counts: a number, a switch, or
 # (rope_scaling) null or an object of numbers and names.
 _MODEL_SETTINGS = ("qk_norm", "qkv_bias", "rms_eps", "rope_scaling", "rope_theta", "tie_embeddings")
+_LIST_SETTINGS = ("nope_layers",)        # null or a list of block indices
 _LAYOUT_KEYS = ("chunks", "dp", "pp", "tp")
 _OPTIONAL_LAYOUT_KEYS = ("tp",)          # checkpoints written before tensor parallelism have none
 _KEYS = ("args", "best", "checksum", "dtype", "format", "layout", "loss", "model", "model_config", "npz", "npz_bytes",
@@ -592,7 +593,9 @@ def _check_object(key, value, keys, optional=()):
         may = f" (optional: {', '.join(optional)})" if optional else ""
         raise _wrong(key, value, f"an object with exactly the keys {', '.join(keys)}{may}")
     for k in keys:
-        if k in value and k in _MODEL_SETTINGS:
+        if k in value and k in _LIST_SETTINGS:
+            _check_int_list(f"{key}.{k}", value[k])
+        elif k in value and k in _MODEL_SETTINGS:
             _check_setting(f"{key}.{k}", value[k])
         elif k in value:
             _check_int(f"{key}.{k}", value[k], 1, 2**31 - 1)
@@ -604,6 +607,12 @@ def _check_setting(key, value):
                 or (isinstance(v, str) and _SHORT_NAME.fullmatch(v)))
     if not (plain(value) or value is None or (type(value) is dict and all(plain(v) for v in value.values()))):
         raise _wrong(key, value, "a finite number, true or false, null, or an object of those")
+
+
+def _check_int_list(key, value):
+    if value is not None and not (type(value) is list and len(value) <= 2**14
+                                  and all(type(v) is int and 0 <= v < 2**14 for v in value)):
+        raise _wrong(key, value, "null or a list of block indices (integers from 0 to 16383)")
 
 
 def _check_schema(m):

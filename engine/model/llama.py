@@ -1,15 +1,17 @@
-"""A Llama-family language model (Llama 3, SmolLM2, TinyLlama, Mistral, Qwen2 and Qwen3 shapes), in one
-readable file.
+"""A Llama-family language model (Llama 3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3 and SmolLM3
+shapes), in one readable file.
 
     tokens (B, T) -> TokenEmbedding -> n_layer x LlamaBlock -> LlamaHead (RMSNorm, logits, loss)
     LlamaBlock:  x + attn(norm1(x)), then + mlp(norm2(x))
-    attn:        grouped-query causal attention, rotary positions on q and k
+    attn:        grouped-query causal attention, rotary positions on q and k (none in the
+                 nope_layers: SmolLM3's NoPE blocks)
                  (qk_norm "head", Qwen3's: each head's q and k RMS-normalised over its hd
                  channels, before the rotation)
     mlp:         down(silu(gate(x)) * up(x))   (SwiGLU)
 
 The families differ by parts the shape names (LlamaConfig): q/k/v biases (Qwen2), the q/k
-norm (Qwen3), head_dim apart from d_model / n_head, the RoPE's base and scaling.
+norm (Qwen3), blocks without rotary positions (SmolLM3's NoPE layers), head_dim apart from
+d_model / n_head, the RoPE's base and scaling.
 
 Parameters are laid out as Hugging Face's LlamaForCausalLM lays them out, so its weights
 copy by name with no permutation: every Linear weight is (out, in); q and k rows are
@@ -64,6 +66,7 @@ class LlamaConfig:
     tie_embeddings: bool = True
     qkv_bias: bool = False
     qk_norm: str = "none"            # QK_NORMS: "head" normalises each head's q and k over hd (Qwen3)
+    nope_layers: list | None = None  # blocks (0-based) whose attention has no rotary positions (SmolLM3's NoPE)
 
     def validate(self):
         """Check every value, type and range (limits.py: a checkpoint's manifest or a notebook
@@ -86,6 +89,7 @@ class LlamaConfig:
                               f"head serves an equal group of query heads): use <kv_heads> "
                               f"{', '.join(map(str, works))}")
         _check_rope_scaling(self.rope_scaling)
+        self.nope_layers = _nope_layers(self.nope_layers, self.n_layer)
         return self
 
     @property
@@ -115,6 +119,24 @@ def _check_values(cfg: LlamaConfig) -> None:
     if not isinstance(cfg.qk_norm, str) or cfg.qk_norm not in QK_NORMS:
         raise ConfigError(f"Llama <qk_norm> must be one of {', '.join(QK_NORMS)} (head: Qwen3's per-head norm of q "
                           f"and k), got {cfg.qk_norm!r}")
+
+
+def _nope_layers(value, n_layer):
+    """nope_layers as a sorted list of distinct block indices below n_layer, or None for none;
+    given as a list, or as the comma-separated text of --nope-layers ("3,7,11")."""
+    if value is None or value == "" or value == []:
+        return None
+    if isinstance(value, str):
+        try:
+            value = [int(part) for part in value.split(",")]
+        except ValueError:
+            raise ConfigError(f"<nope_layers> must be block indices separated by commas (e.g. 3,7,11), got "
+                              f"{value!r}") from None
+    if (not isinstance(value, (list, tuple)) or len(value) > limits.MAX_LAYERS
+            or not all(type(i) is int and 0 <= i < n_layer for i in value) or len(set(value)) != len(value)):
+        raise ConfigError(f"<nope_layers> must be distinct block indices from 0 to <layers> - 1 = {n_layer - 1} "
+                          f"(the blocks whose attention has no rotary positions), got {value!r}")
+    return sorted(value)
 
 
 def _check_rope_scaling(scaling) -> None:
@@ -157,6 +179,9 @@ PRESETS = {
                        vocab=151936, tie_embeddings=True, rope_theta=1000000.0, rms_eps=1e-6, qk_norm="head"),
     "qwen3-1.7b": dict(n_layer=28, d_model=2048, n_head=16, n_kv_head=8, d_ff=6144, head_dim=128, context=40960,
                        vocab=151936, tie_embeddings=True, rope_theta=1000000.0, rms_eps=1e-6, qk_norm="head"),
+    # SmolLM3-3B: every fourth block without rotary positions (NoPE: blocks 3, 7, ..., 35).
+    "smollm3-3b": dict(n_layer=36, d_model=2048, n_head=16, n_kv_head=4, d_ff=11008, context=65536, vocab=128256,
+                       tie_embeddings=True, rope_theta=5000000.0, rms_eps=1e-6, nope_layers=list(range(3, 36, 4))),
     "llama3.2-1b": dict(n_layer=16, d_model=2048, n_head=32, n_kv_head=8, d_ff=8192, context=131072,
                         vocab=128256, tie_embeddings=True, rope_theta=500000.0,
                         rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
@@ -297,6 +322,16 @@ class GroupedQueryAttention(Layer):
         for part in self.parts + self.norms:
             part.bind(params)
 
+    def _rotated(self, q, k, start, T, like, table_length=None):
+        """q, k (B, T, heads, hd) at positions start..start+T-1, rotated; as they are in a
+        NoPE layer (rotary None: SmolLM3's every fourth), whose attention sees no positions.
+        table_length: the tables' positions (decoding asks for the cache's capacity once)."""
+        if self.rotary is None:
+            return q, k
+        cos, sin = self.rotary.tables(table_length or start + T, like)
+        cos, sin = cos[start:start + T], sin[start:start + T]                 # (T, hd): these positions
+        return K.rope_forward(q, cos, sin), K.rope_forward(k, cos, sin)
+
     def _normed(self, norm, x):
         """x (B, T, heads, hd) -> (norm(x) over hd, its ctx); x itself without a q/k norm."""
         return (x, None) if norm is None else norm.forward(x)
@@ -306,11 +341,10 @@ class GroupedQueryAttention(Layer):
         H, Hkv, hd, G = self.h, self.h_kv, self.hd, self.h // self.h_kv
         (q, k, v), qkv_ctx = self.qkv.forward(x)                           # (B, T, H*hd), k and v (B, T, Hkv*hd)
         B, T, _ = q.shape          # the whole sequence, also when x is a sequence-parallel part
-        cos, sin = self.rotary.tables(T, x)
         q, qn_ctx = self._normed(self.q_norm, q.reshape(B, T, H, hd))                  # (B, T, H, hd)
         k, kn_ctx = self._normed(self.k_norm, k.reshape(B, T, Hkv, hd))                # (B, T, Hkv, hd)
-        q = K.rope_forward(q, cos, sin).transpose(0, 2, 1, 3)                          # (B, H, T, hd)
-        k = K.rope_forward(k, cos, sin).transpose(0, 2, 1, 3)                          # (B, Hkv, T, hd)
+        q, k = self._rotated(q, k, 0, T, x)
+        q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)                        # (B, H|Hkv, T, hd)
         # q, k and v are each read by two GEMMs and kept: rounded once under bf16 (BF16)
         q = BF16.of(xp.ascontiguousarray(q))
         k = xp.repeat(BF16.of(k), G, axis=1)                               # (B, H, T, hd): head h reads h // G
@@ -327,10 +361,9 @@ class GroupedQueryAttention(Layer):
         xp = K.get_array_module(x)
         B, T, _ = x.shape
         H, Hkv, hd = self.h, self.h_kv, self.hd
-        cos, sin = self.rotary.tables(cache.capacity, x)
-        cos, sin = cos[start:start + T], sin[start:start + T]                      # (T, hd): these positions
-        q = K.rope_forward(self._normed(self.q_norm, self.q.forward(x)[0].reshape(B, T, H, hd))[0], cos, sin)
-        k = K.rope_forward(self._normed(self.k_norm, self.k.forward(x)[0].reshape(B, T, Hkv, hd))[0], cos, sin)
+        q = self._normed(self.q_norm, self.q.forward(x)[0].reshape(B, T, H, hd))[0]     # (B, T, H, hd)
+        k = self._normed(self.k_norm, self.k.forward(x)[0].reshape(B, T, Hkv, hd))[0]   # (B, T, Hkv, hd)
+        q, k = self._rotated(q, k, start, T, x, table_length=cache.capacity)
         v = self.v.forward(x)[0].reshape(B, T, Hkv, hd)
         k, v = cache.append(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), start)   # (B, Hkv, start+T, hd)
         y = attend_cached(xp.ascontiguousarray(q.transpose(0, 2, 1, 3)), k, v, start, 1.0 / math.sqrt(hd))
@@ -342,13 +375,14 @@ class GroupedQueryAttention(Layer):
         xp = K.get_array_module(dout)
         B, H, T, hd = q.shape
         Hkv, G = self.h_kv, self.h // self.h_kv
-        cos, sin = self.rotary.tables(T, dout)
         dy, o_w = self.o.backward_input(dout, o_ctx)                       # (B, T, H*hd)
         dq, dk, dv = causal_attention_backward(dy, q, k, v, att, scale)    # (B, H, T, hd), per query head
         # A key/value head's gradient is the sum over the G query heads that read it.
         dk, dv = (d.reshape(B, Hkv, G, T, hd).sum(axis=2).transpose(0, 2, 1, 3) for d in (dk, dv))   # (B, T, Hkv, hd)
-        dq = K.rope_backward(dq.transpose(0, 2, 1, 3), cos, sin)                  # (B, T, H, hd)
-        dk = K.rope_backward(dk, cos, sin)                                        # (B, T, Hkv, hd)
+        dq = dq.transpose(0, 2, 1, 3)                                             # (B, T, H, hd)
+        if self.rotary is not None:
+            cos, sin = self.rotary.tables(T, dout)
+            dq, dk = K.rope_backward(dq, cos, sin), K.rope_backward(dk, cos, sin)  # (B, T, H|Hkv, hd)
         if self.q_norm is not None:              # (their weight gradients are added here)
             dq = self.q_norm.backward_input(dq, qn_ctx)[0]
             dk = self.k_norm.backward_input(dk, kn_ctx)[0]
@@ -456,7 +490,8 @@ def llama_layers(cfg: LlamaConfig, tensor=None):
     cfg.validate()
     rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     maker = WHOLE if tensor is None else tensor
-    blocks = [LlamaBlock(f"h.{i}", cfg, rotary, maker=maker) for i in range(cfg.n_layer)]
+    nope = set(cfg.nope_layers or ())
+    blocks = [LlamaBlock(f"h.{i}", cfg, None if i in nope else rotary, maker=maker) for i in range(cfg.n_layer)]
     if tensor is None:
         return [TokenEmbedding(cfg.padded_vocab, cfg.d_model, cfg.context), *blocks, LlamaHead(cfg)]
     embedding = tensor.embedding(cfg.padded_vocab, cfg.context, cfg.d_model, wpe=None)
@@ -509,7 +544,7 @@ LLAMA_RECIPE = ModelRecipe(
     name="llama", shape=LlamaConfig,
     fields={"layers": "n_layer", "d_model": "d_model", "heads": "n_head", "context": "context",
             "kv_heads": "n_kv_head", "d_ff": "d_ff", "rope_theta": "rope_theta",
-            "tie_embeddings": "tie_embeddings", "qk_norm": "qk_norm"},
+            "tie_embeddings": "tie_embeddings", "qk_norm": "qk_norm", "nope_layers": "nope_layers"},
     layers=llama_layers, flops_per_item=flops_per_token, memory=memory,
     data="tokens", default_data="stdlib", data_path_data="text", unit="tokens", rate_unit="tok",
     axes=("data", "pipe", "tensor"), presets=PRESETS, generate=generate, blocks=True,

@@ -98,6 +98,9 @@ def _model_flags(p):
     g.add_argument("--qk-norm", choices=["none", "head"], default=None,
                    help="llama: head normalises each attention head's q and k (an RMSNorm over the head's "
                         "channels, before the rotation) as Qwen3 does; none (default) as Llama and Qwen2")
+    g.add_argument("--nope-layers", default=None, metavar="I,J,...",
+                   help="llama: the blocks (0-based, comma-separated) whose attention has no rotary positions, "
+                        "as SmolLM3's every fourth (NoPE: 3,7,11,...); default none")
     g.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="compute dtype (default float32)")
     g.add_argument("--precision", choices=["float32", "bf16"], default="float32",
                    help="matmul inputs: float32, or bf16 (rounded to bfloat16, float32 accumulation, "

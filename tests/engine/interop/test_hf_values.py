@@ -194,10 +194,11 @@ def test_gpt2_refusals_say_what_to_use_too():
 # ---- what published models and ringpipe's own exports hold is accepted --------------------------
 
 def test_every_config_ringpipe_exports_reads_back_as_the_same_model():
-    """The rules refuse nothing ringpipe writes: every preset, llama3 scaling, Qwen2's and Qwen3's keys
-    (a Qwen3 preset without biases: Qwen3 has none, and no class has both)."""
+    """The rules refuse nothing ringpipe writes: every preset, llama3 scaling, Qwen2's, Qwen3's and
+    SmolLM3's keys (Qwen3 and SmolLM3 presets without biases: they have none, and no class has both)."""
     for name, preset in PRESETS.items():
-        for qkv_bias in ((False,) if preset.get("qk_norm", "none") != "none" else (False, True)):
+        own_parts = preset.get("qk_norm", "none") != "none" or preset.get("nope_layers")
+        for qkv_bias in ((False,) if own_parts else (False, True)):
             cfg = LlamaConfig(**dict(preset, qkv_bias=qkv_bias)).validate()
             assert hf_llama.config_from_hf(hf_llama.hf_config(cfg, 0, 0), "m") == cfg, name
 

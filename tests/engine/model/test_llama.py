@@ -87,6 +87,8 @@ def test_defaults_are_filled_in_and_recorded():
     (dict(rope_scaling={"factor": 2.0}), "missing high_freq_factor"),
     (dict(rope_theta=0.0), "must be > 0"),
     (dict(qk_norm="all"), "qk_norm must be one of none, head"),
+    (dict(n_layer=1, nope_layers=[1]), "nope_layers must be distinct block indices from 0 to layers - 1 = 0"),
+    (dict(nope_layers="1,x"), "nope_layers must be block indices separated by commas"),
 ])
 def test_bad_shapes_are_refused_saying_what_works(shape, says):
     with pytest.raises(ConfigError, match=says):
@@ -102,6 +104,8 @@ def test_presets_are_the_real_shapes():
     # Qwen3-0.6B and 1.7B as Hugging Face counts them (tied embeddings, q/k norms of 128 each).
     assert M.parameter_count(M.LlamaConfig(**M.PRESETS["qwen3-0.6b"]).validate()) == 596_049_920
     assert M.parameter_count(M.LlamaConfig(**M.PRESETS["qwen3-1.7b"]).validate()) == 1_720_574_976
+    smol3 = M.LlamaConfig(**M.PRESETS["smollm3-3b"]).validate()                  # SmolLM3-3B, as HF counts it
+    assert M.parameter_count(smol3) == 3_075_098_624 and smol3.nope_layers == list(range(3, 36, 4))
 
 
 # ---- exactness against transformers ------------------------------------------------
@@ -122,6 +126,8 @@ SHAPES = {
     "qwen3-qk-norm": dict(HF_TINY, qk_norm="head", rms_eps=1e-6),
     "qwen3-odd": dict(n_layer=2, d_model=48, n_head=6, n_kv_head=2, d_ff=37, head_dim=16, context=32, vocab=97,
                       qk_norm="head", rms_eps=3e-6, rope_theta=77777.0, tie_embeddings=False),
+    # SmolLM3ForCausalLM: block 1 of 3 without rotary positions (NoPE)
+    "smollm3-nope": dict(HF_TINY, n_layer=3, nope_layers=[1], rms_eps=1e-6, rope_theta=2000000.0),
 }
 
 
@@ -144,6 +150,10 @@ def hf_model(cfg: M.LlamaConfig, monkeypatch):
     if cfg.qk_norm == "head":    # Qwen3: Llama's block with q_norm and k_norm over each head
         family, extra = (transformers.Qwen3Config, transformers.Qwen3ForCausalLM), dict(use_sliding_window=False,
                                                                                         attention_bias=False)
+    if cfg.nope_layers:          # SmolLM3: Llama's block, some blocks without RoPE (no_rope_layers 0)
+        family = (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM)
+        extra = dict(use_sliding_window=False, attention_bias=False, mlp_bias=False, pad_token_id=None,
+                     no_rope_layers=[int(i not in cfg.nope_layers) for i in range(cfg.n_layer)])
     hf_cfg = family[0](
         vocab_size=cfg.vocab, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layer,
         num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head, head_dim=cfg.head_dim,
@@ -168,6 +178,7 @@ def hf_model(cfg: M.LlamaConfig, monkeypatch):
     monkeypatch.setattr(transformers.models.llama.modeling_llama.LlamaRMSNorm, "forward", _float64_rmsnorm)
     monkeypatch.setattr(transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm, "forward", _float64_rmsnorm)
     monkeypatch.setattr(transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm, "forward", _float64_rmsnorm)
+    monkeypatch.setattr(transformers.models.smollm3.modeling_smollm3.SmolLM3RMSNorm, "forward", _float64_rmsnorm)
     return model
 
 
@@ -279,6 +290,20 @@ def test_a_qk_norm_over_the_whole_width_fails_the_exactness_test(monkeypatch):
     monkeypatch.setattr(M.GroupedQueryAttention, "_normed", over_the_width)
     delta = np.abs(ours_from(hf, cfg).forward(tokens, need_grad=False)[0][..., :cfg.vocab] - expected).max()
     assert delta > 1e-6, delta
+
+
+def test_a_nope_block_that_rotates_fails_the_exactness_test(monkeypatch):
+    """The negative control of SmolLM3's NoPE blocks: the same weights with every block
+    rotating (or the NoPE block moved) give another model."""
+    cfg = M.LlamaConfig(**SHAPES["smollm3-nope"]).validate()
+    hf = hf_model(cfg, monkeypatch)
+    tokens = rng.integers(0, cfg.vocab, size=(2, 13))
+    expected = hf(torch.from_numpy(tokens)).logits.detach().numpy()
+    for wrong in (None, [2]):
+        other = M.LlamaConfig(**dict(SHAPES["smollm3-nope"], nope_layers=wrong)).validate()
+        model = ours_from(hf, other)
+        delta = np.abs(model.forward(tokens, need_grad=False)[0][..., :cfg.vocab] - expected).max()
+        assert delta > 1e-6, (wrong, delta)
 
 
 # ---- training through the library ----------------------------------------------------

@@ -36,6 +36,8 @@ LAYOUTS = {
     # Qwen3's per-head q/k norm (qk_norm head) under the pipeline and under ZeRO-3 with recomputation
     "pp2-1f1b-qwen3": dict(pp=2, schedule="1f1b", microbatches=4, qk_norm="head"),
     "dp2-zero3-qwen3-recompute": dict(dp=2, zero=3, qk_norm="head", recompute="full"),
+    # SmolLM3's NoPE block (nope_layers): the second of two, on the second pipeline stage
+    "pp2-zbh1-smollm3": dict(pp=2, schedule="zbh1", microbatches=4, nope_layers="1"),
 }
 
 
@@ -45,7 +47,7 @@ def test_llama_layout_equals_single_process(shared_dir, name):
     if world.size != 2:
         pytest.skip("written for 2 ranks")
     layout = dict(LAYOUTS[name])
-    shape = {k: layout.pop(k) for k in ("tie_embeddings", "qk_norm") if k in layout}
+    shape = {k: layout.pop(k) for k in ("tie_embeddings", "qk_norm", "nope_layers") if k in layout}
     layers = 4 if layout.get("chunks") else 2
     ref = reference(base(layers, 8, out=os.path.join(shared_dir, f"llama-ref-{name}-{world.rank}"), **shape))
     grid = train(base(layers, 8, out=os.path.join(shared_dir, f"llama-{name}"), **shape, **layout), world)

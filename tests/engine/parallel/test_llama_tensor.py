@@ -116,6 +116,8 @@ LAYERS = {
     # Qwen3's per-head q/k norm: whole on every rank, applied to its own heads
     "gqa-qk-norm": lambda cfg, m: GroupedQueryAttention("a", _qk_normed(cfg), _rotary(cfg), maker=m),
     "block-qk-norm": lambda cfg, m: LlamaBlock("h", _qk_normed(cfg), _rotary(cfg), maker=m),
+    # SmolLM3's NoPE block: no rotary positions
+    "gqa-nope": lambda cfg, m: GroupedQueryAttention("a", cfg, None, maker=m),
 }
 
 
@@ -215,7 +217,7 @@ def base(**more):
                             quiet=True, overwrite=True, eval_every=3, eval_batches=1), **more})
 
 
-SHAPE_KEYS = ("layers", "heads", "kv_heads", "d_model", "tie_embeddings", "d_ff", "qk_norm")
+SHAPE_KEYS = ("layers", "heads", "kv_heads", "d_model", "tie_embeddings", "d_ff", "qk_norm", "nope_layers")
 RUNS_2 = {
     "tp2": dict(tp=2),
     "tp2-sp": dict(tp=2, sequence_parallel=True),
@@ -225,6 +227,7 @@ RUNS_2 = {
     "tp2-sp-mha-even-dff": dict(tp=2, sequence_parallel=True, kv_heads=4, d_ff=24),
     "tp2-qwen3-qk-norm": dict(tp=2, qk_norm="head"),
     "tp2-sp-qwen3-qk-norm-recompute": dict(tp=2, sequence_parallel=True, qk_norm="head", recompute="selective"),
+    "tp2-sp-smollm3-nope": dict(tp=2, sequence_parallel=True, nope_layers="0"),
 }
 RUNS_4 = {
     "dp2-tp2": dict(dp=2, tp=2, zero=1),
