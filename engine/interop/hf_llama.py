@@ -17,7 +17,9 @@ config.json is written in full rather than left to transformers' defaults, which
 from Llama 3's (rms_norm_eps 1e-6, tie_word_embeddings false). A model with q/k/v biases
 exports as Qwen2ForCausalLM: Llama's attention_bias would put one on o_proj as well. A model
 with the per-head q/k norm (qk_norm "head") exports as Qwen3ForCausalLM, one with NoPE
-blocks (nope_layers) as SmolLM3ForCausalLM (its no_rope_layers: 1 rotates, 0 does not).
+blocks (nope_layers) as SmolLM3ForCausalLM (its no_rope_layers: 1 rotates, 0 does not), one
+with the norms after attention and the MLP and the q/k norm over all heads as Olmo2ForCausalLM
+(whose post_attention_layernorm is then ringpipe's norm1, post_feedforward_layernorm its norm2).
 """
 from __future__ import annotations
 
@@ -66,9 +68,15 @@ def head_dim(cfg) -> int:
     return cfg.head_dim if cfg.head_dim is not None else cfg.d_model // cfg.n_head
 
 
+# OLMo 2's block norms (norm_place "post"): after attention and after the MLP.
+_POST_NORM_NAMES = {"norm1.w": "post_attention_layernorm.weight", "norm2.w": "post_feedforward_layernorm.weight"}
+
+
 def name_map(cfg) -> list:
     """[(our name, Hugging Face's name)] of every parameter of the model `cfg`."""
-    block = _BLOCK_NAMES + (_BIAS_NAMES if cfg.qkv_bias else []) + (_QK_NORM_NAMES if cfg.qk_norm == "head" else [])
+    block = _BLOCK_NAMES + (_BIAS_NAMES if cfg.qkv_bias else []) + (_QK_NORM_NAMES if cfg.qk_norm != "none" else [])
+    if cfg.norm_place == "post":
+        block = [(ours, _POST_NORM_NAMES.get(ours, theirs)) for ours, theirs in block]
     names = [("wte", "model.embed_tokens.weight")]
     for i in range(cfg.n_layer):
         names += [(f"h.{i}.{ours}", f"model.layers.{i}.{theirs}") for ours, theirs in block]
@@ -88,6 +96,8 @@ def block_shapes(cfg) -> dict:
         shapes.update({"attn.q.b": (q,), "attn.k.b": (kv,), "attn.v.b": (kv,)})
     if cfg.qk_norm == "head":
         shapes.update({"attn.q_norm.w": (hd,), "attn.k_norm.w": (hd,)})
+    if cfg.qk_norm == "all":
+        shapes.update({"attn.q_norm.w": (q,), "attn.k_norm.w": (kv,)})
     return shapes
 
 
@@ -118,7 +128,7 @@ def config_from_dict(model_config: dict, where: str = "model_config"):
     expected = {f.name for f in dataclasses.fields(llama.LlamaConfig)}
     if isinstance(model_config, dict):
         # Written before these parts existed: none of either.
-        model_config = {"qk_norm": "none", "nope_layers": None, **model_config}
+        model_config = {"qk_norm": "none", "nope_layers": None, "norm_place": "pre", **model_config}
     if not isinstance(model_config, dict) or set(model_config) != expected:
         keys = sorted(model_config) if isinstance(model_config, dict) else type(model_config).__name__
         raise HFError(f"model_config has the keys {keys}, expected {sorted(expected)}: is it a Llama "
@@ -236,12 +246,16 @@ def hf_config(cfg, bos, eos) -> dict:
         "dtype": "float32",                      # transformers >= 4.56 reads "dtype",
         "torch_dtype": "float32",                # older versions "torch_dtype"
     }
-    parts = [name for name, used in (("q/k/v biases (Qwen2's)", cfg.qkv_bias), ("a q/k norm (Qwen3's)",
-                                                                              cfg.qk_norm != "none"),
-                                     ("NoPE blocks (SmolLM3's)", cfg.nope_layers)) if used]
-    if len(parts) > 1:
-        raise HFError(f"a model with {' and '.join(parts)} has no Hugging Face class to export to: each of "
-                      "transformers' Qwen2, Qwen3 and SmolLM3 has one of these parts and not the others")
+    olmo2 = cfg.qk_norm == "all" and cfg.norm_place == "post"
+    parts = [name for name, used in (("q/k/v biases (Qwen2's)", cfg.qkv_bias),
+                                     ("a per-head q/k norm (Qwen3's)", cfg.qk_norm == "head"),
+                                     ("NoPE blocks (SmolLM3's)", cfg.nope_layers),
+                                     ("OLMo 2's norms", olmo2)) if used]
+    if len(parts) > 1 or (cfg.qk_norm == "all") != (cfg.norm_place == "post"):
+        raise HFError(f"a model with {' and '.join(parts) or 'these parts'} (qk_norm {cfg.qk_norm}, norm_place "
+                      f"{cfg.norm_place}) has no Hugging Face class to export to: each of transformers' Qwen2, "
+                      "Qwen3, SmolLM3 and OLMo 2 has one of these parts and not the others (OLMo 2: the q/k norm "
+                      "over all heads with the norms after attention and the MLP, together)")
     windowless = dict(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layer,
                       layer_types=["full_attention"] * cfg.n_layer)
     if cfg.qkv_bias:
@@ -254,6 +268,11 @@ def hf_config(cfg, bos, eos) -> dict:
         for key in ("mlp_bias", "pretraining_tp"):
             del config[key]
         config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", **windowless)
+    if olmo2:
+        # OLMo 2: its attention_bias would bias o_proj too (false here); no window, no MLP bias key.
+        for key in ("mlp_bias", "pretraining_tp"):
+            del config[key]
+        config.update(architectures=["Olmo2ForCausalLM"], model_type="olmo2")
     if cfg.nope_layers:
         # SmolLM3: no_rope_layers[i] is 1 where block i rotates q and k, 0 where it does not (NoPE).
         for key in ("pretraining_tp",):
@@ -312,10 +331,15 @@ _DEFAULTS = {
                 "tie_word_embeddings": True, "hidden_act": "silu", "head_dim": None, "attention_bias": False,
                 "mlp_bias": False, "use_sliding_window": False, "sliding_window": None, "rope_theta": 2000000.0,
                 "no_rope_layers": None, "no_rope_layer_interval": 4},
+    "olmo2": {"num_key_value_heads": None, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+              "tie_word_embeddings": False, "hidden_act": "silu", "head_dim": None, "attention_bias": False},
 }
 MODEL_TYPES = tuple(_DEFAULTS)
-_QKV_BIAS = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "smollm3": False}   # Qwen2's
-_QK_NORM = {"llama": "none", "mistral": "none", "qwen2": "none", "qwen3": "head", "smollm3": "none"}   # Qwen3's
+_QKV_BIAS = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "smollm3": False,   # Qwen2's
+             "olmo2": False}
+_QK_NORM = {"llama": "none", "mistral": "none", "qwen2": "none", "qwen3": "head", "smollm3": "none",
+            "olmo2": "all"}         # Qwen3's per head, OLMo 2's over all heads
+_NORM_PLACE = {"olmo2": "post"}     # the others "pre"
 # transformers' names of SiLU (ACT2FN): the gate's activation of ringpipe's SwiGLU.
 _SILUS = ("silu", "swish")
 # Keys that make a model a mixture of experts (a model_type we read, extended by hand).
@@ -384,7 +408,8 @@ def config_from_hf(config: dict, hf_dir: str):
                             d_ff=sizes["intermediate_size"], context=context, vocab=sizes["vocab_size"], head_dim=hd,
                             rope_theta=theta, rope_scaling=scaling, rms_eps=c.get("rms_norm_eps"),
                             tie_embeddings=c.get("tie_word_embeddings"), qkv_bias=_QKV_BIAS[c.model_type],
-                            qk_norm=_QK_NORM[c.model_type], nope_layers=_nope_from_hf(c, sizes["num_hidden_layers"]))
+                            qk_norm=_QK_NORM[c.model_type], nope_layers=_nope_from_hf(c, sizes["num_hidden_layers"]),
+                            norm_place=_NORM_PLACE.get(c.model_type, "pre"))
     return _validated(cfg, c.where)
 
 

@@ -1,17 +1,19 @@
-"""A Llama-family language model (Llama 3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3 and SmolLM3
-shapes), in one readable file.
+"""A Llama-family language model (Llama 3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3, SmolLM3 and
+OLMo 2 shapes), in one readable file.
 
     tokens (B, T) -> TokenEmbedding -> n_layer x LlamaBlock -> LlamaHead (RMSNorm, logits, loss)
     LlamaBlock:  x + attn(norm1(x)), then + mlp(norm2(x))
+                 (norm_place "post", OLMo 2's: x + norm1(attn(x)), then + norm2(mlp(x)))
     attn:        grouped-query causal attention, rotary positions on q and k (none in the
                  nope_layers: SmolLM3's NoPE blocks)
                  (qk_norm "head", Qwen3's: each head's q and k RMS-normalised over its hd
-                 channels, before the rotation)
+                 channels, before the rotation; "all", OLMo 2's: over all heads' channels)
     mlp:         down(silu(gate(x)) * up(x))   (SwiGLU)
 
 The families differ by parts the shape names (LlamaConfig): q/k/v biases (Qwen2), the q/k
-norm (Qwen3), blocks without rotary positions (SmolLM3's NoPE layers), head_dim apart from
-d_model / n_head, the RoPE's base and scaling.
+norm (Qwen3 per head, OLMo 2 over the whole projection), where the block's norms sit (OLMo 2:
+after attention and MLP), blocks without rotary positions (SmolLM3's NoPE layers), head_dim
+apart from d_model / n_head, the RoPE's base and scaling.
 
 Parameters are laid out as Hugging Face's LlamaForCausalLM lays them out, so its weights
 copy by name with no permutation: every Linear weight is (out, in); q and k rows are
@@ -42,9 +44,13 @@ from ringpipe.engine.model.layers import (BF16, WHOLE, Block, Layer, LMHead, att
 from ringpipe.engine.model.params import ParamSpec
 from ringpipe.engine.model.recipe import ModelRecipe
 
-# The q/k norm: none (Llama, Qwen2), or "head": an RMSNorm of hd weights applied to each head's q
-# and k before RoPE (Qwen3: q_norm and k_norm, shared by the heads).
-QK_NORMS = ("none", "head")
+# The q/k norm: none (Llama, Qwen2), "head": an RMSNorm of hd weights applied to each head's q
+# and k before RoPE (Qwen3: q_norm and k_norm, shared by the heads), or "all": one RMSNorm over
+# a position's whole q projection (H hd weights) and one over its k (Hkv hd) (OLMo 2).
+QK_NORMS = ("none", "head", "all")
+# Where a block's two RMSNorms sit: before attention and the MLP (Llama), or after each, before
+# the residual add (OLMo 2: post_attention_layernorm, post_feedforward_layernorm).
+NORM_PLACES = ("pre", "post")
 
 # Llama 3's frequency scaling (Hugging Face's rope_scaling with rope_type "llama3").
 ROPE_SCALING_KEYS = ("factor", "high_freq_factor", "low_freq_factor", "original_max_position_embeddings")
@@ -65,7 +71,9 @@ class LlamaConfig:
     rms_eps: float = 1e-5
     tie_embeddings: bool = True
     qkv_bias: bool = False
-    qk_norm: str = "none"            # QK_NORMS: "head" normalises each head's q and k over hd (Qwen3)
+    qk_norm: str = "none"            # QK_NORMS: "head" normalises each head's q and k over hd (Qwen3),
+                                     # "all" over all heads' channels (OLMo 2)
+    norm_place: str = "pre"          # NORM_PLACES: "post" normalises attention's and the MLP's outputs (OLMo 2)
     nope_layers: list | None = None  # blocks (0-based) whose attention has no rotary positions (SmolLM3's NoPE)
 
     def validate(self):
@@ -118,7 +126,10 @@ def _check_values(cfg: LlamaConfig) -> None:
         limits.check_switch(f"Llama <{name}>", getattr(cfg, name))
     if not isinstance(cfg.qk_norm, str) or cfg.qk_norm not in QK_NORMS:
         raise ConfigError(f"Llama <qk_norm> must be one of {', '.join(QK_NORMS)} (head: Qwen3's per-head norm of q "
-                          f"and k), got {cfg.qk_norm!r}")
+                          f"and k; all: OLMo 2's over all heads), got {cfg.qk_norm!r}")
+    if not isinstance(cfg.norm_place, str) or cfg.norm_place not in NORM_PLACES:
+        raise ConfigError(f"Llama <norm_place> must be one of {', '.join(NORM_PLACES)} (post: OLMo 2's norms after "
+                          f"attention and the MLP), got {cfg.norm_place!r}")
 
 
 def _nope_layers(value, n_layer):
@@ -182,6 +193,9 @@ PRESETS = {
     # SmolLM3-3B: every fourth block without rotary positions (NoPE: blocks 3, 7, ..., 35).
     "smollm3-3b": dict(n_layer=36, d_model=2048, n_head=16, n_kv_head=4, d_ff=11008, context=65536, vocab=128256,
                        tie_embeddings=True, rope_theta=5000000.0, rms_eps=1e-6, nope_layers=list(range(3, 36, 4))),
+    # OLMo 2 1B (0425): norms after attention and the MLP, the q/k norm over all heads, untied.
+    "olmo2-1b": dict(n_layer=16, d_model=2048, n_head=16, n_kv_head=16, d_ff=8192, context=4096, vocab=100352,
+                     tie_embeddings=False, rope_theta=500000.0, rms_eps=1e-6, qk_norm="all", norm_place="post"),
     "llama3.2-1b": dict(n_layer=16, d_model=2048, n_head=32, n_kv_head=8, d_ff=8192, context=131072,
                         vocab=128256, tie_embeddings=True, rope_theta=500000.0,
                         rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
@@ -238,6 +252,49 @@ class RMSNorm(Layer):
         return dx.reshape(dy.shape), None
 
 
+class WidthRMSNorm(Layer):
+    """RMSNorm over a width a tensor group may split (OLMo 2's q and k norms: all of a position's
+    heads): each rank holds the weights of its heads' channels (a contiguous slice, as the
+    column-parallel q or k rows), and the sums over the width (of x^2 in forward, of dy*w*x in
+    backward) are all-reduced over the group, so every rank normalises by the whole width's
+    RMS. Computing them per rank would normalise each rank's heads by their own RMS: another
+    model (tests/engine/parallel/test_llama_tensor.py shows it differs).
+    x (..., width / group size) -> the same shape."""
+
+    def __init__(self, name, width, eps, maker=WHOLE):
+        if width % maker.size:
+            raise ConfigError(f"<tp> {maker.size} does not divide the q/k norm's width {width}")
+        self.name, self.width, self.eps = name, width, eps
+        self.local = width // maker.size
+        self.tensor = maker if maker.size > 1 else None
+        self.split = maker.split(0) if self.tensor is not None else None
+
+    def specs(self):
+        return [ParamSpec(f"{self.name}.w", (self.local,), init="ones", decay=False, split=self.split)]
+
+    def bind(self, params):
+        self.w, self.dw = params.view(f"{self.name}.w"), params.grad_view(f"{self.name}.w")
+
+    def _summed(self, rows):
+        """Row sums over the whole width: this rank's, plus the group's."""
+        return rows if self.tensor is None else self.tensor.allreduce(rows)
+
+    def forward(self, x):
+        xp = K.get_array_module(x)
+        x2 = x.reshape(-1, self.local)                                   # (N, local)
+        rstd = 1.0 / xp.sqrt(self._summed((x2 * x2).sum(axis=1)) / self.width + self.eps)    # (N,)
+        return (x2 * rstd[:, None] * self.w).reshape(x.shape), (x2, rstd)
+
+    def backward_input(self, dy, ctx):
+        x2, rstd = ctx
+        dy2 = dy.reshape(-1, self.local)
+        self.dw += (dy2 * x2 * rstd[:, None]).sum(axis=0)               # this rank's channels only
+        g = dy2 * self.w
+        dot = self._summed((g * x2).sum(axis=1))                        # (N,): over the whole width
+        dx = rstd[:, None] * g - x2 * (rstd ** 3 * dot / self.width)[:, None]
+        return dx.reshape(dy.shape), None
+
+
 def _residual_std(n_layer):
     return 0.02 / math.sqrt(2 * n_layer)     # as GPT-2's: the residual stream stays O(1)
 
@@ -291,7 +348,8 @@ class GroupedQueryAttention(Layer):
     qk_norm "head" (Qwen3): q_norm and k_norm, RMSNorms of hd weights, normalise each head's
     q and k before the rotation. Every tensor-parallel rank holds them whole and applies them
     to its own heads, so its weight gradient is its heads' part (ParamSpec.partial: summed
-    over the group)."""
+    over the group). qk_norm "all" (OLMo 2): WidthRMSNorms over all heads' channels of a
+    position, their weights split with the heads."""
 
     keep_probs = True
 
@@ -311,6 +369,9 @@ class GroupedQueryAttention(Layer):
         if cfg.qk_norm == "head":
             self.q_norm = RMSNorm(f"{name}.q_norm", hd, cfg.rms_eps, partial=maker.size > 1)
             self.k_norm = RMSNorm(f"{name}.k_norm", hd, cfg.rms_eps, partial=maker.size > 1)
+        if cfg.qk_norm == "all":          # over (B, T, heads, hd) as over (B, T, heads * hd): a row is a position
+            self.q_norm = WidthRMSNorm(f"{name}.q_norm", cfg.n_head * hd, cfg.rms_eps, maker=maker)
+            self.k_norm = WidthRMSNorm(f"{name}.k_norm", cfg.n_kv_head * hd, cfg.rms_eps, maker=maker)
         # The norms' gradients are added in their backward_input (RMSNorm's), so they are
         # not among the parts a backward_weight walks.
         self.norms = [n for n in (self.q_norm, self.k_norm) if n is not None]
@@ -443,6 +504,35 @@ class LlamaBlock(Block):
         self.parts = [self.ln1, self.attn, self.ln2, self.mlp]
 
 
+class PostNormLlamaBlock(LlamaBlock):
+    """OLMo 2's wiring of the same parts: x1 = x + norm1(attn(x)), then x1 + norm2(mlp(x1)), no
+    norm before either (its post_attention_layernorm and post_feedforward_layernorm). Under
+    sequence parallelism x, the norms and the adds are this rank's positions, as in Block."""
+
+    def forward(self, x):
+        # x (B, T, C)
+        a, attn_ctx = self.attn.forward(x)
+        a_n, ln1_ctx = self.ln1.forward(a)
+        x1 = x + a_n
+        m, mlp_ctx = self.mlp.forward(x1)
+        m_n, ln2_ctx = self.ln2.forward(m)
+        return x1 + m_n, (ln1_ctx, attn_ctx, ln2_ctx, mlp_ctx)
+
+    def decode(self, x, cache, start):
+        x1 = x + self.ln1.forward(self.attn.decode(x, cache, start))[0]
+        return x1 + self.ln2.forward(self.mlp.forward(x1)[0])[0]
+
+    def backward_input(self, dx2, ctx):
+        ln1_ctx, attn_ctx, ln2_ctx, mlp_ctx = ctx
+        dm, _ = self.ln2.backward_input(dx2, ln2_ctx)
+        dx1, mlp_w = self.mlp.backward_input(dm, mlp_ctx)
+        dx1 += dx2                                        # residual
+        da, _ = self.ln1.backward_input(dx1, ln1_ctx)
+        dx, attn_w = self.attn.backward_input(da, attn_ctx)
+        dx += dx1                                         # residual
+        return dx, (attn_w, mlp_w)
+
+
 class TokenEmbedding(Layer):
     """tokens (B, T) int -> wte[tokens] (B, T, C): no position table (rotary positions are in attention)."""
 
@@ -491,7 +581,8 @@ def llama_layers(cfg: LlamaConfig, tensor=None):
     rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     maker = WHOLE if tensor is None else tensor
     nope = set(cfg.nope_layers or ())
-    blocks = [LlamaBlock(f"h.{i}", cfg, None if i in nope else rotary, maker=maker) for i in range(cfg.n_layer)]
+    block = PostNormLlamaBlock if cfg.norm_place == "post" else LlamaBlock
+    blocks = [block(f"h.{i}", cfg, None if i in nope else rotary, maker=maker) for i in range(cfg.n_layer)]
     if tensor is None:
         return [TokenEmbedding(cfg.padded_vocab, cfg.d_model, cfg.context), *blocks, LlamaHead(cfg)]
     embedding = tensor.embedding(cfg.padded_vocab, cfg.context, cfg.d_model, wpe=None)
@@ -523,7 +614,7 @@ def parameter_count(cfg: LlamaConfig) -> int:
     C, hd = cfg.d_model, cfg.head_dim
     attn = 2 * C * cfg.n_head * hd + 2 * C * cfg.n_kv_head * hd
     bias = (cfg.n_head + 2 * cfg.n_kv_head) * hd if cfg.qkv_bias else 0
-    qk_norm = 2 * hd if cfg.qk_norm == "head" else 0
+    qk_norm = {"none": 0, "head": 2 * hd, "all": (cfg.n_head + cfg.n_kv_head) * hd}[cfg.qk_norm]
     per_layer = attn + bias + qk_norm + 3 * C * cfg.d_ff + 2 * C
     return cfg.padded_vocab * C * (1 if cfg.tie_embeddings else 2) + cfg.n_layer * per_layer + C
 
@@ -544,7 +635,8 @@ LLAMA_RECIPE = ModelRecipe(
     name="llama", shape=LlamaConfig,
     fields={"layers": "n_layer", "d_model": "d_model", "heads": "n_head", "context": "context",
             "kv_heads": "n_kv_head", "d_ff": "d_ff", "rope_theta": "rope_theta",
-            "tie_embeddings": "tie_embeddings", "qk_norm": "qk_norm", "nope_layers": "nope_layers"},
+            "tie_embeddings": "tie_embeddings", "qk_norm": "qk_norm", "nope_layers": "nope_layers",
+            "norm_place": "norm_place"},
     layers=llama_layers, flops_per_item=flops_per_token, memory=memory,
     data="tokens", default_data="stdlib", data_path_data="text", unit="tokens", rate_unit="tok",
     axes=("data", "pipe", "tensor"), presets=PRESETS, generate=generate, blocks=True,

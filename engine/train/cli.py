@@ -95,9 +95,13 @@ def _model_flags(p):
     g.add_argument("--rope-theta", type=float, default=None, help="llama: rotary embedding base theta (default 10000)")
     g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=None,
                    help="llama: the output head reuses the token embedding (default), or has its own (--no-...)")
-    g.add_argument("--qk-norm", choices=["none", "head"], default=None,
+    g.add_argument("--qk-norm", choices=["none", "head", "all"], default=None,
                    help="llama: head normalises each attention head's q and k (an RMSNorm over the head's "
-                        "channels, before the rotation) as Qwen3 does; none (default) as Llama and Qwen2")
+                        "channels, before the rotation) as Qwen3 does; all normalises a position's whole q and "
+                        "whole k (every head's channels) as OLMo 2 does; none (default) as Llama and Qwen2")
+    g.add_argument("--norm-place", choices=["pre", "post"], default=None,
+                   help="llama: where a block's two RMSNorms sit: pre (default) before attention and the MLP, "
+                        "as Llama; post after each, before the residual add, as OLMo 2")
     g.add_argument("--nope-layers", default=None, metavar="I,J,...",
                    help="llama: the blocks (0-based, comma-separated) whose attention has no rotary positions, "
                         "as SmolLM3's every fourth (NoPE: 3,7,11,...); default none")

@@ -39,7 +39,7 @@ DATASETS = {"tokens": ("prepared", "stdlib", "synthetic", "text"), "classes": ("
 DATA_WORDS = {"tokens": "a text corpus", "classes": "a classification set"}
 # The Config fields that set a model's shape; a family takes those its recipe maps.
 SHAPE_FIELDS = ("layers", "d_model", "heads", "context", "kv_heads", "d_ff", "rope_theta", "tie_embeddings",
-                "qk_norm", "nope_layers")
+                "qk_norm", "nope_layers", "norm_place")
 
 
 @dataclass
@@ -56,7 +56,8 @@ class Config:
     d_ff: int | None = None            # llama: SwiGLU intermediate size (8/3 d_model, rounded up to 32s)
     rope_theta: float | None = None    # llama: rotary embedding base (10000)
     tie_embeddings: bool | None = None   # llama: the head reuses the token embedding (True)
-    qk_norm: str | None = None         # llama: none | head (Qwen3's RMSNorm of each head's q and k) (none)
+    qk_norm: str | None = None         # llama: none | head (Qwen3's per-head q/k RMSNorm) | all (OLMo 2's) (none)
+    norm_place: str | None = None      # llama: pre | post (OLMo 2: norms after attention and the MLP) (pre)
     nope_layers: str | None = None     # llama: blocks without rotary positions, "3,7,11" (SmolLM3's NoPE) (none)
     dtype: str = "float32"             # float32 | float64
     precision: str = "float32"         # float32 | bf16 (GEMM inputs; float32 master weights)

@@ -54,6 +54,16 @@ def test_grouped_query_attention(kv_heads, bias, qk_norm):
     check_layer(layer, rng.normal(size=(2, 5, 8)))
 
 
+def test_width_rmsnorm():
+    """OLMo 2's q/k norm: one RMS over all of a position's (heads, hd) channels."""
+    check_layer(M.WidthRMSNorm("norm", 12, 1e-5), rng.normal(size=(2, 3, 4, 3)))
+
+
+def test_post_norm_block():
+    cfg = tiny(qk_norm="all", norm_place="post")
+    check_layer(M.PostNormLlamaBlock("h.0", cfg, M.Rotary(cfg.head_dim, 100.0)), rng.normal(size=(2, 5, 8)))
+
+
 def test_llama_block():
     cfg = tiny()
     check_layer(M.LlamaBlock("h.0", cfg, M.Rotary(cfg.head_dim, 100.0)), rng.normal(size=(2, 5, 8)))
@@ -86,7 +96,8 @@ def test_defaults_are_filled_in_and_recorded():
     (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0}), "rope_type 'yarn' is not supported"),
     (dict(rope_scaling={"factor": 2.0}), "missing high_freq_factor"),
     (dict(rope_theta=0.0), "must be > 0"),
-    (dict(qk_norm="all"), "qk_norm must be one of none, head"),
+    (dict(qk_norm="some"), "qk_norm must be one of none, head, all"),
+    (dict(norm_place="middle"), "norm_place must be one of pre, post"),
     (dict(n_layer=1, nope_layers=[1]), "nope_layers must be distinct block indices from 0 to layers - 1 = 0"),
     (dict(nope_layers="1,x"), "nope_layers must be block indices separated by commas"),
 ])
@@ -104,6 +115,7 @@ def test_presets_are_the_real_shapes():
     # Qwen3-0.6B and 1.7B as Hugging Face counts them (tied embeddings, q/k norms of 128 each).
     assert M.parameter_count(M.LlamaConfig(**M.PRESETS["qwen3-0.6b"]).validate()) == 596_049_920
     assert M.parameter_count(M.LlamaConfig(**M.PRESETS["qwen3-1.7b"]).validate()) == 1_720_574_976
+    assert M.parameter_count(M.LlamaConfig(**M.PRESETS["olmo2-1b"]).validate()) == 1_484_916_736   # OLMo 2 1B
     smol3 = M.LlamaConfig(**M.PRESETS["smollm3-3b"]).validate()                  # SmolLM3-3B, as HF counts it
     assert M.parameter_count(smol3) == 3_075_098_624 and smol3.nope_layers == list(range(3, 36, 4))
 
@@ -126,6 +138,9 @@ SHAPES = {
     "qwen3-qk-norm": dict(HF_TINY, qk_norm="head", rms_eps=1e-6),
     "qwen3-odd": dict(n_layer=2, d_model=48, n_head=6, n_kv_head=2, d_ff=37, head_dim=16, context=32, vocab=97,
                       qk_norm="head", rms_eps=3e-6, rope_theta=77777.0, tie_embeddings=False),
+    # Olmo2ForCausalLM: norms after attention and the MLP, the q/k norm over all heads; odd widths
+    "olmo2": dict(n_layer=2, d_model=48, n_head=6, n_kv_head=2, d_ff=37, context=32, vocab=97, qk_norm="all",
+                  norm_place="post", rms_eps=2e-6, rope_theta=500000.0, tie_embeddings=False),
     # SmolLM3ForCausalLM: block 1 of 3 without rotary positions (NoPE)
     "smollm3-nope": dict(HF_TINY, n_layer=3, nope_layers=[1], rms_eps=1e-6, rope_theta=2000000.0),
 }
@@ -150,6 +165,9 @@ def hf_model(cfg: M.LlamaConfig, monkeypatch):
     if cfg.qk_norm == "head":    # Qwen3: Llama's block with q_norm and k_norm over each head
         family, extra = (transformers.Qwen3Config, transformers.Qwen3ForCausalLM), dict(use_sliding_window=False,
                                                                                         attention_bias=False)
+    if cfg.norm_place == "post":  # OLMo 2: the norms after attention and the MLP, q/k norms over all heads
+        family, extra = (transformers.Olmo2Config, transformers.Olmo2ForCausalLM), dict(attention_bias=False,
+                                                                                        pad_token_id=None)
     if cfg.nope_layers:          # SmolLM3: Llama's block, some blocks without RoPE (no_rope_layers 0)
         family = (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM)
         extra = dict(use_sliding_window=False, attention_bias=False, mlp_bias=False, pad_token_id=None,
@@ -179,6 +197,7 @@ def hf_model(cfg: M.LlamaConfig, monkeypatch):
     monkeypatch.setattr(transformers.models.qwen2.modeling_qwen2.Qwen2RMSNorm, "forward", _float64_rmsnorm)
     monkeypatch.setattr(transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm, "forward", _float64_rmsnorm)
     monkeypatch.setattr(transformers.models.smollm3.modeling_smollm3.SmolLM3RMSNorm, "forward", _float64_rmsnorm)
+    monkeypatch.setattr(transformers.models.olmo2.modeling_olmo2.Olmo2RMSNorm, "forward", _float64_rmsnorm)
     return model
 
 
@@ -187,13 +206,17 @@ def hf_names(cfg: M.LlamaConfig) -> dict:
     names = {"model.embed_tokens.weight": "wte", "model.norm.weight": "norm_f.w"}
     for i in range(cfg.n_layer):
         hf, ours = f"model.layers.{i}.", f"h.{i}."
-        names[hf + "input_layernorm.weight"] = ours + "norm1.w"
-        names[hf + "post_attention_layernorm.weight"] = ours + "norm2.w"
+        if cfg.norm_place == "post":       # OLMo 2: after attention, after the MLP
+            names[hf + "post_attention_layernorm.weight"] = ours + "norm1.w"
+            names[hf + "post_feedforward_layernorm.weight"] = ours + "norm2.w"
+        else:
+            names[hf + "input_layernorm.weight"] = ours + "norm1.w"
+            names[hf + "post_attention_layernorm.weight"] = ours + "norm2.w"
         for p in "qkvo":
             names[hf + f"self_attn.{p}_proj.weight"] = ours + f"attn.{p}.w"
             if cfg.qkv_bias and p != "o":
                 names[hf + f"self_attn.{p}_proj.bias"] = ours + f"attn.{p}.b"
-        if cfg.qk_norm == "head":
+        if cfg.qk_norm != "none":
             for p in "qk":
                 names[hf + f"self_attn.{p}_norm.weight"] = ours + f"attn.{p}_norm.w"
         for p in ("gate", "up", "down"):
@@ -288,6 +311,29 @@ def test_a_qk_norm_over_the_whole_width_fails_the_exactness_test(monkeypatch):
         y, _ = K.rmsnorm_forward(x.reshape(B * T, heads * hd), np.tile(norm.w, heads), norm.eps)
         return y.reshape(x.shape), None
     monkeypatch.setattr(M.GroupedQueryAttention, "_normed", over_the_width)
+    delta = np.abs(ours_from(hf, cfg).forward(tokens, need_grad=False)[0][..., :cfg.vocab] - expected).max()
+    assert delta > 1e-6, delta
+
+
+def test_olmo2_norms_in_the_wrong_place_or_per_head_fail_the_exactness_test(monkeypatch):
+    """The negative controls of OLMo 2: the same weights with the norms before attention and the
+    MLP (Llama's place), or the q/k norm per head, give another model."""
+    cfg = M.LlamaConfig(**SHAPES["olmo2"]).validate()
+    hf = hf_model(cfg, monkeypatch)
+    tokens = rng.integers(0, cfg.vocab, size=(2, 13))
+    expected = hf(torch.from_numpy(tokens)).logits.detach().numpy()
+    assert np.abs(ours_from(hf, cfg).forward(tokens, need_grad=False)[0][..., :cfg.vocab] - expected).max() <= 1e-10
+    pre = ours_from(hf, cfg)
+    for block in pre.layers[1:-1]:              # the same parts, wired as Llama's block
+        block.__class__ = M.LlamaBlock
+    delta = np.abs(pre.forward(tokens, need_grad=False)[0][..., :cfg.vocab] - expected).max()
+    assert delta > 1e-6, delta
+
+    def per_head(self, x):
+        B, T, heads, hd = x.shape
+        y, _ = K.rmsnorm_forward(x.reshape(-1, hd), np.ones(hd), self.eps)
+        return (y.reshape(B * T, heads * hd) * self.w).reshape(x.shape), None
+    monkeypatch.setattr(M.WidthRMSNorm, "forward", per_head)
     delta = np.abs(ours_from(hf, cfg).forward(tokens, need_grad=False)[0][..., :cfg.vocab] - expected).max()
     assert delta > 1e-6, delta
 

@@ -38,6 +38,10 @@ LAYOUTS = {
     "dp2-zero3-qwen3-recompute": dict(dp=2, zero=3, qk_norm="head", recompute="full"),
     # SmolLM3's NoPE block (nope_layers): the second of two, on the second pipeline stage
     "pp2-zbh1-smollm3": dict(pp=2, schedule="zbh1", microbatches=4, nope_layers="1"),
+    # OLMo 2's norms after attention and the MLP, its q/k norm over all heads
+    "pp2-interleaved-olmo2": dict(pp=2, schedule="interleaved", chunks=2, microbatches=2, qk_norm="all",
+                                  norm_place="post"),
+    "dp2-zero2-olmo2-recompute": dict(dp=2, zero=2, qk_norm="all", norm_place="post", recompute="selective"),
 }
 
 
@@ -47,7 +51,7 @@ def test_llama_layout_equals_single_process(shared_dir, name):
     if world.size != 2:
         pytest.skip("written for 2 ranks")
     layout = dict(LAYOUTS[name])
-    shape = {k: layout.pop(k) for k in ("tie_embeddings", "qk_norm", "nope_layers") if k in layout}
+    shape = {k: layout.pop(k) for k in ("tie_embeddings", "qk_norm", "nope_layers", "norm_place") if k in layout}
     layers = 4 if layout.get("chunks") else 2
     ref = reference(base(layers, 8, out=os.path.join(shared_dir, f"llama-ref-{name}-{world.rank}"), **shape))
     grid = train(base(layers, 8, out=os.path.join(shared_dir, f"llama-{name}"), **shape, **layout), world)

@@ -21,7 +21,8 @@ from ringpipe.engine.job import checkpoint
 from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.model.chain import LayerChain
 from ringpipe.engine.model.layers import WHOLE
-from ringpipe.engine.model.llama import GroupedQueryAttention, LlamaBlock, LlamaConfig, Rotary, SwiGLU, llama_layers
+from ringpipe.engine.model.llama import (GroupedQueryAttention, LlamaBlock, LlamaConfig, PostNormLlamaBlock, Rotary,
+                                        SwiGLU, WidthRMSNorm, llama_layers)
 from ringpipe.engine.model.params import ParamBuffer, Split
 from ringpipe.engine.train import config as config_checks
 from ringpipe.engine.train.config import Config
@@ -109,6 +110,10 @@ def _qk_normed(cfg):
     return dataclasses.replace(cfg, qk_norm="head")
 
 
+def _olmo2(cfg):
+    return dataclasses.replace(cfg, qk_norm="all", norm_place="post")
+
+
 LAYERS = {
     "gqa": lambda cfg, m: GroupedQueryAttention("a", cfg, _rotary(cfg), maker=m),
     "swiglu": lambda cfg, m: SwiGLU("m", cfg, maker=m),
@@ -118,6 +123,9 @@ LAYERS = {
     "block-qk-norm": lambda cfg, m: LlamaBlock("h", _qk_normed(cfg), _rotary(cfg), maker=m),
     # SmolLM3's NoPE block: no rotary positions
     "gqa-nope": lambda cfg, m: GroupedQueryAttention("a", cfg, None, maker=m),
+    # OLMo 2: the q/k norm over all heads (its sums all-reduced over the group), the norms after
+    "gqa-olmo2": lambda cfg, m: GroupedQueryAttention("a", _olmo2(cfg), _rotary(cfg), maker=m),
+    "block-olmo2": lambda cfg, m: PostNormLlamaBlock("h", _olmo2(cfg), _rotary(cfg), maker=m),
 }
 
 
@@ -154,8 +162,9 @@ def test_each_llama_tensor_parallel_layer_equals_its_whole_twin(name, size, kv, 
         subs = 2 if name.startswith("block") else 1
         calls = {kind: n for kind, (n, _) in ((k, tensor.stats[k]) for k in ("all-reduce", "all-gather",
                                                                              "reduce-scatter"))}
-        assert calls == ({"all-reduce": 0, "all-gather": 3 * subs, "reduce-scatter": 2 * subs} if sp else
-                         {"all-reduce": 2 * subs, "all-gather": 0, "reduce-scatter": 0})
+        norms = 4 if name.endswith("olmo2") else 0   # OLMo 2's q and k norm sums, forward and backward
+        assert calls == ({"all-reduce": norms, "all-gather": 3 * subs, "reduce-scatter": 2 * subs} if sp else
+                         {"all-reduce": 2 * subs + norms, "all-gather": 0, "reduce-scatter": 0})
         _compare_grads(part_params, whole_params, tensor)      # (its partial sums add all-reduces)
         if name.endswith("qk-norm"):
             # The negative control: a rank's q/k norm gradient is its heads' part alone, and
@@ -165,6 +174,15 @@ def test_each_llama_tensor_parallel_layer_equals_its_whole_twin(name, size, kv, 
                 assert spec.partial, spec.name
                 mine, whole_grad = part_params.grad_view(spec.name), whole_params.grad_view(spec.name)
                 assert np.abs(mine - whole_grad).max() > 1e-6 * np.abs(whole_grad).max(), spec.name
+        if name.endswith("olmo2"):
+            # The negative control: each rank normalising its own heads' channels by their own RMS
+            # (the sums not all-reduced) is another model.
+            WidthRMSNorm._summed, kept = (lambda self, rows: rows), WidthRMSNorm._summed
+            try:
+                y_shard, _ = part.forward(_seq(x, tensor))
+            finally:
+                WidthRMSNorm._summed = kept
+            assert np.abs(y_shard - _seq(y, tensor)).max() > 1e-6
     finally:
         tensor.close()
         tensor.comm.Free()
@@ -217,7 +235,8 @@ def base(**more):
                             quiet=True, overwrite=True, eval_every=3, eval_batches=1), **more})
 
 
-SHAPE_KEYS = ("layers", "heads", "kv_heads", "d_model", "tie_embeddings", "d_ff", "qk_norm", "nope_layers")
+SHAPE_KEYS = ("layers", "heads", "kv_heads", "d_model", "tie_embeddings", "d_ff", "qk_norm", "nope_layers",
+              "norm_place")
 RUNS_2 = {
     "tp2": dict(tp=2),
     "tp2-sp": dict(tp=2, sequence_parallel=True),
@@ -228,6 +247,9 @@ RUNS_2 = {
     "tp2-qwen3-qk-norm": dict(tp=2, qk_norm="head"),
     "tp2-sp-qwen3-qk-norm-recompute": dict(tp=2, sequence_parallel=True, qk_norm="head", recompute="selective"),
     "tp2-sp-smollm3-nope": dict(tp=2, sequence_parallel=True, nope_layers="0"),
+    "tp2-olmo2": dict(tp=2, qk_norm="all", norm_place="post", tie_embeddings=False),
+    "tp2-sp-olmo2-recompute": dict(tp=2, sequence_parallel=True, qk_norm="all", norm_place="post",
+                                   recompute="full"),
 }
 RUNS_4 = {
     "dp2-tp2": dict(dp=2, tp=2, zero=1),
@@ -241,6 +263,7 @@ RUNS_4 = {
     "tp4": dict(tp=4, heads=8, kv_heads=4),
     "tp4-sp": dict(tp=4, heads=8, kv_heads=4, sequence_parallel=True),
     "pp2-tp2-zbh1-qwen3-qk-norm": dict(pp=2, tp=2, schedule="zbh1", microbatches=4, qk_norm="head"),
+    "dp2-tp2-olmo2": dict(dp=2, tp=2, zero=1, qk_norm="all", norm_place="post"),
 }
 
 
