@@ -364,12 +364,16 @@ def _check_bf16_out(op, bf16_out, dtype, shape):
                                f"{tuple(bf16_out.shape)} for {dtype} inputs")
 
 
-def softmax_causal_forward(scores, scale, out=None, *, bf16_out=None, backend=None):
+def softmax_causal_forward(scores, scale, out=None, *, bf16_out=None, window=0, backend=None):
     """scores (..., T, T) -> probs, softmax over j <= t of scale*scores, exactly 0 for j > t.
-    out may be scores itself (in place). bf16_out (float32 only): a uint16 array of scores'
-    shape that also gets the probabilities' bf16 bits (as to_bf16), for a bf16 GEMM (att @ v);
-    the Numba kernel writes them in the same pass, the other backends round afterwards."""
+    window > 0 (a sliding window, as Mistral's and Gemma 3's local layers): over t - window < j
+    <= t only, exactly 0 before. out may be scores itself (in place). bf16_out (float32 only):
+    a uint16 array of scores' shape that also gets the probabilities' bf16 bits (as to_bf16), for
+    a bf16 GEMM (att @ v); the Numba kernel writes them in the same pass, the other backends
+    round afterwards. The backward needs no window: the probabilities it reads are 0 outside."""
     op = "softmax_causal_forward"
+    if type(window) is not int or window < 0:
+        raise ValueError(f"kernels.{op}: window must be a whole number >= 0 (0: no window), got {window!r}")
     _check_square(op, "scores", scores)
     dt = _float_dtype(op, "scores", scores)
     _same_dtype(op, dt, out=out)
@@ -377,6 +381,8 @@ def softmax_causal_forward(scores, scale, out=None, *, bf16_out=None, backend=No
     _out_ok(op, "out", out)
     _check_bf16_out(op, bf16_out, dt, scores.shape)
     impl = _dispatch(op, (scores, out, bf16_out), backend)
+    if window:
+        return impl(_c(scores), scale, out, bf16_out=bf16_out, window=window)
     return impl(_c(scores), scale, out, bf16_out=bf16_out)
 
 

@@ -298,28 +298,32 @@ def _gelu_backward(dout, x, dx):
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def _softmax_causal_forward(scores, scale, out, bits, want_bits):
+def _softmax_causal_forward(scores, scale, out, bits, want_bits, window):
     # scale arrives in the scores dtype so float32 rows stay in float32. want_bits: also
-    # the probabilities' bf16 bits into bits (R, T, T) uint16, from the row still in cache
+    # the probabilities' bf16 bits into bits (R, T, T) uint16, from the row still in cache.
+    # window > 0: query t sees keys lo..t only, lo = t - window + 1 (a sliding window)
     R, T, _ = scores.shape
     for rt in prange(R * T):
         r = rt // T
         t = rt - r * T
-        s = scores[r, t]  # (T,) row views; only j <= t is ever read
+        lo = t - window + 1 if window > 0 and t - window + 1 > 0 else 0
+        s = scores[r, t]  # (T,) row views; only lo <= j <= t is ever read
         o = out[r, t]
-        mx = scale * s[0]
-        for j in range(1, t + 1):
+        mx = scale * s[lo]
+        for j in range(lo + 1, t + 1):
             z = scale * s[j]
             if z > mx:
                 mx = z
         # separate loops on purpose: the exp and scale loops touch only `o`, so they
         # vectorize even when out aliases scores (in place)
-        for j in range(t + 1):
+        for j in range(lo, t + 1):
             o[j] = scale * s[j] - mx
-        for j in range(t + 1):
+        for j in range(lo):
+            o[j] = 0.0
+        for j in range(lo, t + 1):
             o[j] = _exp(o[j])
-        inv = 1.0 / _row_sum64(o, t + 1)
-        for j in range(t + 1):
+        inv = 1.0 / _row_sum64(o, t + 1)      # (the zeros before lo add nothing)
+        for j in range(lo, t + 1):
             o[j] *= inv
         for j in range(t + 1, T):
             o[j] = 0.0
@@ -601,14 +605,14 @@ def _as_rtt(a):
 _NO_BITS = np.empty((0, 0, 0), np.uint16)
 
 
-def softmax_causal_forward(scores, scale, out=None, *, bf16_out=None):
+def softmax_causal_forward(scores, scale, out=None, *, bf16_out=None, window=0):
     # bf16_out (kernels.softmax_causal_forward): the bf16 bits too, in the same pass
     if out is None:
         out = np.empty_like(scores)
     if scores.size:
         bits = _NO_BITS if bf16_out is None else _as_rtt(bf16_out)
         _softmax_causal_forward(_as_rtt(scores), scores.dtype.type(scale), _as_rtt(out), bits,
-                                bf16_out is not None)
+                                bf16_out is not None, int(window))
     return out
 
 

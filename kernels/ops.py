@@ -50,9 +50,9 @@ OPS = (
        "GELU, tanh approximation, elementwise"),
     Op("gelu_backward", "dout, x, dx=None",
        "dx = gelu'(x) * dout; dx may alias dout"),
-    Op("softmax_causal_forward", "scores, scale, out=None, *, bf16_out=None",
-       "probs = softmax over j <= t of scale*scores (..., T, T), 0 above the diagonal; out may be scores; "
-       "bf16_out (uint16) also gets probs' bf16 bits"),
+    Op("softmax_causal_forward", "scores, scale, out=None, *, bf16_out=None, window=0",
+       "probs = softmax over j <= t of scale*scores (..., T, T), 0 above the diagonal (window > 0: over "
+       "t - window < j <= t, 0 before); out may be scores; bf16_out (uint16) also gets probs' bf16 bits"),
     Op("softmax_causal_backward", "dprobs, probs, scale, out=None, *, bf16_out=None",
        "dscores = scale * probs * (dprobs - sum_j dprobs*probs), 0 above the diagonal; out may be dprobs; "
        "bf16_out (uint16, out None) gets dscores' bf16 bits instead and is returned"),

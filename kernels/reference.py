@@ -180,10 +180,12 @@ def write_bf16_bits(x, bf16_out):
     return bf16_out
 
 
-def softmax_causal_forward(scores, scale, out=None, *, bf16_out=None):
+def softmax_causal_forward(scores, scale, out=None, *, bf16_out=None, window=0):
     xp = get_array_module(scores)
     T = scores.shape[-1]
     mask = _causal_mask(xp, T)
+    if window:                 # a sliding window: key j is seen by query t when j > t - window
+        mask = mask & (xp.arange(T)[None, :] > xp.arange(T)[:, None] - window)
     z = xp.where(mask, scores * scale, -xp.inf)
     z = z - z.max(axis=-1, keepdims=True)  # the diagonal is always unmasked, so max is finite
     e = xp.exp(z)  # exp(-inf) = 0 above the diagonal

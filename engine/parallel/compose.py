@@ -33,8 +33,10 @@ def build_rank_model(grid, layers_fn, cfg, dtype, xp, micro_shape, cost_batch, t
         inner = LocalModel(layers_fn(tensor), dtype, cfg.seed, cfg.microbatches, xp=xp, trace=trace,
                            canonical=cfg.reduce_order == "canonical")
     # Activation recomputation is each layer chain's: every chain this rank holds.
+    # (auto is the trainer's choice from the model's shape, engine/train/assemble.py resolve_recompute; a
+    # caller that builds a rank model itself with auto left in its Config keeps every activation.)
     for chain in (inner.chunks if cfg.pipelined else [inner.chain]):
-        chain.set_recompute(cfg.recompute)
+        chain.set_recompute("none" if cfg.recompute == "auto" else cfg.recompute)
     if tensor is not None:
         inner = TensorParallel(inner, tensor, [s for layer in layers_fn(tensor) for s in layer.specs()])
     if cfg.sync == "ps":       # any inner model colocated; dedicated servers and ZeRO: the configuration's checks

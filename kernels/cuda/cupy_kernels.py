@@ -429,7 +429,7 @@ def gelu_backward(dout, x, dx=None):
 # causal softmax
 
 
-def softmax_causal_forward(scores, scale, out=None, *, bf16_out=None):
+def softmax_causal_forward(scores, scale, out=None, *, bf16_out=None, window=0):
     # bf16_out: rounded afterwards (the GPU's GEMMs round float32 operands themselves)
     if out is None:
         out = cupy.empty_like(scores)
@@ -437,7 +437,7 @@ def softmax_causal_forward(scores, scale, out=None, *, bf16_out=None):
     if scores.size:
         R = scores.size // T
         _fused("softmax_causal_forward", scores.dtype)((R,), (_pow2_block(T, ROW_BLOCK_MAX),), (
-            scores, out, np.int32(T), np.float64(scale)))
+            scores, out, np.int32(T), np.float64(scale), np.int32(window)))
     if bf16_out is not None:
         _ref.write_bf16_bits(out, bf16_out)
     return out

@@ -196,21 +196,23 @@ __device__ __forceinline__ void gelu_backward(const T* dout, const T* x, T* dx, 
 // out may alias s (forward) / dp (backward).
 
 template <typename T>
-__device__ __forceinline__ void softmax_causal_forward(const T* s, T* out, int Tn, double scale) {
+__device__ __forceinline__ void softmax_causal_forward(const T* s, T* out, int Tn, double scale, int window) {
+    // window > 0: query t sees keys lo..t only, lo = t - window + 1 (a sliding window); 0: all j <= t
     __shared__ double sh[32];
     const long long row = blockIdx.x;
     const int t = (int)(row % Tn);
+    const int lo = (window > 0 && t - window + 1 > 0) ? t - window + 1 : 0;
     const T* sr = s + row * Tn;
     T* orow = out + row * Tn;
     double mx = rp_neg_inf();
-    for (int j = threadIdx.x; j <= t; j += blockDim.x) mx = fmax(mx, (double)sr[j] * scale);
+    for (int j = lo + threadIdx.x; j <= t; j += blockDim.x) mx = fmax(mx, (double)sr[j] * scale);
     mx = rp_block_max(mx, sh);  // finite: the diagonal is always kept
     double tot = 0.0;
-    for (int j = threadIdx.x; j <= t; j += blockDim.x) tot += exp((double)sr[j] * scale - mx);
+    for (int j = lo + threadIdx.x; j <= t; j += blockDim.x) tot += exp((double)sr[j] * scale - mx);
     tot = rp_block_sum(tot, sh);
     const double inv = 1.0 / tot;
     for (int j = threadIdx.x; j < Tn; j += blockDim.x)
-        orow[j] = j <= t ? (T)(exp((double)sr[j] * scale - mx) * inv) : (T)0;
+        orow[j] = (j <= t && j >= lo) ? (T)(exp((double)sr[j] * scale - mx) * inv) : (T)0;
 }
 
 // dscores = scale * p * (dp - sum_{j<=t} dp*p), 0 above the diagonal whatever dp holds there
@@ -449,8 +451,8 @@ __device__ __forceinline__ void swiglu_backward(const T* dh, const T* gate, cons
     extern "C" __global__ void gelu_backward_##SUF(const T* dout, const T* x, T* dx, long long n) {                \
         gelu_backward<T>(dout, x, dx, n);                                                                          \
     }                                                                                                              \
-    extern "C" __global__ void softmax_causal_forward_##SUF(const T* s, T* out, int Tn, double scale) {            \
-        softmax_causal_forward<T>(s, out, Tn, scale);                                                              \
+    extern "C" __global__ void softmax_causal_forward_##SUF(const T* s, T* out, int Tn, double scale, int window) { \
+        softmax_causal_forward<T>(s, out, Tn, scale, window);                                                      \
     }                                                                                                              \
     extern "C" __global__ void softmax_causal_backward_##SUF(const T* dp, const T* p, T* out, int Tn,              \
                                                              double scale) {                                       \

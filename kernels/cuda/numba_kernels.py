@@ -395,28 +395,29 @@ def _softmax_kernels(DT):
     F64 = np.float64
 
     @cuda.jit
-    def softmax_causal_forward(s, scale, out):
+    def softmax_causal_forward(s, scale, out, window):
         # s, out (R, T) with R = batch * T rows; row r is query t = r % T, which sees
-        # keys j <= t. Each thread touches only its own j in every pass, so out may
-        # alias s.
+        # keys lo <= j <= t (lo = t - window + 1 under a sliding window, else 0). Each
+        # thread touches only its own j in every pass, so out may alias s.
         row = cuda.blockIdx.x
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
         T = s.shape[1]
         t = row % T
+        lo = t - window + 1 if window > 0 and t - window + 1 > 0 else 0
         sh = cuda.shared.array(_MAX_BLOCK, F64)
         mx = -math.inf
-        for j in range(tid, t + 1, nt):
+        for j in range(lo + tid, t + 1, nt):
             z = F64(s[row, j]) * scale
             if z > mx:
                 mx = z
         mx = _block_max(sh, mx)  # finite: the diagonal is always kept
         tot = 0.0
-        for j in range(tid, t + 1, nt):
+        for j in range(lo + tid, t + 1, nt):
             tot += math.exp(F64(s[row, j]) * scale - mx)
         tot = _block_sum(sh, tot)
         for j in range(tid, T, nt):
-            if j <= t:
+            if lo <= j <= t:
                 out[row, j] = DT(math.exp(F64(s[row, j]) * scale - mx) / tot)
             else:
                 out[row, j] = ZERO
@@ -878,14 +879,14 @@ def _rows(a, T):
     return _reshape(a, (a.size // T, T))
 
 
-def softmax_causal_forward(scores, scale, out=None, *, bf16_out=None, block=None):
+def softmax_causal_forward(scores, scale, out=None, *, bf16_out=None, window=0, block=None):
     L = _Launch(scores, out)
     d_out = L.out(out, scores.shape, scores.dtype)
     T = tuple(scores.shape)[-1]
     if scores.size:
         R = scores.size // T
         row_kernels(scores.dtype.name)["softmax_causal_forward"][R, _row_block(T, block)](
-            _rows(L.dev(scores), T), float(scale), _rows(d_out, T))
+            _rows(L.dev(scores), T), float(scale), _rows(d_out, T), int(window))
     L.finish()
     probs = L.result(d_out, out)
     if bf16_out is not None:    # rounded afterwards (the GPU's GEMMs round float32 operands themselves)

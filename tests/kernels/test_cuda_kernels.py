@@ -302,7 +302,8 @@ PLANTED_CUDA_C = [
     ("sgemm-ktile", "const int ktiles = (K + SG_BK - 1) / SG_BK;=>const int ktiles = K / SG_BK;",
      "test_gpu_sgemm_matches_reference", False, "failed"),
     # causal softmax writes zero on the diagonal -> wrong numbers
-    ("softmax-diag", "orow[j] = j <= t ? (T)(exp(=>orow[j] = j < t ? (T)(exp(", "test_gpu_softmax", False, "failed"),
+    ("softmax-diag", "orow[j] = (j <= t && j >= lo) ? (T)(exp(=>orow[j] = (j < t && j >= lo) ? (T)(exp(",
+     "test_gpu_softmax", False, "failed"),
     # the SGEMM's second __syncthreads removed: fast threads overwrite the shared tiles
     # while slow ones still read them (a race; the emulation's shuffled thread order
     # exposes it)
@@ -635,6 +636,8 @@ def test_gpu_softmax_causal(cp, ck, rng, dtype, B, H, T):
     s = rnd(rng, (B, H, T, T), dtype, 3.0)
     pe = ref.softmax_causal_forward(s, 0.37)
     assert_close(cp.asnumpy(ck.softmax_causal_forward(cp.asarray(s), 0.37)), pe, TOL[dtype], "fwd")
+    assert_close(cp.asnumpy(ck.softmax_causal_forward(cp.asarray(s), 0.37, window=3)),
+                 ref.softmax_causal_forward(s, 0.37, window=3), TOL[dtype], "fwd, a sliding window of 3")
     ds = cp.asarray(s)
     ck.softmax_causal_forward(ds, 0.37, out=ds)
     assert_close(cp.asnumpy(ds), pe, TOL[dtype], "fwd in place")

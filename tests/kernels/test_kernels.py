@@ -723,6 +723,36 @@ def test_softmax_causal_numba_vs_reference(rng, dtype, shape):
     np.testing.assert_array_equal(dp, ds)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [1, 3, 7, 50])
+def test_softmax_causal_with_a_sliding_window_numba_vs_reference(rng, dtype, window):
+    """window W: query t sees keys t - W < j <= t (Mistral's and Gemma 3's local layers). Scores
+    outside are never read (NaN there), their probabilities are exactly 0, and the backward,
+    which takes no window, gives 0 there from those zeros; the bf16 bits come from the same pass."""
+    T, scale = 9, 0.37
+    s = rnd(rng, (2, 3, T, T), dtype, 4.0)
+    t = np.arange(T)
+    seen = (t[None, :] <= t[:, None]) & (t[None, :] > t[:, None] - window)
+    s[..., ~seen] = np.nan
+    p = kernels.softmax_causal_forward(s, scale, window=window)
+    p_r = kernels.softmax_causal_forward(s, scale, window=window, backend="numpy")
+    assert_close(p, p_r, dtype)
+    assert np.all(p[..., ~seen] == 0.0)
+    np.testing.assert_allclose(p.sum(-1), 1.0, atol=TOL[dtype] * T)
+    s2 = s.copy()
+    np.testing.assert_array_equal(kernels.softmax_causal_forward(s2, scale, out=s2, window=window), p)
+    if dtype == np.float32:
+        bits = np.zeros(s.shape, np.uint16)
+        kernels.softmax_causal_forward(s.copy(), scale, window=window, bf16_out=bits)
+        np.testing.assert_array_equal(bits, kernels.to_bf16(p))
+    dp = rnd(rng, s.shape, dtype)
+    ds = kernels.softmax_causal_backward(dp, p, scale)
+    assert_close(ds, kernels.softmax_causal_backward(dp, p, scale, backend="numpy"), dtype)
+    assert np.all(ds[..., ~seen] == 0.0)
+    with pytest.raises(ValueError, match="window must be a whole number >= 0"):
+        kernels.softmax_causal_forward(s, scale, window=-1)
+
+
 def test_softmax_causal_reference_vs_finite_differences(rng):
     scale = 0.7
     s = rnd(rng, (2, 4, 4), np.float64)

@@ -55,8 +55,8 @@ MUTATIONS = {
     "gemm-edge": ("gemm", [("v = a[za, m, k] if (m < M and k < K) else ZERO",
                             "v = a[za, m, k] if (k < K) else ZERO")]),
     # causal softmax normalizer misses the diagonal term
-    "softmax-diag": ("softmax", [("for j in range(tid, t + 1, nt):\n            tot += math.exp",
-                                  "for j in range(tid, t, nt):\n            tot += math.exp")]),
+    "softmax-diag": ("softmax", [("for j in range(lo + tid, t + 1, nt):\n            tot += math.exp",
+                                  "for j in range(lo + tid, t, nt):\n            tot += math.exp")]),
     # biased -> unbiased variance
     "ln-var": ("layernorm", [("var = _block_sum(sh, s) / C", "var = _block_sum(sh, s) / (C - 1)")]),
     # every row chunk of a column reduction drops its last row
@@ -267,8 +267,12 @@ def checks(nk, ck, gpu):
                 ge = ref.softmax_causal_backward(dp, pe, 0.37)
                 dp2 = dp.copy()
                 nk.softmax_causal_backward(dp2, pe, 0.37, out=dp2, block=blk_)
+                # a sliding window (Mistral's, Gemma 3's local layers): 0 before t - window + 1
+                pw = nk.softmax_causal_forward(s, 0.37, window=2, block=blk_)
+                pwe = ref.softmax_causal_forward(s, 0.37, window=2)
                 return [close("fwd", p, pe, dt), close("fwd in place", s2, pe, dt),
-                        close("bwd", g, ge, dt), close("bwd in place", dp2, ge, dt)]
+                        close("bwd", g, ge, dt), close("bwd in place", dp2, ge, dt),
+                        close("fwd window 2", pw, pwe, dt)]
 
             ck.run(f"softmax causal fwd+bwd {tname(dt)} B={B} H={H} T={T}", sm)
 
@@ -402,7 +406,7 @@ def ptx_report():
                 "column_sum_finish": (d2, a1, types.boolean),
                 "gelu_forward": (a1, a1),
                 "gelu_backward": (a1, a1, a1),
-                "softmax_causal_forward": (a2, f8, a2),
+                "softmax_causal_forward": (a2, f8, a2, i64),
                 "softmax_causal_backward": (a2, a2, f8, a2),
                 "cross_entropy": (a2, arr(types.int64, 1), a1, a2, f8, types.boolean),
                 "adamw": (a1, a1, a1, a1, f8, f8, f8, f8, f8, f8, f8, u8, types.boolean),
