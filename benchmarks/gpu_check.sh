@@ -17,7 +17,7 @@
 #   4. benchmarks/gemm.py --quick --json
 #   5. short GPU training runs: python -m ringpipe.train --device cuda --steps 30, in
 #      float32 and with --precision bf16 (tokens/s and model FLOP/s of each), and the Llama family
-#      (with Qwen3's per-head q/k norm)
+#      (with Qwen3's per-head q/k norm and a sliding window)
 #   6. device buffers and MPI on the GPU: tests/support/mpi_scripts/device_comm_check.py under
 #      mpiexec -n 2, staged through pinned memory and (if the MPI says it is
 #      CUDA-aware) direct
@@ -176,7 +176,7 @@ train() {
 }
 train train-cuda train_metrics.jsonl --monitor-every 5
 train train-cuda-bf16 train_bf16_metrics.jsonl --precision bf16
-train train-cuda-llama train_llama_metrics.jsonl --model llama --preset llama-tiny --qk-norm head     # with Qwen3's q/k norm
+train train-cuda-llama train_llama_metrics.jsonl --model llama --preset llama-tiny --qk-norm head --sliding-window 16   # Qwen3's q/k norm, a window
 RINGPIPE_CUDA_AWARE_MPI=0 step "mpi-device-staged" 90 "$MPIEXEC" -n 2 "$PY" tests/support/mpi_scripts/device_comm_check.py
 if "$PY" -c "from ringpipe.comm.device import query_library as q; raise SystemExit(0 if q() else 1)" 2>/dev/null; then
     RINGPIPE_CUDA_AWARE_MPI=1 step "mpi-device-direct" 90 "$MPIEXEC" -n 2 "$PY" tests/support/mpi_scripts/device_comm_check.py

@@ -128,7 +128,8 @@ def config_from_dict(model_config: dict, where: str = "model_config"):
     expected = {f.name for f in dataclasses.fields(llama.LlamaConfig)}
     if isinstance(model_config, dict):
         # Written before these parts existed: none of either.
-        model_config = {"qk_norm": "none", "nope_layers": None, "norm_place": "pre", **model_config}
+        model_config = {"qk_norm": "none", "nope_layers": None, "norm_place": "pre", "sliding_window": None,
+                        "window_layers": None, **model_config}
     if not isinstance(model_config, dict) or set(model_config) != expected:
         keys = sorted(model_config) if isinstance(model_config, dict) else type(model_config).__name__
         raise HFError(f"model_config has the keys {keys}, expected {sorted(expected)}: is it a Llama "
@@ -256,20 +257,31 @@ def hf_config(cfg, bos, eos) -> dict:
                       f"{cfg.norm_place}) has no Hugging Face class to export to: each of transformers' Qwen2, "
                       "Qwen3, SmolLM3 and OLMo 2 has one of these parts and not the others (OLMo 2: the q/k norm "
                       "over all heads with the norms after attention and the MLP, together)")
-    windowless = dict(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layer,
-                      layer_types=["full_attention"] * cfg.n_layer)
+    sliding = set(range(cfg.n_layer) if cfg.window_layers is None else cfg.window_layers) if cfg.sliding_window \
+        else set()
+    # Qwen2's, Qwen3's and SmolLM3's window keys (layer_types names the blocks; transformers 4 read
+    # max_window_layers instead, which layer_types overrides in 5)
+    suffix = sliding and sliding == set(range(min(sliding), cfg.n_layer))   # what max_window_layers can say
+    windows = dict(use_sliding_window=bool(sliding), sliding_window=cfg.sliding_window,
+                   max_window_layers=min(sliding) if suffix else cfg.n_layer,
+                   layer_types=["sliding_attention" if i in sliding else "full_attention" for i in range(cfg.n_layer)])
+    plain = not (cfg.qkv_bias or cfg.qk_norm != "none" or cfg.nope_layers)
+    if sliding and (olmo2 or (plain and len(sliding) < cfg.n_layer)):
+        raise HFError(f"a sliding window on {'some of the' if len(sliding) < cfg.n_layer else 'the'} blocks of "
+                      f"{'OLMo 2' if olmo2 else 'a Llama'} has no Hugging Face class to export to (Mistral's window "
+                      "is on every block; Qwen2's, Qwen3's and SmolLM3's on the blocks their layer_types name)")
     if cfg.qkv_bias:
-        # Qwen2: biases on q, k and v and none elsewhere, ringpipe's qkv_bias; no sliding window.
+        # Qwen2: biases on q, k and v and none elsewhere, ringpipe's qkv_bias.
         for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
             del config[key]
-        config.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", **windowless)
+        config.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", **windows)
     if cfg.qk_norm == "head":
         # Qwen3: q_norm and k_norm over each head; its attention_bias would bias o_proj too (false here).
         for key in ("mlp_bias", "pretraining_tp"):
             del config[key]
-        config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", **windowless)
+        config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", **windows)
     if olmo2:
-        # OLMo 2: its attention_bias would bias o_proj too (false here); no window, no MLP bias key.
+        # OLMo 2: its attention_bias would bias o_proj too (false here); no MLP bias key.
         for key in ("mlp_bias", "pretraining_tp"):
             del config[key]
         config.update(architectures=["Olmo2ForCausalLM"], model_type="olmo2")
@@ -280,7 +292,12 @@ def hf_config(cfg, bos, eos) -> dict:
         nope = set(cfg.nope_layers)
         config.update(architectures=["SmolLM3ForCausalLM"], model_type="smollm3",
                       no_rope_layers=[0 if i in nope else 1 for i in range(cfg.n_layer)],
-                      use_sliding_window=False, sliding_window=None, layer_types=["full_attention"] * cfg.n_layer)
+                      **{k: v for k, v in windows.items() if k != "max_window_layers"})
+    if sliding and plain:
+        # Mistral: Llama's block with a window on every layer.
+        for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
+            del config[key]
+        config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=cfg.sliding_window)
     return config
 
 
@@ -410,6 +427,7 @@ def config_from_hf(config: dict, hf_dir: str):
                             tie_embeddings=c.get("tie_word_embeddings"), qkv_bias=_QKV_BIAS[c.model_type],
                             qk_norm=_QK_NORM[c.model_type], nope_layers=_nope_from_hf(c, sizes["num_hidden_layers"]),
                             norm_place=_NORM_PLACE.get(c.model_type, "pre"))
+    cfg.sliding_window, cfg.window_layers = _windows_from_hf(c, context, sizes["num_hidden_layers"])
     return _validated(cfg, c.where)
 
 
@@ -454,12 +472,15 @@ def _refuse_unsupported(c: _Config, context: int, n_layer: int) -> None:
     if c.get("partial_rotary_factor", 1.0) != 1.0:
         c.unsupported("partial_rotary_factor", "ringpipe's RoPE rotates every dimension of a head",
                       "partial_rotary_factor 1.0, or none")
-    _refuse_windows(c, context, n_layer)
 
 
-def _refuse_windows(c: _Config, context: int, n_layer: int) -> None:
-    """A sliding window that binds (smaller than the context, on some layer) is refused: ringpipe's
-    attention is causal over the whole context. A window as long as the context changes nothing."""
+
+def _windows_from_hf(c: _Config, context: int, n_layer: int) -> tuple:
+    """(sliding_window, window_layers) as transformers builds the attention: Mistral's window on
+    every layer; Qwen2's, Qwen3's and SmolLM3's only when use_sliding_window is true, on the
+    layers layer_types calls "sliding_attention" (without layer_types: Qwen's from
+    max_window_layers on, SmolLM3's NoPE layers). (None, None) when no layer has a window
+    shorter than the context, where a window changes nothing."""
     window = c.get("sliding_window")
     switch = _WINDOW_SWITCH.get(c.model_type)
     if switch is not None and c.get(switch) is not True:
@@ -469,23 +490,22 @@ def _refuse_windows(c: _Config, context: int, n_layer: int) -> None:
         if (not isinstance(layer_types, list) or len(layer_types) != n_layer
                 or not all(isinstance(t, str) for t in layer_types)):
             c.invalid("layer_types", f"a list of num_hidden_layers {n_layer} strings, each layer's attention "
-                                     "(\"full_attention\"), or null")
+                                     "(\"full_attention\" or \"sliding_attention\"), or null")
         other = [t for t in layer_types if t not in ("full_attention", "sliding_attention")]
         if other:
-            c.unsupported("layer_types", f"it has {other[0]} layers, and ringpipe's Llama has full_attention layers "
-                                         "only", "no layer_types other than full_attention")
-        slides = "sliding_attention" in layer_types
+            c.unsupported("layer_types", f"it has {other[0]} layers, and ringpipe's Llama has full_attention and "
+                                         "sliding_attention layers only", "no layer_types other than those two")
+        layers = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    elif c.model_type == "smollm3":
+        layers = _nope_from_hf(c, n_layer) or []    # transformers' rule: its NoPE layers slide
     elif switch is not None:
-        # transformers' rule for a config without layer_types: layers from max_window_layers on slide.
-        first = c.get("max_window_layers")
-        slides = first is None or first < n_layer
+        first = c.get("max_window_layers")      # transformers' rule: layers from max_window_layers on slide
+        layers = [i for i in range(n_layer) if first is None or i >= first]
     else:
-        slides = True                            # Mistral: every layer
-    if window is not None and slides and window < context:
-        c.unsupported(switch or "sliding_window",
-                      f"it makes a sliding window of {window} tokens (sliding_window), smaller than the context "
-                      f"{context} (max_position_embeddings), while ringpipe's attention sees the whole context, so "
-                      "the model would compute differently", "no sliding window shorter than its context")
+        layers = list(range(n_layer))            # Mistral: every layer
+    if window is None or window >= context or not layers:
+        return None, None
+    return window, (None if len(layers) == n_layer else layers)
 
 
 _WINDOW_SWITCH = {"qwen2": "use_sliding_window", "qwen3": "use_sliding_window", "smollm3": "use_sliding_window"}

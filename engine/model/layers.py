@@ -439,40 +439,42 @@ class KVCache:
         return self.k[:, :, :start + T], self.v[:, :, :start + T]
 
 
-def causal_attention_probs(q, k, scale, bits=False):
+def causal_attention_probs(q, k, scale, bits=False, window=0):
     """softmax(scale q k^T, causal): q, k (B, H, T, hd) -> (B, H, T, T). The one place they
     are computed, for the forward and for a backward whose forward did not keep them
     (selective recomputation): the same kernels calls on the same q and k, the same bits.
-    bits=True: (att, att's bf16 bits from the same pass under bf16 on the CPU, else None)."""
+    bits=True: (att, att's bf16 bits from the same pass under bf16 on the CPU, else None).
+    window > 0: a sliding window, query t sees keys t - window < j <= t (0 elsewhere)."""
     att = K.matmul_nt(q, k)                                             # (B, H, T, T)
     if not bits:
-        return K.softmax_causal_forward(att, scale, out=att)
+        return K.softmax_causal_forward(att, scale, out=att, window=window)
     att_bits = BF16.bits_out(att)    # under bf16 the softmax writes att's bits too, for att @ v
-    return K.softmax_causal_forward(att, scale, out=att, bf16_out=att_bits), att_bits
+    return K.softmax_causal_forward(att, scale, out=att, bf16_out=att_bits, window=window), att_bits
 
 
-def causal_attention(q, k, v, scale):
+def causal_attention(q, k, v, scale, window=0):
     """softmax(scale q k^T, causal) v over whole sequences: q, k, v (B, H, T, hd) ->
     (y (B, T, H*hd), heads merged for the output projection; att (B, H, T, T), kept for
     the backward unless the caller recomputes it). GPT's and the Llama family's attention
-    share it."""
+    share it. window > 0: a sliding window (causal_attention_probs)."""
     xp = K.get_array_module(q)
     B, H, T, hd = q.shape
-    att, att_bits = causal_attention_probs(q, k, scale, bits=True)      # (B, H, T, T)
+    att, att_bits = causal_attention_probs(q, k, scale, bits=True, window=window)   # (B, H, T, T)
     y = K.matmul(att if att_bits is None else att_bits, v)              # (B, H, T, hd)
     return xp.ascontiguousarray(y.transpose(0, 2, 1, 3)).reshape(B, T, H * hd), att
 
 
-def causal_attention_backward(dy, q, k, v, att, scale, dq=None, dk=None, dv=None):
+def causal_attention_backward(dy, q, k, v, att, scale, dq=None, dk=None, dv=None, window=0):
     """causal_attention's backward: dy (B, T, H*hd), the merged heads' gradient -> (dq, dk,
     dv) (B, H, T, hd) each, written into the given arrays when there are some (GPT's fused
     qkv gradient takes them in one buffer). att None: the forward did not keep the
-    probabilities (selective recomputation); they are computed again here, and dropped after."""
+    probabilities (selective recomputation); they are computed again here (with the forward's
+    window), and dropped after. The softmax's backward needs no window: att is 0 outside it."""
     xp = K.get_array_module(dy)
     B, H, T, hd = q.shape
     att_bits = None                  # kept probabilities: dv's GEMM rounds them
     if att is None:
-        att, att_bits = causal_attention_probs(q, k, scale, bits=True)
+        att, att_bits = causal_attention_probs(q, k, scale, bits=True, window=window)
     dy = xp.ascontiguousarray(dy.reshape(B, T, H, hd).transpose(0, 2, 1, 3))  # (B, H, T, hd)
     dy = BF16.of(dy)                 # read by two GEMMs: rounded once under bf16 (BF16)
     dv = K.matmul_tn(att if att_bits is None else att_bits, dy, out=dv)      # dv = att^T dy
@@ -485,12 +487,13 @@ def causal_attention_backward(dy, q, k, v, att, scale, dq=None, dk=None, dv=None
     return dq, dk, dv
 
 
-def attend_cached(q, k, v, start, scale):
+def attend_cached(q, k, v, start, scale, window=0):
     """Causal attention of T new queries to every key so far: q (B, H, T, hd) at positions
     start..start+T-1; k, v (B, Hkv, S, hd) at positions 0..S-1, S = start + T. Query head h
     reads key/value head h // G, G = H / Hkv (transformers' repeat_kv; G = 1: multi-head).
     Returns y (B, H, T, hd). The same softmax(scale q k^T) v as the forward's kernels, written
-    with plain array operations: the scores are (T, S), not the square the fused kernel takes."""
+    with plain array operations: the scores are (T, S), not the square the fused kernel takes.
+    window > 0: a key window or more positions before its query is not seen (sliding window)."""
     xp = K.get_array_module(q)
     B, H, T, hd = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -499,6 +502,8 @@ def attend_cached(q, k, v, start, scale):
     att = K.matmul_nt(q.reshape(B, Hkv, G * T, hd), k) * scale          # (B, Hkv, G*T, S)
     att = att.reshape(B, Hkv, G, T, S)
     future = xp.arange(S)[None, :] > start + xp.arange(T)[:, None]      # (T, S): a key after its query
+    if window:                                                          # or out of the window before it
+        future |= xp.arange(S)[None, :] <= start + xp.arange(T)[:, None] - window
     att = xp.where(future, -xp.inf, att)
     att = xp.exp(att - att.max(axis=-1, keepdims=True))                  # the own position is never masked
     att /= att.sum(axis=-1, keepdims=True)

@@ -75,6 +75,8 @@ class LlamaConfig:
                                      # "all" over all heads' channels (OLMo 2)
     norm_place: str = "pre"          # NORM_PLACES: "post" normalises attention's and the MLP's outputs (OLMo 2)
     nope_layers: list | None = None  # blocks (0-based) whose attention has no rotary positions (SmolLM3's NoPE)
+    sliding_window: int | None = None    # a query sees this many positions, itself included (Mistral's window)
+    window_layers: list | None = None    # the blocks with the window (None: every block, when there is one)
 
     def validate(self):
         """Check every value, type and range (limits.py: a checkpoint's manifest or a notebook
@@ -98,6 +100,11 @@ class LlamaConfig:
                               f"{', '.join(map(str, works))}")
         _check_rope_scaling(self.rope_scaling)
         self.nope_layers = _nope_layers(self.nope_layers, self.n_layer)
+        limits.check_whole("Llama <sliding_window>", self.sliding_window, 1, limits.MAX_CONTEXT, none="no window")
+        self.window_layers = _block_list("window_layers", self.window_layers, self.n_layer)
+        if self.window_layers is not None and not self.sliding_window:
+            raise ConfigError("<window_layers> names the blocks with a sliding window, but <sliding_window> is not "
+                              "set: give the window's length too, or drop <window_layers>")
         return self
 
     @property
@@ -135,18 +142,26 @@ def _check_values(cfg: LlamaConfig) -> None:
 def _nope_layers(value, n_layer):
     """nope_layers as a sorted list of distinct block indices below n_layer, or None for none;
     given as a list, or as the comma-separated text of --nope-layers ("3,7,11")."""
-    if value is None or value == "" or value == []:
+    return _block_list("nope_layers", value, n_layer, empty=None)
+
+
+def _block_list(name, value, n_layer, empty=()):
+    """A list of distinct block indices below n_layer, sorted; None stays None, and an empty
+    list becomes `empty`; given as a list, or as the comma-separated text of a flag ("3,7,11")."""
+    if value is None:
         return None
+    if value == "" or value == []:
+        return None if empty is None else list(empty)
     if isinstance(value, str):
         try:
             value = [int(part) for part in value.split(",")]
         except ValueError:
-            raise ConfigError(f"<nope_layers> must be block indices separated by commas (e.g. 3,7,11), got "
+            raise ConfigError(f"<{name}> must be block indices separated by commas (e.g. 3,7,11), got "
                               f"{value!r}") from None
     if (not isinstance(value, (list, tuple)) or len(value) > limits.MAX_LAYERS
             or not all(type(i) is int and 0 <= i < n_layer for i in value) or len(set(value)) != len(value)):
-        raise ConfigError(f"<nope_layers> must be distinct block indices from 0 to <layers> - 1 = {n_layer - 1} "
-                          f"(the blocks whose attention has no rotary positions), got {value!r}")
+        raise ConfigError(f"<{name}> must be distinct block indices from 0 to <layers> - 1 = {n_layer - 1}, got "
+                          f"{value!r}")
     return sorted(value)
 
 
@@ -353,8 +368,9 @@ class GroupedQueryAttention(Layer):
 
     keep_probs = True
 
-    def __init__(self, name, cfg: LlamaConfig, rotary: Rotary, maker=WHOLE):
+    def __init__(self, name, cfg: LlamaConfig, rotary: Rotary, maker=WHOLE, window=0):
         C, hd = cfg.d_model, cfg.head_dim
+        self.window = window          # > 0: a sliding window of that many positions (Mistral's, Qwen's)
         if cfg.n_kv_head % maker.size:
             raise ConfigError(f"<tp> {maker.size} does not divide the model's {cfg.n_kv_head} key/value heads")
         # the heads on this rank
@@ -411,7 +427,7 @@ class GroupedQueryAttention(Layer):
         k = xp.repeat(BF16.of(k), G, axis=1)                               # (B, H, T, hd): head h reads h // G
         v = xp.repeat(BF16.of(v.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)), G, axis=1)
         scale = 1.0 / math.sqrt(hd)
-        y, att = causal_attention(q, k, v, scale)                          # (B, T, H*hd)
+        y, att = causal_attention(q, k, v, scale, window=self.window)      # (B, T, H*hd)
         out, o_ctx = self.o.forward(y)
         return out, (qkv_ctx, o_ctx, q, k, v, att if self.keep_probs else None, scale, qn_ctx, kn_ctx)
 
@@ -427,7 +443,8 @@ class GroupedQueryAttention(Layer):
         q, k = self._rotated(q, k, start, T, x, table_length=cache.capacity)
         v = self.v.forward(x)[0].reshape(B, T, Hkv, hd)
         k, v = cache.append(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), start)   # (B, Hkv, start+T, hd)
-        y = attend_cached(xp.ascontiguousarray(q.transpose(0, 2, 1, 3)), k, v, start, 1.0 / math.sqrt(hd))
+        y = attend_cached(xp.ascontiguousarray(q.transpose(0, 2, 1, 3)), k, v, start, 1.0 / math.sqrt(hd),
+                          window=self.window)
         y = xp.ascontiguousarray(y.transpose(0, 2, 1, 3)).reshape(B, T, H * hd)    # (B, T, H*hd)
         return self.o.forward(y)[0]
 
@@ -437,7 +454,7 @@ class GroupedQueryAttention(Layer):
         B, H, T, hd = q.shape
         Hkv, G = self.h_kv, self.h // self.h_kv
         dy, o_w = self.o.backward_input(dout, o_ctx)                       # (B, T, H*hd)
-        dq, dk, dv = causal_attention_backward(dy, q, k, v, att, scale)    # (B, H, T, hd), per query head
+        dq, dk, dv = causal_attention_backward(dy, q, k, v, att, scale, window=self.window)   # (B, H, T, hd)
         # A key/value head's gradient is the sum over the G query heads that read it.
         dk, dv = (d.reshape(B, Hkv, G, T, hd).sum(axis=2).transpose(0, 2, 1, 3) for d in (dk, dv))   # (B, T, Hkv, hd)
         dq = dq.transpose(0, 2, 1, 3)                                             # (B, T, H, hd)
@@ -495,10 +512,10 @@ class LlamaBlock(Block):
     """Block's pre-norm residual wiring (its forward and backward), with Llama's parts:
     its ln1/ln2 slots hold RMSNorms, attn grouped-query attention, mlp SwiGLU."""
 
-    def __init__(self, name, cfg: LlamaConfig, rotary: Rotary, maker=WHOLE):
+    def __init__(self, name, cfg: LlamaConfig, rotary: Rotary, maker=WHOLE, window=0):
         self.name = name
         self.ln1 = RMSNorm(f"{name}.norm1", cfg.d_model, cfg.rms_eps, partial=maker.sequence_parallel)
-        self.attn = GroupedQueryAttention(f"{name}.attn", cfg, rotary, maker=maker)
+        self.attn = GroupedQueryAttention(f"{name}.attn", cfg, rotary, maker=maker, window=window)
         self.ln2 = RMSNorm(f"{name}.norm2", cfg.d_model, cfg.rms_eps, partial=maker.sequence_parallel)
         self.mlp = SwiGLU(f"{name}.mlp", cfg, maker=maker)
         self.parts = [self.ln1, self.attn, self.ln2, self.mlp]
@@ -582,7 +599,8 @@ def llama_layers(cfg: LlamaConfig, tensor=None):
     maker = WHOLE if tensor is None else tensor
     nope = set(cfg.nope_layers or ())
     block = PostNormLlamaBlock if cfg.norm_place == "post" else LlamaBlock
-    blocks = [block(f"h.{i}", cfg, None if i in nope else rotary, maker=maker) for i in range(cfg.n_layer)]
+    blocks = [block(f"h.{i}", cfg, None if i in nope else rotary, maker=maker, window=window_of(cfg, i))
+              for i in range(cfg.n_layer)]
     if tensor is None:
         return [TokenEmbedding(cfg.padded_vocab, cfg.d_model, cfg.context), *blocks, LlamaHead(cfg)]
     embedding = tensor.embedding(cfg.padded_vocab, cfg.context, cfg.d_model, wpe=None)
@@ -590,6 +608,14 @@ def llama_layers(cfg: LlamaConfig, tensor=None):
                        used=cfg.vocab)
     head.ln_f = RMSNorm("norm_f", cfg.d_model, cfg.rms_eps, partial=tensor.sequence_parallel)
     return [embedding, *blocks, head]
+
+
+def window_of(cfg: LlamaConfig, i: int) -> int:
+    """Block i's sliding window: sliding_window where window_layers lists the block (or lists
+    none: every block, as Mistral), else 0 (the whole causal past)."""
+    if not cfg.sliding_window or (cfg.window_layers is not None and i not in cfg.window_layers):
+        return 0
+    return cfg.sliding_window
 
 
 def build_llama(cfg: LlamaConfig, dtype=np.float32, xp=np, seed=0):
@@ -636,7 +662,7 @@ LLAMA_RECIPE = ModelRecipe(
     fields={"layers": "n_layer", "d_model": "d_model", "heads": "n_head", "context": "context",
             "kv_heads": "n_kv_head", "d_ff": "d_ff", "rope_theta": "rope_theta",
             "tie_embeddings": "tie_embeddings", "qk_norm": "qk_norm", "nope_layers": "nope_layers",
-            "norm_place": "norm_place"},
+            "norm_place": "norm_place", "sliding_window": "sliding_window", "window_layers": "window_layers"},
     layers=llama_layers, flops_per_item=flops_per_token, memory=memory,
     data="tokens", default_data="stdlib", data_path_data="text", unit="tokens", rate_unit="tok",
     axes=("data", "pipe", "tensor"), presets=PRESETS, generate=generate, blocks=True,

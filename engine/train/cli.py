@@ -105,6 +105,12 @@ def _model_flags(p):
     g.add_argument("--nope-layers", default=None, metavar="I,J,...",
                    help="llama: the blocks (0-based, comma-separated) whose attention has no rotary positions, "
                         "as SmolLM3's every fourth (NoPE: 3,7,11,...); default none")
+    g.add_argument("--sliding-window", type=int, default=None, metavar="W",
+                   help="llama: a sliding window: each position attends to the W positions up to itself only "
+                        "(Mistral's; default none: the whole causal past)")
+    g.add_argument("--window-layers", default=None, metavar="I,J,...",
+                   help="llama: with --sliding-window, the blocks (0-based, comma-separated) that have it, as "
+                        "Qwen's and Gemma's local layers (default: every block)")
     g.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="compute dtype (default float32)")
     g.add_argument("--precision", choices=["float32", "bf16"], default="float32",
                    help="matmul inputs: float32, or bf16 (rounded to bfloat16, float32 accumulation, "

@@ -39,7 +39,7 @@ DATASETS = {"tokens": ("prepared", "stdlib", "synthetic", "text"), "classes": ("
 DATA_WORDS = {"tokens": "a text corpus", "classes": "a classification set"}
 # The Config fields that set a model's shape; a family takes those its recipe maps.
 SHAPE_FIELDS = ("layers", "d_model", "heads", "context", "kv_heads", "d_ff", "rope_theta", "tie_embeddings",
-                "qk_norm", "nope_layers", "norm_place")
+                "qk_norm", "nope_layers", "norm_place", "sliding_window", "window_layers")
 
 
 @dataclass
@@ -58,6 +58,8 @@ class Config:
     tie_embeddings: bool | None = None   # llama: the head reuses the token embedding (True)
     qk_norm: str | None = None         # llama: none | head (Qwen3's per-head q/k RMSNorm) | all (OLMo 2's) (none)
     norm_place: str | None = None      # llama: pre | post (OLMo 2: norms after attention and the MLP) (pre)
+    sliding_window: int | None = None  # llama: a query sees this many positions, itself included (no window)
+    window_layers: str | None = None   # llama: the blocks with that window, "1,3" (every block)
     nope_layers: str | None = None     # llama: blocks without rotary positions, "3,7,11" (SmolLM3's NoPE) (none)
     dtype: str = "float32"             # float32 | float64
     precision: str = "float32"         # float32 | bf16 (GEMM inputs; float32 master weights)

@@ -62,6 +62,8 @@ RANGES = {
     "context": Range(1, MAX_CONTEXT, "the longest sequence the model reads, in tokens"),
     "kv_heads": Range(1, MAX_HEADS, "key/value heads, dividing <heads>"),
     "d_ff": Range(1, MAX_FFN, "the SwiGLU intermediate size; real models use 2.5 to 4 x <d_model>"),
+    "sliding_window": Range(1, MAX_CONTEXT, "positions a query attends to, itself included; real models use 512 "
+                                            "to 4096"),
     "rope_theta": Range(1, MAX_ROPE_THETA, "the rotary base: its powers theta^(-2i/d) must fall from 1 for the "
                                            "frequencies to span long wavelengths; real models use 10^4 to 10^7",
                         above=True, real=True),

@@ -267,12 +267,6 @@ REFUSED = {
     "another activation": (dict(hidden_act="gelu"), "hidden_act"),
     "a bias on o_proj": (dict(attention_bias=True), "attention_bias"),
     "MLP biases": (dict(mlp_bias=True), "mlp_bias"),
-    "a mistral window that binds": (dict(model_type="mistral", sliding_window=16), "sliding_window"),
-    "mistral's default window": (dict(model_type="mistral", max_position_embeddings=8192), "sliding_window"),
-    "a qwen2 window that binds": (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16,
-                                       max_window_layers=0), "use_sliding_window"),
-    "sliding layer types": (dict(model_type="qwen2", use_sliding_window=True, sliding_window=8,
-                                 layer_types=["full_attention", "sliding_attention"]), "use_sliding_window"),
     "an unknown layer type": (dict(layer_types=["full_attention", "chunked_attention"]), "layer_types"),
     "a rope type": (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling"),
     "a rope type, transformers 5": (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
@@ -293,6 +287,59 @@ def test_a_config_ringpipe_cannot_represent_is_refused_before_any_work_naming_th
     message = str(refused.value)
     assert key in message and "config.json" in message, message
     assert "safetensors" not in message, message
+
+
+def test_sliding_windows_are_read_as_transformers_builds_them(tmp_path):
+    """Mistral's window on every layer, Qwen2's when switched on: from max_window_layers on, or
+    on the layers layer_types names; and each imported folder gives transformers' logits."""
+    def read(**config):
+        return hf_llama.config_from_hf(dict(HF_TINY, hidden_act="silu", **config), "here")
+    mistral = read(model_type="mistral", sliding_window=16)
+    assert (mistral.sliding_window, mistral.window_layers) == (16, None)
+    assert read(model_type="mistral", max_position_embeddings=8192).sliding_window == 4096   # its default
+    qwen = read(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    assert (qwen.sliding_window, qwen.window_layers) == (16, [1])
+    typed = read(model_type="qwen2", use_sliding_window=True, sliding_window=8,
+                 layer_types=["sliding_attention", "full_attention"])
+    assert (typed.sliding_window, typed.window_layers) == (8, [0])
+    for kind, extra in (("mistral", dict(sliding_window=5)),
+                        ("qwen2", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1))):
+        folder = save(random_hf_model(kind=kind, seed=21, **extra), tmp_path / kind)
+        assert imported_diff(folder) <= EXACT, kind
+
+
+def test_a_windowed_llama_exports_as_mistral_and_reads_back(tmp_path):
+    cfg = LlamaConfig(**dict(PRESETS["hf-tiny"], context=24, sliding_window=5)).validate()
+    arrays = checkpoint_arrays(cfg, seed=22)
+    out = hf.export_hf(arrays, cfg.to_dict(), str(tmp_path / "hf"), model="llama")
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert (config["architectures"], config["sliding_window"]) == (["MistralForCausalLM"], 5)
+    tokens = random_tokens(cfg.vocab)
+    ours = ringpipe_logits(ringpipe_model(cfg, {k[len("param/"):]: v for k, v in arrays.items()}), tokens, cfg.vocab)
+    assert np.abs(hf_logits(out, tokens) - ours).max() <= EXACT
+    assert hf.import_hf(out)[0] == cfg
+    partial = LlamaConfig(**dict(PRESETS["hf-tiny"], context=24, sliding_window=5, window_layers=[1])).validate()
+    with pytest.raises(hf.HFError, match="sliding window on some of the blocks of a Llama has no Hugging Face class"):
+        hf.export_hf(checkpoint_arrays(partial), partial.to_dict(), str(tmp_path / "partial"), model="llama")
+
+
+def test_generate_on_a_windowed_export_gives_ringpipes_greedy_tokens(tmp_path):
+    """The KV-cache sampler honours the window: 20 greedy tokens past a window of 4, against
+    transformers' generate on the Mistral export (float64)."""
+    from ringpipe.engine.model.registry import RECIPES
+    cfg = LlamaConfig(**dict(PRESETS["hf-tiny"], context=24, sliding_window=4)).validate()
+    arrays = checkpoint_arrays(cfg, seed=23)
+    out = hf.export_hf(arrays, cfg.to_dict(), str(tmp_path / "hf"), model="llama")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa",
+                                                              dtype=torch.float64).eval()
+    lift_to_float64(model)
+    prompt = [5, 17, 42]
+    with torch.no_grad():
+        generated = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                                   attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    ours = ringpipe_model(cfg, {k[len("param/"):]: v for k, v in arrays.items()})
+    assert generated[0, len(prompt):].tolist() == list(RECIPES["llama"].generate(ours, prompt, 20, cfg.context,
+                                                                                 temperature=0))
 
 
 def test_a_window_as_long_as_the_context_and_unswitched_windows_are_fine(tmp_path):

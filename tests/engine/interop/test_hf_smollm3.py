@@ -55,8 +55,7 @@ def test_a_config_without_the_list_takes_the_interval():
 @pytest.mark.parametrize("config, key", [
     (dict(no_rope_layers=[1, 0]), "no_rope_layers"),
     (dict(no_rope_layers=[1, 2, 1, 1]), "no_rope_layers"),
-    (dict(use_sliding_window=True, sliding_window=8), "use_sliding_window"),
-], ids=["a list of another length", "not 0 or 1", "a window that binds"])
+], ids=["a list of another length", "not 0 or 1"])
 def test_a_smollm3_config_ringpipe_cannot_represent_is_refused_naming_the_key(tmp_path, config, key):
     folder = config_only(tmp_path, model_type="smollm3", architectures=["SmolLM3ForCausalLM"],
                          **dict(SHAPE, num_hidden_layers=4), **config)

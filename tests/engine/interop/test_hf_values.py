@@ -169,7 +169,6 @@ UNSUPPORTED = {
     "experts": (dict(num_local_experts=8), "num_local_experts"),
     "quantized": (dict(quantization_config={"quant_method": "gptq"}), "quantization_config"),
     "partial rotary": (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
-    "a window that binds": (dict(model_type="mistral", sliding_window=16), "sliding_window"),
     "chunked layers": (dict(layer_types=["full_attention", "chunked_attention"]), "layer_types"),
     "a rope type": (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_scaling.rope_type"),
     "RoPE per layer type": (dict(rope_parameters={"full_attention": {"rope_type": "default"}}), "rope_parameters"),

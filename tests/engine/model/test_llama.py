@@ -141,6 +141,10 @@ SHAPES = {
     # Olmo2ForCausalLM: norms after attention and the MLP, the q/k norm over all heads; odd widths
     "olmo2": dict(n_layer=2, d_model=48, n_head=6, n_kv_head=2, d_ff=37, context=32, vocab=97, qk_norm="all",
                   norm_place="post", rms_eps=2e-6, rope_theta=500000.0, tie_embeddings=False),
+    # MistralForCausalLM: a sliding window of 5 on every block (the sequences are 13 long)
+    "mistral-window": dict(HF_TINY, sliding_window=5, rms_eps=1e-6),
+    # Qwen3ForCausalLM with a window of 4 on block 1 only (layer_types)
+    "qwen3-window-layers": dict(HF_TINY, qk_norm="head", sliding_window=4, window_layers=[1], rms_eps=1e-6),
     # SmolLM3ForCausalLM: block 1 of 3 without rotary positions (NoPE)
     "smollm3-nope": dict(HF_TINY, n_layer=3, nope_layers=[1], rms_eps=1e-6, rope_theta=2000000.0),
 }
@@ -162,9 +166,16 @@ def hf_model(cfg: M.LlamaConfig, monkeypatch):
     family = (transformers.Qwen2Config, transformers.Qwen2ForCausalLM) if qwen else \
         (transformers.LlamaConfig, transformers.LlamaForCausalLM)
     extra = dict(use_sliding_window=False) if qwen else dict(attention_bias=False, mlp_bias=False)
+    sliding = [i for i in range(cfg.n_layer) if M.window_of(cfg, i)]
+    windows = dict(use_sliding_window=bool(sliding), sliding_window=cfg.sliding_window,
+                   layer_types=["sliding_attention" if i in sliding else "full_attention" for i in range(cfg.n_layer)])
+    if cfg.sliding_window and not (qwen or cfg.qk_norm != "none" or cfg.nope_layers):
+        # Mistral: Llama's block with a window on every layer
+        family, extra = (transformers.MistralConfig, transformers.MistralForCausalLM), dict(
+            sliding_window=cfg.sliding_window)
     if cfg.qk_norm == "head":    # Qwen3: Llama's block with q_norm and k_norm over each head
-        family, extra = (transformers.Qwen3Config, transformers.Qwen3ForCausalLM), dict(use_sliding_window=False,
-                                                                                        attention_bias=False)
+        family, extra = (transformers.Qwen3Config, transformers.Qwen3ForCausalLM), dict(attention_bias=False,
+                                                                                        **windows)
     if cfg.norm_place == "post":  # OLMo 2: the norms after attention and the MLP, q/k norms over all heads
         family, extra = (transformers.Olmo2Config, transformers.Olmo2ForCausalLM), dict(attention_bias=False,
                                                                                         pad_token_id=None)
@@ -198,6 +209,7 @@ def hf_model(cfg: M.LlamaConfig, monkeypatch):
     monkeypatch.setattr(transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm, "forward", _float64_rmsnorm)
     monkeypatch.setattr(transformers.models.smollm3.modeling_smollm3.SmolLM3RMSNorm, "forward", _float64_rmsnorm)
     monkeypatch.setattr(transformers.models.olmo2.modeling_olmo2.Olmo2RMSNorm, "forward", _float64_rmsnorm)
+    monkeypatch.setattr(transformers.models.mistral.modeling_mistral.MistralRMSNorm, "forward", _float64_rmsnorm)
     return model
 
 
@@ -336,6 +348,23 @@ def test_olmo2_norms_in_the_wrong_place_or_per_head_fail_the_exactness_test(monk
     monkeypatch.setattr(M.WidthRMSNorm, "forward", per_head)
     delta = np.abs(ours_from(hf, cfg).forward(tokens, need_grad=False)[0][..., :cfg.vocab] - expected).max()
     assert delta > 1e-6, delta
+
+
+@pytest.mark.parametrize("shape", ["mistral-window", "qwen3-window-layers"])
+def test_a_window_dropped_or_on_other_blocks_fails_the_exactness_test(shape, monkeypatch):
+    """The negative control of sliding windows: the same weights without the window, or with it
+    on the other blocks, give another model (the window binds: 13 positions, a window of 4-5)."""
+    cfg = M.LlamaConfig(**SHAPES[shape]).validate()
+    hf = hf_model(cfg, monkeypatch)
+    tokens = rng.integers(0, cfg.vocab, size=(2, 13))
+    expected = hf(torch.from_numpy(tokens)).logits.detach().numpy()
+    wrongs = [dict(sliding_window=None, window_layers=None), dict(sliding_window=cfg.sliding_window + 1)]
+    if cfg.window_layers:
+        wrongs.append(dict(window_layers=[0]))
+    for wrong in wrongs:
+        other = M.LlamaConfig(**{**SHAPES[shape], **wrong}).validate()
+        delta = np.abs(ours_from(hf, other).forward(tokens, need_grad=False)[0][..., :cfg.vocab] - expected).max()
+        assert delta > 1e-6, (wrong, delta)
 
 
 def test_a_nope_block_that_rotates_fails_the_exactness_test(monkeypatch):

@@ -42,6 +42,10 @@ LAYOUTS = {
     "pp2-interleaved-olmo2": dict(pp=2, schedule="interleaved", chunks=2, microbatches=2, qk_norm="all",
                                   norm_place="post"),
     "dp2-zero2-olmo2-recompute": dict(dp=2, zero=2, qk_norm="all", norm_place="post", recompute="selective"),
+    # a sliding window of 3 of the 8 positions: on block 1 under the pipeline, on every block under
+    # ZeRO-3 with selective recomputation (the probabilities computed again with the window)
+    "pp2-1f1b-window-layers": dict(pp=2, schedule="1f1b", microbatches=4, sliding_window=3, window_layers="1"),
+    "dp2-zero3-window-recompute": dict(dp=2, zero=3, sliding_window=3, recompute="selective"),
 }
 
 
@@ -51,7 +55,8 @@ def test_llama_layout_equals_single_process(shared_dir, name):
     if world.size != 2:
         pytest.skip("written for 2 ranks")
     layout = dict(LAYOUTS[name])
-    shape = {k: layout.pop(k) for k in ("tie_embeddings", "qk_norm", "nope_layers", "norm_place") if k in layout}
+    shape = {k: layout.pop(k) for k in ("tie_embeddings", "qk_norm", "nope_layers", "norm_place", "sliding_window",
+                                        "window_layers") if k in layout}
     layers = 4 if layout.get("chunks") else 2
     ref = reference(base(layers, 8, out=os.path.join(shared_dir, f"llama-ref-{name}-{world.rank}"), **shape))
     grid = train(base(layers, 8, out=os.path.join(shared_dir, f"llama-{name}"), **shape, **layout), world)

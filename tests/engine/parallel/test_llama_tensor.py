@@ -236,7 +236,7 @@ def base(**more):
 
 
 SHAPE_KEYS = ("layers", "heads", "kv_heads", "d_model", "tie_embeddings", "d_ff", "qk_norm", "nope_layers",
-              "norm_place")
+              "norm_place", "sliding_window", "window_layers")
 RUNS_2 = {
     "tp2": dict(tp=2),
     "tp2-sp": dict(tp=2, sequence_parallel=True),
@@ -248,6 +248,7 @@ RUNS_2 = {
     "tp2-sp-qwen3-qk-norm-recompute": dict(tp=2, sequence_parallel=True, qk_norm="head", recompute="selective"),
     "tp2-sp-smollm3-nope": dict(tp=2, sequence_parallel=True, nope_layers="0"),
     "tp2-olmo2": dict(tp=2, qk_norm="all", norm_place="post", tie_embeddings=False),
+    "tp2-sp-window": dict(tp=2, sequence_parallel=True, sliding_window=3),
     "tp2-sp-olmo2-recompute": dict(tp=2, sequence_parallel=True, qk_norm="all", norm_place="post",
                                    recompute="full"),
 }
