@@ -19,7 +19,9 @@ exports as Qwen2ForCausalLM: Llama's attention_bias would put one on o_proj as w
 with the per-head q/k norm (qk_norm "head") exports as Qwen3ForCausalLM, one with NoPE
 blocks (nope_layers) as SmolLM3ForCausalLM (its no_rope_layers: 1 rotates, 0 does not), one
 with the norms after attention and the MLP and the q/k norm over all heads as Olmo2ForCausalLM
-(whose post_attention_layernorm is then ringpipe's norm1, post_feedforward_layernorm its norm2).
+(whose post_attention_layernorm is then ringpipe's norm1, post_feedforward_layernorm its norm2),
+one with Gemma 3's parts (four norms a block scaling by 1 + w, GeGLU, sqrt(d) embeddings, the
+per-head q/k norm, local and global RoPE bases) as Gemma3ForCausalLM (model_type gemma3_text).
 """
 from __future__ import annotations
 
@@ -70,6 +72,10 @@ def head_dim(cfg) -> int:
 
 # OLMo 2's block norms (norm_place "post"): after attention and after the MLP.
 _POST_NORM_NAMES = {"norm1.w": "post_attention_layernorm.weight", "norm2.w": "post_feedforward_layernorm.weight"}
+# Gemma 3's four (norm_place "sandwich"): before and after attention, before and after the MLP.
+_SANDWICH_NORM_NAMES = {"norm2.w": "pre_feedforward_layernorm.weight"}
+_SANDWICH_EXTRA = [("post_attn_norm.w", "post_attention_layernorm.weight"),
+                   ("post_mlp_norm.w", "post_feedforward_layernorm.weight")]
 
 
 def name_map(cfg) -> list:
@@ -77,6 +83,8 @@ def name_map(cfg) -> list:
     block = _BLOCK_NAMES + (_BIAS_NAMES if cfg.qkv_bias else []) + (_QK_NORM_NAMES if cfg.qk_norm != "none" else [])
     if cfg.norm_place == "post":
         block = [(ours, _POST_NORM_NAMES.get(ours, theirs)) for ours, theirs in block]
+    if cfg.norm_place == "sandwich":
+        block = [(ours, _SANDWICH_NORM_NAMES.get(ours, theirs)) for ours, theirs in block] + _SANDWICH_EXTRA
     names = [("wte", "model.embed_tokens.weight")]
     for i in range(cfg.n_layer):
         names += [(f"h.{i}.{ours}", f"model.layers.{i}.{theirs}") for ours, theirs in block]
@@ -98,6 +106,8 @@ def block_shapes(cfg) -> dict:
         shapes.update({"attn.q_norm.w": (hd,), "attn.k_norm.w": (hd,)})
     if cfg.qk_norm == "all":
         shapes.update({"attn.q_norm.w": (q,), "attn.k_norm.w": (kv,)})
+    if cfg.norm_place == "sandwich":
+        shapes.update({"post_attn_norm.w": (C,), "post_mlp_norm.w": (C,)})
     return shapes
 
 
@@ -129,7 +139,8 @@ def config_from_dict(model_config: dict, where: str = "model_config"):
     if isinstance(model_config, dict):
         # Written before these parts existed: none of either.
         model_config = {"qk_norm": "none", "nope_layers": None, "norm_place": "pre", "sliding_window": None,
-                        "window_layers": None, **model_config}
+                        "window_layers": None, "rms_offset": 0.0, "mlp_act": "silu", "embed_scale": False,
+                        "attn_scalar": None, "rope_local_theta": None, **model_config}
     if not isinstance(model_config, dict) or set(model_config) != expected:
         keys = sorted(model_config) if isinstance(model_config, dict) else type(model_config).__name__
         raise HFError(f"model_config has the keys {keys}, expected {sorted(expected)}: is it a Llama "
@@ -218,6 +229,12 @@ def _rope_fields(cfg) -> dict:
             "rope_parameters": {**scaling, "rope_theta": cfg.rope_theta}}
 
 
+def _GEMMA3_PARTS(cfg, each=False):
+    """Gemma 3's parts in cfg: all of them (each=False), or which of them (each=True)."""
+    parts = (cfg.norm_place == "sandwich", cfg.rms_offset == 1.0, cfg.mlp_act == "gelu_tanh", bool(cfg.embed_scale))
+    return parts if each else all(parts) and cfg.qk_norm == "head"
+
+
 def hf_config(cfg, bos, eos) -> dict:
     """config.json: every field that decides the math, written out."""
     config = {
@@ -247,9 +264,23 @@ def hf_config(cfg, bos, eos) -> dict:
         "dtype": "float32",                      # transformers >= 4.56 reads "dtype",
         "torch_dtype": "float32",                # older versions "torch_dtype"
     }
+    _as_family(cfg, config)
+    return config
+
+
+def _as_family(cfg, config) -> None:
+    """config (hf_config's Llama keys) made the class that has cfg's parts: Llama, Mistral (a
+    window on every block), Qwen2 (q/k/v biases), Qwen3 (the per-head q/k norm), SmolLM3 (NoPE
+    blocks), OLMo 2 (norms after, the q/k norm over all heads) or Gemma 3; HFError for parts
+    no one class has together."""
     olmo2 = cfg.qk_norm == "all" and cfg.norm_place == "post"
+    gemma = _GEMMA3_PARTS(cfg)
+    if any(_GEMMA3_PARTS(cfg, each=True)) and not gemma:
+        raise HFError(f"a model with some of Gemma 3's parts and not all (norm_place {cfg.norm_place}, rms_offset "
+                      f"{cfg.rms_offset}, mlp_act {cfg.mlp_act}, embed_scale {cfg.embed_scale}, qk_norm {cfg.qk_norm}) "
+                      "has no Hugging Face class to export to: Gemma3ForCausalLM has them all")
     parts = [name for name, used in (("q/k/v biases (Qwen2's)", cfg.qkv_bias),
-                                     ("a per-head q/k norm (Qwen3's)", cfg.qk_norm == "head"),
+                                     ("a per-head q/k norm (Qwen3's)", cfg.qk_norm == "head" and not gemma),
                                      ("NoPE blocks (SmolLM3's)", cfg.nope_layers),
                                      ("OLMo 2's norms", olmo2)) if used]
     if len(parts) > 1 or (cfg.qk_norm == "all") != (cfg.norm_place == "post"):
@@ -265,7 +296,7 @@ def hf_config(cfg, bos, eos) -> dict:
     windows = dict(use_sliding_window=bool(sliding), sliding_window=cfg.sliding_window,
                    max_window_layers=min(sliding) if suffix else cfg.n_layer,
                    layer_types=["sliding_attention" if i in sliding else "full_attention" for i in range(cfg.n_layer)])
-    plain = not (cfg.qkv_bias or cfg.qk_norm != "none" or cfg.nope_layers)
+    plain = not (cfg.qkv_bias or cfg.qk_norm != "none" or cfg.nope_layers or gemma)
     if sliding and (olmo2 or (plain and len(sliding) < cfg.n_layer)):
         raise HFError(f"a sliding window on {'some of the' if len(sliding) < cfg.n_layer else 'the'} blocks of "
                       f"{'OLMo 2' if olmo2 else 'a Llama'} has no Hugging Face class to export to (Mistral's window "
@@ -275,7 +306,7 @@ def hf_config(cfg, bos, eos) -> dict:
         for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
             del config[key]
         config.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", **windows)
-    if cfg.qk_norm == "head":
+    if cfg.qk_norm == "head" and not gemma:
         # Qwen3: q_norm and k_norm over each head; its attention_bias would bias o_proj too (false here).
         for key in ("mlp_bias", "pretraining_tp"):
             del config[key]
@@ -293,12 +324,26 @@ def hf_config(cfg, bos, eos) -> dict:
         config.update(architectures=["SmolLM3ForCausalLM"], model_type="smollm3",
                       no_rope_layers=[0 if i in nope else 1 for i in range(cfg.n_layer)],
                       **{k: v for k, v in windows.items() if k != "max_window_layers"})
+    if gemma:
+        # Gemma 3 (text): its keys, its per-layer-type RoPE (transformers 5) and the same as
+        # rope_theta / rope_local_base_freq (transformers 4).
+        for key in ("hidden_act", "mlp_bias", "pretraining_tp", "rope_scaling"):
+            del config[key]
+        local = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
+        scalar = cfg.attn_scalar if cfg.attn_scalar is not None else head_dim(cfg)
+        config.update(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+                      hidden_activation="gelu_pytorch_tanh",
+                      query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+                      sliding_window=cfg.sliding_window, layer_types=windows["layer_types"],
+                      rope_local_base_freq=local, final_logit_softcapping=None, attn_logit_softcapping=None,
+                      use_bidirectional_attention=False,
+                      rope_parameters={"full_attention": _rope_fields(cfg)["rope_parameters"],
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": local}})
     if sliding and plain:
         # Mistral: Llama's block with a window on every layer.
         for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
             del config[key]
         config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=cfg.sliding_window)
-    return config
 
 
 def check_checkpoint_shapes(manifest: dict, declared: dict, path: str):
@@ -350,13 +395,22 @@ _DEFAULTS = {
                 "no_rope_layers": None, "no_rope_layer_interval": 4},
     "olmo2": {"num_key_value_heads": None, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
               "tie_word_embeddings": False, "hidden_act": "silu", "head_dim": None, "attention_bias": False},
+    # Gemma 3's text model (Gemma3ForCausalLM); its gate's activation is hidden_activation.
+    "gemma3_text": {"num_key_value_heads": 4, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+                    "tie_word_embeddings": True, "hidden_act": "silu", "hidden_activation": "gelu_pytorch_tanh",
+                    "head_dim": 256, "attention_bias": False, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                    "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "final_logit_softcapping": None,
+                    "attn_logit_softcapping": None, "use_bidirectional_attention": False,
+                    "sliding_window_pattern": 6},
 }
 MODEL_TYPES = tuple(_DEFAULTS)
 _QKV_BIAS = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "smollm3": False,   # Qwen2's
-             "olmo2": False}
+             "olmo2": False, "gemma3_text": False}
 _QK_NORM = {"llama": "none", "mistral": "none", "qwen2": "none", "qwen3": "head", "smollm3": "none",
-            "olmo2": "all"}         # Qwen3's per head, OLMo 2's over all heads
-_NORM_PLACE = {"olmo2": "post"}     # the others "pre"
+            "olmo2": "all", "gemma3_text": "head"}         # Qwen3's and Gemma's per head, OLMo 2's over all heads
+_NORM_PLACE = {"olmo2": "post", "gemma3_text": "sandwich"}     # the others "pre"
+# transformers' names of GELU's tanh form (ACT2FN): Gemma's GeGLU gate.
+_TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 # transformers' names of SiLU (ACT2FN): the gate's activation of ringpipe's SwiGLU.
 _SILUS = ("silu", "swish")
 # Keys that make a model a mixture of experts (a model_type we read, extended by hand).
@@ -419,7 +473,11 @@ def config_from_hf(config: dict, hf_dir: str):
     context = c.size("max_position_embeddings")
     c.get("attention_dropout", 0.0)             # type and range: import_notes reads it (every type's default 0)
     _refuse_unsupported(c, context, sizes["num_hidden_layers"])
-    theta, scaling = _rope_from_hf(c, context)
+    local_theta = None
+    if c.model_type == "gemma3_text":
+        theta, scaling, local_theta = _gemma3_rope_from_hf(c)
+    else:
+        theta, scaling = _rope_from_hf(c, context)
     llama = _llama_module()
     cfg = llama.LlamaConfig(n_layer=sizes["num_hidden_layers"], d_model=width, n_head=heads, n_kv_head=kv_heads,
                             d_ff=sizes["intermediate_size"], context=context, vocab=sizes["vocab_size"], head_dim=hd,
@@ -428,7 +486,34 @@ def config_from_hf(config: dict, hf_dir: str):
                             qk_norm=_QK_NORM[c.model_type], nope_layers=_nope_from_hf(c, sizes["num_hidden_layers"]),
                             norm_place=_NORM_PLACE.get(c.model_type, "pre"))
     cfg.sliding_window, cfg.window_layers = _windows_from_hf(c, context, sizes["num_hidden_layers"])
+    if c.model_type == "gemma3_text":
+        cfg.rms_offset, cfg.mlp_act, cfg.embed_scale = 1.0, "gelu_tanh", True
+        cfg.attn_scalar, cfg.rope_local_theta = float(c.get("query_pre_attn_scalar")), local_theta
     return _validated(cfg, c.where)
+
+
+def _gemma3_rope_from_hf(c: _Config) -> tuple:
+    """(global theta, None, local theta) of a Gemma 3 config.json: rope_parameters per layer type
+    (transformers 5), or rope_theta and rope_local_base_freq (4). Only default RoPE is read: the
+    linear scaling of the 4B and larger models is refused naming the key."""
+    params = c.raw("rope_parameters")
+    if isinstance(params, dict) and set(params) >= {"full_attention", "sliding_attention"}:
+        found = {}
+        for kind in ("full_attention", "sliding_attention"):
+            one = params[kind]
+            if not isinstance(one, dict):
+                c.invalid(f"rope_parameters.{kind}", "an object of a rope_type and a rope_theta")
+            if one.get("rope_type", "default") != "default":
+                c.unsupported(f"rope_parameters.{kind}.rope_type", "ringpipe reads Gemma 3's default RoPE only (the "
+                              "linear scaling of its larger models is not implemented)", "rope_type \"default\"",
+                              one.get("rope_type"))
+            found[kind] = hf_folder.checked(c.where, f"rope_parameters.{kind}.rope_theta", one.get("rope_theta"))
+        return float(found["full_attention"]), None, float(found["sliding_attention"])
+    scaling = c.raw("rope_scaling")
+    if scaling:
+        c.unsupported("rope_scaling", "ringpipe reads Gemma 3's default RoPE only (the linear scaling of its larger "
+                      "models is not implemented)", "rope_scaling null")
+    return float(c.get("rope_theta")), None, float(c.get("rope_local_base_freq"))
 
 
 def _nope_from_hf(c: _Config, n_layer: int):
@@ -452,7 +537,18 @@ def _nope_from_hf(c: _Config, n_layer: int):
 
 def _refuse_unsupported(c: _Config, context: int, n_layer: int) -> None:
     """Activations, biases, windows, experts and quantization ringpipe's Llama does not have."""
-    if c.get("hidden_act") not in _SILUS:
+    if c.model_type == "gemma3_text":
+        if c.get("hidden_activation") not in _TANH_GELUS:
+            c.unsupported("hidden_activation", "ringpipe's Gemma 3 MLP is GeGLU with GELU's tanh form",
+                          "hidden_activation gelu_pytorch_tanh")
+        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if c.get(key) is not None:
+                c.unsupported(key, "ringpipe does not soft-cap logits (Gemma 3 does not either; Gemma 2 did)",
+                              f"{key} null")
+        if c.get("use_bidirectional_attention"):
+            c.unsupported("use_bidirectional_attention", "ringpipe's attention is causal", "use_bidirectional_attention "
+                          "false")
+    elif c.get("hidden_act") not in _SILUS:
         c.unsupported("hidden_act", "ringpipe's Llama MLP is SwiGLU, whose gate uses silu", "hidden_act silu")
     # Only Llama and Qwen3 read attention_bias, only Llama mlp_bias (Mistral's and Qwen2's biases are
     # fixed by the architecture).
@@ -498,6 +594,11 @@ def _windows_from_hf(c: _Config, context: int, n_layer: int) -> tuple:
         layers = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
     elif c.model_type == "smollm3":
         layers = _nope_from_hf(c, n_layer) or []    # transformers' rule: its NoPE layers slide
+    elif c.model_type == "gemma3_text":
+        pattern = c.raw("sliding_window_pattern")   # transformers' rule: all but every pattern-th layer slide
+        if type(pattern) is not int or not 1 <= pattern <= 2**14:
+            c.invalid("sliding_window_pattern", "a whole number from 1 to 16,384 (every pattern-th layer is global)")
+        layers = [i for i in range(n_layer) if (i + 1) % pattern]
     elif switch is not None:
         first = c.get("max_window_layers")      # transformers' rule: layers from max_window_layers on slide
         layers = [i for i in range(n_layer) if first is None or i >= first]

@@ -127,6 +127,12 @@ RULES = {
     # dropout: a probability (ringpipe trains without; import_notes says so)
     "attention_dropout": Rule("number", 0, 1), "resid_pdrop": Rule("number", 0, 1),
     "embd_pdrop": Rule("number", 0, 1), "attn_pdrop": Rule("number", 0, 1),
+    # Gemma 3
+    "hidden_activation": Rule("str"), "query_pre_attn_scalar": Rule("number", 0, MAX_WIDTH, open_low=True),
+    "rope_local_base_freq": Rule("number", 1, MAX_ROPE_THETA, open_low=True),
+    "final_logit_softcapping": Rule("number", 0, 1e9, open_low=True, null=True),
+    "attn_logit_softcapping": Rule("number", 0, 1e9, open_low=True, null=True),
+    "use_bidirectional_attention": Rule("bool", null=True),
     # sliding windows (Mistral, Qwen2)
     "sliding_window": Rule("int", 1, MAX_CONTEXT, null=True), "use_sliding_window": Rule("bool"),
     "max_window_layers": Rule("int", 0, MAX_LAYERS, null=True),

@@ -48,9 +48,11 @@ from ringpipe.engine.model.recipe import ModelRecipe
 # and k before RoPE (Qwen3: q_norm and k_norm, shared by the heads), or "all": one RMSNorm over
 # a position's whole q projection (H hd weights) and one over its k (Hkv hd) (OLMo 2).
 QK_NORMS = ("none", "head", "all")
+# The MLP's gate activation: silu (SwiGLU: Llama, Qwen, ...) or GELU's tanh form (GeGLU: Gemma).
+MLP_ACTS = ("silu", "gelu_tanh")
 # Where a block's two RMSNorms sit: before attention and the MLP (Llama), or after each, before
 # the residual add (OLMo 2: post_attention_layernorm, post_feedforward_layernorm).
-NORM_PLACES = ("pre", "post")
+NORM_PLACES = ("pre", "post", "sandwich")     # sandwich: Gemma 3's four, before and after each
 
 # Llama 3's frequency scaling (Hugging Face's rope_scaling with rope_type "llama3").
 ROPE_SCALING_KEYS = ("factor", "high_freq_factor", "low_freq_factor", "original_max_position_embeddings")
@@ -77,6 +79,12 @@ class LlamaConfig:
     nope_layers: list | None = None  # blocks (0-based) whose attention has no rotary positions (SmolLM3's NoPE)
     sliding_window: int | None = None    # a query sees this many positions, itself included (Mistral's window)
     window_layers: list | None = None    # the blocks with the window (None: every block, when there is one)
+    # Gemma 3's parts:
+    rms_offset: float = 0.0          # every RMSNorm scales by (offset + w): Gemma's 1, its weights start at 0
+    mlp_act: str = "silu"            # MLP_ACTS: the gate's activation, silu (SwiGLU) or gelu_tanh (GeGLU)
+    embed_scale: bool = False        # the embedding's rows times sqrt(d_model), rounded to float32 (Gemma)
+    attn_scalar: float | None = None   # attention scores times attn_scalar^-1/2 (None: head_dim^-1/2)
+    rope_local_theta: float | None = None   # the RoPE base of the windowed blocks (None: rope_theta)
 
     def validate(self):
         """Check every value, type and range (limits.py: a checkpoint's manifest or a notebook
@@ -136,7 +144,15 @@ def _check_values(cfg: LlamaConfig) -> None:
                           f"and k; all: OLMo 2's over all heads), got {cfg.qk_norm!r}")
     if not isinstance(cfg.norm_place, str) or cfg.norm_place not in NORM_PLACES:
         raise ConfigError(f"Llama <norm_place> must be one of {', '.join(NORM_PLACES)} (post: OLMo 2's norms after "
-                          f"attention and the MLP), got {cfg.norm_place!r}")
+                          f"attention and the MLP; sandwich: Gemma 3's before and after each), got {cfg.norm_place!r}")
+    if not isinstance(cfg.mlp_act, str) or cfg.mlp_act not in MLP_ACTS:
+        raise ConfigError(f"Llama <mlp_act> must be one of {', '.join(MLP_ACTS)}, got {cfg.mlp_act!r}")
+    limits.check_number("Llama <rms_offset>", cfg.rms_offset, -1e6, 1e6, open_low=False)
+    limits.check_switch("Llama <embed_scale>", cfg.embed_scale)
+    if cfg.attn_scalar is not None:
+        limits.check_number("Llama <attn_scalar>", cfg.attn_scalar, 0, limits.MAX_WIDTH)
+    if cfg.rope_local_theta is not None:
+        limits.check_number("Llama <rope_local_theta>", cfg.rope_local_theta, 0, limits.MAX_ROPE_THETA)
 
 
 def _nope_layers(value, n_layer):
@@ -211,6 +227,23 @@ PRESETS = {
     # OLMo 2 1B (0425): norms after attention and the MLP, the q/k norm over all heads, untied.
     "olmo2-1b": dict(n_layer=16, d_model=2048, n_head=16, n_kv_head=16, d_ff=8192, context=4096, vocab=100352,
                      tie_embeddings=False, rope_theta=500000.0, rms_eps=1e-6, qk_norm="all", norm_place="post"),
+    # Gemma 3 (text): 5 windowed (local, RoPE base 10^4) blocks to 1 global (10^6), GeGLU, four
+    # norms a block scaling by (1 + w), the per-head q/k norm, scores by 256^-1/2, sqrt(d) embeddings.
+    "gemma3-270m": dict(n_layer=18, d_model=640, n_head=4, n_kv_head=1, d_ff=2048, head_dim=256, context=32768,
+                        vocab=262144, tie_embeddings=True, rope_theta=1000000.0, rms_eps=1e-6, qk_norm="head",
+                        norm_place="sandwich", sliding_window=512, window_layers=[i for i in range(18) if (i + 1) % 6],
+                        rms_offset=1.0, mlp_act="gelu_tanh", embed_scale=True, attn_scalar=256.0,
+                        rope_local_theta=10000.0),
+    "gemma3-1b": dict(n_layer=26, d_model=1152, n_head=4, n_kv_head=1, d_ff=6912, head_dim=256, context=32768,
+                      vocab=262144, tie_embeddings=True, rope_theta=1000000.0, rms_eps=1e-6, qk_norm="head",
+                      norm_place="sandwich", sliding_window=512, window_layers=[i for i in range(26) if (i + 1) % 6],
+                      rms_offset=1.0, mlp_act="gelu_tanh", embed_scale=True, attn_scalar=256.0,
+                      rope_local_theta=10000.0),
+    # Gemma 3's parts on a tiny shape (tests, examples): 6 blocks, the last global.
+    "gemma3-tiny": dict(n_layer=6, d_model=48, n_head=4, n_kv_head=2, d_ff=37, head_dim=16, context=64,
+                        tie_embeddings=True, rope_theta=1000000.0, rms_eps=1e-6, qk_norm="head", norm_place="sandwich",
+                        sliding_window=8, window_layers=[0, 1, 2, 3, 4], rms_offset=1.0, mlp_act="gelu_tanh",
+                        embed_scale=True, attn_scalar=24.0, rope_local_theta=10000.0),
     "llama3.2-1b": dict(n_layer=16, d_model=2048, n_head=32, n_kv_head=8, d_ff=8192, context=131072,
                         vocab=128256, tie_embeddings=True, rope_theta=500000.0,
                         rope_scaling={"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
@@ -244,25 +277,31 @@ class Rotary:
 class RMSNorm(Layer):
     """y = x / rms(x) * w (no mean subtracted, no bias); x (..., C).
     partial=True: under sequence parallelism this rank normalises only its positions,
-    so its weight gradient is its part of the sum (ParamSpec.partial), as LayerNorm's."""
+    so its weight gradient is its part of the sum (ParamSpec.partial), as LayerNorm's.
+    offset (Gemma's 1.0): y = x / rms(x) * (offset + w), the weights stored as offsets (from 0);
+    the gradient of w is the gradient of the scale."""
 
-    def __init__(self, name, c, eps=1e-5, partial=False):
-        self.name, self.c, self.eps, self.partial = name, c, eps, partial
+    def __init__(self, name, c, eps=1e-5, partial=False, offset=0.0):
+        self.name, self.c, self.eps, self.partial, self.offset = name, c, eps, partial, offset
 
     def specs(self):
-        return [ParamSpec(f"{self.name}.w", (self.c,), init="ones", decay=False, partial=self.partial)]
+        return [ParamSpec(f"{self.name}.w", (self.c,), init="zeros" if self.offset == 1 else "ones", decay=False,
+                          partial=self.partial)]
+
+    def _scale(self):
+        return self.w + self.offset if self.offset else self.w
 
     def bind(self, params):
         self.w, self.dw = params.view(f"{self.name}.w"), params.grad_view(f"{self.name}.w")
 
     def forward(self, x):
         x2 = x.reshape(-1, self.c)
-        y, rstd = K.rmsnorm_forward(x2, self.w, self.eps)
+        y, rstd = K.rmsnorm_forward(x2, self._scale(), self.eps)
         return y.reshape(x.shape), (x2, rstd)
 
     def backward_input(self, dy, ctx):
         x2, rstd = ctx
-        dx, dw = K.rmsnorm_backward(dy.reshape(-1, self.c), x2, self.w, rstd)
+        dx, dw = K.rmsnorm_backward(dy.reshape(-1, self.c), x2, self._scale(), rstd)
         self.dw += dw                    # cheap: accumulated here, as LayerNorm's are
         return dx.reshape(dy.shape), None
 
@@ -371,6 +410,8 @@ class GroupedQueryAttention(Layer):
     def __init__(self, name, cfg: LlamaConfig, rotary: Rotary, maker=WHOLE, window=0):
         C, hd = cfg.d_model, cfg.head_dim
         self.window = window          # > 0: a sliding window of that many positions (Mistral's, Qwen's)
+        # the scores' scale: head_dim^-1/2, or Gemma 3's query_pre_attn_scalar^-1/2
+        self.scale = 1.0 / math.sqrt(cfg.attn_scalar if cfg.attn_scalar is not None else hd)
         if cfg.n_kv_head % maker.size:
             raise ConfigError(f"<tp> {maker.size} does not divide the model's {cfg.n_kv_head} key/value heads")
         # the heads on this rank
@@ -383,8 +424,8 @@ class GroupedQueryAttention(Layer):
         self.parts = [self.qkv, self.o]
         self.q_norm = self.k_norm = None
         if cfg.qk_norm == "head":
-            self.q_norm = RMSNorm(f"{name}.q_norm", hd, cfg.rms_eps, partial=maker.size > 1)
-            self.k_norm = RMSNorm(f"{name}.k_norm", hd, cfg.rms_eps, partial=maker.size > 1)
+            self.q_norm = RMSNorm(f"{name}.q_norm", hd, cfg.rms_eps, partial=maker.size > 1, offset=cfg.rms_offset)
+            self.k_norm = RMSNorm(f"{name}.k_norm", hd, cfg.rms_eps, partial=maker.size > 1, offset=cfg.rms_offset)
         if cfg.qk_norm == "all":          # over (B, T, heads, hd) as over (B, T, heads * hd): a row is a position
             self.q_norm = WidthRMSNorm(f"{name}.q_norm", cfg.n_head * hd, cfg.rms_eps, maker=maker)
             self.k_norm = WidthRMSNorm(f"{name}.k_norm", cfg.n_kv_head * hd, cfg.rms_eps, maker=maker)
@@ -426,7 +467,7 @@ class GroupedQueryAttention(Layer):
         q = BF16.of(xp.ascontiguousarray(q))
         k = xp.repeat(BF16.of(k), G, axis=1)                               # (B, H, T, hd): head h reads h // G
         v = xp.repeat(BF16.of(v.reshape(B, T, Hkv, hd).transpose(0, 2, 1, 3)), G, axis=1)
-        scale = 1.0 / math.sqrt(hd)
+        scale = self.scale
         y, att = causal_attention(q, k, v, scale, window=self.window)      # (B, T, H*hd)
         out, o_ctx = self.o.forward(y)
         return out, (qkv_ctx, o_ctx, q, k, v, att if self.keep_probs else None, scale, qn_ctx, kn_ctx)
@@ -443,7 +484,7 @@ class GroupedQueryAttention(Layer):
         q, k = self._rotated(q, k, start, T, x, table_length=cache.capacity)
         v = self.v.forward(x)[0].reshape(B, T, Hkv, hd)
         k, v = cache.append(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), start)   # (B, Hkv, start+T, hd)
-        y = attend_cached(xp.ascontiguousarray(q.transpose(0, 2, 1, 3)), k, v, start, 1.0 / math.sqrt(hd),
+        y = attend_cached(xp.ascontiguousarray(q.transpose(0, 2, 1, 3)), k, v, start, self.scale,
                           window=self.window)
         y = xp.ascontiguousarray(y.transpose(0, 2, 1, 3)).reshape(B, T, H * hd)    # (B, T, H*hd)
         return self.o.forward(y)[0]
@@ -474,10 +515,12 @@ class GroupedQueryAttention(Layer):
 
 
 class SwiGLU(Layer):
-    """down(silu(gate(x)) * up(x)): x (B, T, C) -> (B, T, F) -> (B, T, C)."""
+    """down(silu(gate(x)) * up(x)): x (B, T, C) -> (B, T, F) -> (B, T, C). mlp_act gelu_tanh:
+    GeGLU, down(gelu(gate(x)) * up(x)) with GELU's tanh form (Gemma's gelu_pytorch_tanh)."""
 
     def __init__(self, name, cfg: LlamaConfig, maker=WHOLE):
         C, F = cfg.d_model, cfg.d_ff
+        self.act = cfg.mlp_act
         self.gate = maker.column(f"{name}.gate", C, F, bias=False)
         self.up = maker.column(f"{name}.up", C, F, bias=False)
         self.down = maker.row(f"{name}.down", F, C, std=_residual_std(cfg.n_layer), bias=False)
@@ -493,13 +536,17 @@ class SwiGLU(Layer):
 
     def forward(self, x):
         (g, u), gate_up_ctx = self.gate_up.forward(x)     # (B, T, F) each
-        y, down_ctx = self.down.forward(K.swiglu_forward(g, u))
+        h = K.swiglu_forward(g, u) if self.act == "silu" else K.gelu_forward(g) * u
+        y, down_ctx = self.down.forward(h)
         return y, (gate_up_ctx, down_ctx, g, u)
 
     def backward_input(self, dy, ctx):
         gate_up_ctx, down_ctx, g, u = ctx
         dh, down_w = self.down.backward_input(dy, down_ctx)
-        dg, du = K.swiglu_backward(dh, g, u)
+        if self.act == "silu":
+            dg, du = K.swiglu_backward(dh, g, u)
+        else:                                             # GeGLU: h = gelu(g) u
+            dg, du = K.gelu_backward(dh * u, g), dh * K.gelu_forward(g)
         dx, gate_up_w = self.gate_up.backward_input([dg, du], gate_up_ctx)
         return dx, (gate_up_w, down_w)
 
@@ -514,9 +561,11 @@ class LlamaBlock(Block):
 
     def __init__(self, name, cfg: LlamaConfig, rotary: Rotary, maker=WHOLE, window=0):
         self.name = name
-        self.ln1 = RMSNorm(f"{name}.norm1", cfg.d_model, cfg.rms_eps, partial=maker.sequence_parallel)
+        self.ln1 = RMSNorm(f"{name}.norm1", cfg.d_model, cfg.rms_eps, partial=maker.sequence_parallel,
+                           offset=cfg.rms_offset)
         self.attn = GroupedQueryAttention(f"{name}.attn", cfg, rotary, maker=maker, window=window)
-        self.ln2 = RMSNorm(f"{name}.norm2", cfg.d_model, cfg.rms_eps, partial=maker.sequence_parallel)
+        self.ln2 = RMSNorm(f"{name}.norm2", cfg.d_model, cfg.rms_eps, partial=maker.sequence_parallel,
+                           offset=cfg.rms_offset)
         self.mlp = SwiGLU(f"{name}.mlp", cfg, maker=maker)
         self.parts = [self.ln1, self.attn, self.ln2, self.mlp]
 
@@ -548,6 +597,76 @@ class PostNormLlamaBlock(LlamaBlock):
         dx, attn_w = self.attn.backward_input(da, attn_ctx)
         dx += dx1                                         # residual
         return dx, (attn_w, mlp_w)
+
+
+class SandwichLlamaBlock(LlamaBlock):
+    """Gemma 3's wiring: a norm before and after each of attention and the MLP,
+    x1 = x + post_attn_norm(attn(norm1(x))), then x1 + post_mlp_norm(mlp(norm2(x1)))
+    (its input_layernorm, post_attention_layernorm, pre_feedforward_layernorm and
+    post_feedforward_layernorm). Under sequence parallelism all four act on this rank's positions."""
+
+    def __init__(self, name, cfg: LlamaConfig, rotary: Rotary, maker=WHOLE, window=0):
+        super().__init__(name, cfg, rotary, maker=maker, window=window)
+        sp = maker.sequence_parallel
+        self.post_attn = RMSNorm(f"{name}.post_attn_norm", cfg.d_model, cfg.rms_eps, partial=sp, offset=cfg.rms_offset)
+        self.post_mlp = RMSNorm(f"{name}.post_mlp_norm", cfg.d_model, cfg.rms_eps, partial=sp, offset=cfg.rms_offset)
+        self.parts = [self.ln1, self.attn, self.post_attn, self.ln2, self.mlp, self.post_mlp]
+
+    def forward(self, x):
+        # x (B, T, C)
+        a_in, ln1_ctx = self.ln1.forward(x)
+        a, attn_ctx = self.attn.forward(a_in)
+        a_n, pa_ctx = self.post_attn.forward(a)
+        x1 = x + a_n
+        m_in, ln2_ctx = self.ln2.forward(x1)
+        m, mlp_ctx = self.mlp.forward(m_in)
+        m_n, pm_ctx = self.post_mlp.forward(m)
+        return x1 + m_n, (ln1_ctx, attn_ctx, pa_ctx, ln2_ctx, mlp_ctx, pm_ctx)
+
+    def decode(self, x, cache, start):
+        x1 = x + self.post_attn.forward(self.attn.decode(self.ln1.forward(x)[0], cache, start))[0]
+        return x1 + self.post_mlp.forward(self.mlp.forward(self.ln2.forward(x1)[0])[0])[0]
+
+    def backward_input(self, dx2, ctx):
+        ln1_ctx, attn_ctx, pa_ctx, ln2_ctx, mlp_ctx, pm_ctx = ctx
+        dm, _ = self.post_mlp.backward_input(dx2, pm_ctx)
+        dm_in, mlp_w = self.mlp.backward_input(dm, mlp_ctx)
+        dx1, _ = self.ln2.backward_input(dm_in, ln2_ctx)
+        dx1 += dx2                                        # residual
+        da, _ = self.post_attn.backward_input(dx1, pa_ctx)
+        da_in, attn_w = self.attn.backward_input(da, attn_ctx)
+        dx, _ = self.ln1.backward_input(da_in, ln1_ctx)
+        dx += dx1                                         # residual
+        return dx, (attn_w, mlp_w)
+
+
+class ScaledEmbedding(Layer):
+    """An embedding whose rows are multiplied by `scale` (Gemma's sqrt(d_model), rounded to
+    float32 as transformers' buffer is): the same parameters (wte), forward and backward
+    scaled. Wraps the whole table (TokenEmbedding) or a tensor group's rows of it."""
+
+    def __init__(self, inner, scale):
+        self.inner, self.scale = inner, scale
+
+    def specs(self):
+        return self.inner.specs()
+
+    def bind(self, params):
+        self.inner.bind(params)
+
+    def forward(self, tokens):
+        y, ctx = self.inner.forward(tokens)
+        return y * y.dtype.type(self.scale), ctx
+
+    def decode(self, tokens, cache, start):
+        y = self.inner.decode(tokens, cache, start)
+        return y * y.dtype.type(self.scale)
+
+    def backward_input(self, dout, ctx):
+        return self.inner.backward_input(dout * dout.dtype.type(self.scale), ctx)
+
+    def __getattr__(self, name):          # the rest (wte, context, ...) is the inner embedding's
+        return getattr(self.inner, name)
 
 
 class TokenEmbedding(Layer):
@@ -586,7 +705,7 @@ class LlamaHead(LMHead):
     def __init__(self, cfg: LlamaConfig):
         weight = "wte" if cfg.tie_embeddings else "lm_head.w"
         super().__init__(cfg.padded_vocab, cfg.d_model, wte=weight, used=cfg.vocab)
-        self.ln_f = RMSNorm("norm_f", cfg.d_model, cfg.rms_eps)
+        self.ln_f = RMSNorm("norm_f", cfg.d_model, cfg.rms_eps, offset=cfg.rms_offset)
 
 
 def llama_layers(cfg: LlamaConfig, tensor=None):
@@ -596,18 +715,28 @@ def llama_layers(cfg: LlamaConfig, tensor=None):
     head; the RMSNorms replicated, on this rank's positions under sequence parallelism)."""
     cfg.validate()
     rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    # Gemma 3's windowed (local) blocks rotate with a base of their own, without scaling.
+    local = Rotary(cfg.head_dim, cfg.rope_local_theta) if cfg.rope_local_theta is not None else rotary
     maker = WHOLE if tensor is None else tensor
     nope = set(cfg.nope_layers or ())
-    block = PostNormLlamaBlock if cfg.norm_place == "post" else LlamaBlock
-    blocks = [block(f"h.{i}", cfg, None if i in nope else rotary, maker=maker, window=window_of(cfg, i))
-              for i in range(cfg.n_layer)]
+    block = {"pre": LlamaBlock, "post": PostNormLlamaBlock, "sandwich": SandwichLlamaBlock}[cfg.norm_place]
+
+    def rotary_of(i):
+        return None if i in nope else local if window_of(cfg, i) else rotary
+    blocks = [block(f"h.{i}", cfg, rotary_of(i), maker=maker, window=window_of(cfg, i)) for i in range(cfg.n_layer)]
     if tensor is None:
-        return [TokenEmbedding(cfg.padded_vocab, cfg.d_model, cfg.context), *blocks, LlamaHead(cfg)]
-    embedding = tensor.embedding(cfg.padded_vocab, cfg.context, cfg.d_model, wpe=None)
+        embedding = _scaled(cfg, TokenEmbedding(cfg.padded_vocab, cfg.d_model, cfg.context))
+        return [embedding, *blocks, LlamaHead(cfg)]
+    embedding = _scaled(cfg, tensor.embedding(cfg.padded_vocab, cfg.context, cfg.d_model, wpe=None))
     head = tensor.head(cfg.padded_vocab, cfg.d_model, wte="wte" if cfg.tie_embeddings else "lm_head.w",
                        used=cfg.vocab)
-    head.ln_f = RMSNorm("norm_f", cfg.d_model, cfg.rms_eps, partial=tensor.sequence_parallel)
+    head.ln_f = RMSNorm("norm_f", cfg.d_model, cfg.rms_eps, partial=tensor.sequence_parallel, offset=cfg.rms_offset)
     return [embedding, *blocks, head]
+
+
+def _scaled(cfg: LlamaConfig, embedding):
+    """Gemma's embedding times sqrt(d_model) (float32, as transformers' buffer), or as it is."""
+    return ScaledEmbedding(embedding, float(np.float32(math.sqrt(cfg.d_model)))) if cfg.embed_scale else embedding
 
 
 def window_of(cfg: LlamaConfig, i: int) -> int:
@@ -641,7 +770,8 @@ def parameter_count(cfg: LlamaConfig) -> int:
     attn = 2 * C * cfg.n_head * hd + 2 * C * cfg.n_kv_head * hd
     bias = (cfg.n_head + 2 * cfg.n_kv_head) * hd if cfg.qkv_bias else 0
     qk_norm = {"none": 0, "head": 2 * hd, "all": (cfg.n_head + cfg.n_kv_head) * hd}[cfg.qk_norm]
-    per_layer = attn + bias + qk_norm + 3 * C * cfg.d_ff + 2 * C
+    norms = 4 * C if cfg.norm_place == "sandwich" else 2 * C
+    per_layer = attn + bias + qk_norm + 3 * C * cfg.d_ff + norms
     return cfg.padded_vocab * C * (1 if cfg.tie_embeddings else 2) + cfg.n_layer * per_layer + C
 
 

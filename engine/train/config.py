@@ -695,7 +695,10 @@ def memory_floor(cfg: Config, shape, dp: int) -> tuple[float, str]:
     if recompute_of(cfg, shape, cfg.seq_len or getattr(shape, "context", 0)) != "none" and hasattr(shape, "n_layer"):
         # Recomputation holds one block's activations whole at a time (full: the one it runs
         # again; selective: the probabilities of the one in backward): count one block a stage.
-        one_block = dataclasses.replace(shape, n_layer=cfg.pp)
+        # (blocks named by index, a Llama's NoPE or windowed ones, kept where they are among the first)
+        lists = {k: [i for i in getattr(shape, k) if i < cfg.pp] or None
+                 for k in ("nope_layers", "window_layers") if getattr(shape, k, None) is not None}
+        one_block = dataclasses.replace(shape, n_layer=cfg.pp, **lists)
         elements = min(elements, cfg.recipe.memory(one_block, cfg.batch_size // dp, cfg.microbatches,
                                                    cfg.seq_len, cfg.pp)[1])
     activations = elements * itemsize

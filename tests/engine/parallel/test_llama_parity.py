@@ -99,3 +99,34 @@ def test_llama_checkpoint_continues_in_another_layout(shared_dir):
         arrays, manifest = checkpoint.load(os.path.join(out, "checkpoints"))
         assert manifest["step"] == 4 and manifest["model"] == "llama"
         assert_same_arrays(arrays, final_arrays(ref.out), TOL, name)
+
+
+def gemma3(**more):
+    # The gemma3-tiny preset: 6 blocks (5 windowed, window 8 of 16 positions), every Gemma 3 part.
+    return Config(**{**dict(model="llama", preset="gemma3-tiny", data="synthetic", seq_len=16, batch_size=8,
+                            steps=3, dtype="float64", sample_tokens=0, quiet=True, overwrite=True, eval_every=3,
+                            eval_batches=1), **more})
+
+
+GEMMA3_LAYOUTS = {
+    "dp2": dict(dp=2),
+    "tp2": dict(tp=2),
+    "tp2-sp-recompute": dict(tp=2, sequence_parallel=True, recompute="selective"),
+    "pp2-zbh1": dict(pp=2, schedule="zbh1", microbatches=4),
+    "dp2-zero3-recompute": dict(dp=2, zero=3, recompute="full"),
+}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", list(GEMMA3_LAYOUTS))
+def test_gemma3_layout_equals_single_process(shared_dir, name):
+    """Gemma 3's sandwich norms, (1 + w) scales, GeGLU, scaled embedding, local/global RoPE and
+    windows on every layout as one process does (float64, 1e-10)."""
+    if world.size != 2:
+        pytest.skip("written for 2 ranks")
+    layout = dict(GEMMA3_LAYOUTS[name])
+    m = dict(microbatches=layout.pop("microbatches", 2))
+    ref = reference(gemma3(out=os.path.join(shared_dir, f"gemma3-ref-{name}-{world.rank}"), **m))
+    grid = train(gemma3(out=os.path.join(shared_dir, f"gemma3-{name}"), **m, **layout), world)
+    world.Barrier()
+    assert_same_run(grid, ref, TOL, grad_norm=True)

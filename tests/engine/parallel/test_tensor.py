@@ -340,6 +340,20 @@ def test_a_llama_layout_of_every_axis_equals_one_process(shared_dir, dp, pp, tp,
                                                                          else {})))
 
 
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.parametrize("layout", [dict(dp=2, pp=2, tp=2, sequence_parallel=True, schedule="zbh1", microbatches=4)],
+                         ids=["gemma3-2-2-2-True-zbh1"])
+def test_a_gemma3_layout_of_every_axis_equals_one_process(shared_dir, layout):
+    """Gemma 3's parts on all three axes at once (tests/run_mpi.sh --ranks 8 selects it by its id)."""
+    if world.size != 8:
+        pytest.skip("written for 8 ranks")
+    from tests.engine.parallel.test_llama_parity import gemma3
+    ref = reference(gemma3(out=os.path.join(shared_dir, f"gemma3-8-ref-{world.rank}"), microbatches=4))
+    trained = train(gemma3(out=os.path.join(shared_dir, "gemma3-8"), **layout), world)
+    world.Barrier()
+    assert_same_run(trained, ref, 1e-10, grad_norm=True)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_float32_with_tensor_parallelism_equals_one_process(shared_dir, tmp_path_factory):
     tp = 2

@@ -1,0 +1,133 @@
+"""Gemma 3 (text) as the Llama block's parts (issue 36): RMSNorms scaling by (1 + w), four a
+block (before and after attention and the MLP), GeGLU with GELU's tanh form, the embedding
+times sqrt(d_model), the per-head q/k norm, scores by query_pre_attn_scalar^-1/2, and the
+5:1 pattern of windowed (local, their own RoPE base) and global blocks.
+
+transformers' Gemma3ForCausalLM is the oracle in float64, its RMSNorms and RoPE tables lifted
+to float64 (it computes both in float32); its embedding scale is a float32 buffer, which
+ringpipe uses as it is. Negative controls: the norm as w (not 1 + w), the global RoPE base on
+the local blocks, and no window each fail the comparison."""
+import numpy as np
+import pytest
+
+from ringpipe.engine.model import llama as M
+from ringpipe.kernels.rope import rope_inv_freq
+from tests.engine.model.test_gradients import check_layer
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+rng = np.random.default_rng(0)
+TINY = dict(M.PRESETS["gemma3-tiny"], vocab=97, context=32)
+
+
+def test_sandwich_block_and_geglu_finite_differences():
+    cfg = M.LlamaConfig(**dict(TINY, n_layer=1, window_layers=[0])).validate()
+    block = M.SandwichLlamaBlock("h.0", cfg, M.Rotary(cfg.head_dim, 100.0), window=3)
+    check_layer(block, rng.normal(size=(2, 5, 48)))
+
+
+def test_the_presets_are_the_real_shapes():
+    assert M.parameter_count(M.LlamaConfig(**M.PRESETS["gemma3-270m"]).validate()) == 268_098_176
+    assert M.parameter_count(M.LlamaConfig(**M.PRESETS["gemma3-1b"]).validate()) == 999_885_952
+    one_b = M.LlamaConfig(**M.PRESETS["gemma3-1b"]).validate()
+    assert [M.window_of(one_b, i) for i in range(6)] == [512, 512, 512, 512, 512, 0]
+
+
+def _float64_gemma_rmsnorm(self, x):
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)) * (1.0 + self.weight)
+
+
+def hf_gemma(cfg: M.LlamaConfig, monkeypatch):
+    window_layers = set(range(cfg.n_layer) if cfg.window_layers is None else cfg.window_layers)
+    hf_cfg = transformers.Gemma3TextConfig(
+        vocab_size=cfg.vocab, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head, head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.context, rms_norm_eps=cfg.rms_eps, query_pre_attn_scalar=int(cfg.attn_scalar),
+        sliding_window=cfg.sliding_window, tie_word_embeddings=cfg.tie_embeddings, pad_token_id=None,
+        layer_types=["sliding_attention" if i in window_layers else "full_attention" for i in range(cfg.n_layer)],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta}},
+        hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None, attn_logit_softcapping=None)
+    hf_cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(hf_cfg).to(torch.float64).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(0.1 * torch.randn_like(p) if p.ndim == 1 else 0.2 * torch.randn_like(p))
+    monkeypatch.setattr(transformers.models.gemma3.modeling_gemma3.Gemma3RMSNorm, "forward", _float64_gemma_rmsnorm)
+    rotary = model.model.rotary_emb
+    tables = {kind: torch.from_numpy(rope_inv_freq(cfg.head_dim, theta))
+              for kind, theta in (("full_attention", cfg.rope_theta), ("sliding_attention", cfg.rope_local_theta))}
+
+    def float64_rope(x, position_ids, layer_type):
+        angles = position_ids[..., None].double() * tables[layer_type]
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    monkeypatch.setattr(rotary, "forward", float64_rope)
+    return model
+
+
+def hf_names(cfg):
+    names = {"model.embed_tokens.weight": "wte", "model.norm.weight": "norm_f.w"}
+    for i in range(cfg.n_layer):
+        hf, ours = f"model.layers.{i}.", f"h.{i}."
+        names.update({hf + "input_layernorm.weight": ours + "norm1.w",
+                      hf + "post_attention_layernorm.weight": ours + "post_attn_norm.w",
+                      hf + "pre_feedforward_layernorm.weight": ours + "norm2.w",
+                      hf + "post_feedforward_layernorm.weight": ours + "post_mlp_norm.w"})
+        for p in "qkvo":
+            names[hf + f"self_attn.{p}_proj.weight"] = ours + f"attn.{p}.w"
+        for p in "qk":
+            names[hf + f"self_attn.{p}_norm.weight"] = ours + f"attn.{p}_norm.w"
+        for p in ("gate", "up", "down"):
+            names[hf + f"mlp.{p}_proj.weight"] = ours + f"mlp.{p}.w"
+    return names
+
+
+def ours_from(hf, cfg):
+    model = M.build_llama(cfg, np.float64)
+    params = dict(hf.named_parameters())
+    for hf_name, name in hf_names(cfg).items():
+        weight = params[hf_name].detach().numpy()
+        model.params.view(name)[:weight.shape[0]] = weight
+    return model
+
+
+def _logits_and_grads(cfg, hf, model, tokens, targets):
+    logits = hf(torch.from_numpy(tokens)).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab), torch.from_numpy(targets).reshape(-1))
+    loss.backward()
+    ours, _ = model.forward(tokens, need_grad=False)
+    delta = np.abs(ours[..., :cfg.vocab] - logits.detach().numpy()).max()
+    model.params.zero_grad()
+    worst = abs(model.loss_and_grad(tokens, targets, grad_scale=1.0 / targets.size) / targets.size - loss.item())
+    params = dict(hf.named_parameters())
+    for hf_name, name in hf_names(cfg).items():
+        expected = params[hf_name].grad.numpy()
+        got = model.params.grad_view(name)[:expected.shape[0]]
+        worst = max(worst, np.abs(got - expected).max() / np.abs(expected).max())
+    return delta, worst
+
+
+def test_gemma3_logits_and_gradients_equal_transformers(monkeypatch):
+    cfg = M.LlamaConfig(**TINY).validate()
+    hf = hf_gemma(cfg, monkeypatch)
+    tokens, targets = rng.integers(0, cfg.vocab, size=(2, 21)), rng.integers(0, cfg.vocab, size=(2, 21))
+    delta, worst = _logits_and_grads(cfg, hf, ours_from(hf, cfg), tokens, targets)
+    assert delta <= 1e-10 and worst <= 1e-10, (delta, worst)
+
+
+@pytest.mark.parametrize("wrong", [dict(rms_offset=0.0), dict(rope_local_theta=None), dict(sliding_window=None,
+                                                                                             window_layers=None),
+                                   dict(embed_scale=False), dict(mlp_act="silu"), dict(attn_scalar=None)],
+                         ids=["norm as w", "global base on local blocks", "no window", "no embedding scale",
+                              "silu gate", "head_dim scale"])
+def test_each_gemma3_part_left_out_fails_the_exactness_test(monkeypatch, wrong):
+    cfg = M.LlamaConfig(**TINY).validate()
+    hf = hf_gemma(cfg, monkeypatch)
+    tokens = rng.integers(0, cfg.vocab, size=(2, 21))
+    expected = hf(torch.from_numpy(tokens)).logits.detach().numpy()
+    other = M.LlamaConfig(**{**TINY, **wrong}).validate()
+    delta = np.abs(ours_from(hf, other).forward(tokens, need_grad=False)[0][..., :cfg.vocab] - expected).max()
+    assert delta > 1e-6, delta
