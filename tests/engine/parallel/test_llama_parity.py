@@ -38,6 +38,7 @@ LAYOUTS = {
     "dp2-zero3-qwen3-recompute": dict(dp=2, zero=3, qk_norm="head", recompute="full"),
     # SmolLM3's NoPE block (nope_layers): the second of two, on the second pipeline stage
     "pp2-zbh1-smollm3": dict(pp=2, schedule="zbh1", microbatches=4, nope_layers="1"),
+    "dp2-zero3-smollm3-recompute": dict(dp=2, zero=3, nope_layers="0", recompute="full"),
     # OLMo 2's norms after attention and the MLP, its q/k norm over all heads
     "pp2-interleaved-olmo2": dict(pp=2, schedule="interleaved", chunks=2, microbatches=2, qk_norm="all",
                                   norm_place="post"),

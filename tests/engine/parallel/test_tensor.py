@@ -324,8 +324,10 @@ def test_every_layout_with_tensor_parallelism_equals_one_process(shared_dir, tmp
 @pytest.mark.mpi(min_size=8)
 @pytest.mark.parametrize("dp,pp,tp,sp,schedule,qk_norm", [(2, 2, 2, True, "zbh1", "none"),
                                                           (2, 2, 2, True, "zbh1", "head"),
-                                                          (2, 2, 2, True, "zbh1", "all")],
-                         ids=["llama-2-2-2-True-zbh1", "qwen3-2-2-2-True-zbh1", "olmo2-2-2-2-True-zbh1"])
+                                                          (2, 2, 2, True, "zbh1", "all"),
+                                                          (2, 2, 2, True, "zbh1", "nope")],
+                         ids=["llama-2-2-2-True-zbh1", "qwen3-2-2-2-True-zbh1", "olmo2-2-2-2-True-zbh1",
+                              "smollm3-2-2-2-True-zbh1"])
 def test_a_llama_layout_of_every_axis_equals_one_process(shared_dir, dp, pp, tp, sp, schedule, qk_norm):
     """The Llama family on all three axes at once, and Qwen3's per-head q/k norm there (its
     weight gradient summed over the tensor group) (tests/run_mpi.sh --ranks 8 selects both by
@@ -333,11 +335,10 @@ def test_a_llama_layout_of_every_axis_equals_one_process(shared_dir, dp, pp, tp,
     if world.size != 8:
         pytest.skip("written for 8 ranks")
     from tests.engine.parallel.test_llama_tensor import compare_layout
+    parts = {"all": dict(qk_norm="all", norm_place="post"), "nope": dict(nope_layers="1")}.get(
+        qk_norm, dict(qk_norm=qk_norm))         # OLMo 2's two parts; SmolLM3's NoPE block (the second)
     compare_layout(shared_dir, f"dp2-pp2-tp2-sp-zbh1-{qk_norm}", dict(dp=dp, pp=pp, tp=tp, sequence_parallel=sp,
-                                                                      schedule=schedule, microbatches=4,
-                                                                      qk_norm=qk_norm,
-                                                                      **({"norm_place": "post"} if qk_norm == "all"
-                                                                         else {})))
+                                                                      schedule=schedule, microbatches=4, **parts))
 
 
 @pytest.mark.mpi(min_size=8)
