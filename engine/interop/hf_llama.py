@@ -31,6 +31,7 @@ import re
 import numpy as np
 
 from ringpipe.engine.interop import hf_folder, hf_values
+from ringpipe.engine.interop.families import BY_MODEL_TYPE, FAMILIES, PART_DEFAULTS, gemma3, olmo2, parts_of, signature
 from ringpipe.engine.interop.hf_folder import HFError
 
 # (our name, Hugging Face's name) per block, after "h.{i}." and "model.layers.{i}.".
@@ -70,21 +71,15 @@ def head_dim(cfg) -> int:
     return cfg.head_dim if cfg.head_dim is not None else cfg.d_model // cfg.n_head
 
 
-# OLMo 2's block norms (norm_place "post"): after attention and after the MLP.
-_POST_NORM_NAMES = {"norm1.w": "post_attention_layernorm.weight", "norm2.w": "post_feedforward_layernorm.weight"}
-# Gemma 3's four (norm_place "sandwich"): before and after attention, before and after the MLP.
-_SANDWICH_NORM_NAMES = {"norm2.w": "pre_feedforward_layernorm.weight"}
-_SANDWICH_EXTRA = [("post_attn_norm.w", "post_attention_layernorm.weight"),
-                   ("post_mlp_norm.w", "post_feedforward_layernorm.weight")]
 
 
 def name_map(cfg) -> list:
     """[(our name, Hugging Face's name)] of every parameter of the model `cfg`."""
     block = _BLOCK_NAMES + (_BIAS_NAMES if cfg.qkv_bias else []) + (_QK_NORM_NAMES if cfg.qk_norm != "none" else [])
-    if cfg.norm_place == "post":
-        block = [(ours, _POST_NORM_NAMES.get(ours, theirs)) for ours, theirs in block]
-    if cfg.norm_place == "sandwich":
-        block = [(ours, _SANDWICH_NORM_NAMES.get(ours, theirs)) for ours, theirs in block] + _SANDWICH_EXTRA
+    if cfg.norm_place == "post":          # OLMo 2's: after attention and after the MLP
+        block = [(ours, olmo2.NORM_NAMES.get(ours, theirs)) for ours, theirs in block]
+    if cfg.norm_place == "sandwich":      # Gemma 3's four: before and after each
+        block = [(ours, gemma3.NORM_NAMES.get(ours, theirs)) for ours, theirs in block] + gemma3.EXTRA_NAMES
     names = [("wte", "model.embed_tokens.weight")]
     for i in range(cfg.n_layer):
         names += [(f"h.{i}.{ours}", f"model.layers.{i}.{theirs}") for ours, theirs in block]
@@ -229,12 +224,6 @@ def _rope_fields(cfg) -> dict:
             "rope_parameters": {**scaling, "rope_theta": cfg.rope_theta}}
 
 
-def _GEMMA3_PARTS(cfg, each=False):
-    """Gemma 3's parts in cfg: all of them (each=False), or which of them (each=True)."""
-    parts = (cfg.norm_place == "sandwich", cfg.rms_offset == 1.0, cfg.mlp_act == "gelu_tanh", bool(cfg.embed_scale))
-    return parts if each else all(parts) and cfg.qk_norm == "head"
-
-
 def hf_config(cfg, bos, eos) -> dict:
     """config.json: every field that decides the math, written out."""
     config = {
@@ -269,81 +258,44 @@ def hf_config(cfg, bos, eos) -> dict:
 
 
 def _as_family(cfg, config) -> None:
-    """config (hf_config's Llama keys) made the class that has cfg's parts: Llama, Mistral (a
-    window on every block), Qwen2 (q/k/v biases), Qwen3 (the per-head q/k norm), SmolLM3 (NoPE
-    blocks), OLMo 2 (norms after, the q/k norm over all heads) or Gemma 3; HFError for parts
-    no one class has together."""
-    olmo2 = cfg.qk_norm == "all" and cfg.norm_place == "post"
-    gemma = _GEMMA3_PARTS(cfg)
-    if any(_GEMMA3_PARTS(cfg, each=True)) and not gemma:
-        raise HFError(f"a model with some of Gemma 3's parts and not all (norm_place {cfg.norm_place}, rms_offset "
-                      f"{cfg.rms_offset}, mlp_act {cfg.mlp_act}, embed_scale {cfg.embed_scale}, qk_norm {cfg.qk_norm}) "
-                      "has no Hugging Face class to export to: Gemma3ForCausalLM has them all")
-    parts = [name for name, used in (("q/k/v biases (Qwen2's)", cfg.qkv_bias),
-                                     ("a per-head q/k norm (Qwen3's)", cfg.qk_norm == "head" and not gemma),
-                                     ("NoPE blocks (SmolLM3's)", cfg.nope_layers),
-                                     ("OLMo 2's norms", olmo2)) if used]
-    if len(parts) > 1 or (cfg.qk_norm == "all") != (cfg.norm_place == "post"):
-        raise HFError(f"a model with {' and '.join(parts) or 'these parts'} (qk_norm {cfg.qk_norm}, norm_place "
-                      f"{cfg.norm_place}) has no Hugging Face class to export to: each of transformers' Qwen2, "
-                      "Qwen3, SmolLM3 and OLMo 2 has one of these parts and not the others (OLMo 2: the q/k norm "
-                      "over all heads with the norms after attention and the MLP, together)")
+    """config (hf_config's Llama keys) made the class that has cfg's parts (families/: Llama,
+    Mistral, Qwen2, Qwen3, SmolLM3, OLMo 2, Gemma 3) and can say its sliding windows; HFError
+    naming the parts when no class has them together."""
     sliding = set(range(cfg.n_layer) if cfg.window_layers is None else cfg.window_layers) if cfg.sliding_window \
         else set()
-    # Qwen2's, Qwen3's and SmolLM3's window keys (layer_types names the blocks; transformers 4 read
-    # max_window_layers instead, which layer_types overrides in 5)
-    suffix = sliding and sliding == set(range(min(sliding), cfg.n_layer))   # what max_window_layers can say
+    family = _family_for(cfg, sliding)
+    # The window keys of the classes that name windowed layers (layer_types; transformers 4 read
+    # max_window_layers instead, which says a suffix of the layers only, and 5 reads layer_types).
+    suffix = sliding and sliding == set(range(min(sliding), cfg.n_layer))
     windows = dict(use_sliding_window=bool(sliding), sliding_window=cfg.sliding_window,
                    max_window_layers=min(sliding) if suffix else cfg.n_layer,
                    layer_types=["sliding_attention" if i in sliding else "full_attention" for i in range(cfg.n_layer)])
-    plain = not (cfg.qkv_bias or cfg.qk_norm != "none" or cfg.nope_layers or gemma)
-    if sliding and (olmo2 or (plain and len(sliding) < cfg.n_layer)):
-        raise HFError(f"a sliding window on {'some of the' if len(sliding) < cfg.n_layer else 'the'} blocks of "
-                      f"{'OLMo 2' if olmo2 else 'a Llama'} has no Hugging Face class to export to (Mistral's window "
-                      "is on every block; Qwen2's, Qwen3's and SmolLM3's on the blocks their layer_types name)")
-    if cfg.qkv_bias:
-        # Qwen2: biases on q, k and v and none elsewhere, ringpipe's qkv_bias.
-        for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
-            del config[key]
-        config.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", **windows)
-    if cfg.qk_norm == "head" and not gemma:
-        # Qwen3: q_norm and k_norm over each head; its attention_bias would bias o_proj too (false here).
-        for key in ("mlp_bias", "pretraining_tp"):
-            del config[key]
-        config.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", **windows)
-    if olmo2:
-        # OLMo 2: its attention_bias would bias o_proj too (false here); no MLP bias key.
-        for key in ("mlp_bias", "pretraining_tp"):
-            del config[key]
-        config.update(architectures=["Olmo2ForCausalLM"], model_type="olmo2")
-    if cfg.nope_layers:
-        # SmolLM3: no_rope_layers[i] is 1 where block i rotates q and k, 0 where it does not (NoPE).
-        for key in ("pretraining_tp",):
-            del config[key]
-        nope = set(cfg.nope_layers)
-        config.update(architectures=["SmolLM3ForCausalLM"], model_type="smollm3",
-                      no_rope_layers=[0 if i in nope else 1 for i in range(cfg.n_layer)],
-                      **{k: v for k, v in windows.items() if k != "max_window_layers"})
-    if gemma:
-        # Gemma 3 (text): its keys, its per-layer-type RoPE (transformers 5) and the same as
-        # rope_theta / rope_local_base_freq (transformers 4).
-        for key in ("hidden_act", "mlp_bias", "pretraining_tp", "rope_scaling"):
-            del config[key]
-        local = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
-        scalar = cfg.attn_scalar if cfg.attn_scalar is not None else head_dim(cfg)
-        config.update(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
-                      hidden_activation="gelu_pytorch_tanh",
-                      query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
-                      sliding_window=cfg.sliding_window, layer_types=windows["layer_types"],
-                      rope_local_base_freq=local, final_logit_softcapping=None, attn_logit_softcapping=None,
-                      use_bidirectional_attention=False,
-                      rope_parameters={"full_attention": _rope_fields(cfg)["rope_parameters"],
-                                       "sliding_attention": {"rope_type": "default", "rope_theta": local}})
-    if sliding and plain:
-        # Mistral: Llama's block with a window on every layer.
-        for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
-            del config[key]
-        config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=cfg.sliding_window)
+    for key in family.drop:
+        del config[key]
+    config.update(architectures=[family.architecture], model_type=family.model_type)
+    if family.write is not None:
+        family.write(cfg, config, windows)
+
+
+def _family_for(cfg, sliding: set):
+    """The first family (families.FAMILIES' order) whose parts are cfg's and which can hold its
+    windows: none, every block (Mistral's "all"), or the blocks layer_types names ("types")."""
+    parts = parts_of(cfg)
+    same = [f for f in FAMILIES if signature(f) == parts]
+    if not same:
+        given = ", ".join(f"{k} {v}" for k, v in parts.items() if v != PART_DEFAULTS[k])
+        classes = "; ".join(f"{f.architecture}: " + ", ".join(f"{k} {v}" for k, v in f.parts.items())
+                            for f in FAMILIES if f.parts)
+        raise HFError(f"a model with these parts ({given}) has no Hugging Face class to export to: each class "
+                      f"has its own set, and no other ({classes})")
+    for family in same:
+        if (not sliding and family.windows != "all") or family.windows == "types" or \
+                (family.windows == "all" and len(sliding) == cfg.n_layer):
+            return family
+    raise HFError(f"a sliding window on {'some of the' if len(sliding) < cfg.n_layer else 'the'} blocks of a model "
+                  f"with {', '.join(f.architecture for f in same)}'s parts has no Hugging Face class to export to "
+                  "(Mistral's window is on every block; Qwen2's, Qwen3's, SmolLM3's and Gemma 3's on the blocks "
+                  "their layer_types name; Llama's and OLMo 2's classes have none)")
 
 
 def check_checkpoint_shapes(manifest: dict, declared: dict, path: str):
@@ -375,42 +327,7 @@ def _describe(cfg) -> str:
 
 # ---- import: config.json -------------------------------------------------------------------
 
-# transformers' defaults for the keys a config.json may leave out, per model_type: what
-# transformers would build. (Mistral's window is on by default: 4096.)
-_DEFAULTS = {
-    "llama": {"num_key_value_heads": None, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
-              "tie_word_embeddings": False, "hidden_act": "silu", "head_dim": None, "attention_bias": False,
-              "mlp_bias": False},
-    "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-6,
-                "tie_word_embeddings": False, "hidden_act": "silu", "head_dim": None, "sliding_window": 4096},
-    "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-              "tie_word_embeddings": False, "hidden_act": "silu", "head_dim": None, "use_sliding_window": False,
-              "sliding_window": 4096, "max_window_layers": 28},
-    "qwen3": {"num_key_value_heads": 32, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-              "tie_word_embeddings": False, "hidden_act": "silu", "head_dim": 128, "attention_bias": False,
-              "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28},
-    "smollm3": {"num_key_value_heads": 4, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
-                "tie_word_embeddings": True, "hidden_act": "silu", "head_dim": None, "attention_bias": False,
-                "mlp_bias": False, "use_sliding_window": False, "sliding_window": None, "rope_theta": 2000000.0,
-                "no_rope_layers": None, "no_rope_layer_interval": 4},
-    "olmo2": {"num_key_value_heads": None, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
-              "tie_word_embeddings": False, "hidden_act": "silu", "head_dim": None, "attention_bias": False},
-    # Gemma 3's text model (Gemma3ForCausalLM); its gate's activation is hidden_activation.
-    "gemma3_text": {"num_key_value_heads": 4, "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
-                    "tie_word_embeddings": True, "hidden_act": "silu", "hidden_activation": "gelu_pytorch_tanh",
-                    "head_dim": 256, "attention_bias": False, "query_pre_attn_scalar": 256, "sliding_window": 4096,
-                    "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "final_logit_softcapping": None,
-                    "attn_logit_softcapping": None, "use_bidirectional_attention": False,
-                    "sliding_window_pattern": 6},
-}
-MODEL_TYPES = tuple(_DEFAULTS)
-_QKV_BIAS = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "smollm3": False,   # Qwen2's
-             "olmo2": False, "gemma3_text": False}
-_QK_NORM = {"llama": "none", "mistral": "none", "qwen2": "none", "qwen3": "head", "smollm3": "none",
-            "olmo2": "all", "gemma3_text": "head"}         # Qwen3's and Gemma's per head, OLMo 2's over all heads
-_NORM_PLACE = {"olmo2": "post", "gemma3_text": "sandwich"}     # the others "pre"
-# transformers' names of GELU's tanh form (ACT2FN): Gemma's GeGLU gate.
-_TANH_GELUS = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
+MODEL_TYPES = tuple(BY_MODEL_TYPE)       # engine/interop/families/: one module each
 # transformers' names of SiLU (ACT2FN): the gate's activation of ringpipe's SwiGLU.
 _SILUS = ("silu", "swish")
 # Keys that make a model a mixture of experts (a model_type we read, extended by hand).
@@ -427,10 +344,15 @@ class _Config:
     def __init__(self, config: dict, hf_dir: str):
         self.config, self.where = config, f"{hf_dir}/config.json"
         self.model_type = config["model_type"]
+        self.family = BY_MODEL_TYPE[self.model_type]
 
     def raw(self, key, default=None):
         """The value as given, or transformers' default where config.json leaves it out."""
-        return self.config.get(key, _DEFAULTS[self.model_type].get(key, default))
+        return self.config.get(key, self.family.defaults.get(key, default))
+
+    def checked(self, key, value):
+        """value, if it holds the rule of `key` (a dotted key by its last part); else HFError."""
+        return hf_folder.checked(self.where, key, value)
 
     def get(self, key, default=None):
         """raw(), checked: HFError saying what to set the key to unless its type and range hold."""
@@ -444,7 +366,7 @@ class _Config:
                                             instead))
 
     def size(self, key):
-        if key not in self.config and key not in _DEFAULTS[self.model_type]:
+        if key not in self.config and key not in self.family.defaults:
             raise HFError(f"{self.where}: add {key} to config.json: model_type is {self.model_type!r}, whose "
                           "config.json gives it, and this one does not (is its model_type right?)")
         return self.get(key)
@@ -473,86 +395,32 @@ def config_from_hf(config: dict, hf_dir: str):
     context = c.size("max_position_embeddings")
     c.get("attention_dropout", 0.0)             # type and range: import_notes reads it (every type's default 0)
     _refuse_unsupported(c, context, sizes["num_hidden_layers"])
-    local_theta = None
-    if c.model_type == "gemma3_text":
-        theta, scaling, local_theta = _gemma3_rope_from_hf(c)
-    else:
-        theta, scaling = _rope_from_hf(c, context)
+    family = c.family
+    theta, scaling, local_theta = family.rope(c) if family.rope else (*_rope_from_hf(c, context), None)
     llama = _llama_module()
-    cfg = llama.LlamaConfig(n_layer=sizes["num_hidden_layers"], d_model=width, n_head=heads, n_kv_head=kv_heads,
+    n_layer = sizes["num_hidden_layers"]
+    cfg = llama.LlamaConfig(n_layer=n_layer, d_model=width, n_head=heads, n_kv_head=kv_heads,
                             d_ff=sizes["intermediate_size"], context=context, vocab=sizes["vocab_size"], head_dim=hd,
                             rope_theta=theta, rope_scaling=scaling, rms_eps=c.get("rms_norm_eps"),
-                            tie_embeddings=c.get("tie_word_embeddings"), qkv_bias=_QKV_BIAS[c.model_type],
-                            qk_norm=_QK_NORM[c.model_type], nope_layers=_nope_from_hf(c, sizes["num_hidden_layers"]),
-                            norm_place=_NORM_PLACE.get(c.model_type, "pre"))
-    cfg.sliding_window, cfg.window_layers = _windows_from_hf(c, context, sizes["num_hidden_layers"])
-    if c.model_type == "gemma3_text":
-        cfg.rms_offset, cfg.mlp_act, cfg.embed_scale = 1.0, "gelu_tanh", True
-        cfg.attn_scalar, cfg.rope_local_theta = float(c.get("query_pre_attn_scalar")), local_theta
+                            tie_embeddings=c.get("tie_word_embeddings"), rope_local_theta=local_theta)
+    for part, value in family.parts.items():         # what the class fixes (nope: read below)
+        if part != "nope":
+            setattr(cfg, part, value)
+    for name, value in (family.read(c, n_layer) if family.read else {}).items():
+        setattr(cfg, name, value)
+    cfg.sliding_window, cfg.window_layers = _windows_from_hf(c, context, n_layer)
     return _validated(cfg, c.where)
-
-
-def _gemma3_rope_from_hf(c: _Config) -> tuple:
-    """(global theta, None, local theta) of a Gemma 3 config.json: rope_parameters per layer type
-    (transformers 5), or rope_theta and rope_local_base_freq (4). Only default RoPE is read: the
-    linear scaling of the 4B and larger models is refused naming the key."""
-    params = c.raw("rope_parameters")
-    if isinstance(params, dict) and set(params) >= {"full_attention", "sliding_attention"}:
-        found = {}
-        for kind in ("full_attention", "sliding_attention"):
-            one = params[kind]
-            if not isinstance(one, dict):
-                c.invalid(f"rope_parameters.{kind}", "an object of a rope_type and a rope_theta")
-            if one.get("rope_type", "default") != "default":
-                c.unsupported(f"rope_parameters.{kind}.rope_type", "ringpipe reads Gemma 3's default RoPE only (the "
-                              "linear scaling of its larger models is not implemented)", "rope_type \"default\"",
-                              one.get("rope_type"))
-            found[kind] = hf_folder.checked(c.where, f"rope_parameters.{kind}.rope_theta", one.get("rope_theta"))
-        return float(found["full_attention"]), None, float(found["sliding_attention"])
-    scaling = c.raw("rope_scaling")
-    if scaling:
-        c.unsupported("rope_scaling", "ringpipe reads Gemma 3's default RoPE only (the linear scaling of its larger "
-                      "models is not implemented)", "rope_scaling null")
-    return float(c.get("rope_theta")), None, float(c.get("rope_local_base_freq"))
-
-
-def _nope_from_hf(c: _Config, n_layer: int):
-    """SmolLM3's blocks without RoPE, from no_rope_layers (1: rotates, 0: NoPE; one per layer), or
-    from no_rope_layer_interval where it is null (transformers' rule: every interval-th block);
-    None for the other model types, whose every block rotates."""
-    if c.model_type != "smollm3":
-        return None
-    flags = c.raw("no_rope_layers")
-    if flags is None:
-        interval = c.raw("no_rope_layer_interval")
-        if type(interval) is not int or not 1 <= interval <= 2**14:
-            c.invalid("no_rope_layer_interval", "a whole number from 1 to 16,384 (every interval-th block has no RoPE)")
-        flags = [int((i + 1) % interval != 0) for i in range(n_layer)]
-    if (not isinstance(flags, list) or len(flags) != n_layer or not all(type(f) is int and f in (0, 1)
-                                                                         for f in flags)):
-        c.invalid("no_rope_layers", f"a list of num_hidden_layers {n_layer} values, each 1 (the block rotates q "
-                                    "and k) or 0 (NoPE), or null")
-    return [i for i, rotates in enumerate(flags) if not rotates] or None
 
 
 def _refuse_unsupported(c: _Config, context: int, n_layer: int) -> None:
     """Activations, biases, windows, experts and quantization ringpipe's Llama does not have."""
-    if c.model_type == "gemma3_text":
-        if c.get("hidden_activation") not in _TANH_GELUS:
-            c.unsupported("hidden_activation", "ringpipe's Gemma 3 MLP is GeGLU with GELU's tanh form",
-                          "hidden_activation gelu_pytorch_tanh")
-        for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-            if c.get(key) is not None:
-                c.unsupported(key, "ringpipe does not soft-cap logits (Gemma 3 does not either; Gemma 2 did)",
-                              f"{key} null")
-        if c.get("use_bidirectional_attention"):
-            c.unsupported("use_bidirectional_attention", "ringpipe's attention is causal", "use_bidirectional_attention "
-                          "false")
-    elif c.get("hidden_act") not in _SILUS:
+    if c.family.check is not None:
+        c.family.check(c)                        # its own keys (Gemma 3's activation, soft-capping, ...)
+    if c.family.check is None and c.get("hidden_act") not in _SILUS:
         c.unsupported("hidden_act", "ringpipe's Llama MLP is SwiGLU, whose gate uses silu", "hidden_act silu")
-    # Only Llama and Qwen3 read attention_bias, only Llama mlp_bias (Mistral's and Qwen2's biases are
-    # fixed by the architecture).
-    reads = _DEFAULTS[c.model_type]
+    # Only some classes read attention_bias and mlp_bias (Mistral's and Qwen2's biases are fixed
+    # by the architecture).
+    reads = c.family.defaults
     if "attention_bias" in reads and c.get("attention_bias"):
         c.unsupported("attention_bias", "it puts a bias on o_proj too, and ringpipe's Llama has biases on q, k and "
                                         "v only (as Qwen2) or none", "attention_bias false")
@@ -577,10 +445,6 @@ def _windows_from_hf(c: _Config, context: int, n_layer: int) -> tuple:
     layers layer_types calls "sliding_attention" (without layer_types: Qwen's from
     max_window_layers on, SmolLM3's NoPE layers). (None, None) when no layer has a window
     shorter than the context, where a window changes nothing."""
-    window = c.get("sliding_window")
-    switch = _WINDOW_SWITCH.get(c.model_type)
-    if switch is not None and c.get(switch) is not True:
-        window = None                            # Qwen2: the window is used only when switched on
     layer_types = c.raw("layer_types")
     if layer_types is not None:
         if (not isinstance(layer_types, list) or len(layer_types) != n_layer
@@ -591,14 +455,16 @@ def _windows_from_hf(c: _Config, context: int, n_layer: int) -> tuple:
         if other:
             c.unsupported("layer_types", f"it has {other[0]} layers, and ringpipe's Llama has full_attention and "
                                          "sliding_attention layers only", "no layer_types other than those two")
+    if c.family.windows == "none":
+        return None, None                        # Llama's and OLMo 2's classes have no window
+    window = c.get("sliding_window")
+    switch = c.family.window_switch
+    if switch is not None and c.get(switch) is not True:
+        window = None                            # Qwen2: the window is used only when switched on
+    if layer_types is not None:
         layers = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
-    elif c.model_type == "smollm3":
-        layers = _nope_from_hf(c, n_layer) or []    # transformers' rule: its NoPE layers slide
-    elif c.model_type == "gemma3_text":
-        pattern = c.raw("sliding_window_pattern")   # transformers' rule: all but every pattern-th layer slide
-        if type(pattern) is not int or not 1 <= pattern <= 2**14:
-            c.invalid("sliding_window_pattern", "a whole number from 1 to 16,384 (every pattern-th layer is global)")
-        layers = [i for i in range(n_layer) if (i + 1) % pattern]
+    elif c.family.window_layers is not None:
+        layers = c.family.window_layers(c, n_layer)     # the class's own rule (SmolLM3's, Gemma 3's)
     elif switch is not None:
         first = c.get("max_window_layers")      # transformers' rule: layers from max_window_layers on slide
         layers = [i for i in range(n_layer) if first is None or i >= first]
@@ -607,9 +473,6 @@ def _windows_from_hf(c: _Config, context: int, n_layer: int) -> tuple:
     if window is None or window >= context or not layers:
         return None, None
     return window, (None if len(layers) == n_layer else layers)
-
-
-_WINDOW_SWITCH = {"qwen2": "use_sliding_window", "qwen3": "use_sliding_window", "smollm3": "use_sliding_window"}
 
 
 def _rope_from_hf(c: _Config, context: int) -> tuple:

@@ -319,7 +319,7 @@ def test_a_windowed_llama_exports_as_mistral_and_reads_back(tmp_path):
     assert np.abs(hf_logits(out, tokens) - ours).max() <= EXACT
     assert hf.import_hf(out)[0] == cfg
     partial = LlamaConfig(**dict(PRESETS["hf-tiny"], context=24, sliding_window=5, window_layers=[1])).validate()
-    with pytest.raises(hf.HFError, match="sliding window on some of the blocks of a Llama has no Hugging Face class"):
+    with pytest.raises(hf.HFError, match="sliding window on some of the blocks of a model with LlamaForCausalLM, MistralForCausalLM.s parts has no Hugging Face class"):
         hf.export_hf(checkpoint_arrays(partial), partial.to_dict(), str(tmp_path / "partial"), model="llama")
 
 
