@@ -149,3 +149,29 @@ def test_a_model_with_some_of_gemma3s_parts_has_no_class_to_export_to(tmp_path):
     cfg = LlamaConfig(**dict(OURS, mlp_act="silu")).validate()
     with pytest.raises(hf.HFError, match=r"these parts \(qk_norm head, norm_place sandwich, rms_offset 1.0, embed_scale True\) has no Hugging Face class"):
         hf.export_hf(checkpoint_arrays(cfg), cfg.to_dict(), str(tmp_path / "hf"), model="llama")
+
+
+def test_a_gemma3_folder_fine_tunes_exports_and_samples_from_the_command_line(tmp_path, capsys):
+    """save_pretrained -> --init-from (the family from config.json) -> two steps -> ringpipe export
+    (Gemma3ForCausalLM) -> transformers gives the checkpoint's logits; ringpipe sample reads the run."""
+    from ringpipe.engine.data.tokenizer import load_tokenizer
+    from ringpipe.engine.interop import sample
+    from ringpipe.engine.job import checkpoint
+    from ringpipe.engine.train.cli import run_flags
+    folder = save(random_gemma3(seed=5, vocab_size=256), tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text(load_tokenizer("bytes").to_json())
+    run = tmp_path / "run"
+    run_flags(["--init-from", f"hf:{folder}", "--data", "synthetic", "--steps", "2", "--batch-size", "4",
+               "--seq-len", "32", "--quiet", "--out", str(run)])
+    assert hf.main([str(run), "--out", str(tmp_path / "out")]) == 0
+    assert json.load(open(tmp_path / "out" / "config.json"))["model_type"] == "gemma3_text"
+    arrays, manifest = checkpoint.load(str(run))
+    cfg = LlamaConfig(**manifest["model_config"])
+    assert (cfg.norm_place, cfg.mlp_act, cfg.sliding_window) == ("sandwich", "gelu_tanh", 8)
+    tokens = random_tokens(256, length=32)
+    ours = ringpipe_logits(ringpipe_model(cfg, {k[len("param/"):]: v.astype(np.float32)
+                                                for k, v in arrays.items() if k.startswith("param/")}), tokens, 256)
+    assert np.abs(hf_logits(str(tmp_path / "out"), tokens) - ours).max() <= EXACT
+    capsys.readouterr()
+    assert sample.main([str(run), "--prompt", "def ", "--tokens", "4", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
