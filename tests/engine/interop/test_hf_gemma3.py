@@ -17,8 +17,9 @@ from ringpipe.engine.model.chain import LayerChain  # noqa: E402
 from ringpipe.engine.model.llama import PRESETS, LlamaConfig, llama_layers  # noqa: E402
 from ringpipe.kernels.rope import rope_inv_freq  # noqa: E402
 
-from tests.engine.interop.test_hf_llama import (EXACT, checkpoint_arrays, config_only, folder_bytes,  # noqa: E402
-                                                random_tokens, randomize, ringpipe_logits, ringpipe_model, save)
+from tests.engine.interop.test_hf_llama import (EXACT, assert_export_import_export_is_bitwise, assert_greedy_tokens_agree, checkpoint_arrays, config_only,  # noqa: E402
+                                                fine_tune_and_export, random_tokens, randomize,
+                                                ringpipe_logits, ringpipe_model, save)
 
 SHAPE = dict(vocab_size=97, hidden_size=48, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, intermediate_size=37, max_position_embeddings=32, rms_norm_eps=1e-6,
@@ -120,29 +121,15 @@ def test_an_exported_gemma3_loads_as_gemma3_with_ringpipes_logits(tmp_path):
 
 def test_gemma3_export_import_export_is_bitwise(tmp_path):
     cfg = LlamaConfig(**OURS).validate()
-    first = hf.export_hf(checkpoint_arrays(cfg, seed=3), cfg.to_dict(), str(tmp_path / "1"), model="llama")
-    cfg2, arrays, _ = hf.import_hf(first)
-    assert cfg2 == cfg
-    second = hf.export_hf(arrays, cfg2.to_dict(), str(tmp_path / "2"), model="llama")
-    assert folder_bytes(first) == folder_bytes(second)
+    assert_export_import_export_is_bitwise(cfg, tmp_path, seed=3)
 
 
 def test_generate_on_a_gemma3_export_gives_ringpipes_greedy_tokens(tmp_path):
     """Past the window of 8 on the local blocks, with the global block seeing everything."""
-    from ringpipe.engine.model.registry import RECIPES
     cfg = LlamaConfig(**OURS).validate()
     arrays = checkpoint_arrays(cfg, seed=4)
     out = hf.export_hf(arrays, cfg.to_dict(), str(tmp_path / "hf"), model="llama")
-    model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa",
-                                                              dtype=torch.float64).eval()
-    lift_gemma3_to_float64(model)
-    prompt = [5, 17, 42]
-    with torch.no_grad():
-        generated = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
-                                   attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    ours = ringpipe_model(cfg, {k[len("param/"):]: v for k, v in arrays.items()})
-    assert generated[0, len(prompt):].tolist() == list(RECIPES["llama"].generate(ours, prompt, 20, cfg.context,
-                                                                                 temperature=0))
+    assert_greedy_tokens_agree(cfg, arrays, out, lift=lift_gemma3_to_float64)
 
 
 def test_a_model_with_some_of_gemma3s_parts_has_no_class_to_export_to(tmp_path):
@@ -154,23 +141,13 @@ def test_a_model_with_some_of_gemma3s_parts_has_no_class_to_export_to(tmp_path):
 def test_a_gemma3_folder_fine_tunes_exports_and_samples_from_the_command_line(tmp_path, capsys):
     """save_pretrained -> --init-from (the family from config.json) -> two steps -> ringpipe export
     (Gemma3ForCausalLM) -> transformers gives the checkpoint's logits; ringpipe sample reads the run."""
-    from ringpipe.engine.data.tokenizer import load_tokenizer
     from ringpipe.engine.interop import sample
-    from ringpipe.engine.job import checkpoint
-    from ringpipe.engine.train.cli import run_flags
     folder = save(random_gemma3(seed=5, vocab_size=256), tmp_path / "hf")
-    (tmp_path / "hf" / "tokenizer.json").write_text(load_tokenizer("bytes").to_json())
-    run = tmp_path / "run"
-    run_flags(["--init-from", f"hf:{folder}", "--data", "synthetic", "--steps", "2", "--batch-size", "4",
-               "--seq-len", "32", "--quiet", "--out", str(run)])
-    assert hf.main([str(run), "--out", str(tmp_path / "out")]) == 0
-    assert json.load(open(tmp_path / "out" / "config.json"))["model_type"] == "gemma3_text"
-    arrays, manifest = checkpoint.load(str(run))
-    cfg = LlamaConfig(**manifest["model_config"])
+    run, config, cfg, params = fine_tune_and_export(folder, tmp_path)
+    assert config["model_type"] == "gemma3_text"
     assert (cfg.norm_place, cfg.mlp_act, cfg.sliding_window) == ("sandwich", "gelu_tanh", 8)
     tokens = random_tokens(256, length=32)
-    ours = ringpipe_logits(ringpipe_model(cfg, {k[len("param/"):]: v.astype(np.float32)
-                                                for k, v in arrays.items() if k.startswith("param/")}), tokens, 256)
+    ours = ringpipe_logits(ringpipe_model(cfg, params), tokens, 256)
     assert np.abs(hf_logits(str(tmp_path / "out"), tokens) - ours).max() <= EXACT
     capsys.readouterr()
     assert sample.main([str(run), "--prompt", "def ", "--tokens", "4", "--temperature", "0"]) == 0

@@ -144,6 +144,50 @@ def folder_bytes(folder):
     return {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))}
 
 
+def assert_greedy_tokens_agree(cfg, arrays, folder, tokens=20, lift=None):
+    """transformers' greedy generate on the exported `folder` (float64, lifted by `lift`, default
+    lift_to_float64) equals ringpipe's sampler on the checkpoint's `arrays` ({"param/<name>": ...}),
+    `tokens` tokens after a three-token prompt: the KV cache, windows and NoPE blocks included."""
+    from ringpipe.engine.model.registry import RECIPES
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa",
+                                                              dtype=torch.float64).eval()
+    (lift or lift_to_float64)(model)
+    prompt = [5, 17, 42]
+    with torch.no_grad():
+        generated = model.generate(torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False,
+                                   attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    ours = ringpipe_model(cfg, {k[len("param/"):]: v for k, v in arrays.items()})
+    assert generated[0, len(prompt):].tolist() == list(RECIPES["llama"].generate(ours, prompt, tokens, cfg.context,
+                                                                                 temperature=0))
+
+
+def assert_export_import_export_is_bitwise(cfg, folder, seed=3):
+    """A checkpoint of cfg exported, imported and exported again: the same config, the same bytes."""
+    first = hf.export_hf(checkpoint_arrays(cfg, seed=seed), cfg.to_dict(), str(folder / "1"), model="llama")
+    cfg2, arrays, _ = hf.import_hf(first)
+    assert cfg2 == cfg
+    second = hf.export_hf(arrays, cfg2.to_dict(), str(folder / "2"), model="llama")
+    assert folder_bytes(first) == folder_bytes(second)
+
+
+def fine_tune_and_export(folder, tmp_path):
+    """A save_pretrained folder (the byte tokenizer put beside it) -> --init-from (its family from
+    config.json) -> two steps -> ringpipe export. Returns (run dir, exported config.json, the
+    checkpoint's LlamaConfig, its params as float32 {name: array})."""
+    from ringpipe.engine.data.tokenizer import load_tokenizer
+    from ringpipe.engine.job import checkpoint
+    from ringpipe.engine.train.cli import run_flags
+    with open(os.path.join(folder, "tokenizer.json"), "w") as fh:
+        fh.write(load_tokenizer("bytes").to_json())
+    run = tmp_path / "run"
+    run_flags(["--init-from", f"hf:{folder}", "--data", "synthetic", "--steps", "2", "--batch-size", "4",
+               "--seq-len", "32", "--quiet", "--out", str(run)])
+    assert hf.main([str(run), "--out", str(tmp_path / "out")]) == 0
+    arrays, manifest = checkpoint.load(str(run))
+    params = {k[len("param/"):]: v.astype(np.float32) for k, v in arrays.items() if k.startswith("param/")}
+    return run, json.load(open(tmp_path / "out" / "config.json")), LlamaConfig(**manifest["model_config"]), params
+
+
 def edit_config(folder, **changes):
     path = os.path.join(folder, "config.json")
     config = json.load(open(path))
@@ -326,20 +370,9 @@ def test_a_windowed_llama_exports_as_mistral_and_reads_back(tmp_path):
 def test_generate_on_a_windowed_export_gives_ringpipes_greedy_tokens(tmp_path):
     """The KV-cache sampler honours the window: 20 greedy tokens past a window of 4, against
     transformers' generate on the Mistral export (float64)."""
-    from ringpipe.engine.model.registry import RECIPES
     cfg = LlamaConfig(**dict(PRESETS["hf-tiny"], context=24, sliding_window=4)).validate()
     arrays = checkpoint_arrays(cfg, seed=23)
-    out = hf.export_hf(arrays, cfg.to_dict(), str(tmp_path / "hf"), model="llama")
-    model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa",
-                                                              dtype=torch.float64).eval()
-    lift_to_float64(model)
-    prompt = [5, 17, 42]
-    with torch.no_grad():
-        generated = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
-                                   attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    ours = ringpipe_model(cfg, {k[len("param/"):]: v for k, v in arrays.items()})
-    assert generated[0, len(prompt):].tolist() == list(RECIPES["llama"].generate(ours, prompt, 20, cfg.context,
-                                                                                 temperature=0))
+    assert_greedy_tokens_agree(cfg, arrays, hf.export_hf(arrays, cfg.to_dict(), str(tmp_path / "hf"), model="llama"))
 
 
 def test_a_window_as_long_as_the_context_and_unswitched_windows_are_fine(tmp_path):
@@ -440,20 +473,10 @@ def test_an_imported_folder_exports_to_the_same_model(tmp_path):
 
 
 def test_generate_on_an_export_gives_ringpipes_greedy_tokens(tmp_path):
-    from ringpipe.engine.model.registry import RECIPES
     cfg = LlamaConfig(**dict(PRESETS["hf-tiny"], context=24, n_kv_head=1)).validate()
     arrays = checkpoint_arrays(cfg, seed=13)
-    out = hf.export_hf(arrays, cfg.to_dict(), str(tmp_path / "hf"), model="llama")
-    model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa",
-                                                              dtype=torch.float64).eval()
-    lift_to_float64(model)
-    prompt = [5, 17, 42]
-    with torch.no_grad():
-        generated = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
-                                   attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    ours = ringpipe_model(cfg, {k[len("param/"):]: v for k, v in arrays.items()})
-    assert generated[0, len(prompt):].tolist() == list(RECIPES["llama"].generate(ours, prompt, 8, cfg.context,
-                                                                                 temperature=0))
+    assert_greedy_tokens_agree(cfg, arrays, hf.export_hf(arrays, cfg.to_dict(), str(tmp_path / "hf"), model="llama"),
+                               tokens=8)
 
 
 def test_export_takes_bos_and_eos_from_the_tokenizer(tmp_path):

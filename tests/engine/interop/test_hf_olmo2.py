@@ -21,9 +21,9 @@ from ringpipe.engine.interop import hf, hf_llama  # noqa: E402
 from ringpipe.engine.model.chain import LayerChain  # noqa: E402
 from ringpipe.engine.model.llama import LlamaConfig, llama_layers  # noqa: E402
 
-from tests.engine.interop.test_hf_llama import (EXACT, checkpoint_arrays, config_only, folder_bytes,  # noqa: E402
-                                                hf_logits, imported_diff, lift_to_float64, random_tokens,
-                                                randomize, ringpipe_logits, ringpipe_model, save)
+from tests.engine.interop.test_hf_llama import (EXACT, assert_export_import_export_is_bitwise, assert_greedy_tokens_agree, checkpoint_arrays, config_only,  # noqa: E402
+                                                fine_tune_and_export, hf_logits, imported_diff,
+                                                random_tokens, randomize, ringpipe_logits, ringpipe_model, save)
 
 SHAPE = dict(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
              intermediate_size=37, max_position_embeddings=24, rms_norm_eps=2e-6, rope_theta=500000.0)
@@ -75,28 +75,14 @@ def test_an_exported_olmo2_loads_as_olmo2_with_ringpipes_logits(tmp_path):
 
 def test_olmo2_export_import_export_is_bitwise(tmp_path):
     cfg = LlamaConfig(**OURS).validate()
-    first = hf.export_hf(checkpoint_arrays(cfg, seed=3), cfg.to_dict(), str(tmp_path / "1"), model="llama")
-    cfg2, arrays, _ = hf.import_hf(first)
-    assert cfg2 == cfg
-    second = hf.export_hf(arrays, cfg2.to_dict(), str(tmp_path / "2"), model="llama")
-    assert folder_bytes(first) == folder_bytes(second)
+    assert_export_import_export_is_bitwise(cfg, tmp_path, seed=3)
 
 
 def test_generate_on_an_olmo2_export_gives_ringpipes_greedy_tokens(tmp_path):
-    from ringpipe.engine.model.registry import RECIPES
     cfg = LlamaConfig(**OURS).validate()
     arrays = checkpoint_arrays(cfg, seed=4)
     out = hf.export_hf(arrays, cfg.to_dict(), str(tmp_path / "hf"), model="llama")
-    model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa",
-                                                              dtype=torch.float64).eval()
-    lift_to_float64(model)
-    prompt = [5, 17, 42]
-    with torch.no_grad():
-        generated = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
-                                   attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    ours = ringpipe_model(cfg, {k[len("param/"):]: v for k, v in arrays.items()})
-    assert generated[0, len(prompt):].tolist() == list(RECIPES["llama"].generate(ours, prompt, 20, cfg.context,
-                                                                                 temperature=0))
+    assert_greedy_tokens_agree(cfg, arrays, out)
 
 
 @pytest.mark.parametrize("parts", [dict(qk_norm="all"), dict(norm_place="post")], ids=["q/k norm alone",
@@ -108,15 +94,6 @@ def test_half_of_olmo2s_parts_has_no_class_to_export_to(tmp_path, parts):
 
 
 def test_an_olmo2_folder_fine_tunes_from_the_command_line(tmp_path):
-    from ringpipe.engine.data.tokenizer import load_tokenizer
-    from ringpipe.engine.job import checkpoint
-    from ringpipe.engine.train.cli import run_flags
     folder = save(random_olmo2(seed=5, vocab_size=256, max_position_embeddings=32), tmp_path / "hf")
-    (tmp_path / "hf" / "tokenizer.json").write_text(load_tokenizer("bytes").to_json())
-    run = tmp_path / "run"
-    run_flags(["--init-from", f"hf:{folder}", "--data", "synthetic", "--steps", "2", "--batch-size", "4",
-               "--seq-len", "32", "--quiet", "--out", str(run)])
-    _, manifest = checkpoint.load(str(run))
-    assert (manifest["model_config"]["qk_norm"], manifest["model_config"]["norm_place"]) == ("all", "post")
-    assert hf.main([str(run), "--out", str(tmp_path / "out")]) == 0
-    assert json.load(open(tmp_path / "out" / "config.json"))["model_type"] == "olmo2"
+    _, config, cfg, _ = fine_tune_and_export(folder, tmp_path)
+    assert (cfg.qk_norm, cfg.norm_place, config["model_type"]) == ("all", "post", "olmo2")

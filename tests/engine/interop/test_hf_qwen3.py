@@ -21,9 +21,9 @@ from ringpipe.engine.interop import hf, hf_llama  # noqa: E402
 from ringpipe.engine.model.chain import LayerChain  # noqa: E402
 from ringpipe.engine.model.llama import PRESETS, LlamaConfig, llama_layers  # noqa: E402
 
-from tests.engine.interop.test_hf_llama import (EXACT, checkpoint_arrays, config_only, folder_bytes,  # noqa: E402
-                                                hf_logits, imported_diff, lift_to_float64, random_tokens,
-                                                randomize, ringpipe_logits, ringpipe_model, save)
+from tests.engine.interop.test_hf_llama import (EXACT, assert_export_import_export_is_bitwise, assert_greedy_tokens_agree, checkpoint_arrays, config_only,  # noqa: E402
+                                                fine_tune_and_export, hf_logits, imported_diff,
+                                                random_tokens, randomize, ringpipe_logits, ringpipe_model, save)
 
 # The issue's odd shape: hidden 48, 6 heads of 16 (not 48 / 6), 2 key/value heads,
 # intermediate 37, eps and theta off their defaults.
@@ -101,30 +101,16 @@ def test_a_qwen3_with_a_window_on_some_layers_is_exact_both_ways(tmp_path):
 
 def test_qwen3_export_import_export_is_bitwise(tmp_path):
     cfg = LlamaConfig(**dict(ODD_OURS, tie_embeddings=False)).validate()
-    first = hf.export_hf(checkpoint_arrays(cfg, seed=3), cfg.to_dict(), str(tmp_path / "1"), model="llama")
-    cfg2, arrays, _ = hf.import_hf(first)
-    assert cfg2 == cfg
-    second = hf.export_hf(arrays, cfg2.to_dict(), str(tmp_path / "2"), model="llama")
-    assert folder_bytes(first) == folder_bytes(second)
+    assert_export_import_export_is_bitwise(cfg, tmp_path, seed=3)
 
 
 def test_generate_on_a_qwen3_export_gives_ringpipes_greedy_tokens(tmp_path):
     """transformers' greedy generate on the export = ringpipe's sampler (KV cache, q/k norm
     at every decoded position), float64, 20 tokens."""
-    from ringpipe.engine.model.registry import RECIPES
     cfg = LlamaConfig(**ODD_OURS).validate()
     arrays = checkpoint_arrays(cfg, seed=4)
     out = hf.export_hf(arrays, cfg.to_dict(), str(tmp_path / "hf"), model="llama")
-    model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa",
-                                                              dtype=torch.float64).eval()
-    lift_to_float64(model)
-    prompt = [5, 17, 42]
-    with torch.no_grad():
-        generated = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
-                                   attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    ours = ringpipe_model(cfg, {k[len("param/"):]: v for k, v in arrays.items()})
-    assert generated[0, len(prompt):].tolist() == list(RECIPES["llama"].generate(ours, prompt, 20, cfg.context,
-                                                                                 temperature=0))
+    assert_greedy_tokens_agree(cfg, arrays, out)
 
 
 def test_a_model_with_biases_and_a_qk_norm_is_refused_by_the_export(tmp_path):
@@ -153,24 +139,12 @@ def test_a_llama_checkpoint_written_before_qk_norm_still_exports(tmp_path):
 def test_a_qwen3_folder_fine_tunes_exports_and_samples(tmp_path, capsys):
     """save_pretrained -> --init-from (the family from config.json) -> two steps -> ringpipe
     export (Qwen3ForCausalLM) -> transformers gives the checkpoint's logits; ringpipe sample."""
-    from ringpipe.engine.data.tokenizer import load_tokenizer
     from ringpipe.engine.interop import sample
-    from ringpipe.engine.job import checkpoint
-    from ringpipe.engine.train.cli import run_flags
     folder = save(random_qwen3(seed=5, vocab_size=256, max_position_embeddings=32), tmp_path / "hf")
-    (tmp_path / "hf" / "tokenizer.json").write_text(load_tokenizer("bytes").to_json())
-    run = tmp_path / "run"
-    run_flags(["--init-from", f"hf:{folder}", "--data", "synthetic", "--steps", "2", "--batch-size", "4",
-               "--seq-len", "32", "--quiet", "--out", str(run)])
-    assert hf.main([str(run), "--out", str(tmp_path / "out")]) == 0
-    config = json.load(open(tmp_path / "out" / "config.json"))
-    assert config["model_type"] == "qwen3" and config["head_dim"] == 16
-    arrays, manifest = checkpoint.load(str(run))
-    assert manifest["model_config"]["qk_norm"] == "head"
-    cfg = LlamaConfig(**manifest["model_config"])
+    run, config, cfg, params = fine_tune_and_export(folder, tmp_path)
+    assert config["model_type"] == "qwen3" and config["head_dim"] == 16 and cfg.qk_norm == "head"
     tokens = random_tokens(256, length=32)
-    ours = ringpipe_logits(ringpipe_model(cfg, {k[len("param/"):]: v.astype(np.float32)
-                                                for k, v in arrays.items() if k.startswith("param/")}), tokens, 256)
+    ours = ringpipe_logits(ringpipe_model(cfg, params), tokens, 256)
     assert np.abs(hf_logits(str(tmp_path / "out"), tokens) - ours).max() <= EXACT
     capsys.readouterr()
     assert sample.main([str(run), "--prompt", "def ", "--tokens", "4", "--temperature", "0"]) == 0
