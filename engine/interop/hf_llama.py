@@ -135,7 +135,7 @@ def config_from_dict(model_config: dict, where: str = "model_config"):
         # Written before these parts existed: none of either.
         model_config = {"qk_norm": "none", "nope_layers": None, "norm_place": "pre", "sliding_window": None,
                         "window_layers": None, "rms_offset": 0.0, "mlp_act": "silu", "embed_scale": False,
-                        "attn_scalar": None, "rope_local_theta": None, **model_config}
+                        "attn_scalar": None, "rope_local_theta": None, "logit_softcap": None, **model_config}
     if not isinstance(model_config, dict) or set(model_config) != expected:
         keys = sorted(model_config) if isinstance(model_config, dict) else type(model_config).__name__
         raise HFError(f"model_config has the keys {keys}, expected {sorted(expected)}: is it a Llama "

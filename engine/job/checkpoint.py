@@ -81,16 +81,16 @@ _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 # The keys of model_config for each model (engine.model.gpt.GPTConfig, engine.model.mlp.MLPConfig).
 _MODEL_CONFIG_KEYS = {"gpt": ("context", "d_model", "n_head", "n_layer", "vocab"),
                       "llama": ("context", "d_ff", "d_model", "head_dim", "n_head", "n_kv_head", "n_layer",
-                                "attn_scalar", "embed_scale", "mlp_act", "nope_layers", "norm_place", "qk_norm",
+                                "attn_scalar", "embed_scale", "logit_softcap", "mlp_act", "nope_layers", "norm_place", "qk_norm",
                                 "qkv_bias", "rms_eps", "rms_offset", "rope_local_theta", "rope_scaling", "rope_theta",
                                 "sliding_window", "tie_embeddings", "vocab", "window_layers"),
                       "mlp": ("hidden", "n_classes", "n_in", "n_layer")}
 # Keys a model_config written before they existed lacks (its model then had the default: no q/k norm).
-_OPTIONAL_MODEL_CONFIG_KEYS = {"llama": ("attn_scalar", "embed_scale", "mlp_act", "nope_layers", "norm_place", "qk_norm",
+_OPTIONAL_MODEL_CONFIG_KEYS = {"llama": ("attn_scalar", "embed_scale", "logit_softcap", "mlp_act", "nope_layers", "norm_place", "qk_norm",
                                          "rms_offset", "rope_local_theta", "sliding_window", "window_layers")}
 # The model_config keys that are settings rather than counts: a number, a switch, or
 # (rope_scaling) null or an object of numbers and names.
-_MODEL_SETTINGS = ("attn_scalar", "embed_scale", "mlp_act", "norm_place", "qk_norm", "qkv_bias", "rms_offset",
+_MODEL_SETTINGS = ("attn_scalar", "embed_scale", "logit_softcap", "mlp_act", "norm_place", "qk_norm", "qkv_bias", "rms_offset",
                    "rope_local_theta", "sliding_window", "rms_eps", "rope_scaling", "rope_theta", "tie_embeddings")
 _LIST_SETTINGS = ("nope_layers", "window_layers")        # null or a list of block indices
 _LAYOUT_KEYS = ("chunks", "dp", "pp", "tp")

@@ -570,6 +570,9 @@ class LMHead(Layer):
     """
 
     PAD_LOGIT = -1e9      # exp() of it, minus any real logit, is 0 in float32 and float64
+    # softcap (Gemma 2's final_logit_softcapping): logits = cap tanh(logits / cap), before the padding
+    # rows' mask; the gradient through it is (1 - tanh^2) times the capped logits' gradient.
+    softcap = None
 
     def __init__(self, vocab, c, wte="wte", used=None):
         self.vocab, self.c, self.wte_name = vocab, c, wte
@@ -585,13 +588,28 @@ class LMHead(Layer):
         self.ln_f.bind(params)
         self.wte, self.dwte = params.view(self.wte_name), params.grad_view(self.wte_name)
 
-    def logits(self, h2, lo=0):
+    def logits(self, h2, lo=0, slopes=None):
         """(N, rows of wte here) logits; columns of padding rows (vocabulary ids from
-        `used` on, this rank's rows starting at id lo) masked."""
+        `used` on, this rank's rows starting at id lo) masked. Under a softcap the logits are
+        capped first, and `slopes`, a list, gets the cap's derivative (1 - tanh^2) for the
+        backward (capped_slope)."""
         logits = K.matmul_nt(h2, BF16.weight(self.wte))
+        if self.softcap:
+            xp = K.get_array_module(logits)
+            xp.tanh(logits / logits.dtype.type(self.softcap), out=logits)
+            if slopes is not None:
+                slopes.append(1 - logits * logits)
+            logits *= logits.dtype.type(self.softcap)
         if self.used < lo + logits.shape[1]:
             logits[:, max(0, self.used - lo):] = self.PAD_LOGIT
         return logits
+
+    @staticmethod
+    def capped_slope(dlogits, slopes):
+        """The capped logits' gradient made the raw logits' (a softcap's chain rule), in place."""
+        if slopes and dlogits is not None:
+            dlogits *= slopes[0]
+        return dlogits
 
     def forward(self, x, targets=None, grad_scale=1.0, need_grad=True):
         """x (B, T, C), targets (B, T). Returns (loss_sum, ctx); without targets returns logits (B, T, V)."""
@@ -601,12 +619,13 @@ class LMHead(Layer):
         if targets is not None and need_grad and h2.dtype == np.uint16:
             loss_sum, dlogits = self.loss_and_bf16_grad(h2, targets.reshape(-1), grad_scale)
             return loss_sum, (ln_ctx, h2, dlogits, (B, T, C))
-        logits = self.logits(h2)                              # (N, V)
+        slopes = [] if targets is not None and need_grad else None
+        logits = self.logits(h2, slopes=slopes)               # (N, V)
         if targets is None:
             return logits.reshape(B, T, self.vocab), None
         losses, dlogits = K.cross_entropy_forward_backward(
             logits, targets.reshape(-1), dlogits=logits if need_grad else None, grad_scale=grad_scale)
-        return float(losses.sum()), (ln_ctx, h2, dlogits, (B, T, C))
+        return float(losses.sum()), (ln_ctx, h2, self.capped_slope(dlogits, slopes), (B, T, C))
 
     BF16_BLOCK_BYTES = 32 << 20          # float32 logits of one block of rows (loss_and_bf16_grad)
 
@@ -622,10 +641,11 @@ class LMHead(Layer):
         dlogits = np.empty((N, self.vocab), np.uint16)
         for lo in range(0, N, rows):
             hi = min(N, lo + rows)
-            logits = self.logits(h2[lo:hi])                   # (rows, V) float32
+            slopes = []
+            logits = self.logits(h2[lo:hi], slopes=slopes)    # (rows, V) float32
             losses[lo:hi], _ = K.cross_entropy_forward_backward(logits, targets[lo:hi], dlogits=logits,
                                                                 grad_scale=grad_scale)
-            K.to_bf16(logits, out=dlogits[lo:hi])
+            K.to_bf16(self.capped_slope(logits, slopes), out=dlogits[lo:hi])
         return float(losses.sum()), dlogits
 
     def decode(self, x, cache, start):

@@ -85,6 +85,7 @@ class LlamaConfig:
     embed_scale: bool = False        # the embedding's rows times sqrt(d_model), rounded to float32 (Gemma)
     attn_scalar: float | None = None   # attention scores times attn_scalar^-1/2 (None: head_dim^-1/2)
     rope_local_theta: float | None = None   # the RoPE base of the windowed blocks (None: rope_theta)
+    logit_softcap: float | None = None   # logits = cap tanh(logits / cap) (final_logit_softcapping; None: none)
 
     def validate(self):
         """Check every value, type and range (limits.py: a checkpoint's manifest or a notebook
@@ -153,6 +154,8 @@ def _check_values(cfg: LlamaConfig) -> None:
         limits.check_number("Llama <attn_scalar>", cfg.attn_scalar, 0, limits.MAX_WIDTH)
     if cfg.rope_local_theta is not None:
         limits.check_number("Llama <rope_local_theta>", cfg.rope_local_theta, 0, limits.MAX_ROPE_THETA)
+    if cfg.logit_softcap is not None:
+        limits.check_number("Llama <logit_softcap>", cfg.logit_softcap, 0, 1e9)
 
 
 def _nope_layers(value, n_layer):
@@ -706,6 +709,7 @@ class LlamaHead(LMHead):
         weight = "wte" if cfg.tie_embeddings else "lm_head.w"
         super().__init__(cfg.padded_vocab, cfg.d_model, wte=weight, used=cfg.vocab)
         self.ln_f = RMSNorm("norm_f", cfg.d_model, cfg.rms_eps, offset=cfg.rms_offset)
+        self.softcap = cfg.logit_softcap
 
 
 def llama_layers(cfg: LlamaConfig, tensor=None):
@@ -731,6 +735,7 @@ def llama_layers(cfg: LlamaConfig, tensor=None):
     head = tensor.head(cfg.padded_vocab, cfg.d_model, wte="wte" if cfg.tie_embeddings else "lm_head.w",
                        used=cfg.vocab)
     head.ln_f = RMSNorm("norm_f", cfg.d_model, cfg.rms_eps, partial=tensor.sequence_parallel, offset=cfg.rms_offset)
+    head.softcap = cfg.logit_softcap
     return [embedding, *blocks, head]
 
 

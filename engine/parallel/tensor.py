@@ -482,11 +482,12 @@ class VocabParallelHead(LMHead):
         h = self.tensor.into_region(h)                       # f, or the whole sequence gathered
         B, T, C = h.shape
         h2 = BF16.of(h.reshape(B * T, C))                    # kept for dW: bf16 under bf16 (BF16)
-        logits = self.logits(h2, self.lo)                    # (N, V/tp): columns lo ... hi
+        slopes = [] if targets is not None and need_grad else None
+        logits = self.logits(h2, self.lo, slopes=slopes)     # (N, V/tp): columns lo ... hi
         if targets is None:                                  # whole, without the in-memory padding
             return self.tensor.gather_columns(logits)[:, :self.vocab].reshape(B, T, self.vocab), None
         losses, dlogits = self.tensor.cross_entropy(logits, targets.reshape(-1), self.lo, need_grad, grad_scale)
-        return float(losses.sum()), (ln_ctx, h2, dlogits, (B, T, C))
+        return float(losses.sum()), (ln_ctx, h2, self.capped_slope(dlogits, slopes), (B, T, C))
 
     def backward_input(self, dloss, ctx):
         ln_ctx, h2, dlogits, shape = ctx

@@ -2,8 +2,9 @@
 scaling by (1 + w), GeGLU with GELU's tanh form (hidden_activation), the embedding times
 sqrt(hidden_size), the per-head q/k norm, scores by query_pre_attn_scalar^-1/2, and windowed
 (local) layers with a RoPE base of their own (rope_parameters per layer type in transformers 5,
-rope_local_base_freq in 4), the others global. Soft-capping, bidirectional attention and the
-larger models' linear RoPE scaling are refused by key."""
+rope_local_base_freq in 4), the others global. Attention soft-capping, bidirectional attention and the
+larger models' linear RoPE scaling are refused by key; final-logit soft-capping is read (null in
+Gemma 3's own configs)."""
 from .family import Family
 
 # transformers' names of GELU's tanh form (ACT2FN): the gate's activation.
@@ -18,9 +19,9 @@ def _check(c):
     if c.get("hidden_activation") not in TANH_GELUS:
         c.unsupported("hidden_activation", "ringpipe's Gemma 3 MLP is GeGLU with GELU's tanh form",
                       "hidden_activation gelu_pytorch_tanh")
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if c.get(key) is not None:
-            c.unsupported(key, "ringpipe does not soft-cap logits (Gemma 3 does not either; Gemma 2 did)", f"{key} null")
+    if c.get("attn_logit_softcapping") is not None:
+        c.unsupported("attn_logit_softcapping", "ringpipe's attention kernels do not soft-cap the scores (Gemma 3 "
+                      "does not either; Gemma 2 did)", "attn_logit_softcapping null")
     if c.get("use_bidirectional_attention"):
         c.unsupported("use_bidirectional_attention", "ringpipe's attention is causal", "use_bidirectional_attention false")
 
@@ -55,7 +56,8 @@ def _window_layers(c, n_layer):
 
 
 def _read(c, n_layer):
-    return {"attn_scalar": float(c.get("query_pre_attn_scalar"))}
+    cap = c.get("final_logit_softcapping")
+    return {"attn_scalar": float(c.get("query_pre_attn_scalar")), "logit_softcap": None if cap is None else float(cap)}
 
 
 def _write(cfg, config, windows):
@@ -65,7 +67,7 @@ def _write(cfg, config, windows):
     config.update(hidden_activation="gelu_pytorch_tanh",
                   query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
                   sliding_window=cfg.sliding_window, layer_types=windows["layer_types"],
-                  rope_local_base_freq=local, final_logit_softcapping=None, attn_logit_softcapping=None,
+                  rope_local_base_freq=local, final_logit_softcapping=cfg.logit_softcap, attn_logit_softcapping=None,
                   use_bidirectional_attention=False,
                   rope_parameters={"full_attention": config["rope_parameters"],
                                    "sliding_attention": {"rope_type": "default", "rope_theta": local}})

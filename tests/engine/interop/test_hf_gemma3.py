@@ -81,6 +81,17 @@ def test_an_imported_gemma3_gives_transformers_logits(tmp_path):
     assert imported_diff(folder) <= EXACT
 
 
+def test_final_logit_soft_capping_is_read_and_written_back(tmp_path):
+    """final_logit_softcapping (Gemma 2's 30; null in Gemma 3's): the logits capped as transformers'."""
+    folder = save(random_gemma3(seed=6, final_logit_softcapping=2.0), tmp_path / "hf")
+    cfg, arrays, _ = hf.import_hf(folder)
+    assert cfg.logit_softcap == 2.0
+    assert imported_diff(folder) <= EXACT
+    out = hf.export_hf({f"param/{k}": v for k, v in arrays.items()}, cfg.to_dict(), str(tmp_path / "out"),
+                       model="llama")
+    assert json.load(open(os.path.join(out, "config.json")))["final_logit_softcapping"] == 2.0
+
+
 def test_the_gemma3_name_table_is_the_models_parameters():
     cfg = LlamaConfig(**OURS).validate()
     names = dict(hf_llama.name_map(cfg))
@@ -92,12 +103,11 @@ def test_the_gemma3_name_table_is_the_models_parameters():
 
 
 @pytest.mark.parametrize("config, key", [
-    (dict(final_logit_softcapping=30.0), "final_logit_softcapping"),
     (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
     (dict(hidden_activation="silu"), "hidden_activation"),
     (dict(rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}), "rope_type"),
-], ids=["final soft-capping", "attention soft-capping", "another activation", "linear RoPE scaling"])
+], ids=["attention soft-capping", "another activation", "linear RoPE scaling"])
 def test_a_gemma3_config_ringpipe_cannot_represent_is_refused_naming_the_key(tmp_path, config, key):
     folder = config_only(tmp_path, **{**{k: v for k, v in SHAPE.items() if k != "pad_token_id"},
                                       "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], **config})

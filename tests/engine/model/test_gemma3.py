@@ -48,7 +48,7 @@ def hf_gemma(cfg: M.LlamaConfig, monkeypatch):
         layer_types=["sliding_attention" if i in window_layers else "full_attention" for i in range(cfg.n_layer)],
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
                          "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta}},
-        hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None, attn_logit_softcapping=None)
+        hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=cfg.logit_softcap, attn_logit_softcapping=None)
     hf_cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = transformers.Gemma3ForCausalLM(hf_cfg).to(torch.float64).eval()
@@ -110,8 +110,11 @@ def _logits_and_grads(cfg, hf, model, tokens, targets):
     return delta, worst
 
 
-def test_gemma3_logits_and_gradients_equal_transformers(monkeypatch):
-    cfg = M.LlamaConfig(**TINY).validate()
+@pytest.mark.parametrize("softcap", [None, 2.0], ids=["plain", "final-logit soft-capping"])
+def test_gemma3_logits_and_gradients_equal_transformers(monkeypatch, softcap):
+    """softcap: logits = cap tanh(logits / cap) (final_logit_softcapping: null in Gemma 3's configs,
+    Gemma 2's 30), at a cap small enough to bend these logits."""
+    cfg = M.LlamaConfig(**TINY, logit_softcap=softcap).validate()
     hf = hf_gemma(cfg, monkeypatch)
     tokens, targets = rng.integers(0, cfg.vocab, size=(2, 21)), rng.integers(0, cfg.vocab, size=(2, 21))
     delta, worst = _logits_and_grads(cfg, hf, ours_from(hf, cfg), tokens, targets)
@@ -120,14 +123,37 @@ def test_gemma3_logits_and_gradients_equal_transformers(monkeypatch):
 
 @pytest.mark.parametrize("wrong", [dict(rms_offset=0.0), dict(rope_local_theta=None), dict(sliding_window=None,
                                                                                              window_layers=None),
-                                   dict(embed_scale=False), dict(mlp_act="silu"), dict(attn_scalar=None)],
+                                   dict(embed_scale=False), dict(mlp_act="silu"), dict(attn_scalar=None),
+                                   dict(logit_softcap=None)],
                          ids=["norm as w", "global base on local blocks", "no window", "no embedding scale",
-                              "silu gate", "head_dim scale"])
+                              "silu gate", "head_dim scale", "no soft-capping"])
 def test_each_gemma3_part_left_out_fails_the_exactness_test(monkeypatch, wrong):
-    cfg = M.LlamaConfig(**TINY).validate()
+    cfg = M.LlamaConfig(**TINY, logit_softcap=2.0).validate()
     hf = hf_gemma(cfg, monkeypatch)
     tokens = rng.integers(0, cfg.vocab, size=(2, 21))
     expected = hf(torch.from_numpy(tokens)).logits.detach().numpy()
-    other = M.LlamaConfig(**{**TINY, **wrong}).validate()
+    other = M.LlamaConfig(**{**TINY, "logit_softcap": 2.0, **wrong}).validate()
     delta = np.abs(ours_from(hf, other).forward(tokens, need_grad=False)[0][..., :cfg.vocab] - expected).max()
     assert delta > 1e-6, delta
+
+
+def test_soft_capping_under_bf16_matmuls_follows_float32():
+    """The bf16 head (loss_and_bf16_grad: the logits a block of rows at a time) caps them too:
+    its loss is float32's at bf16's tolerance, and another than without the cap (weights large
+    enough for the logits to bend)."""
+    from ringpipe import kernels as K
+    shape = dict(TINY, n_layer=1, window_layers=[0])
+    weights = np.random.default_rng(5).normal(0.0, 0.5, size=M.build_llama(M.LlamaConfig(**shape).validate()).params.size)
+
+    def loss(softcap, precision):
+        model = M.build_llama(M.LlamaConfig(**shape, logit_softcap=softcap).validate(), np.float32)
+        model.params.data[:] = weights
+        try:
+            K.set_matmul_precision(precision)
+            return model.loss_and_grad(tokens, targets, grad_scale=1.0)
+        finally:
+            K.set_matmul_precision("float32")
+    tokens, targets = rng.integers(0, 97, size=(2, 16)), rng.integers(0, 97, size=(2, 16))
+    float32 = loss(1.0, "float32")
+    assert loss(1.0, "bf16") == pytest.approx(float32, rel=2e-2)
+    assert abs(loss(None, "float32") - float32) > 0.05 * abs(float32)

@@ -199,14 +199,16 @@ def _compare_grads(part_params, whole_params, tensor):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("tied,softcap", [(True, None), (False, None), (True, 0.5)],
+                         ids=["tied", "untied", "tied, final-logit soft-capping"])
 @pytest.mark.parametrize("sp", [False, True])
-def test_the_split_llama_model_equals_the_whole_one(tied, sp):
+def test_the_split_llama_model_equals_the_whole_one(tied, softcap, sp):
     """The whole chain (vocabulary-parallel embedding without a position table, blocks, the
-    head with norm_f, tied or untied), vocabulary 99 of 128 rows: loss, gradients, logits."""
+    head with norm_f, tied or untied), vocabulary 99 of 128 rows: loss, gradients, logits. A
+    softcap bends each rank's columns of the logits before the vocabulary-parallel softmax."""
     size = 4 if world.size % 4 == 0 else 2
     cfg = LlamaConfig(n_layer=1, d_model=16, n_head=4, n_kv_head=size, d_ff=13, context=8, vocab=99,
-                      tie_embeddings=tied).validate()
+                      tie_embeddings=tied, logit_softcap=softcap).validate()
     tensor = _group(size, sp)
     try:
         whole = LayerChain(llama_layers(cfg), dtype=np.float64)
