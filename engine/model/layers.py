@@ -354,9 +354,22 @@ class MLP(Layer):
         self.fc.backward_weight(fc_w)
 
 
+def _norm_forward(norm, x):
+    """A block's norm slot: (norm(x), its ctx), or (x, None) where the slot is empty."""
+    return (x, None) if norm is None else norm.forward(x)
+
+
+def _norm_backward(norm, dy, ctx):
+    return dy if norm is None else norm.backward_input(dy, ctx)[0]
+
+
 class Block(Layer):
-    """Pre-norm residual Transformer block: x + attn(ln1(x)), then + mlp(ln2(x)).
-    Under sequence parallelism x, the LayerNorms and the residual adds are this
+    """Residual Transformer block with a norm slot before and after each sub-layer:
+        x1 = x + post1(attn(ln1(x))), then x1 + post2(mlp(ln2(x1))),
+    an empty slot (None) being the identity. GPT's (and Llama's) is pre-norm: ln1 and ln2,
+    no post norms. The Llama family's other wirings fill other slots (engine/model/llama.py
+    LlamaBlock: OLMo 2's norms only after, Gemma 3's before and after).
+    Under sequence parallelism x, the norms and the residual adds are this
     rank's T/tp positions; attention and MLP gather the sequence and scatter it back.
 
     A block is what activation recomputation works on (set_recompute; LayerChain's
@@ -370,6 +383,8 @@ class Block(Layer):
         self.ln2 = LayerNorm(f"{name}.ln2", c, partial=maker.sequence_parallel)
         self.mlp = MLP(f"{name}.mlp", c, n_layer, maker=maker)
         self.parts = [self.ln1, self.attn, self.ln2, self.mlp]
+
+    post1 = post2 = None          # the norms after attention and after the MLP: none (pre-norm)
 
     def specs(self):
         return [s for part in self.parts for s in part.specs()]
@@ -387,25 +402,29 @@ class Block(Layer):
 
     def forward(self, x):
         # x (B, T, C)
-        a_in, ln1_ctx = self.ln1.forward(x)
+        a_in, ln1_ctx = _norm_forward(self.ln1, x)
         a, attn_ctx = self.attn.forward(a_in)
+        a, post1_ctx = _norm_forward(self.post1, a)
         x1 = x + a
-        m_in, ln2_ctx = self.ln2.forward(x1)
+        m_in, ln2_ctx = _norm_forward(self.ln2, x1)
         m, mlp_ctx = self.mlp.forward(m_in)
-        return x1 + m, (ln1_ctx, attn_ctx, ln2_ctx, mlp_ctx)
+        m, post2_ctx = _norm_forward(self.post2, m)
+        return x1 + m, (ln1_ctx, attn_ctx, ln2_ctx, mlp_ctx, post1_ctx, post2_ctx)
 
     def decode(self, x, cache, start):
         # x (B, T, C) of positions start..start+T-1; cache: this block's KVCache
-        x1 = x + self.attn.decode(self.ln1.forward(x)[0], cache, start)
-        return x1 + self.mlp.forward(self.ln2.forward(x1)[0])[0]
+        a = self.attn.decode(_norm_forward(self.ln1, x)[0], cache, start)
+        x1 = x + _norm_forward(self.post1, a)[0]
+        m = self.mlp.forward(_norm_forward(self.ln2, x1)[0])[0]
+        return x1 + _norm_forward(self.post2, m)[0]
 
     def backward_input(self, dx2, ctx):
-        ln1_ctx, attn_ctx, ln2_ctx, mlp_ctx = ctx
-        dm_in, mlp_w = self.mlp.backward_input(dx2, mlp_ctx)
-        dx1, _ = self.ln2.backward_input(dm_in, ln2_ctx)
+        ln1_ctx, attn_ctx, ln2_ctx, mlp_ctx, post1_ctx, post2_ctx = ctx
+        dm, mlp_w = self.mlp.backward_input(_norm_backward(self.post2, dx2, post2_ctx), mlp_ctx)
+        dx1 = _norm_backward(self.ln2, dm, ln2_ctx)      # a new array: the MLP's or the norm's
         dx1 += dx2                                        # residual
-        da_in, attn_w = self.attn.backward_input(dx1, attn_ctx)
-        dx, _ = self.ln1.backward_input(da_in, ln1_ctx)
+        da, attn_w = self.attn.backward_input(_norm_backward(self.post1, dx1, post1_ctx), attn_ctx)
+        dx = _norm_backward(self.ln1, da, ln1_ctx)
         dx += dx1                                         # residual
         return dx, (attn_w, mlp_w)
 

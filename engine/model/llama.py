@@ -1,19 +1,22 @@
-"""A Llama-family language model (Llama 3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3, SmolLM3 and
-OLMo 2 shapes), in one readable file.
+"""A Llama-family language model (Llama 3, SmolLM2, TinyLlama, Mistral, Qwen2, Qwen3, SmolLM3,
+OLMo 2 and Gemma 3 shapes), in one readable file.
 
     tokens (B, T) -> TokenEmbedding -> n_layer x LlamaBlock -> LlamaHead (RMSNorm, logits, loss)
     LlamaBlock:  x + attn(norm1(x)), then + mlp(norm2(x))
-                 (norm_place "post", OLMo 2's: x + norm1(attn(x)), then + norm2(mlp(x)))
+                 (norm_place "post", OLMo 2's: x + norm1(attn(x)), then + norm2(mlp(x));
+                 "sandwich", Gemma 3's: a norm before and after each)
     attn:        grouped-query causal attention, rotary positions on q and k (none in the
                  nope_layers: SmolLM3's NoPE blocks)
                  (qk_norm "head", Qwen3's: each head's q and k RMS-normalised over its hd
                  channels, before the rotation; "all", OLMo 2's: over all heads' channels)
-    mlp:         down(silu(gate(x)) * up(x))   (SwiGLU)
+    mlp:         down(silu(gate(x)) * up(x))   (SwiGLU; mlp_act gelu_tanh: GeGLU, Gemma's)
 
 The families differ by parts the shape names (LlamaConfig): q/k/v biases (Qwen2), the q/k
-norm (Qwen3 per head, OLMo 2 over the whole projection), where the block's norms sit (OLMo 2:
-after attention and MLP), blocks without rotary positions (SmolLM3's NoPE layers), head_dim
-apart from d_model / n_head, the RoPE's base and scaling.
+norm (Qwen3 and Gemma 3 per head, OLMo 2 over the whole projection), where the block's norms
+sit (OLMo 2: after attention and MLP; Gemma 3: before and after), blocks without rotary
+positions (SmolLM3's NoPE layers), sliding windows and their own RoPE base (Mistral, Qwen,
+Gemma 3), Gemma's (1 + w) norms, scaled embedding, score scale and final-logit soft-capping,
+head_dim apart from d_model / n_head, the RoPE's base and scaling.
 
 Parameters are laid out as Hugging Face's LlamaForCausalLM lays them out, so its weights
 copy by name with no permutation: every Linear weight is (out, in); q and k rows are
@@ -21,7 +24,8 @@ heads in order, and within a head the rotary pairs are (i, i + hd/2) (`rotate_ha
 the "half-split" layout), not neighbours. Names:
 
     wte (V, C) · h.{i}.norm1.w · h.{i}.attn.{q,k,v,o}.w (+ q/k/v .b when qkv_bias) ·
-    h.{i}.attn.{q,k}_norm.w (hd,) when qk_norm is "head" ·
+    h.{i}.attn.{q,k}_norm.w ((hd,) when qk_norm is "head", (H hd,) and (Hkv hd,) when "all") ·
+    h.{i}.post_attn_norm.w, h.{i}.post_mlp_norm.w when norm_place is "sandwich" ·
     h.{i}.norm2.w · h.{i}.mlp.{gate,up,down}.w · norm_f.w · lm_head.w (V, C) when untied
 
 Shapes: B batch, T time, C d_model, H query heads, Hkv key/value heads, G = H/Hkv query
@@ -108,7 +112,7 @@ class LlamaConfig:
                               f"head serves an equal group of query heads): use <kv_heads> "
                               f"{', '.join(map(str, works))}")
         _check_rope_scaling(self.rope_scaling)
-        self.nope_layers = _nope_layers(self.nope_layers, self.n_layer)
+        self.nope_layers = _block_list("nope_layers", self.nope_layers, self.n_layer, empty=None)
         limits.check_whole("Llama <sliding_window>", self.sliding_window, 1, limits.MAX_CONTEXT, none="no window")
         self.window_layers = _block_list("window_layers", self.window_layers, self.n_layer)
         if self.window_layers is not None and not self.sliding_window:
@@ -156,12 +160,6 @@ def _check_values(cfg: LlamaConfig) -> None:
         limits.check_number("Llama <rope_local_theta>", cfg.rope_local_theta, 0, limits.MAX_ROPE_THETA)
     if cfg.logit_softcap is not None:
         limits.check_number("Llama <logit_softcap>", cfg.logit_softcap, 0, 1e9)
-
-
-def _nope_layers(value, n_layer):
-    """nope_layers as a sorted list of distinct block indices below n_layer, or None for none;
-    given as a list, or as the comma-separated text of --nope-layers ("3,7,11")."""
-    return _block_list("nope_layers", value, n_layer, empty=None)
 
 
 def _block_list(name, value, n_layer, empty=()):
@@ -559,88 +557,34 @@ class SwiGLU(Layer):
 
 
 class LlamaBlock(Block):
-    """Block's pre-norm residual wiring (its forward and backward), with Llama's parts:
-    its ln1/ln2 slots hold RMSNorms, attn grouped-query attention, mlp SwiGLU."""
+    """Block's residual wiring (engine/model/layers.py), with Llama's parts: RMSNorms,
+    grouped-query attention, SwiGLU. Where the norms sit is the family's (norm_place):
+      pre (Llama, Qwen, ...)  x1 = x + attn(norm1(x)), then x1 + mlp(norm2(x1))
+      post (OLMo 2)           x1 = x + norm1(attn(x)), then x1 + norm2(mlp(x1)): its
+                              post_attention_layernorm and post_feedforward_layernorm
+      sandwich (Gemma 3)      x1 = x + post_attn_norm(attn(norm1(x))), then
+                              x1 + post_mlp_norm(mlp(norm2(x1))): its four
+    Under sequence parallelism every norm acts on this rank's positions."""
 
     def __init__(self, name, cfg: LlamaConfig, rotary: Rotary, maker=WHOLE, window=0):
         self.name = name
-        self.ln1 = RMSNorm(f"{name}.norm1", cfg.d_model, cfg.rms_eps, partial=maker.sequence_parallel,
+
+        def norm(part):
+            return RMSNorm(f"{name}.{part}", cfg.d_model, cfg.rms_eps, partial=maker.sequence_parallel,
                            offset=cfg.rms_offset)
         self.attn = GroupedQueryAttention(f"{name}.attn", cfg, rotary, maker=maker, window=window)
-        self.ln2 = RMSNorm(f"{name}.norm2", cfg.d_model, cfg.rms_eps, partial=maker.sequence_parallel,
-                           offset=cfg.rms_offset)
         self.mlp = SwiGLU(f"{name}.mlp", cfg, maker=maker)
-        self.parts = [self.ln1, self.attn, self.ln2, self.mlp]
-
-
-class PostNormLlamaBlock(LlamaBlock):
-    """OLMo 2's wiring of the same parts: x1 = x + norm1(attn(x)), then x1 + norm2(mlp(x1)), no
-    norm before either (its post_attention_layernorm and post_feedforward_layernorm). Under
-    sequence parallelism x, the norms and the adds are this rank's positions, as in Block."""
-
-    def forward(self, x):
-        # x (B, T, C)
-        a, attn_ctx = self.attn.forward(x)
-        a_n, ln1_ctx = self.ln1.forward(a)
-        x1 = x + a_n
-        m, mlp_ctx = self.mlp.forward(x1)
-        m_n, ln2_ctx = self.ln2.forward(m)
-        return x1 + m_n, (ln1_ctx, attn_ctx, ln2_ctx, mlp_ctx)
-
-    def decode(self, x, cache, start):
-        x1 = x + self.ln1.forward(self.attn.decode(x, cache, start))[0]
-        return x1 + self.ln2.forward(self.mlp.forward(x1)[0])[0]
-
-    def backward_input(self, dx2, ctx):
-        ln1_ctx, attn_ctx, ln2_ctx, mlp_ctx = ctx
-        dm, _ = self.ln2.backward_input(dx2, ln2_ctx)
-        dx1, mlp_w = self.mlp.backward_input(dm, mlp_ctx)
-        dx1 += dx2                                        # residual
-        da, _ = self.ln1.backward_input(dx1, ln1_ctx)
-        dx, attn_w = self.attn.backward_input(da, attn_ctx)
-        dx += dx1                                         # residual
-        return dx, (attn_w, mlp_w)
-
-
-class SandwichLlamaBlock(LlamaBlock):
-    """Gemma 3's wiring: a norm before and after each of attention and the MLP,
-    x1 = x + post_attn_norm(attn(norm1(x))), then x1 + post_mlp_norm(mlp(norm2(x1)))
-    (its input_layernorm, post_attention_layernorm, pre_feedforward_layernorm and
-    post_feedforward_layernorm). Under sequence parallelism all four act on this rank's positions."""
-
-    def __init__(self, name, cfg: LlamaConfig, rotary: Rotary, maker=WHOLE, window=0):
-        super().__init__(name, cfg, rotary, maker=maker, window=window)
-        sp = maker.sequence_parallel
-        self.post_attn = RMSNorm(f"{name}.post_attn_norm", cfg.d_model, cfg.rms_eps, partial=sp, offset=cfg.rms_offset)
-        self.post_mlp = RMSNorm(f"{name}.post_mlp_norm", cfg.d_model, cfg.rms_eps, partial=sp, offset=cfg.rms_offset)
-        self.parts = [self.ln1, self.attn, self.post_attn, self.ln2, self.mlp, self.post_mlp]
-
-    def forward(self, x):
-        # x (B, T, C)
-        a_in, ln1_ctx = self.ln1.forward(x)
-        a, attn_ctx = self.attn.forward(a_in)
-        a_n, pa_ctx = self.post_attn.forward(a)
-        x1 = x + a_n
-        m_in, ln2_ctx = self.ln2.forward(x1)
-        m, mlp_ctx = self.mlp.forward(m_in)
-        m_n, pm_ctx = self.post_mlp.forward(m)
-        return x1 + m_n, (ln1_ctx, attn_ctx, pa_ctx, ln2_ctx, mlp_ctx, pm_ctx)
-
-    def decode(self, x, cache, start):
-        x1 = x + self.post_attn.forward(self.attn.decode(self.ln1.forward(x)[0], cache, start))[0]
-        return x1 + self.post_mlp.forward(self.mlp.forward(self.ln2.forward(x1)[0])[0])[0]
-
-    def backward_input(self, dx2, ctx):
-        ln1_ctx, attn_ctx, pa_ctx, ln2_ctx, mlp_ctx, pm_ctx = ctx
-        dm, _ = self.post_mlp.backward_input(dx2, pm_ctx)
-        dm_in, mlp_w = self.mlp.backward_input(dm, mlp_ctx)
-        dx1, _ = self.ln2.backward_input(dm_in, ln2_ctx)
-        dx1 += dx2                                        # residual
-        da, _ = self.post_attn.backward_input(dx1, pa_ctx)
-        da_in, attn_w = self.attn.backward_input(da, attn_ctx)
-        dx, _ = self.ln1.backward_input(da_in, ln1_ctx)
-        dx += dx1                                         # residual
-        return dx, (attn_w, mlp_w)
+        # (parts in the order the parameters are laid out: norm1, attention, norm2, MLP, as ever)
+        if cfg.norm_place == "post":
+            self.ln1 = self.ln2 = None
+            self.post1, self.post2 = norm("norm1"), norm("norm2")
+            self.parts = [self.post1, self.attn, self.post2, self.mlp]
+        else:
+            self.ln1, self.ln2 = norm("norm1"), norm("norm2")
+            self.parts = [self.ln1, self.attn, self.ln2, self.mlp]
+            if cfg.norm_place == "sandwich":
+                self.post1, self.post2 = norm("post_attn_norm"), norm("post_mlp_norm")
+                self.parts = [self.ln1, self.attn, self.post1, self.ln2, self.mlp, self.post2]
 
 
 class ScaledEmbedding(Layer):
@@ -723,11 +667,9 @@ def llama_layers(cfg: LlamaConfig, tensor=None):
     local = Rotary(cfg.head_dim, cfg.rope_local_theta) if cfg.rope_local_theta is not None else rotary
     maker = WHOLE if tensor is None else tensor
     nope = set(cfg.nope_layers or ())
-    block = {"pre": LlamaBlock, "post": PostNormLlamaBlock, "sandwich": SandwichLlamaBlock}[cfg.norm_place]
-
-    def rotary_of(i):
-        return None if i in nope else local if window_of(cfg, i) else rotary
-    blocks = [block(f"h.{i}", cfg, rotary_of(i), maker=maker, window=window_of(cfg, i)) for i in range(cfg.n_layer)]
+    windows = [window_of(cfg, i) for i in range(cfg.n_layer)]
+    rotaries = [None if i in nope else local if windows[i] else rotary for i in range(cfg.n_layer)]
+    blocks = [LlamaBlock(f"h.{i}", cfg, rotaries[i], maker=maker, window=windows[i]) for i in range(cfg.n_layer)]
     if tensor is None:
         embedding = _scaled(cfg, TokenEmbedding(cfg.padded_vocab, cfg.d_model, cfg.context))
         return [embedding, *blocks, LlamaHead(cfg)]

@@ -23,7 +23,7 @@ TINY = dict(M.PRESETS["gemma3-tiny"], vocab=97, context=32)
 
 def test_sandwich_block_and_geglu_finite_differences():
     cfg = M.LlamaConfig(**dict(TINY, n_layer=1, window_layers=[0])).validate()
-    block = M.SandwichLlamaBlock("h.0", cfg, M.Rotary(cfg.head_dim, 100.0), window=3)
+    block = M.LlamaBlock("h.0", cfg, M.Rotary(cfg.head_dim, 100.0), window=3)      # the sandwich wiring
     check_layer(block, rng.normal(size=(2, 5, 48)))
 
 

@@ -21,7 +21,7 @@ from ringpipe.engine.job import checkpoint
 from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.model.chain import LayerChain
 from ringpipe.engine.model.layers import WHOLE
-from ringpipe.engine.model.llama import (GroupedQueryAttention, LlamaBlock, LlamaConfig, PostNormLlamaBlock, Rotary,
+from ringpipe.engine.model.llama import (GroupedQueryAttention, LlamaBlock, LlamaConfig, Rotary,
                                         SwiGLU, WidthRMSNorm, llama_layers)
 from ringpipe.engine.model.params import ParamBuffer, Split
 from ringpipe.engine.train import config as config_checks
@@ -125,7 +125,7 @@ LAYERS = {
     "gqa-nope": lambda cfg, m: GroupedQueryAttention("a", cfg, None, maker=m),
     # OLMo 2: the q/k norm over all heads (its sums all-reduced over the group), the norms after
     "gqa-olmo2": lambda cfg, m: GroupedQueryAttention("a", _olmo2(cfg), _rotary(cfg), maker=m),
-    "block-olmo2": lambda cfg, m: PostNormLlamaBlock("h", _olmo2(cfg), _rotary(cfg), maker=m),
+    "block-olmo2": lambda cfg, m: LlamaBlock("h", _olmo2(cfg), _rotary(cfg), maker=m),
 }
 
 
