@@ -31,6 +31,7 @@ import re
 import numpy as np
 
 from ringpipe.engine.interop import hf_folder, hf_values
+from ringpipe.engine.job import checkpoint
 from ringpipe.engine.interop.families import BY_MODEL_TYPE, FAMILIES, PART_DEFAULTS, gemma3, olmo2, parts_of, signature
 from ringpipe.engine.interop.hf_folder import HFError
 
@@ -130,12 +131,12 @@ def config_from_dict(model_config: dict, where: str = "model_config"):
     where: what holds it, for a refusal (the manifest's path)."""
     llama = _llama_module()
     import dataclasses
-    expected = {f.name for f in dataclasses.fields(llama.LlamaConfig)}
+    fields = {f.name: f.default for f in dataclasses.fields(llama.LlamaConfig)}
+    expected = set(fields)
     if isinstance(model_config, dict):
-        # Written before these parts existed: none of either.
-        model_config = {"qk_norm": "none", "nope_layers": None, "norm_place": "pre", "sliding_window": None,
-                        "window_layers": None, "rms_offset": 0.0, "mlp_act": "silu", "embed_scale": False,
-                        "attn_scalar": None, "rope_local_theta": None, "logit_softcap": None, **model_config}
+        # The keys a model_config written before them lacks (the checkpoint format's list): the
+        # model then had their defaults (no q/k norm, no window, ...).
+        model_config = {**{k: fields[k] for k in checkpoint.OPTIONAL_MODEL_CONFIG_KEYS["llama"]}, **model_config}
     if not isinstance(model_config, dict) or set(model_config) != expected:
         keys = sorted(model_config) if isinstance(model_config, dict) else type(model_config).__name__
         raise HFError(f"model_config has the keys {keys}, expected {sorted(expected)}: is it a Llama "
@@ -416,7 +417,7 @@ def _refuse_unsupported(c: _Config, context: int, n_layer: int) -> None:
     """Activations, biases, windows, experts and quantization ringpipe's Llama does not have."""
     if c.family.check is not None:
         c.family.check(c)                        # its own keys (Gemma 3's activation, soft-capping, ...)
-    if c.family.check is None and c.get("hidden_act") not in _SILUS:
+    elif c.get("hidden_act") not in _SILUS:
         c.unsupported("hidden_act", "ringpipe's Llama MLP is SwiGLU, whose gate uses silu", "hidden_act silu")
     # Only some classes read attention_bias and mlp_bias (Mistral's and Qwen2's biases are fixed
     # by the architecture).

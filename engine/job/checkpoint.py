@@ -86,8 +86,10 @@ _MODEL_CONFIG_KEYS = {"gpt": ("context", "d_model", "n_head", "n_layer", "vocab"
                                 "sliding_window", "tie_embeddings", "vocab", "window_layers"),
                       "mlp": ("hidden", "n_classes", "n_in", "n_layer")}
 # Keys a model_config written before they existed lacks (its model then had the default: no q/k norm).
-_OPTIONAL_MODEL_CONFIG_KEYS = {"llama": ("attn_scalar", "embed_scale", "logit_softcap", "mlp_act", "nope_layers", "norm_place", "qk_norm",
-                                         "rms_offset", "rope_local_theta", "sliding_window", "window_layers")}
+# (engine/interop/hf_llama.py fills them in with LlamaConfig's defaults.)
+OPTIONAL_MODEL_CONFIG_KEYS = {"llama": ("attn_scalar", "embed_scale", "logit_softcap", "mlp_act", "nope_layers",
+                                        "norm_place", "qk_norm", "rms_offset", "rope_local_theta", "sliding_window",
+                                        "window_layers")}
 # The model_config keys that are settings rather than counts: a number, a switch, or
 # (rope_scaling) null or an object of numbers and names.
 _MODEL_SETTINGS = ("attn_scalar", "embed_scale", "logit_softcap", "mlp_act", "norm_place", "qk_norm", "qkv_bias", "rms_offset",
@@ -644,7 +646,7 @@ def _check_schema(m):
     if not isinstance(m["model"], str) or m["model"] not in _MODEL_CONFIG_KEYS:
         raise _wrong("model", m["model"], " or ".join(repr(k) for k in _MODEL_CONFIG_KEYS))
     _check_object("model_config", m["model_config"], _MODEL_CONFIG_KEYS[m["model"]],
-                  _OPTIONAL_MODEL_CONFIG_KEYS.get(m["model"], ()))
+                  OPTIONAL_MODEL_CONFIG_KEYS.get(m["model"], ()))
     _check_short_name("optimizer", m["optimizer"])
     _check_int("opt_step_count", m["opt_step_count"], 0, 2**62)
     loss = m["loss"]
