@@ -381,9 +381,7 @@ def softmax_causal_forward(scores, scale, out=None, *, bf16_out=None, window=0, 
     _out_ok(op, "out", out)
     _check_bf16_out(op, bf16_out, dt, scores.shape)
     impl = _dispatch(op, (scores, out, bf16_out), backend)
-    if window:
-        return impl(_c(scores), scale, out, bf16_out=bf16_out, window=window)
-    return impl(_c(scores), scale, out, bf16_out=bf16_out)
+    return impl(_c(scores), scale, out, bf16_out=bf16_out, window=window)
 
 
 def softmax_causal_backward(dprobs, probs, scale, out=None, *, bf16_out=None, backend=None):
