@@ -13,6 +13,7 @@ import pytest
 from ringpipe.engine.model import llama as M
 from ringpipe.kernels.rope import rope_inv_freq
 from tests.engine.model.test_gradients import check_layer
+from tests.engine.model.test_llama import compare, ours_from
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -68,48 +69,6 @@ def hf_gemma(cfg: M.LlamaConfig, monkeypatch):
     return model
 
 
-def hf_names(cfg):
-    names = {"model.embed_tokens.weight": "wte", "model.norm.weight": "norm_f.w"}
-    for i in range(cfg.n_layer):
-        hf, ours = f"model.layers.{i}.", f"h.{i}."
-        names.update({hf + "input_layernorm.weight": ours + "norm1.w",
-                      hf + "post_attention_layernorm.weight": ours + "post_attn_norm.w",
-                      hf + "pre_feedforward_layernorm.weight": ours + "norm2.w",
-                      hf + "post_feedforward_layernorm.weight": ours + "post_mlp_norm.w"})
-        for p in "qkvo":
-            names[hf + f"self_attn.{p}_proj.weight"] = ours + f"attn.{p}.w"
-        for p in "qk":
-            names[hf + f"self_attn.{p}_norm.weight"] = ours + f"attn.{p}_norm.w"
-        for p in ("gate", "up", "down"):
-            names[hf + f"mlp.{p}_proj.weight"] = ours + f"mlp.{p}.w"
-    return names
-
-
-def ours_from(hf, cfg):
-    model = M.build_llama(cfg, np.float64)
-    params = dict(hf.named_parameters())
-    for hf_name, name in hf_names(cfg).items():
-        weight = params[hf_name].detach().numpy()
-        model.params.view(name)[:weight.shape[0]] = weight
-    return model
-
-
-def _logits_and_grads(cfg, hf, model, tokens, targets):
-    logits = hf(torch.from_numpy(tokens)).logits
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab), torch.from_numpy(targets).reshape(-1))
-    loss.backward()
-    ours, _ = model.forward(tokens, need_grad=False)
-    delta = np.abs(ours[..., :cfg.vocab] - logits.detach().numpy()).max()
-    model.params.zero_grad()
-    worst = abs(model.loss_and_grad(tokens, targets, grad_scale=1.0 / targets.size) / targets.size - loss.item())
-    params = dict(hf.named_parameters())
-    for hf_name, name in hf_names(cfg).items():
-        expected = params[hf_name].grad.numpy()
-        got = model.params.grad_view(name)[:expected.shape[0]]
-        worst = max(worst, np.abs(got - expected).max() / np.abs(expected).max())
-    return delta, worst
-
-
 @pytest.mark.parametrize("softcap", [None, 2.0], ids=["plain", "final-logit soft-capping"])
 def test_gemma3_logits_and_gradients_equal_transformers(monkeypatch, softcap):
     """softcap: logits = cap tanh(logits / cap) (final_logit_softcapping: null in Gemma 3's configs,
@@ -117,7 +76,7 @@ def test_gemma3_logits_and_gradients_equal_transformers(monkeypatch, softcap):
     cfg = M.LlamaConfig(**TINY, logit_softcap=softcap).validate()
     hf = hf_gemma(cfg, monkeypatch)
     tokens, targets = rng.integers(0, cfg.vocab, size=(2, 21)), rng.integers(0, cfg.vocab, size=(2, 21))
-    delta, worst = _logits_and_grads(cfg, hf, ours_from(hf, cfg), tokens, targets)
+    delta, worst = compare(cfg, hf, ours_from(hf, cfg), tokens, targets)
     assert delta <= 1e-10 and worst <= 1e-10, (delta, worst)
 
 

@@ -221,6 +221,11 @@ def hf_names(cfg: M.LlamaConfig) -> dict:
         if cfg.norm_place == "post":       # OLMo 2: after attention, after the MLP
             names[hf + "post_attention_layernorm.weight"] = ours + "norm1.w"
             names[hf + "post_feedforward_layernorm.weight"] = ours + "norm2.w"
+        elif cfg.norm_place == "sandwich":  # Gemma 3: before and after each
+            names.update({hf + "input_layernorm.weight": ours + "norm1.w",
+                          hf + "post_attention_layernorm.weight": ours + "post_attn_norm.w",
+                          hf + "pre_feedforward_layernorm.weight": ours + "norm2.w",
+                          hf + "post_feedforward_layernorm.weight": ours + "post_mlp_norm.w"})
         else:
             names[hf + "input_layernorm.weight"] = ours + "norm1.w"
             names[hf + "post_attention_layernorm.weight"] = ours + "norm2.w"
