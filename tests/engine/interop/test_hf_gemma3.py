@@ -17,7 +17,7 @@ from ringpipe.engine.model.chain import LayerChain  # noqa: E402
 from ringpipe.engine.model.llama import PRESETS, LlamaConfig, llama_layers  # noqa: E402
 from ringpipe.kernels.rope import rope_inv_freq  # noqa: E402
 
-from tests.engine.interop.test_hf_llama import (EXACT, assert_export_import_export_is_bitwise, assert_greedy_tokens_agree, checkpoint_arrays, config_only,  # noqa: E402
+from tests.engine.interop.test_hf_llama import (EXACT, assert_export_and_sample_agree, assert_export_import_export_is_bitwise, assert_greedy_tokens_agree, checkpoint_arrays, config_only,  # noqa: E402
                                                 fine_tune_and_export, random_tokens, randomize,
                                                 ringpipe_logits, ringpipe_model, save)
 
@@ -151,14 +151,8 @@ def test_a_model_with_some_of_gemma3s_parts_has_no_class_to_export_to(tmp_path):
 def test_a_gemma3_folder_fine_tunes_exports_and_samples_from_the_command_line(tmp_path, capsys):
     """save_pretrained -> --init-from (the family from config.json) -> two steps -> ringpipe export
     (Gemma3ForCausalLM) -> transformers gives the checkpoint's logits; ringpipe sample reads the run."""
-    from ringpipe.engine.interop import sample
     folder = save(random_gemma3(seed=5, vocab_size=256), tmp_path / "hf")
     run, config, cfg, params = fine_tune_and_export(folder, tmp_path)
     assert config["model_type"] == "gemma3_text"
     assert (cfg.norm_place, cfg.mlp_act, cfg.sliding_window) == ("sandwich", "gelu_tanh", 8)
-    tokens = random_tokens(256, length=32)
-    ours = ringpipe_logits(ringpipe_model(cfg, params), tokens, 256)
-    assert np.abs(hf_logits(str(tmp_path / "out"), tokens) - ours).max() <= EXACT
-    capsys.readouterr()
-    assert sample.main([str(run), "--prompt", "def ", "--tokens", "4", "--temperature", "0"]) == 0
-    assert capsys.readouterr().out.startswith("def ")
+    assert_export_and_sample_agree(run, cfg, params, tmp_path / "out", capsys, logits_of=hf_logits)

@@ -170,22 +170,34 @@ def assert_export_import_export_is_bitwise(cfg, folder, seed=3):
     assert folder_bytes(first) == folder_bytes(second)
 
 
-def fine_tune_and_export(folder, tmp_path):
+def fine_tune_and_export(folder, tmp_path, *flags):
     """A save_pretrained folder (the byte tokenizer put beside it) -> --init-from (its family from
-    config.json) -> two steps -> ringpipe export. Returns (run dir, exported config.json, the
-    checkpoint's LlamaConfig, its params as float32 {name: array})."""
+    config.json, or `flags`' --model) -> two steps -> ringpipe export to tmp_path/out. Returns (run
+    dir, exported config.json, the checkpoint's LlamaConfig, its params as float32 {name: array})."""
     from ringpipe.engine.data.tokenizer import load_tokenizer
     from ringpipe.engine.job import checkpoint
     from ringpipe.engine.train.cli import run_flags
     with open(os.path.join(folder, "tokenizer.json"), "w") as fh:
         fh.write(load_tokenizer("bytes").to_json())
     run = tmp_path / "run"
-    run_flags(["--init-from", f"hf:{folder}", "--data", "synthetic", "--steps", "2", "--batch-size", "4",
+    run_flags([*flags, "--init-from", f"hf:{folder}", "--data", "synthetic", "--steps", "2", "--batch-size", "4",
                "--seq-len", "32", "--quiet", "--out", str(run)])
     assert hf.main([str(run), "--out", str(tmp_path / "out")]) == 0
     arrays, manifest = checkpoint.load(str(run))
     params = {k[len("param/"):]: v.astype(np.float32) for k, v in arrays.items() if k.startswith("param/")}
     return run, json.load(open(tmp_path / "out" / "config.json")), LlamaConfig(**manifest["model_config"]), params
+
+
+def assert_export_and_sample_agree(run, cfg, params, out, capsys, logits_of=None):
+    """The exported folder `out` gives the checkpoint's logits in transformers (float64; logits_of,
+    default hf_logits), and ringpipe sample reads the run and continues the prompt."""
+    from ringpipe.engine.interop import sample
+    tokens = random_tokens(256, length=32)
+    ours = ringpipe_logits(ringpipe_model(cfg, params), tokens, 256)
+    assert np.abs((logits_of or hf_logits)(str(out), tokens) - ours).max() <= EXACT
+    capsys.readouterr()
+    assert sample.main([str(run), "--prompt", "def ", "--tokens", "4", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
 
 
 def edit_config(folder, **changes):
@@ -534,29 +546,12 @@ def test_a_llama_folder_fine_tunes_exports_and_samples(tmp_path, capsys):
     """A user's folder (save_pretrained, with the byte tokenizer) -> --init-from -> two steps ->
     ringpipe export -> transformers gives the checkpoint's logits; ringpipe sample reads the run."""
     from ringpipe.engine.data.tokenizer import load_tokenizer
-    from ringpipe.engine.interop import sample
-    from ringpipe.engine.job import checkpoint
-    from ringpipe.engine.train.cli import run_flags
     folder = save(random_hf_model(seed=11, vocab_size=256, tie_word_embeddings=False, max_position_embeddings=32),
                   tmp_path / "hf")
-    (tmp_path / "hf" / "tokenizer.json").write_text(load_tokenizer("bytes").to_json())
-    run = tmp_path / "run"
-    run_flags(["--model", "llama", "--init-from", f"hf:{folder}", "--data", "synthetic", "--steps", "2",
-               "--batch-size", "4", "--seq-len", "32", "--quiet", "--out", str(run)])
-    assert hf.main([str(run), "--out", str(tmp_path / "out")]) == 0
-    config = json.load(open(tmp_path / "out" / "config.json"))
+    run, config, cfg, params = fine_tune_and_export(folder, tmp_path, "--model", "llama")
     assert config["model_type"] == "llama" and config["tie_word_embeddings"] is False
     assert open(tmp_path / "out" / "tokenizer.json").read() == load_tokenizer("bytes").to_json()
-
-    arrays, manifest = checkpoint.load(str(run))
-    cfg = LlamaConfig(**manifest["model_config"])
-    tokens = random_tokens(256, length=32)
-    ours = ringpipe_logits(ringpipe_model(cfg, {k[len("param/"):]: v.astype(np.float32)
-                                                for k, v in arrays.items() if k.startswith("param/")}), tokens, 256)
-    assert np.abs(hf_logits(str(tmp_path / "out"), tokens) - ours).max() <= EXACT
-    capsys.readouterr()
-    assert sample.main([str(run), "--prompt", "def ", "--tokens", "4", "--temperature", "0"]) == 0
-    assert capsys.readouterr().out.startswith("def ")
+    assert_export_and_sample_agree(run, cfg, params, tmp_path / "out", capsys)
 
 
 def test_init_from_a_llama_folder_with_another_model_is_refused_naming_the_family(tmp_path):

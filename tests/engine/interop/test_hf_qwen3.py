@@ -21,7 +21,7 @@ from ringpipe.engine.interop import hf, hf_llama  # noqa: E402
 from ringpipe.engine.model.chain import LayerChain  # noqa: E402
 from ringpipe.engine.model.llama import PRESETS, LlamaConfig, llama_layers  # noqa: E402
 
-from tests.engine.interop.test_hf_llama import (EXACT, assert_export_import_export_is_bitwise, assert_greedy_tokens_agree, checkpoint_arrays, config_only,  # noqa: E402
+from tests.engine.interop.test_hf_llama import (EXACT, assert_export_and_sample_agree, assert_export_import_export_is_bitwise, assert_greedy_tokens_agree, checkpoint_arrays, config_only,  # noqa: E402
                                                 fine_tune_and_export, hf_logits, imported_diff,
                                                 random_tokens, randomize, ringpipe_logits, ringpipe_model, save)
 
@@ -139,13 +139,7 @@ def test_a_llama_checkpoint_written_before_qk_norm_still_exports(tmp_path):
 def test_a_qwen3_folder_fine_tunes_exports_and_samples(tmp_path, capsys):
     """save_pretrained -> --init-from (the family from config.json) -> two steps -> ringpipe
     export (Qwen3ForCausalLM) -> transformers gives the checkpoint's logits; ringpipe sample."""
-    from ringpipe.engine.interop import sample
     folder = save(random_qwen3(seed=5, vocab_size=256, max_position_embeddings=32), tmp_path / "hf")
     run, config, cfg, params = fine_tune_and_export(folder, tmp_path)
     assert config["model_type"] == "qwen3" and config["head_dim"] == 16 and cfg.qk_norm == "head"
-    tokens = random_tokens(256, length=32)
-    ours = ringpipe_logits(ringpipe_model(cfg, params), tokens, 256)
-    assert np.abs(hf_logits(str(tmp_path / "out"), tokens) - ours).max() <= EXACT
-    capsys.readouterr()
-    assert sample.main([str(run), "--prompt", "def ", "--tokens", "4", "--temperature", "0"]) == 0
-    assert capsys.readouterr().out.startswith("def ")
+    assert_export_and_sample_agree(run, cfg, params, tmp_path / "out", capsys)
