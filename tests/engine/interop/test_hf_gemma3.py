@@ -17,9 +17,11 @@ from ringpipe.engine.model.chain import LayerChain  # noqa: E402
 from ringpipe.engine.model.llama import PRESETS, LlamaConfig, llama_layers  # noqa: E402
 from ringpipe.kernels.rope import rope_inv_freq  # noqa: E402
 
-from tests.engine.interop.test_hf_llama import (EXACT, assert_export_and_sample_agree, assert_export_import_export_is_bitwise, assert_greedy_tokens_agree, checkpoint_arrays, config_only,  # noqa: E402
-                                                fine_tune_and_export, random_tokens, randomize,
-                                                ringpipe_logits, ringpipe_model, save)
+from tests.engine.interop.test_hf_llama import (EXACT, assert_export_and_sample_agree,  # noqa: E402
+                                                assert_export_import_export_is_bitwise,
+                                                assert_greedy_tokens_agree, checkpoint_arrays,
+                                                config_only, fine_tune_and_export, random_tokens,
+                                                randomize, ringpipe_logits, ringpipe_model, save)
 
 SHAPE = dict(vocab_size=97, hidden_size=48, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, intermediate_size=37, max_position_embeddings=32, rms_norm_eps=1e-6,

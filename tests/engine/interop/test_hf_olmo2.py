@@ -21,9 +21,11 @@ from ringpipe.engine.interop import hf, hf_llama  # noqa: E402
 from ringpipe.engine.model.chain import LayerChain  # noqa: E402
 from ringpipe.engine.model.llama import LlamaConfig, llama_layers  # noqa: E402
 
-from tests.engine.interop.test_hf_llama import (EXACT, assert_export_import_export_is_bitwise, assert_greedy_tokens_agree, checkpoint_arrays, config_only,  # noqa: E402
-                                                fine_tune_and_export, hf_logits, imported_diff,
-                                                random_tokens, randomize, ringpipe_logits, ringpipe_model, save)
+from tests.engine.interop.test_hf_llama import (EXACT, assert_export_import_export_is_bitwise,  # noqa: E402
+                                                assert_greedy_tokens_agree, checkpoint_arrays,
+                                                config_only, fine_tune_and_export, hf_logits,
+                                                imported_diff, random_tokens, randomize,
+                                                ringpipe_logits, ringpipe_model, save)
 
 SHAPE = dict(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
              intermediate_size=37, max_position_embeddings=24, rms_norm_eps=2e-6, rope_theta=500000.0)

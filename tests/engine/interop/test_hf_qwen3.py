@@ -21,9 +21,12 @@ from ringpipe.engine.interop import hf, hf_llama  # noqa: E402
 from ringpipe.engine.model.chain import LayerChain  # noqa: E402
 from ringpipe.engine.model.llama import PRESETS, LlamaConfig, llama_layers  # noqa: E402
 
-from tests.engine.interop.test_hf_llama import (EXACT, assert_export_and_sample_agree, assert_export_import_export_is_bitwise, assert_greedy_tokens_agree, checkpoint_arrays, config_only,  # noqa: E402
-                                                fine_tune_and_export, hf_logits, imported_diff,
-                                                random_tokens, randomize, ringpipe_logits, ringpipe_model, save)
+from tests.engine.interop.test_hf_llama import (EXACT, assert_export_and_sample_agree,  # noqa: E402
+                                                assert_export_import_export_is_bitwise,
+                                                assert_greedy_tokens_agree, checkpoint_arrays,
+                                                config_only, fine_tune_and_export, hf_logits,
+                                                imported_diff, random_tokens, randomize,
+                                                ringpipe_logits, ringpipe_model, save)
 
 # The odd shape: hidden 48, 6 heads of 16 (not 48 / 6), 2 key/value heads,
 # intermediate 37, eps and theta off their defaults.

@@ -20,9 +20,11 @@ pytest.importorskip("safetensors.numpy", reason="engine/interop/hf.py needs safe
 from ringpipe.engine.interop import hf, hf_llama  # noqa: E402
 from ringpipe.engine.model.llama import LlamaConfig  # noqa: E402
 
-from tests.engine.interop.test_hf_llama import (EXACT, assert_export_import_export_is_bitwise, assert_greedy_tokens_agree, checkpoint_arrays, config_only,  # noqa: E402
-                                                fine_tune_and_export, hf_logits, imported_diff,
-                                                random_tokens, randomize, ringpipe_logits, ringpipe_model, save)
+from tests.engine.interop.test_hf_llama import (EXACT, assert_export_import_export_is_bitwise,  # noqa: E402
+                                                assert_greedy_tokens_agree, checkpoint_arrays,
+                                                config_only, fine_tune_and_export, hf_logits,
+                                                imported_diff, random_tokens, randomize,
+                                                ringpipe_logits, ringpipe_model, save)
 
 # An odd shape: 4 blocks, the last without RoPE (SmolLM3's every fourth), 6 heads of 8, 2 KV heads.
 SHAPE = dict(vocab_size=97, hidden_size=48, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2,
