@@ -5,10 +5,15 @@ optimizer are each a single call over contiguous memory (llm.c's layout).
 
 Initialization is seeded per parameter *name*, not by position in the buffer,
 so a pipeline stage that holds only some layers gets exactly the weights the
-single-process model would have: parallelism never changes the math. A
-tensor-parallel rank holds a *part* of the parameters the tensor axis splits (ParamSpec.split):
-it draws the full parameter from the same seed and keeps its slice, and
-checkpoints and imports hand it full arrays by name, which it slices itself.
+single-process model would have: parallelism never changes the math. A normal
+init is drawn per block of INIT_BLOCK elements of the full parameter (unsplit,
+flattened row-major), block b from the stream (seed, crc32(name), b), so any
+element is drawn without the others: a rank that keeps a slice draws the blocks
+its slice meets and nothing else, and gets the one-process values. A
+tensor-parallel rank holds a *part* of the parameters the tensor axis splits
+(ParamSpec.split) and draws that part; a ZeRO-3 rank draws only its chunks of
+the buffer (init's ranges), so no rank ever holds the whole model at start-up.
+Checkpoints and imports hand a split parameter whole by name; the rank slices it.
 """
 from __future__ import annotations
 
@@ -110,6 +115,73 @@ def dedup_specs(specs):
     return list(seen.values())
 
 
+# Elements of a full parameter drawn from one random stream. Fixed: it is part of what
+# the values are (a checkpoint-free run of any layout must reproduce them).
+INIT_BLOCK = 2**16
+
+
+def _runs(spec, lo, hi):
+    """Elements [lo, hi) of the part this rank holds (flat, row-major) as runs that are
+    contiguous in the part and in the full parameter: (part index, full index, length),
+    increasing in both. Padding (beyond the full length) is in no run: it stays zero."""
+    split = spec.split
+    if split is None:
+        yield lo, lo, hi - lo
+        return
+    # A split is along rows (dim 0) or columns (dim 1); more dimensions would need a general map.
+    assert len(spec.shape) in (1, 2) and split.dim < len(spec.shape), (spec.name, spec.shape, split)
+    cols = spec.shape[1] if len(spec.shape) == 2 else 1
+    full_cols = spec.full_shape[1] if len(spec.shape) == 2 else 1
+    full_len = spec.full_shape[split.dim]
+    slices = split._blocks(full_len)            # each group's (start, end) along dim, padding included
+    width = slices[0][1] - slices[0][0]         # the part's length along dim in each group
+
+    def clipped(at, full_at, n):
+        a, b = max(at, lo), min(at + n, hi)
+        return (a, full_at + a - at, b - a) if a < b else None
+
+    if split.dim == 0:        # each group's rows: one run of whole rows
+        candidates = ((g * width * cols, start * cols, max(0, min(end, full_len) - start) * cols)
+                      for g, (start, end) in enumerate(slices))
+    else:                     # each row's columns of each group: a run per (row, group)
+        candidates = ((i * cols + g * width, i * full_cols + start, max(0, min(end, full_len) - start))
+                      for i in range(lo // cols, (hi - 1) // cols + 1) for g, (start, end) in enumerate(slices))
+    for run in candidates:
+        run = clipped(*run)
+        if run:
+            yield run
+
+
+class _NormalInit:
+    """One parameter's normal init, drawn block by block of the full parameter: block b is
+    default_rng([seed, crc32(name), b]).normal(0, std, its length). Keeps the last block
+    drawn, so pieces asked in increasing order draw each block once."""
+
+    def __init__(self, seed, spec):
+        self.key = [seed, zlib.crc32(spec.name.encode())]
+        self.spec = spec
+        self.full_size = int(np.prod(spec.full_shape))
+        self.index, self.values = None, None
+
+    def _block(self, b):
+        if b != self.index:
+            n = min(INIT_BLOCK, self.full_size - b * INIT_BLOCK)
+            self.values = np.random.default_rng([*self.key, b]).normal(0.0, self.spec.std, size=n)
+            self.index = b
+        return self.values
+
+    def part(self, lo, hi):
+        """Elements [lo, hi) of this rank's part, float64 (padding: zeros)."""
+        out = np.zeros(hi - lo)
+        for at, full_at, n in _runs(self.spec, lo, hi):
+            while n:
+                b, offset = divmod(full_at, INIT_BLOCK)
+                take = min(n, INIT_BLOCK - offset)
+                out[at - lo:at - lo + take] = self._block(b)[offset:offset + take]
+                at, full_at, n = at + take, full_at + take, n - take
+        return out
+
+
 _PAGE = mmap.PAGESIZE
 
 
@@ -180,22 +252,26 @@ class ParamBuffer:
         return self.names().index(name)
 
     # ---- state -----------------------------------------------------------------
-    def init(self, seed: int):
-        """Deterministic init from (seed, parameter name), independent of layout."""
+    def init(self, seed: int, ranges=None):
+        """Deterministic init from (seed, parameter name), the same values in every layout.
+        ranges: the (lo, hi) of this buffer to fill (default: all of it). The rest is not
+        written at all, so that a ZeRO-3 rank's pages beyond its chunks are never backed."""
+        wanted = sorted(ranges) if ranges is not None else [(0, self.size)]
         for spec in self.specs:
-            view = self.view(spec.name)
-            if spec.init == "zeros":
-                values = np.zeros(spec.shape)
-            elif spec.init == "ones":
-                values = np.ones(spec.shape)
-            elif spec.init == "normal":
-                rng = np.random.default_rng([seed, zlib.crc32(spec.name.encode())])
-                values = rng.normal(0.0, spec.std, size=spec.full_shape)
-                if spec.split:
-                    values = spec.split.take(values)
-            else:
+            if spec.init not in ("zeros", "ones", "normal"):
                 raise ValueError(f"unknown init {spec.init!r} for {spec.name}")
-            view[...] = self.xp.asarray(values, dtype=self.dtype)
+            start, end = self.offsets[spec.name]
+            pieces = [(max(a, start) - start, min(b, end) - start) for a, b in wanted if max(a, start) < min(b, end)]
+            flat = self.data[start:end]
+            draw = _NormalInit(seed, spec) if spec.init == "normal" else None
+            for a, b in pieces:
+                if draw is None:
+                    flat[a:b] = 1.0 if spec.init == "ones" else 0.0
+                    continue
+                # A block of the part at a time: float64 never held for more than that.
+                for lo in range(a, b, INIT_BLOCK):
+                    hi = min(lo + INIT_BLOCK, b)
+                    flat[lo:hi] = self.xp.asarray(draw.part(lo, hi), dtype=self.dtype)
 
     def zero_grad(self):
         self.grad.fill(0)
