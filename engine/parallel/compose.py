@@ -15,7 +15,12 @@ def build_rank_model(grid, layers_fn, cfg, dtype, xp, micro_shape, cost_batch, t
     this rank's (tensor-parallel: split) layers, wrapped by the tensor axis,
     then by the data axis (all-reduce, or --sync ps: the parameter server).
     layers_fn(tensor) builds the layers for a tensor group (None: whole layers).
-    servers: --ps-servers K's ps.ServerLink (the grid is then the workers')."""
+    servers: --ps-servers K's ps.ServerLink (the grid is then the workers').
+
+    Under ZeRO-3 the inner model is built without values and the data axis draws only the
+    chunks this rank keeps (ParamBuffer.init's ranges): no rank holds the whole model at start."""
+    sharded_start = cfg.sync != "ps" and cfg.zero == 3 and grid.size("data") > 1
+    seed = None if sharded_start else cfg.seed
     tensor = None
     if grid.size("tensor") > 1:
         tensor = TensorGroup(grid.comm("tensor"), sequence_parallel=cfg.sequence_parallel,
@@ -23,14 +28,14 @@ def build_rank_model(grid, layers_fn, cfg, dtype, xp, micro_shape, cost_batch, t
         if cfg.sequence_parallel:      # between the stages travel this rank's positions only
             micro_shape = (micro_shape[0], micro_shape[1] // tensor.size, *micro_shape[2:])
     if cfg.pipelined:
-        inner = PipelineModel(layers_fn, grid, dtype, cfg.seed, cfg.schedule_name, cfg.microbatches, cfg.chunks,
+        inner = PipelineModel(layers_fn, grid, dtype, seed, cfg.schedule_name, cfg.microbatches, cfg.chunks,
                               act_shape=micro_shape, partition=cfg.partition_name, cost_batch=cost_batch, xp=xp,
                               trace=trace, tensor=tensor)
         if tensor is not None:
             # Zero-bubble W actions run the weight gradients later, in the bubbles.
             tensor.weight_grads_early = not inner.schedule.splits_backward
     else:
-        inner = LocalModel(layers_fn(tensor), dtype, cfg.seed, cfg.microbatches, xp=xp, trace=trace,
+        inner = LocalModel(layers_fn(tensor), dtype, seed, cfg.microbatches, xp=xp, trace=trace,
                            canonical=cfg.reduce_order == "canonical")
     # Activation recomputation is each layer chain's: every chain this rank holds.
     # (auto is the trainer's choice from the model's shape, engine/train/assemble.py resolve_recompute; a
@@ -48,4 +53,5 @@ def build_rank_model(grid, layers_fn, cfg, dtype, xp, micro_shape, cost_batch, t
         return ParameterServerData(inner, grid, overlap=not cfg.no_overlap, trace=trace, link=servers,
                                    streamed=cfg.grad_clip <= 0)
     return DataParallel(inner, grid, zero=cfg.zero, bucket_mb=cfg.bucket_mb, overlap=not cfg.no_overlap,
-                        gather_mode=cfg.zero_gather_mode, trace=trace, canonical=cfg.reduce_order == "canonical")
+                        gather_mode=cfg.zero_gather_mode, trace=trace, canonical=cfg.reduce_order == "canonical",
+                        seed=cfg.seed if sharded_start else None)

@@ -63,8 +63,12 @@ class _BucketSync(GradSync):
 
 class DataParallel:
     def __init__(self, inner, grid, zero=0, bucket_mb=None, overlap=True, gather_mode="use", trace=None,
-                 canonical=False):
-        """canonical (--reduce-order canonical): every bucket is summed in one fixed pairwise tree
+                 canonical=False, seed=None):
+        """seed: the inner model was built without its parameters' values (compose.py, under ZeRO-3):
+        this axis draws them, under ZeRO-3 only the chunks this rank keeps (ParamBuffer.init's
+        ranges: the values are the same in every layout), else all of them.
+
+        canonical (--reduce-order canonical): every bucket is summed in one fixed pairwise tree
         over the replicas, ((r0 + r1) + (r2 + r3)) ..., by recursive doubling (comm/small.py: log2(dp)
         exchanges of the bucket, against the ring's 2(dp-1)/dp of it), whatever its size: with the
         inner model's pairwise micro-batch tree (LocalModel), the gradient's bits depend on the
@@ -96,6 +100,8 @@ class DataParallel:
             if self.stage == 3:
                 self.sharded = ShardedParams(self.params, self.buckets.buckets, self.data_comm, inner.chains,
                                              gather_mode, overlap, trace=trace)
+        if seed is not None:
+            self.params.init(seed, ranges=self.owned if self.stage == 3 else None)
         self.auto_buckets = bucket_mb is None
         # --reduce-order canonical without a tensor axis: the norm over the PS's chunks (its bounds).
         self.norm_chunks = None
@@ -187,8 +193,10 @@ class DataParallel:
 
     def start_identical(self):
         # Every replica initialised identically from the seed; broadcasting the first
-        # one's copy makes that a guarantee rather than an assumption.
-        if self.dp > 1:
+        # one's copy makes that a guarantee rather than an assumption. Not under ZeRO-3:
+        # each rank drew only its own chunks (the init is the same in every layout), and
+        # a broadcast of the whole buffer would back all of it on every rank again.
+        if self.dp > 1 and self.stage != 3:
             Transport(self.params.xp).in_place(self.params.data, lambda buf: self.data_comm.Bcast(buf, root=0))
         if self.sharded:
             self.sharded.drop_all()

@@ -31,11 +31,14 @@ class LocalModel:
         """canonical: the micro-batches' gradients are summed in a fixed pairwise tree (each
         computed alone, then ((g0 + g1) + (g2 + g3)) ...), the tree the data axis continues
         across the replicas under --reduce-order canonical: the sum's bits then depend on the
-        global micro-batches only, not on how many replicas computed them."""
+        global micro-batches only, not on how many replicas computed them.
+        seed None: the parameters are left unset (zero, their pages unbacked): an outer axis
+        draws the part this rank keeps (ZeRO-3: engine/parallel/compose.py)."""
         self.xp = xp
         self.canonical = canonical and microbatches > 1
         self.chain = LayerChain(layers, dtype=dtype, xp=xp)
-        self.chain.params.init(seed)
+        if seed is not None:
+            self.chain.params.init(seed)
         self.params = self.chain.params
         self.chains = [self.chain]
         self.m = microbatches

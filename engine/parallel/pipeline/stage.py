@@ -35,7 +35,9 @@ class PipelineModel:
 
     def __init__(self, layers_fn, grid, dtype, seed, schedule_name, microbatches, chunks, act_shape,
                  partition="uniform", cost_batch=None, xp=np, trace=None, tensor=None):
-        """layers_fn(tensor): the model's layers (this rank's shards of them for a tensor group)."""
+        """layers_fn(tensor): the model's layers (this rank's shards of them for a tensor group).
+        seed None: the parameters are left unset: an outer axis draws the part this rank keeps
+        (ZeRO-3: engine/parallel/compose.py)."""
         p, v = grid.size("pipe"), chunks
         rank = grid.index("pipe")
         self.grid, self.m, self.xp = grid, microbatches, xp
@@ -62,7 +64,8 @@ class PipelineModel:
             self.bounds = uniform(len(layers), n_stages)
         mine = [layers[slice(*self.bounds[c * p + rank])] for c in range(v)]
         self.params = ParamBuffer([s for chunk in mine for layer in chunk for s in layer.specs()], dtype, xp)
-        self.params.init(seed)
+        if seed is not None:
+            self.params.init(seed)
         self.chunks = [LayerChain(chunk, params=self.params, has_head=(c * p + rank == n_stages - 1))
                        for c, chunk in enumerate(mine)]
         self.executor = PipelineExecutor(self.schedule, rank, self.pipe_comm, self.chunks, act_shape, dtype,
