@@ -56,6 +56,7 @@ import json
 import math
 import os
 import re
+import shutil
 import stat
 import struct
 import zipfile
@@ -65,16 +66,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ringpipe.engine.job import sharded
 from ringpipe.engine.job.array_module import to_host
 from ringpipe.engine.job.rundir import describe_write_error
+from ringpipe.engine.job.sharded import FORMAT_SHARDED
 
 FORMAT = "ringpipe-checkpoint-2"
 FORMAT_1 = "ringpipe-checkpoint-1"      # no checksum; still read, since users have such files
-MAX_MANIFEST_BYTES = 1 << 20            # a real manifest is ~1-2 KB
+MAX_MANIFEST_BYTES = 64 << 20           # a whole-file one is ~1-2 KB, a sharded one's piece table ~100 B a piece
 MAX_STEP = 99_999_999                   # the file name holds the step in 8 digits
 
 _NAME = re.compile(r"ckpt_(\d{8})\.json")
 _TEMP_NAME = re.compile(r"ckpt_\d{8}\.(json|npz)\.tmp\.\d+")
+_TEMP_FOLDER = re.compile(r"ckpt_\d{8}\.shards\.tmp")          # a sharded save's, before its commit
+_SHARDS_FOLDER = re.compile(r"ckpt_(\d{8})\.shards")
 _SHORT_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
@@ -100,6 +105,7 @@ _OPTIONAL_LAYOUT_KEYS = ("tp",)          # checkpoints written before tensor par
 _KEYS = ("args", "best", "checksum", "dtype", "format", "layout", "loss", "model", "model_config", "npz", "npz_bytes",
          "npz_crc32", "opt_step_count", "optimizer", "precision", "step", "tokenizer")
 _NOT_IN_FORMAT_1 = ("best", "checksum")
+_NPZ_KEYS = ("npz", "npz_bytes", "npz_crc32")                    # formats 1 and 2; format 3 has shards instead
 _OPTIONAL_IN_FORMAT_1 = ("precision", "layout", "tokenizer")    # format 1 files written before these keys existed
 # The tokenizer the run trained with: {"kind", "sha256", "vocab_size", "file" (relative to the run directory)};
 # optional, since checkpoints of byte-level runs written before it existed have none.
@@ -118,8 +124,9 @@ class CheckpointError(RuntimeError):
     pass
 
 
-class _Problem(Exception):
-    """What is wrong with a checkpoint, in a few words: `inspect` returns it, `load` wraps it."""
+# What is wrong with a checkpoint, in a few words: `inspect` returns it, `load` wraps it
+# (one class with engine/job/sharded.py's checks).
+_Problem = sharded.Problem
 
 
 # ---- writing -------------------------------------------------------------------------
@@ -173,6 +180,15 @@ def _checksum(manifest):
     """sha256 of the canonical JSON of every key but the checksum itself."""
     fields = {k: v for k, v in manifest.items() if k != "checksum"}
     return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+# The manifest keys `save` and `commit_sharded` set themselves (a caller's meta holds the others).
+WRITTEN_KEYS = ("checksum", "format", "npz", "npz_bytes", "npz_crc32", "shards", "step")
+
+
+def files_of(json_path) -> list:
+    """What checkpoint `json_path` is on disk: its manifest, then its npz or its shards folder."""
+    return [json_path] + [p for p in (json_path[:-5] + ".npz", json_path[:-5] + ".shards") if os.path.lexists(p)]
 
 
 def manifest_path(directory, step) -> str:
@@ -238,6 +254,62 @@ def save(directory, step, arrays: dict, meta: dict, keep=3, alone=False):
     return json_path
 
 
+def start_sharded(directory, step) -> str:
+    """Before the ranks write checkpoint `step` sharded (the first rank, holding the run's
+    lock): the temp folder they write their files into, made empty. Returns its path."""
+    tmp = os.path.join(directory, sharded.temp_folder_name(step))
+    try:
+        os.makedirs(directory, exist_ok=True)
+        if os.path.isdir(tmp) and not os.path.islink(tmp):
+            shutil.rmtree(tmp)          # a killed save's of this same step: ours by its name
+        os.mkdir(tmp)
+    except OSError as e:
+        raise CheckpointError(_write_error_message(e, directory, step)) from e
+    return tmp
+
+
+def commit_sharded(directory, step, meta: dict, records: list, arrays: dict, keep=3, alone=False) -> str:
+    """Commit checkpoint `step`, whose ranks each wrote their file (records: write_rank_file's,
+    None for a rank without pieces) into start_sharded's folder: rename the folder into place,
+    then write the manifest (the commit marker). Prunes like `save`. Returns the manifest path."""
+    try:
+        meta = json.loads(json.dumps(meta))
+        manifest = dict(meta, format=FORMAT_SHARDED, step=step, shards=sharded.shards_entry(step, records, arrays),
+                        checksum="0" * 64)
+        _check_schema(manifest)
+    except (TypeError, ValueError, _Problem) as e:
+        raise CheckpointError(f"cannot write the checkpoint for step {step}: {e} (a bug in the caller)") from None
+    manifest["checksum"] = _checksum(manifest)
+    json_path = manifest_path(directory, step)
+    tmp, final = (os.path.join(directory, name) for name in (sharded.temp_folder_name(step), sharded.folder_name(step)))
+    try:
+        text = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+        json_tmp = _write_temp(json_path, lambda fh: fh.write(text))
+        try:
+            if os.path.lexists(final):    # a checkpoint of this step written before (OUT/best/), or a killed commit's
+                _remove_quietly(json_path)
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            fsync_dir(directory)          # the shards are in place before their manifest can be
+            os.replace(json_tmp, json_path)
+        except BaseException:
+            _remove_quietly(json_tmp)
+            raise
+        fsync_dir(directory)
+    except OSError as e:
+        raise CheckpointError(_write_error_message(e, directory, step)) from e
+    _remember(json_path, None)
+    if keep > 0 or alone:
+        _prune(directory, 0 if alone else keep, json_path)
+    return json_path
+
+
+def abandon_sharded(directory, step) -> None:
+    """Remove start_sharded's folder of a save that failed on some rank (best effort: a
+    leftover is removed by the next run, remove_stale_temp_files)."""
+    shutil.rmtree(os.path.join(directory, sharded.temp_folder_name(step)), ignore_errors=True)
+
+
 def _write_error_message(e, directory, step):
     return describe_write_error(e, directory, f"the checkpoint for step {step}",
                                 "; the previous checkpoints are intact")
@@ -252,10 +324,13 @@ def _prune(directory, keep, just_written):
     for old in valid:
         if old in kept:
             continue
-        # The manifest first: it is the commit marker, an npz without one is nothing.
-        for path in (old, old[:-5] + ".npz"):
+        # The manifest first: it is the commit marker, an npz or shards without one are nothing.
+        for path in (old, old[:-5] + ".npz", old[:-5] + ".shards"):
             try:
-                os.remove(path)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
             except FileNotFoundError:
                 pass
             except OSError as e:
@@ -275,10 +350,15 @@ def remove_stale_temp_files(directory) -> list:
     removed = []
     for name in names:
         path = os.path.join(directory, name)
-        if not _TEMP_NAME.fullmatch(name) or not stat.S_ISREG(os.lstat(path).st_mode):
+        mode = os.lstat(path).st_mode
+        # A sharded save's temp folder, or its folder renamed into place by a commit killed before
+        # its manifest was: nothing names it.
+        folder = stat.S_ISDIR(mode) and (_TEMP_FOLDER.fullmatch(name) or (
+            _SHARDS_FOLDER.fullmatch(name) and not os.path.lexists(os.path.join(directory, name[:-7] + ".json"))))
+        if not folder and not (_TEMP_NAME.fullmatch(name) and stat.S_ISREG(mode)):
             continue
         try:
-            os.remove(path)
+            shutil.rmtree(path) if folder else os.remove(path)
         except FileNotFoundError:
             continue
         except OSError as e:
@@ -366,6 +446,9 @@ def inspect(path):
     headers, but no array data; never blocks on a FIFO."""
     try:
         manifest = _read_manifest(path)
+        if manifest["format"] == FORMAT_SHARDED:
+            sharded.check_files(path, manifest["shards"], _open_regular)
+            return None
         with _open_regular(_npz_path(path, manifest), "npz") as fh:
             _check_size_and_crc(fh, manifest)
             with _open_zip(fh) as zf:
@@ -395,8 +478,65 @@ def load(path, expected=None):
             wanted = list(expected)
         return {name: _read_array(zf, members[name]) for name in wanted}
 
+    if _format_of(path) == FORMAT_SHARDED:
+        manifest, reader = open_sharded(path)
+        try:
+            _sharded_read(reader, lambda: sharded.check_files(resolve(path), manifest["shards"], _open_regular))
+            declared = {name: reader.shape(name) for name in manifest["shards"]["arrays"]}
+            _check_expected(resolve(path), _Shapes(declared), expected or declared)
+            return {name: _sharded_read(reader, lambda: reader.read_whole(name)) for name in expected or declared}, \
+                manifest
+        finally:
+            reader.close()
     manifest, arrays = _with_checked_members(path, read)
     return arrays, manifest
+
+
+class _Shapes(dict):
+    """{name: shape} standing in for _check_expected's members (which have .shape)."""
+
+    def __getitem__(self, name):
+        return _Shaped(dict.__getitem__(self, name))
+
+
+@dataclass(frozen=True)
+class _Shaped:
+    shape: tuple
+
+
+def _format_of(path):
+    return _read_manifest_or_raise(_existing(resolve(path)))["format"]
+
+
+def open_sharded(path):
+    """(manifest, sharded.Reader) of the sharded checkpoint `path` (resolved as for `load`):
+    its manifest checked (the schema, the checksum, the pieces' tiling), its files not yet
+    read: each piece's CRC32 is checked as it is first read. Close the reader after use."""
+    path = _existing(resolve(path))
+    manifest = _read_manifest_or_raise(path)
+    if manifest["format"] != FORMAT_SHARDED:
+        raise CheckpointError(f"checkpoint {path!r} is not sharded ({manifest['format']})")
+    return manifest, sharded.Reader(path, manifest, _open_regular)
+
+
+def read_box(reader, name, box, out) -> None:
+    """reader.read_box, its problems as CheckpointError naming the checkpoint."""
+    _sharded_read(reader, lambda: reader.read_box(name, box, out))
+
+
+def check_declared(path, reader, expected: dict) -> None:
+    """Refuse a sharded checkpoint that lacks an array of `expected` ({name: shape}) or
+    holds it in another shape, before any data is read."""
+    _check_expected(path, _Shapes({name: reader.shape(name) for name in reader.entry["arrays"]}), expected)
+
+
+def _sharded_read(reader, read):
+    try:
+        return read()
+    except _Problem as e:
+        raise CheckpointError(f"checkpoint {reader.folder!r} cannot be used: {e}; {_DAMAGED_HINT}") from None
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {reader.folder!r} cannot be read ({e.strerror or e})") from e
 
 
 def _with_checked_members(path, use):
@@ -456,7 +596,8 @@ def _stats(json_path):
         except OSError:
             return None
         return st.st_size, st.st_mtime_ns
-    return key(json_path), key(json_path[:-5] + ".npz")
+    shards = json_path[:-5] + ".shards"
+    return key(json_path), key(shards if os.path.isdir(shards) else json_path[:-5] + ".npz")
 
 
 def _remember(json_path, problem):
@@ -527,7 +668,14 @@ def _no_duplicate_keys(pairs):
 def _read_manifest(path):
     """Read, parse and check the manifest at `path` (schema, checksum, name); raises _Problem."""
     with _open_regular(path, "manifest") as fh:
-        data = fh.read(MAX_MANIFEST_BYTES + 1)
+        # In blocks: read(n) would allocate n bytes whatever the file holds.
+        chunks, size = [], 0
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            chunks.append(block)
+            size += len(block)
+            if size > MAX_MANIFEST_BYTES:
+                break
+        data = b"".join(chunks)
     if len(data) > MAX_MANIFEST_BYTES:
         raise _Problem(f"the manifest is larger than {MAX_MANIFEST_BYTES >> 20} MiB (a real one is a few KB)")
     try:
@@ -539,7 +687,7 @@ def _read_manifest(path):
     except ValueError as e:
         raise _Problem(f"the manifest is not valid JSON ({e})") from None
     _check_schema(manifest)
-    if manifest["format"] == FORMAT and manifest["checksum"] != _checksum(manifest):
+    if manifest["format"] != FORMAT_1 and manifest["checksum"] != _checksum(manifest):
         raise _Problem("the manifest's checksum does not match its content (it was edited or damaged)")
     _check_name(path, manifest)
     return manifest
@@ -559,6 +707,8 @@ def _check_name(path, manifest):
                        "name: use the original file)")
     if manifest["step"] != int(match.group(1)):
         raise _Problem(f"the manifest says step {manifest['step']} but its file name says step {int(match.group(1))}")
+    if manifest["format"] == FORMAT_SHARDED:       # check_entry bound its folder to the step
+        return
     npz = name[:-5] + ".npz"
     if manifest["npz"] != npz:
         raise _Problem(f"the manifest names the npz {manifest['npz']!r}, expected {npz!r} (the npz sits next to "
@@ -626,11 +776,14 @@ def _check_schema(m):
         raise _Problem(f"the manifest holds {_describe(m)}, expected a JSON object")
     if "format" not in m:
         raise _Problem("the manifest lacks the key format: it is not a ringpipe checkpoint")
-    if not isinstance(m["format"], str) or m["format"] not in (FORMAT, FORMAT_1):
-        raise _wrong("format", m["format"], f"{FORMAT!r} or {FORMAT_1!r} (not a ringpipe checkpoint, "
-                                            "or one from a newer version)")
-    allowed = _KEYS if m["format"] == FORMAT else [k for k in _KEYS if k not in _NOT_IN_FORMAT_1]
-    optional = _OPTIONAL_IN_FORMAT_2 if m["format"] == FORMAT else _OPTIONAL_IN_FORMAT_1
+    if not isinstance(m["format"], str) or m["format"] not in (FORMAT_SHARDED, FORMAT, FORMAT_1):
+        raise _wrong("format", m["format"], f"{FORMAT_SHARDED!r}, {FORMAT!r} or {FORMAT_1!r} (not a ringpipe "
+                                            "checkpoint, or one from a newer version)")
+    if m["format"] == FORMAT_SHARDED:
+        allowed = [k for k in _KEYS if k not in _NPZ_KEYS] + ["shards"]
+    else:
+        allowed = _KEYS if m["format"] == FORMAT else [k for k in _KEYS if k not in _NOT_IN_FORMAT_1]
+    optional = _OPTIONAL_IN_FORMAT_1 if m["format"] == FORMAT_1 else _OPTIONAL_IN_FORMAT_2
     missing = [k for k in allowed if k not in m and k not in optional]
     if missing:
         raise _Problem(f"the manifest lacks the key(s) {', '.join(missing)}")
@@ -639,10 +792,13 @@ def _check_schema(m):
         raise _Problem(f"the manifest has unknown key(s) {', '.join(unknown)} (expected only {', '.join(allowed)})")
 
     _check_int("step", m["step"], 0, MAX_STEP)
-    if not isinstance(m["npz"], str) or not 1 <= len(m["npz"]) <= 64:
-        raise _wrong("npz", m["npz"], "the npz's file name")
-    _check_int("npz_bytes", m["npz_bytes"], 1, 2**50)
-    _check_int("npz_crc32", m["npz_crc32"], 0, 2**32 - 1)
+    if m["format"] == FORMAT_SHARDED:
+        sharded.check_entry(m["shards"], m["step"])
+    else:
+        if not isinstance(m["npz"], str) or not 1 <= len(m["npz"]) <= 64:
+            raise _wrong("npz", m["npz"], "the npz's file name")
+        _check_int("npz_bytes", m["npz_bytes"], 1, 2**50)
+        _check_int("npz_crc32", m["npz_crc32"], 0, 2**32 - 1)
     if not isinstance(m["model"], str) or m["model"] not in _MODEL_CONFIG_KEYS:
         raise _wrong("model", m["model"], " or ".join(repr(k) for k in _MODEL_CONFIG_KEYS))
     _check_object("model_config", m["model_config"], _MODEL_CONFIG_KEYS[m["model"]],
@@ -843,5 +999,9 @@ def declared_arrays(path) -> tuple[dict, dict]:
     recomputed, can declare any n_layer), while every declared shape here is checked
     against the bytes the npz holds, so building a model that matches them costs at most
     what the file already is. Raises CheckpointError like `load`."""
+    if _format_of(path) == FORMAT_SHARDED:
+        manifest = _read_manifest_or_raise(_existing(resolve(path)))
+        return manifest, {name: (tuple(a["shape"]), np.dtype(a["dtype"]))
+                          for name, a in manifest["shards"]["arrays"].items()}
     return _with_checked_members(path, lambda json_path, zf, members: {
         name: (member.shape, member.dtype) for name, member in members.items()})

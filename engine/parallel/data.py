@@ -30,6 +30,7 @@ from ringpipe.engine.job.array_module import to_host
 from ringpipe.engine.model.optim import make_optimizer
 from ringpipe.engine.parallel import NO_SYNC, GradSync
 from ringpipe.engine.parallel import ps as ps_axis
+from ringpipe.engine.parallel import slices
 from ringpipe.engine.parallel.zero import ShardedParams, bucket_breaks, gather_chunks, owned_ranges
 
 # ZeRO-3 cuts one bucket per unit (a layer's parameters), whatever its size.
@@ -286,3 +287,29 @@ class DataParallel:
         if self.buckets:
             self.buckets.close()
         self.inner.close()
+
+    # ---- sharded checkpoints (engine/parallel/slices.py) -------------------------------------
+    def local_slices(self, opt):
+        """What this rank holds of the checkpoint state and what it writes: under ZeRO its
+        chunks (ZeRO-3: of the parameters too), else an equal share of the flat buffer per
+        replica; never a range another rank writes the same values of."""
+        excluded = self.inner.norm_excluded()
+        if self.owned is not None:
+            written = slices.subtract(self.owned, excluded)
+        else:
+            written = slices.share(self.params.size, self.dp, self.index, excluded)
+        whole = [(0, self.params.size)]
+        params = self.owned if self.stage == 3 else whole
+        held = {"param": [(a, b, self.params.data[a:b]) for a, b in params]}
+        for state_name, buf in opt.state().items():
+            segments, at = [], 0
+            for a, b in self.owned or whole:
+                segments.append((a, b, buf[at:at + b - a]))
+                at += b - a
+            held[f"opt/{state_name}"] = segments
+        return slices.LocalSlices(self.params, held, written)
+
+    def restored_slices(self):
+        """After slices.fill wrote this rank's ranges: ZeRO-3 keeps only its chunks."""
+        if self.sharded:
+            self.sharded.drop_all()

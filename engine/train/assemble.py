@@ -28,7 +28,9 @@ from ringpipe.engine.train.config import (DATA_WORDS, DATASETS, Config, check_me
 from ringpipe.engine.job.errors import ConfigError
 from ringpipe.engine.model.optim import lr_at
 from ringpipe.engine.model.registry import names_of
+from ringpipe.engine.parallel import slices
 from ringpipe.engine.train.reporting import Reporter, model_line, model_parameters
+from ringpipe.engine.train.saving import Saver
 from ringpipe.engine.monitor.clock import StepClock
 from ringpipe.engine.monitor.probes import gemm_peak_flops
 from ringpipe.engine.monitor.ranks import RankMonitor
@@ -67,6 +69,7 @@ class Run:
     servers: Any = None                # --ps-servers K: the parallel/ps.py ServerLink (world is then the workers')
     peak_flops: float | None = None    # a rank's GEMM FLOP/s measured at start-up (MFU's denominator)
     dog: Any = None
+    saver: Any = None                  # writes the checkpoints, holds an asynchronous one in flight (saving.py)
     t_start: float = 0.0               # when the first step began
 
     @property
@@ -204,6 +207,19 @@ def find_checkpoint(training: Run) -> None:
         except ConfigError as e:
             raise ConfigError(f"checkpoint {training.resume_path}'s model_config: {e}; the manifest was edited: "
                               "resume from the checkpoint as it was written, or from an earlier one") from None
+
+
+def restore_slices(training: Run) -> None:
+    """A sharded checkpoint: this rank reads only the boxes it holds (engine/parallel/slices.py),
+    from whichever ranks' files hold them, its names and shapes checked before any data."""
+    local = training.model.local_slices(training.opt)
+    _, reader = checkpoint.open_sharded(training.resume_path)
+    try:
+        checkpoint.check_declared(training.resume_path, reader,
+                                  {name: shape for name, (shape, _) in slices.whole_shapes(local).items()})
+        slices.fill(local, lambda name, box, out: checkpoint.read_box(reader, name, box, out))
+    finally:
+        reader.close()
 
 
 def _find_resume(cfg: Config, ckpt_dir: str):
@@ -463,6 +479,7 @@ def build_model(training: Run, cleanup) -> None:
     for note in training.model.notes():
         training.report.note(note)
     training.opt = training.model.make_optimizer(cfg.optimizer, cfg.weight_decay)
+    training.saver = Saver(training)
     if training.init:
         # Every rank takes the arrays of the parameters it holds (any layout).
         training.model.params.load_flat(training.model.params.data, training.init[1])
@@ -477,9 +494,14 @@ def build_model(training: Run, cleanup) -> None:
     # Only the arrays this rank holds, each checked against the model's shape
     # before its bytes are read (a damaged or hostile file costs nothing).
     # Whole arrays, the same for every layout: any layout's checkpoint loads as it is.
-    expected = training.model.state_shapes(training.opt)
-    arrays, _ = agree(training.world, lambda: checkpoint.load(training.resume_path, expected=expected), "checkpoint")
-    training.model.restore_state(arrays, training.opt)
+    if training.manifest.get("format") == checkpoint.FORMAT_SHARDED and hasattr(training.model, "local_slices"):
+        agree(training.world, lambda: restore_slices(training), "checkpoint")
+        training.model.restored_slices()
+    else:
+        expected = training.model.state_shapes(training.opt)
+        arrays, _ = agree(training.world, lambda: checkpoint.load(training.resume_path, expected=expected),
+                          "checkpoint")
+        training.model.restore_state(arrays, training.opt)
     training.opt.step_count = training.manifest["opt_step_count"]
     training.start_step = training.manifest["step"]
     training.report.say(f"resumed from {training.resume_path} at step {training.start_step}")

@@ -267,6 +267,14 @@ def _output_flags(p):
                         "and logs are moved to OUT/previous/ (replacing what was kept there before)")
     g.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: only at the end)")
     g.add_argument("--keep", type=int, default=3, help="checkpoints to keep (0: all)")
+    g.add_argument("--checkpoint-format", choices=("sharded", "whole"), default="sharded",
+                   help="sharded (default): every rank writes its own slices in parallel, one manifest says where "
+                        "each is, and a resume at any layout reads only its own; whole: one .npz gathered on the "
+                        "first rank (the format before 0.4; both load at any layout)")
+    g.add_argument("--checkpoint-async", action="store_true",
+                   help="write each --checkpoint-every checkpoint in the background: the step's state is copied "
+                        "to host memory and training goes on while every rank writes its slices (sharded only; "
+                        "the next save, a stop signal and the end wait for it)")
     g.add_argument("--resume", default=None, help="checkpoint (.json), run directory, or 'auto' (latest valid "
                                                   "checkpoint in --out, or a fresh start if none)")
     g.add_argument("--eval-every", type=int, default=None,

@@ -105,6 +105,8 @@ class Config:
     overwrite: bool = False            # start over in `out` (the old run goes to OUT/previous/)
     checkpoint_every: int = 0          # 0: only at the end
     keep: int = 3                      # valid checkpoints kept (0: all)
+    checkpoint_format: str = "sharded"  # "sharded": every rank its slices (engine/job/sharded.py); "whole": one .npz
+    checkpoint_async: bool = False     # --checkpoint-every saves written by a thread while training goes on
     resume: str | None = None          # checkpoint (.json), run directory, or "auto"
     eval_every: int | None = None      # steps between validation passes (steps/5; steps/10 fine-tuning)
     keep_best: bool | None = None      # keep the checkpoint of the best validation loss in OUT/best/ (on fine-tuning)
@@ -248,7 +250,24 @@ def check(cfg: Config, world_size: int) -> list[str]:
     _check_layout(cfg, world_size)
     _check_reduce_order(cfg, cfg.data_parallel(world_size))
     notes += _check_sync(cfg, cfg.data_parallel(world_size), world_size)
-    return notes + fine_tuning_notes(cfg)
+    return notes + _check_checkpoints(cfg) + fine_tuning_notes(cfg)
+
+
+def _check_checkpoints(cfg: Config) -> list[str]:
+    """<checkpoint_format> and <checkpoint_async> (engine/train/saving.py)."""
+    if cfg.checkpoint_format not in ("sharded", "whole"):
+        raise ConfigError(f"<checkpoint_format> {cfg.checkpoint_format!r}: use sharded (every rank writes its "
+                          "slices) or whole (one .npz)")
+    if cfg.checkpoint_async and cfg.checkpoint_format != "sharded":
+        raise ConfigError("<checkpoint_async> writes sharded checkpoints in the background: leave out "
+                          "<checkpoint_format> whole, or <checkpoint_async>")
+    if cfg.checkpoint_async and cfg.sync == "ps":
+        return ["note: <checkpoint_async> has no effect with <sync> ps, whose checkpoints are whole-file (gathered "
+                "on the first rank): the parameter server's chunks are not cut into sharded slices yet"]
+    if cfg.checkpoint_async and not cfg.checkpoint_every:
+        return ["note: <checkpoint_async> has no effect without <checkpoint_every>: the final checkpoint is "
+                "written at once (the run ends with it)"]
+    return []
 
 
 def fine_tuning_notes(cfg: Config) -> list[str]:

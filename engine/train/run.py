@@ -29,6 +29,7 @@ import numpy as np
 
 from ringpipe import kernels as K
 from ringpipe.engine.job import checkpoint, lifecycle, rundir
+from ringpipe.engine.train.saving import DivergedWeight
 from ringpipe.engine.train.agreement import BadBatch, agree_batch, batch_error, batch_problem, stop_requested
 from ringpipe.engine.train.assemble import Run, assemble
 from ringpipe.engine.train import memory
@@ -208,7 +209,8 @@ def steps(training: Run, batches: Prefetcher, best: Best | None = None) -> tuple
                 keep_if_best(training, best, done, record["val_loss"], loss)
             saved_now = bool(cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done != cfg.steps)
             if saved_now:
-                save(training, done, loss, best)
+                save(training, done, loss, best, background=cfg.checkpoint_async)
+            training.saver.poll()                      # commits a background save every rank has written
             training.dog.beat(done)
             stopping = agree_to_stop(training, next_batch_problem(training, batches, done))
         except BadBatch as e:
@@ -217,6 +219,7 @@ def steps(training: Run, batches: Prefetcher, best: Best | None = None) -> tuple
                 report_step(training, record)
             if not saved_now:
                 save(training, done, loss, best)
+            training.saver.wait()
             raise BadBatch(f"{e.message} (stopped after step {done}, before any rank used the batch; the "
                            f"checkpoint of step {done} holds the training so far)") from None
         if stopping and done != cfg.steps:
@@ -390,30 +393,17 @@ def agree_to_stop(training: Run, problem=None) -> bool:
 # ---- checkpoints ---------------------------------------------------------------------------
 
 def save(training: Run, step: int, loss: float | None, best: Best | None = None, directory: str | None = None,
-         alone: bool = False) -> dict:
-    """Write checkpoint `step` (gathered on rank 0) into `directory` (the run's checkpoints;
-    `alone`: as the only one there, OUT/best/'s); every rank learns whether it was
-    written, so a full disk ends the job cleanly instead of with an abort."""
-    arrays = training.model.gather_state(training.opt)
-    failure = None
-    if training.world.Get_rank() == 0:
-        bad = next((k for k, v in arrays.items() if k.startswith("param/") and not np.isfinite(v).all()), None)
-        if bad:
-            failure = ("diverged", f"{bad} holds NaN or inf after step {step}")
-        else:
-            try:
-                if alone:        # rank 0 holds the run's lock: temp files there are a killed run's
-                    checkpoint.remove_stale_temp_files(directory)
-                checkpoint.save(directory or training.ckpt_dir, step, arrays, checkpoint_meta(training, loss, best),
-                                keep=training.cfg.keep, alone=alone)
-            except checkpoint.CheckpointError as e:
-                failure = ("write", str(e))
-    failure = training.world.bcast(failure, root=0) if training.world.Get_size() > 1 else failure
-    if failure and failure[0] == "diverged":
-        raise diverged(training, failure[1], step, "a weight")
-    if failure:
-        raise JobFailure(failure[1])
-    return arrays
+         alone: bool = False, background: bool = False) -> dict | None:
+    """Write checkpoint `step` into `directory` (the run's checkpoints; `alone`: as the only
+    one there, OUT/best/'s), sharded or whole-file, at once or (background) while the next
+    steps run (engine/train/saving.py). Every rank learns whether it was written, so a full
+    disk ends the job cleanly instead of with an abort. Returns the whole arrays on rank 0
+    for a whole-file save, else None."""
+    try:
+        return training.saver.save(step, checkpoint_meta(training, loss, best), directory or training.ckpt_dir,
+                                   keep=training.cfg.keep, alone=alone, background=background)
+    except DivergedWeight as e:
+        raise diverged(training, e.why, e.step, "a weight") from None
 
 
 def checkpoint_meta(training: Run, loss: float | None, best: Best | None = None) -> dict:
@@ -442,6 +432,7 @@ def checkpoint_meta(training: Run, loss: float | None, best: Best | None = None)
 
 def finish(training: Run, loss: float, stopped_at: int | None, best: Best | None = None) -> RunResult:
     cfg, report = training.cfg, training.report
+    training.saver.wait()            # a background save in flight is committed before the run ends
     if stopped_at is not None:
         code = lifecycle.INTERRUPT_EXIT_CODE if training.stop.signum == signal.SIGINT else lifecycle.REQUEUE_EXIT_CODE
         who = signalled(decide_exit(training, code, stopped_at), training.servers)
@@ -474,7 +465,8 @@ def finish(training: Run, loss: float, stopped_at: int | None, best: Best | None
         from ringpipe.comm.device import stats
         report.say(f"GPU buffers and MPI on rank 0: {stats['staged_bytes'] / 2**20:.1f} MiB copied through host "
                    f"memory ({training.transport.describe()})")
-    if training.recipe.generate is not None and cfg.sample_tokens > 0 and arrays is not None and report.is_main:
+    if training.recipe.generate is not None and cfg.sample_tokens > 0 and training.start_step < cfg.steps \
+            and report.is_main:
         sample(training, arrays)
     summarize_job(training)
     # The last thing every rank does: what `ringpipe finished RUN_DIR` counts. With dedicated
@@ -548,6 +540,9 @@ def sample(training: Run, arrays: dict) -> None:
                              "<sample_tokens> 0 skips the sample")
         return
     full = training.recipe.build(training.shape, dtype=training.dtype)
+    if arrays is None:         # a sharded checkpoint: its parameters read back whole
+        wanted = {f"param/{s.name}": s.full_shape for s in full.params.specs}
+        arrays, _ = checkpoint.load(checkpoint.manifest_path(training.ckpt_dir, training.cfg.steps), expected=wanted)
     full.params.load_flat(full.params.data, {k[6:]: v for k, v in arrays.items() if k.startswith("param/")})
     # Python source for the byte model of the stdlib; a document's start for other tokenizers.
     prompt = "def " if training.tokenizer.kind == "bytes" else ""

@@ -22,6 +22,7 @@ from ringpipe.engine.job import checkpoint, rundir
 from ringpipe.engine.train.cli import run_flags
 from tests.engine.test_faults import MPIEXEC, ROOT, TINY as TINY_MPI, ends_within, rank_pids, wait_for_steps
 from tests.support.hostile import tmpfs
+from tests.support import checkpoints
 
 TINY = ["--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16",
         "--batch-size", "4", "--sample-tokens", "0", "--quiet"]
@@ -151,8 +152,7 @@ def test_stale_checkpoint_temp_files_are_removed_at_start(tmp_path):
 def test_resume_auto_with_only_invalid_checkpoints_is_an_error_not_a_fresh_start(tmp_path):
     out = run(tmp_path / "run", "--steps", "2", "--checkpoint-every", "1")
     for p in checkpoint.list_checkpoints(os.path.join(out, "checkpoints")):
-        with open(p[:-5] + ".npz", "r+b") as fh:
-            fh.truncate(50)
+        checkpoints.truncate(p, 50)
     with pytest.raises(SystemExit, match="found no valid checkpoint .* only invalid ones: ckpt_00000001.json"):
         run(out, "--steps", "4", "--resume", "auto")
 

@@ -24,6 +24,7 @@ import pytest
 
 pytestmark = pytest.mark.slurm
 
+from ringpipe.engine.job import checkpoint
 from tests.support import free_port_pair, ROOT
 VENV_PY = os.path.join(ROOT, ".venv", "bin", "python")
 PY = VENV_PY if os.path.exists(VENV_PY) else sys.executable
@@ -148,10 +149,9 @@ def losses(run_dir):
 
 
 def final_arrays(run_dir):
-    ckpts = sorted(glob.glob(os.path.join(run_dir, "checkpoints", "ckpt_*.npz")))
-    assert ckpts, f"no checkpoint in {run_dir}"
-    with np.load(ckpts[-1]) as z:
-        return os.path.basename(ckpts[-1]), {k: z[k].copy() for k in z.files}
+    latest = checkpoint.find_latest(os.path.join(run_dir, "checkpoints"))
+    assert latest, f"no checkpoint in {run_dir}"
+    return os.path.basename(latest), checkpoint.load(latest)[0]
 
 
 def mpiexec_reference(out_dir, args):

@@ -521,7 +521,7 @@ def run_without_tokenizer_entry(trained_run, run):
     checkpoints recorded one), and with no tokenizer.json in its run directory."""
     from ringpipe.engine.job import checkpoint
     arrays, manifest = checkpoint.load(str(trained_run))
-    written = ("format", "step", "npz", "npz_bytes", "npz_crc32", "checksum", "tokenizer")
+    written = (*checkpoint.WRITTEN_KEYS, "tokenizer")
     meta = {key: value for key, value in manifest.items() if key not in written}
     checkpoint.save(str(run / "checkpoints"), manifest["step"], arrays, meta)
     return run
@@ -642,7 +642,7 @@ def test_main_counts_the_parameters_it_exports_not_the_padding(trained_run, tmp_
     _, manifest = checkpoint.load(str(trained_run))
     cfg = GPTConfig(**dict(manifest["model_config"], vocab=300))
     assert cfg.padded_vocab == 384
-    written = ("format", "step", "npz", "npz_bytes", "npz_crc32", "checksum", "tokenizer")
+    written = (*checkpoint.WRITTEN_KEYS, "tokenizer")
     meta = {key: value for key, value in manifest.items() if key not in written}
     meta["model_config"] = cfg.to_dict()
     run = tmp_path / "run"

@@ -243,7 +243,7 @@ def test_renamed_manifest_is_refused(tmp_path):
     ({"optimizer": None}, r"'optimizer' holds null \(null\), expected a short name"),
     ({"args": "seed=1"}, r"'args' holds \"seed=1\" \(a string\), expected an object"),
     ({"checksum": "abc"}, r"'checksum' holds \"abc\" \(a string\), expected 64 lowercase hex"),
-    ({"format": "something-else"}, r"'format' holds \"something-else\" \(a string\), expected 'ringpipe-checkpoint-2'"),
+    ({"format": "something-else"}, r"'format' holds \"something-else\" \(a string\), expected 'ringpipe-checkpoint-3', 'ringpipe-checkpoint-2'"),
     ({"surprise": 1}, r"unknown key\(s\) surprise"),
 ])
 def test_schema_names_the_key_its_value_and_what_was_expected(tmp_path, change, message):
@@ -272,7 +272,7 @@ def test_missing_key_is_named(tmp_path):
     (b'{"format": "ringpipe-checkpoint-2", "step": 1, "step": 2}', "has the key 'step' twice"),
     (b"\xff\xfe{}", "not UTF-8"),
     (b"[" * 200_000 + b"]" * 200_000, "not valid JSON"),
-    (b'{"a": "' + b"x" * (2 << 20) + b'"}', "larger than 1 MiB"),
+    (b'{"a": "' + b"x" * (65 << 20) + b'"}', "larger than 64 MiB"),
 ])
 def test_unreadable_manifest_is_a_clear_error(tmp_path, content, message):
     path = write_raw_manifest(tmp_path, 1, content)

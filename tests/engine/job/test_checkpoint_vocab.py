@@ -14,7 +14,7 @@ from ringpipe.engine.train.run import run
 
 SHAPE = dict(layers=2, d_model=12, heads=3, context=8, batch_size=3, steps=4, dtype="float64")
 COMMON = dict(data="synthetic", sample_tokens=0, quiet=True, eval_every=4, eval_batches=4, **SHAPE)
-WRITTEN = ("format", "step", "npz", "npz_bytes", "npz_crc32", "checksum")
+WRITTEN = checkpoint.WRITTEN_KEYS
 
 
 def test_the_checkpoint_knows_the_models_padding_multiple():

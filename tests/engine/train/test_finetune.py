@@ -178,8 +178,7 @@ def test_a_resume_that_leaves_the_best_trajectory_does_not_claim_its_checkpoint(
     drop_last_checkpoint(out, 4)
     # As a run stopped after a better step 3 than this run will reach would have left OUT/best.
     arrays, manifest = checkpoint.load(os.path.join(out, "checkpoints", "ckpt_00000002.json"))
-    meta = {k: v for k, v in manifest.items() if k not in ("format", "step", "npz", "npz_bytes", "npz_crc32",
-                                                            "checksum")}
+    meta = {k: v for k, v in manifest.items() if k not in checkpoint.WRITTEN_KEYS}
     checkpoint.save(rundir.best_path(out), 3, arrays, meta, alone=True)
     capsys.readouterr()
     fine_tune(tmp_path, model, "ft", steps=4, eval_every=1, checkpoint_every=2, lr=0.05, resume="auto",

@@ -12,6 +12,7 @@ from ringpipe.engine.data.datasets import FASHION_MNIST_DIR, load_stdlib_corpus
 from ringpipe.engine.train.cli import run_flags
 
 from tests.support import ROOT
+from tests.support import checkpoints
 TINY = ["--data", "synthetic", "--layers", "1", "--d-model", "16", "--heads", "2", "--context", "16",
         "--batch-size", "4", "--sample-tokens", "0", "--quiet"]
 
@@ -68,8 +69,7 @@ def test_resume_gives_the_uninterrupted_trajectory(tmp_path, optimizer):
     full = run(tmp_path, "--steps", "6", "--optimizer", optimizer, name="full")
     part = run(tmp_path, "--steps", "6", "--optimizer", optimizer, "--checkpoint-every", "3", name="part")
     # throw away the end of the second run and redo it from its step-3 checkpoint
-    os.remove(os.path.join(part, "checkpoints", "ckpt_00000006.json"))
-    os.remove(os.path.join(part, "checkpoints", "ckpt_00000006.npz"))
+    checkpoints.remove(os.path.join(part, "checkpoints", "ckpt_00000006.json"))
     run_flags(TINY + ["--out", part, "--steps", "6", "--optimizer", optimizer, "--resume", "auto"])
     assert losses(part)[-3:] == losses(full)[-3:]
     pf, pp = final_params(full), final_params(part)
@@ -212,15 +212,12 @@ def test_missing_checkpoint(tmp_path):
 
 def test_corrupt_checkpoint_is_refused_and_previous_still_loads(tmp_path):
     out = run(tmp_path, "--steps", "4", "--checkpoint-every", "2")
-    newest = os.path.join(out, "checkpoints", "ckpt_00000004.npz")
-    with open(newest, "r+b") as fh:           # flip bytes in the middle
-        fh.seek(os.path.getsize(newest) // 2)
-        fh.write(b"\xff" * 16)
+    newest = os.path.join(out, "checkpoints", "ckpt_00000004.json")
+    checkpoints.flip_middle(newest)
     with pytest.raises(SystemExit, match="corrupt"):
-        run(tmp_path, "--steps", "4", "--resume", newest[:-4] + ".json")
+        run(tmp_path, "--steps", "4", "--resume", newest)
     assert checkpoint.find_latest(os.path.join(out, "checkpoints")).endswith("ckpt_00000002.json")
-    with open(newest, "r+b") as fh:
-        fh.truncate(100)
+    checkpoints.truncate(newest)
     with pytest.raises(checkpoint.CheckpointError, match="truncated"):
         checkpoint.load(newest)
     arrays, manifest = checkpoint.load(os.path.join(out, "checkpoints"))
