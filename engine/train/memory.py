@@ -23,8 +23,8 @@ layers declare (after the pipeline and tensor splits), N the data-parallel size:
                        (FIXED_OVERHEAD_BYTES: how)
 
 These are not all held at once. The peak is the largest of three phases:
-    initialisation     every parameter written (ZeRO-3 too, before it drops the other
-                       chunks), each drawn whole in float64 first (ParamBuffer.init)
+    initialisation     every parameter written (ZeRO-3: this rank's chunks only), drawn
+                       a block of INIT_BLOCK elements at a time in float64 (ParamBuffer.init)
     forward/backward   parameters, gradients, optimizer state, activations, units
     update             the optimizer steps over this rank's chunks in place: no copies
 Each phase adds the fixed overhead, the mask and the communication buffers.
@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ringpipe.engine.model.params import INIT_BLOCK
 from ringpipe.engine.monitor.probes import peak_bytes, resident_bytes
 
 # What a ringpipe rank holds before its model counts for anything: the interpreter,
@@ -275,7 +276,7 @@ def _predict_rank(cfg, shape, seq_len, dp, pipe_rank) -> Breakdown:
     _predict_activations(b, cfg, shape, seq_len, dp, pipe_rank, layers, bounds, mine)
     _predict_gathered_units(b, cfg, s, P, zero, dp, units)
     _predict_buffers_and_overhead(b, dp, buckets)
-    _predict_phases(b, s, P, zero, dp, units.largest)
+    _predict_phases(b, s, P, zero, dp, units.largest, imported=bool(getattr(cfg, "init_from", None)))
     _predict_checkpoints(b, cfg, s, P, layers)
     b.items = {k: int(v) for k, v in b.items.items()}
     b.phases = {k: int(v) for k, v in b.phases.items()}
@@ -287,7 +288,7 @@ class _Units:
     """The parameters one rank holds, layer by layer: ZeRO-3 gathers a layer's unit around its use."""
     sizes: list         # elements of each layer's unit (a tied parameter in the first layer that declares it)
     shared: set         # units a later layer reads again (the tied wte): ZeRO-3 keeps them all step
-    largest: int        # elements of the largest parameter, whole: init draws each one whole
+    largest: int        # elements of the largest parameter, whole: init draws a block of at most that
 
 
 def _units(layers, bounds, mine, tp) -> _Units:
@@ -300,7 +301,7 @@ def _units(layers, bounds, mine, tp) -> _Units:
             unit = 0
             for spec in layer.specs():
                 n = _split(spec.name, spec.size, len(spec.shape), tp)
-                largest_param = max(largest_param, spec.size)        # drawn whole at init
+                largest_param = max(largest_param, spec.size)
                 if spec.name not in seen:
                     seen[spec.name] = len(unit_sizes)
                     unit += n
@@ -448,12 +449,16 @@ def _held_between_steps(b) -> float:
     return b.items["parameters"] + b.items["optimizer state"] + b.items.get("parameter pulls in flight", 0)
 
 
-def _predict_phases(b, s, P, zero, dp, largest_param):
-    """The three phases of a step's life (init, backward, update) and what each holds at once."""
+def _predict_phases(b, s, P, zero, dp, largest_param, imported=False):
+    """The three phases of a step's life (init, backward, update) and what each holds at once.
+    imported: <init_from> loads every parameter into the buffer (ZeRO-3 then drops the rest)."""
     base, persistent = _held_always(b), _held_between_steps(b)
     grads = b.items["gradients"]
-    # ParamBuffer.init draws each parameter whole in float64, then casts it (12 B an element).
-    b.phases["init"] = base + s * P + (8 + s) * largest_param
+    # ParamBuffer.init writes the buffer (ZeRO-3: this rank's chunks, the rest never touched),
+    # a block at a time: a float64 block drawn (never longer than the parameter), the float64
+    # piece it fills, its cast.
+    written = s * P / dp if zero >= 3 and not imported else s * P
+    b.phases["init"] = base + written + (8 + 8 + s) * min(INIT_BLOCK, largest_param)
     b.phases["backward"] = (base + persistent + grads + b.items.get("gradient buckets in flight", 0)
                             + b.items["activations"] + b.items.get("gathered units", 0.0))
     b.phases["update"] = base + persistent + (grads if zero < 2 else s * P / dp)
