@@ -108,7 +108,8 @@ class RankModel(Protocol):
         """Apply the optimizer step; afterwards every rank holds its current parameters."""
 
     def start_identical(self) -> None:
-        """Fresh start: make the replicas' parameters identical (they were initialised alike)."""
+        """Fresh start: make the replicas' parameters identical (they were initialised alike; under
+        ZeRO-3 each rank drew its own chunks and only drops what it does not keep)."""
 
     def gather_state(self, opt) -> dict:
         """Named host arrays of the parameters and the optimizer state ("param/<name>",
