@@ -9,14 +9,15 @@ Format "ringpipe-checkpoint-3". Checkpoint S of a run is, in its checkpoints fol
                                         format 2 without npz/npz_bytes/npz_crc32, and
                                         `shards`: {folder, files: [{name, bytes, crc32}],
                                         arrays: {name: {shape, dtype}},
-                                        pieces: [[array, file index, offset, box, crc32]]}
+                                        pieces: [[array, file index, offset, box,
+                                        [crc32 of each 4 MiB of the piece]]]}
 
 A box is [[lo, hi], ...], one pair per dimension of the whole array (its full,
 layout-independent shape, as in format 2): the same checkpoint describes itself in
 the coordinates of the model, never of the layout that wrote it. So a reader at any
 layout asks for the boxes it holds and reads only the pieces that overlap them
-(`Reader.read_box`), and the pieces of every array tile it exactly once (checked
-before a checkpoint is used).
+(`Reader.read_box`, which checks the CRC32 of each 4 MiB block it reads from), and
+the pieces of every array tile it exactly once (checked before a checkpoint is used).
 
 Commit: every rank writes its file into ckpt_SSSSSSSS.shards.tmp/ and fsyncs it; once
 every rank says it has (the caller's gather), the first rank renames the folder into
@@ -40,6 +41,7 @@ import numpy as np
 
 FORMAT_SHARDED = "ringpipe-checkpoint-3"
 ALIGN = 64                           # each piece starts on a cache line
+CRC_BLOCK = 4 << 20                  # a piece's CRC32s, one per 4 MiB: a reader checks only what it reads
 _BLOCK = 1 << 24                     # bytes read or hashed at once: never a second copy of a piece
 _RANK_FILE = re.compile(r"rank_\d{5}\.bin")
 _ARRAY_NAME = re.compile(r"[A-Za-z0-9_./\-]{1,200}")
@@ -92,7 +94,8 @@ def write_rank_file(folder: str, rank: int, pieces) -> dict:
                 raw = memoryview(np.ascontiguousarray(data)).cast("B")
                 fh.write(raw)
                 crc = zlib.crc32(raw, crc)
-                records.append([array, offset, [list(map(int, pair)) for pair in box], zlib.crc32(raw)])
+                blocks = [zlib.crc32(raw[at:at + CRC_BLOCK]) for at in range(0, raw.nbytes, CRC_BLOCK)]
+                records.append([array, offset, [list(map(int, pair)) for pair in box], blocks])
                 offset += raw.nbytes
             fh.flush()
             os.fsync(fh.fileno())
@@ -169,17 +172,20 @@ def _check_pieces(pieces, files, arrays):
         if type(p) is not list or len(p) != 5 or p[0] not in arrays:
             raise Problem(f"the manifest's shards.pieces holds {str(p)[:80]}, expected [array, file, offset, box, "
                           "crc32] of a declared array")
-        name, index, offset, box, _ = p
+        name, index, offset, box, crcs = p
         _int(index, 0, len(files) - 1, "pieces' file")
         _int(offset, 0, 2**50, "pieces' offset")
-        _int(p[4], 0, 2**32 - 1, "pieces' crc32")
         shape = arrays[name]["shape"]
         if type(box) is not list or len(box) != len(shape) or not all(
                 type(pair) is list and len(pair) == 2 and type(pair[0]) is int and type(pair[1]) is int
                 and 0 <= pair[0] < pair[1] <= n for pair, n in zip(box, shape)):
             raise Problem(f"the manifest's piece of {name} has the box {str(box)[:60]}, which is not inside its "
                           f"shape {shape}")
-        end = offset + volume(box) * np.dtype(arrays[name]["dtype"]).itemsize
+        size = volume(box) * np.dtype(arrays[name]["dtype"]).itemsize
+        if type(crcs) is not list or len(crcs) != -(-size // CRC_BLOCK) or not all(
+                type(c) is int and 0 <= c < 2**32 for c in crcs):
+            raise Problem(f"the manifest's piece of {name} does not hold one CRC32 per {CRC_BLOCK >> 20} MiB of it")
+        end = offset + size
         if end > files[index]["bytes"]:
             raise Problem(f"the manifest's piece of {name} at byte {offset} of {files[index]['name']} runs past "
                           "its end")
@@ -225,8 +231,8 @@ def check_files(json_path: str, entry: dict, open_regular) -> None:
 # ---- reading ---------------------------------------------------------------------------
 
 class Reader:
-    """Reads boxes of a sharded checkpoint's arrays from the pieces that hold them. Each
-    piece's CRC32 is checked the first time it is read from (the whole piece, in blocks)."""
+    """Reads boxes of a sharded checkpoint's arrays from the pieces that hold them, each
+    4 MiB block of a piece CRC-checked the first time it is read from."""
 
     def __init__(self, json_path: str, manifest: dict, open_regular):
         self.entry = manifest["shards"]
@@ -236,6 +242,7 @@ class Reader:
         for name, index, offset, box, crc in self.entry["pieces"]:
             self.pieces[name].append((index, offset, box, crc))
         self._files, self._verified = {}, set()
+        self.bytes_checked = 0             # what the CRC checks read: each rank only its slices' blocks
 
     def shape(self, name):
         return tuple(self.entry["arrays"][name]["shape"])
@@ -257,9 +264,9 @@ class Reader:
             if common is None:
                 continue
             fh = self._file(index)
-            if (index, offset) not in self._verified:
-                self._verify(fh, offset, volume(stored) * itemsize, crc, name)
-                self._verified.add((index, offset))
+            row = volume(stored[1:]) * itemsize
+            first, last = common[0][0] - stored[0][0], common[0][1] - stored[0][0]
+            self._verify(fh, index, offset, volume(stored) * itemsize, crc, first * row, last * row, name)
             values = self._read_rows(fh, offset, stored, common, name)
             out[tuple(slice(lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(common, box))] = values
 
@@ -276,17 +283,19 @@ class Reader:
         rows = data.view(dtype).reshape([last - first, *shape[1:]])
         return rows[(slice(None), *(slice(lo - s, hi - s) for (lo, hi), (s, _) in zip(common[1:], stored[1:])))]
 
-    def _verify(self, fh, offset, size, crc, name):
-        fh.seek(offset)
-        got, left = 0, size
-        while left:
-            block = fh.read(min(left, _BLOCK))
-            if not block:
-                break
-            got = zlib.crc32(block, got)
-            left -= len(block)
-        if left or got != crc:
-            raise Problem(f"a piece of {name} in {self.folder} is corrupt (CRC32 mismatch)")
+    def _verify(self, fh, index, offset, size, crcs, lo, hi, name):
+        """Check the CRC32 of each 4 MiB block of the piece that bytes [lo, hi) of it touch
+        (each block once per reader)."""
+        for block in range(lo // CRC_BLOCK, -(-hi // CRC_BLOCK)):
+            if (index, offset, block) in self._verified:
+                continue
+            start = block * CRC_BLOCK
+            fh.seek(offset + start)
+            data = fh.read(min(CRC_BLOCK, size - start))
+            if len(data) != min(CRC_BLOCK, size - start) or zlib.crc32(data) != crcs[block]:
+                raise Problem(f"a piece of {name} in {self.folder} is corrupt (CRC32 mismatch)")
+            self._verified.add((index, offset, block))
+            self.bytes_checked += len(data)
 
     def _file(self, index):
         if index not in self._files:
