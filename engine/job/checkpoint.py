@@ -1,7 +1,11 @@
-"""Checkpoints: named arrays in an .npz plus a JSON manifest that is the commit marker.
+"""Checkpoints: named arrays plus a JSON manifest that is the commit marker.
 
-Format (FORMAT = "ringpipe-checkpoint-2"). Checkpoint S of a run is two files in
-its checkpoints folder:
+Two formats. Sharded (FORMAT_SHARDED = "ringpipe-checkpoint-3", the trainer's default):
+every rank's slices in a folder of rank files, the manifest's `shards` saying which box of
+which array is where; engine/job/sharded.py holds that format's writing, checks and reads,
+this module its commit (start_sharded, commit_sharded), pruning, finding and loading.
+Whole-file (FORMAT = "ringpipe-checkpoint-2", --checkpoint-format whole), described here:
+checkpoint S of a run is two files in its checkpoints folder:
 
   ckpt_SSSSSSSS.npz   np.savez of named arrays ("param/h.0.attn.qkv.w",
                       "opt/m/h.0.attn.qkv.w", ...), every member stored
