@@ -349,6 +349,33 @@ _DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
 _GPT2_DROPOUT_DEFAULT = 0.1     # GPT2Config's, for a key config.json leaves out
 
 
+class WholeArrays:
+    """import_hf's whole arrays behind TensorBoxes' surface (read_box, read_whole): a GPT-2
+    folder is read whole on each rank, its largest (1.5B parameters) 6 GB in float32."""
+
+    def __init__(self, arrays: dict):
+        self.arrays = arrays
+
+    def read_whole(self, ours: str) -> np.ndarray:
+        return self.arrays[ours]
+
+    def read_box(self, name: str, box, out) -> None:
+        out[...] = self.arrays[name[len("param/"):]][tuple(slice(lo, hi) for lo, hi in box)]
+
+
+def open_hf(hf_dir: str) -> tuple:
+    """import_hf, the weights not read yet: (config, a reader of our parameters' boxes, the path
+    of its tokenizer.json or None). A Llama-style folder is read box by box, so each rank reads
+    only the slices it holds (hf_llama.open_folder); a GPT-2 folder whole (WholeArrays)."""
+    if not os.path.isdir(hf_dir):
+        raise HFError(f"{hf_dir} is not a folder (expected a Hugging Face model folder with config.json)")
+    config = _read_config(hf_dir)
+    if config.get("model_type") in hf_llama.MODEL_TYPES:
+        return hf_llama.open_folder(config, hf_dir)
+    cfg, arrays, tokenizer = import_hf(hf_dir)
+    return cfg, WholeArrays(arrays), tokenizer
+
+
 def import_hf(hf_dir: str) -> tuple[GPTConfig, dict, str | None]:
     """Read a Hugging Face GPT-2 folder: (GPTConfig, {our parameter name: float32 array}, the
     path of its tokenizer.json or None). wte is padded to cfg.padded_vocab rows. Anything

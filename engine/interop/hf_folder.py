@@ -217,6 +217,77 @@ def safetensors_header(path: str) -> dict:
     return entries
 
 
+_NUMPY = {"F16": "<f2", "BF16": "<u2", "F32": "<f4", "F64": "<f8"}
+_ROWS_AT_ONCE = 64 << 20          # bytes of a tensor read at a time by TensorBoxes
+
+
+class TensorBoxes:
+    """Boxes of a folder's tensors, read from their safetensors files without reading them
+    whole: a rank that holds a slice of a parameter (its tensor-parallel part, its ZeRO-3
+    chunk) reads that slice's rows, 64 MiB at a time, and casts and checks them (finite
+    float32) as it goes. `read_box(name, box, out)` is the reader engine/parallel/slices.py's
+    fill takes ("param/<our name>"), so an import is a sharded checkpoint's read.
+
+    entries: {our name: (dtype, shape, (path, data offset))}, read_headers' entries under our
+    names; rows: {our name: row count} for a parameter with padding rows beyond the tensor's
+    (the vocabulary's): those read as zeros."""
+
+    def __init__(self, entries: dict, rows: dict | None = None):
+        self.entries, self.rows = entries, rows or {}
+        self.bytes_read = 0                # of tensor data, by read_box (what a sharded import costs a rank)
+
+    def shape(self, ours: str) -> tuple:
+        _, shape, _ = self.entries[ours]
+        return (self.rows[ours], *shape[1:]) if ours in self.rows else tuple(shape)
+
+    def read_whole(self, ours: str) -> np.ndarray:
+        out = np.empty(self.shape(ours), dtype=np.float32)
+        self.read_box(f"param/{ours}", [(0, n) for n in out.shape], out)
+        return out
+
+    def read_box(self, name: str, box, out) -> None:
+        ours = name[len("param/"):] if name.startswith("param/") else name
+        dtype, shape, (path, offset) = self.entries[ours]
+        stored = shape[0] if shape else 1
+        (r0, r1), rest = box[0], box[1:]
+        row_items = math.prod(shape[1:])
+        itemsize = _FLOAT_DTYPES[dtype]
+        step = max(1, _ROWS_AT_ONCE // max(1, row_items * itemsize))
+        fd = files_call(files.open_regular, path, "the weights file")
+        with os.fdopen(fd, "rb") as fh:
+            for a in range(r0, min(r1, stored), step):
+                b = min(a + step, r1, stored)
+                fh.seek(offset + a * row_items * itemsize)
+                raw = np.frombuffer(fh.read((b - a) * row_items * itemsize), dtype=_NUMPY[dtype])
+                self.bytes_read += raw.nbytes
+                if raw.size != (b - a) * row_items:
+                    raise HFError(f"{path} ends inside the tensor data: it was truncated while it was read")
+                if dtype == "BF16":
+                    raw = (raw.astype(np.uint32) << 16).view(np.float32)
+                rows = raw.reshape(b - a, *shape[1:])[(slice(None), *(slice(lo, hi) for lo, hi in rest))]
+                out[a - r0:b - r0] = _finite_float32(rows, ours, path)
+        if r1 > stored:            # padding rows: no token id reaches them, zeros keep the import deterministic
+            out[max(0, stored - r0):] = 0
+
+    def same(self, ours: str, other: tuple) -> bool:
+        """Whether the tensor `other` (a read_headers entry) holds the same values as `ours`'s
+        stored rows, compared 64 MiB at a time (a tied head against the embedding)."""
+        _, shape, _ = self.entries[ours]
+        mirror = TensorBoxes({"x": other})
+        if tuple(other[1]) != tuple(shape):
+            return False
+        step = max(1, _ROWS_AT_ONCE // max(1, math.prod(shape[1:]) * 4))
+        for a in range(0, shape[0], step):
+            box = [(a, min(a + step, shape[0])), *((0, n) for n in shape[1:])]
+            mine = np.empty([hi - lo for lo, hi in box], dtype=np.float32)
+            theirs = np.empty_like(mine)
+            self.read_box(ours, box, mine)
+            mirror.read_box("x", box, theirs)
+            if not np.array_equal(mine, theirs):
+                return False
+        return True
+
+
 def read_tensors(headers: dict) -> dict:
     """{name: float32 array, checked finite} of the tensors in `headers` (read_headers), read
     after their shapes were checked. The old causal-mask buffers are not read: nothing uses them."""

@@ -532,27 +532,27 @@ _LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max
 def import_folder(config: dict, hf_dir: str) -> tuple:
     """hf.import_hf for a Llama-style folder: (LlamaConfig, {our name: float32 array}, the path
     of its tokenizer.json or None). wte (and lm_head.w) padded to cfg.padded_vocab rows."""
+    cfg, source, tokenizer = open_folder(config, hf_dir)
+    return cfg, {ours: source.read_whole(ours) for ours, _ in name_map(cfg)}, tokenizer
+
+
+def open_folder(config: dict, hf_dir: str) -> tuple:
+    """(LlamaConfig, hf_folder.TensorBoxes over our names, the path of its tokenizer.json or
+    None), every tensor's presence and shape checked from the headers and a tied head compared
+    with the embedding, but no tensor read whole: each rank reads the boxes it holds (a
+    sharded import, engine/parallel/slices.py's fill). wte (and lm_head.w) read with
+    cfg.padded_vocab rows, the padding rows zeros (no token id reaches them, the head masks
+    their logits)."""
     cfg = config_from_hf(config, hf_dir)
     headers = hf_folder.read_headers(hf_folder.weight_files(hf_dir), hf_dir)
-    wanted = _check_headers(cfg, headers, hf_dir)
-    tensors = hf_folder.read_tensors({name: headers[name] for name in wanted})
-    arrays = {}
-    for ours, theirs in name_map(cfg):
-        array = tensors[theirs].astype(np.float32)
-        if ours in _VOCAB_ROWS:
-            # The padding rows never matter (no token id reaches them, the head masks their
-            # logits); zeros keep the import deterministic.
-            padded = np.zeros((cfg.padded_vocab, cfg.d_model), dtype=np.float32)
-            padded[:cfg.vocab] = array
-            array = padded
-        arrays[ours] = np.ascontiguousarray(array)
-    lm_head = tensors.get("lm_head.weight")
-    if cfg.tie_embeddings and lm_head is not None and not np.array_equal(lm_head.astype(np.float32),
-                                                                          arrays["wte"][:cfg.vocab]):
+    _check_headers(cfg, headers, hf_dir)
+    source = hf_folder.TensorBoxes({ours: headers[theirs] for ours, theirs in name_map(cfg)},
+                                   rows={ours: cfg.padded_vocab for ours in _VOCAB_ROWS})
+    if cfg.tie_embeddings and "lm_head.weight" in headers and not source.same("wte", headers["lm_head.weight"]):
         raise HFError(f"{hf_dir}: lm_head.weight differs from model.embed_tokens.weight, but config.json says "
                       "tie_word_embeddings true (transformers would use the embedding for both): set "
                       "tie_word_embeddings false if the head is meant to be its own")
-    return cfg, arrays, hf_folder.tokenizer_of(hf_dir)
+    return cfg, source, hf_folder.tokenizer_of(hf_dir)
 
 
 def _check_headers(cfg, headers: dict, hf_dir: str) -> list:

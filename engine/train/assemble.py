@@ -209,6 +209,19 @@ def find_checkpoint(training: Run) -> None:
                               "resume from the checkpoint as it was written, or from an earlier one") from None
 
 
+def load_init(training: Run) -> None:
+    """--init-from's weights: each rank reads the boxes of the parameters it holds (any layout:
+    its stage, its tensor part, its ZeRO-3 chunks), never a whole tensor it holds a part of
+    (a Llama folder; a GPT-2 one is read whole, hf.WholeArrays)."""
+    source, model = training.init[1], training.model
+    if not hasattr(model, "local_slices"):     # the parameter server's: whole arrays, each rank takes its part
+        model.params.load_flat(model.params.data, {name: source.read_whole(name) for name in model.params.names()})
+        return
+    local = model.local_slices(training.opt)
+    params = slices.LocalSlices(local.params, {"param": local.held["param"]}, [])
+    agree(training.world, lambda: slices.fill(params, source.read_box), "Hugging Face weights of <init_from>")
+
+
 def restore_slices(training: Run) -> None:
     """A sharded checkpoint: this rank reads only the boxes it holds (engine/parallel/slices.py),
     from whichever ranks' files hold them, its names and shapes checked before any data."""
@@ -250,7 +263,7 @@ def shape_data_device(training: Run) -> None:
     cfg = training.cfg
     if cfg.hf_dir:
         from ringpipe.engine.interop import hf
-        training.init = agree(training.world, lambda: hf.import_hf(cfg.hf_dir), "Hugging Face model of --init-from")
+        training.init = agree(training.world, lambda: hf.open_hf(cfg.hf_dir), "Hugging Face model of --init-from")
         if not isinstance(training.init[0], training.recipe.shape):     # the folder's config.json decides
             family = names_of(lambda recipe: recipe.shape is type(training.init[0]))
             raise ConfigError(f"<init_from> {cfg.init_from} holds a model of the {family} family, not "
@@ -481,8 +494,7 @@ def build_model(training: Run, cleanup) -> None:
     training.opt = training.model.make_optimizer(cfg.optimizer, cfg.weight_decay)
     training.saver = Saver(training)
     if training.init:
-        # Every rank takes the arrays of the parameters it holds (any layout).
-        training.model.params.load_flat(training.model.params.data, training.init[1])
+        load_init(training)
         training.report.say(f"initialised from the Hugging Face model in {cfg.hf_dir}")
         training.init = (training.init[0], None, training.init[2])           # the arrays are loaded: let them go
     if not training.resume_path:

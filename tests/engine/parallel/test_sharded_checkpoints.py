@@ -14,7 +14,7 @@ from mpi4py import MPI
 from ringpipe.engine.job import checkpoint
 from ringpipe.engine.train.config import Config
 
-from tests.support.parity import assert_same_arrays, final_arrays, losses, reference, train
+from tests.support.parity import assert_same_arrays, final_arrays, losses, metrics, reference, train
 
 world = MPI.COMM_WORLD
 TOL = 1e-10
@@ -118,3 +118,46 @@ def test_a_rank_reads_only_its_own_part(shared_dir, monkeypatch):
     files = checkpoint.read_manifest(ckpt)["shards"]["files"]
     own = next(f["bytes"] for f in files if f["name"] == f"rank_{world.rank:05d}.bin")
     assert 0 < readers[0].bytes_checked <= own < sum(f["bytes"] for f in files)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_llama_import_reads_only_each_ranks_slices_and_trains_as_one_process(shared_dir, monkeypatch):
+    """--init-from hf:DIR under ZeRO-3 at dp N: each rank reads the rows of its own chunks
+    (about 1/N of the folder's tensors, not all of them), and the run equals one process's."""
+    from ringpipe.engine.interop import hf, hf_folder
+    from ringpipe.engine.model.chain import LayerChain
+    from ringpipe.engine.model.llama import PRESETS, LlamaConfig, llama_layers
+    if world.size not in PAIRS:
+        pytest.skip("written for 2 and 4 ranks")
+    cfg = LlamaConfig(**dict(PRESETS["hf-tiny"], context=16, vocab=256, d_model=64, n_head=4, d_ff=96)).validate()
+    folder = os.path.join(shared_dir, "hf-llama")
+    if world.rank == 0:
+        model = LayerChain(llama_layers(cfg), dtype=np.float64)
+        rng = np.random.default_rng(5)
+        arrays = {f"param/{n}": rng.normal(0, 0.2, model.params.view(n).shape).astype(np.float32)
+                  for n in model.params.names()}
+        hf.export_hf(arrays, cfg.to_dict(), folder, model="llama")
+    world.Barrier()
+    sources = []
+    opened = hf.open_hf
+
+    def keeping(path):
+        found = opened(path)
+        sources.append(found[1])
+        return found
+    monkeypatch.setattr(hf, "open_hf", keeping)
+    settings = dict(BASE, model="llama", layers=None, d_model=None, heads=None, context=None, steps=2,
+                    init_from=f"hf:{folder}", eval_every=2)
+    par = train(Config(**settings, dp=world.size, zero=3, out=os.path.join(shared_dir, "hf-par")), world)
+    world.Barrier()
+    assert isinstance(sources[0], hf_folder.TensorBoxes)
+    stored = os.path.getsize(os.path.join(folder, "model.safetensors"))
+    assert 0 < sources[0].bytes_read < stored * (1 / world.size + 0.25), (sources[0].bytes_read, stored)
+    monkeypatch.setattr(hf, "open_hf", opened)
+    ref = reference(Config(**settings, out=os.path.join(shared_dir, f"hf-ref-{world.rank}")))
+    def trained(out):           # step 0 of a fine-tune is a validation alone
+        return [(m["step"], m.get("loss", 0.0), m.get("val_loss", 0.0)) for m in metrics(out)]
+    assert [r[0] for r in trained(par.out)] == [r[0] for r in trained(ref.out)]
+    for (_, *got), (_, *want) in zip(trained(par.out), trained(ref.out)):
+        assert got == pytest.approx(want, rel=1e-10, abs=1e-10)
+    assert_same_arrays(final_arrays(par.out), final_arrays(ref.out), TOL, "llama import")
