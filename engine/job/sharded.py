@@ -76,9 +76,10 @@ def intersect(a, b):
 # ---- writing ---------------------------------------------------------------------------
 
 def write_rank_file(folder: str, rank: int, pieces) -> dict:
-    """Write this rank's pieces ((array name, box, C-contiguous host array), in any
-    order) to folder/rank_RRRRR.bin and fsync it. Returns its record for the manifest:
-    {name, bytes, crc32, pieces: [[array, offset, box, crc32]]}. On failure the
+    """Write this rank's pieces ((array name, box, host array), in any order, an iterable
+    consumed one piece at a time) to folder/rank_RRRRR.bin and fsync it. Returns its record
+    for the manifest: {name, bytes, crc32, pieces: [[array, offset, box, [crc32 per 4 MiB]]]},
+    or None (and no file) when there was no piece. On failure the
     partial file is removed (a full disk stays no fuller) and the OSError raised."""
     name = rank_file_name(rank)
     path = os.path.join(folder, name)
@@ -99,6 +100,9 @@ def write_rank_file(folder: str, rank: int, pieces) -> dict:
                 offset += raw.nbytes
             fh.flush()
             os.fsync(fh.fileno())
+        if not records:        # this rank holds nothing to write (its share was all another's)
+            os.remove(path)
+            return None
     except BaseException:
         try:
             os.remove(path)
@@ -267,21 +271,24 @@ class Reader:
             row = volume(stored[1:]) * itemsize
             first, last = common[0][0] - stored[0][0], common[0][1] - stored[0][0]
             self._verify(fh, index, offset, volume(stored) * itemsize, crc, first * row, last * row, name)
-            values = self._read_rows(fh, offset, stored, common, name)
-            out[tuple(slice(lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(common, box))] = values
+            self._read_rows(fh, offset, stored, common, self.dtype(name),
+                            out[tuple(slice(lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(common, box))])
 
-    def _read_rows(self, fh, offset, stored, common, name):
-        """The `common` sub-box of a stored piece: its rows (first dimension) read whole,
-        the other dimensions cut in memory."""
-        dtype, shape = self.dtype(name), [hi - lo for lo, hi in stored]
+    def _read_rows(self, fh, offset, stored, common, dtype, out):
+        """The `common` sub-box of a stored piece into `out`: its rows (first dimension) read
+        whole, at most _BLOCK bytes at a time, the other dimensions cut in memory."""
+        shape = [hi - lo for lo, hi in stored]
         row = math.prod(shape[1:]) * dtype.itemsize
         first, last = common[0][0] - stored[0][0], common[0][1] - stored[0][0]
-        data = np.empty((last - first) * row, dtype=np.uint8)
-        fh.seek(offset + first * row)
-        if fh.readinto(data) != data.size:
-            raise Problem(f"the shard {self.entry['files'][0]['name']} ends early")
-        rows = data.view(dtype).reshape([last - first, *shape[1:]])
-        return rows[(slice(None), *(slice(lo - s, hi - s) for (lo, hi), (s, _) in zip(common[1:], stored[1:])))]
+        step = max(1, _BLOCK // max(1, row))
+        cut = tuple(slice(lo - s, hi - s) for (lo, hi), (s, _) in zip(common[1:], stored[1:]))
+        for a in range(first, last, step):
+            b = min(a + step, last)
+            data = np.empty((b - a) * row, dtype=np.uint8)
+            fh.seek(offset + a * row)
+            if fh.readinto(data) != data.size:
+                raise Problem(f"a shard of {self.folder} ends early")
+            out[a - first:b - first] = data.view(dtype).reshape([b - a, *shape[1:]])[(slice(None), *cut)]
 
     def _verify(self, fh, index, offset, size, crcs, lo, hi, name):
         """Check the CRC32 of each 4 MiB block of the piece that bytes [lo, hi) of it touch

@@ -136,7 +136,8 @@ class Saver:
         local = self.training.model.local_slices(self.training.opt)
         outcome = [None, _diverged(local, step)]
         if outcome[1] is None:
-            _write(folder, self.training.world.Get_rank(), list(slices.pieces(local)), outcome, directory, step)
+            # One piece at a time: a view where it is contiguous, else a copy of that piece alone.
+            _write(folder, self.training.world.Get_rank(), slices.pieces(local), outcome, directory, step)
         self._commit(step, meta, directory, keep, alone, outcome, slices.whole_shapes(local))
 
     def _start_async(self, step, meta, directory, alone):
@@ -213,8 +214,6 @@ def _diverged(local, step):
 def _write(folder, rank, pieces, outcome, directory, step):
     """This rank's file (on the training thread, or the save's own): outcome[0] its record
     (None: it writes no piece), outcome[1] a failure."""
-    if not pieces:
-        return
     try:
         outcome[0] = sharded.write_rank_file(folder, rank, pieces)
     except OSError as e:
