@@ -262,6 +262,8 @@ class ParamBuffer:
                 raise ValueError(f"unknown init {spec.init!r} for {spec.name}")
             start, end = self.offsets[spec.name]
             pieces = [(max(a, start) - start, min(b, end) - start) for a, b in wanted if max(a, start) < min(b, end)]
+            if not pieces:
+                continue
             flat = self.data[start:end]
             draw = _NormalInit(seed, spec) if spec.init == "normal" else None
             for a, b in pieces:
