@@ -70,6 +70,7 @@ class Run:
     peak_flops: float | None = None    # a rank's GEMM FLOP/s measured at start-up (MFU's denominator)
     dog: Any = None
     saver: Any = None                  # writes the checkpoints, holds an asynchronous one in flight (saving.py)
+    moments: Any = None                # <memory_report>: each moment's measured peak (memory.Moments)
     t_start: float = 0.0               # when the first step began
 
     @property
@@ -493,10 +494,15 @@ def build_model(training: Run, cleanup) -> None:
         training.report.note(note)
     training.opt = training.model.make_optimizer(cfg.optimizer, cfg.weight_decay)
     training.saver = Saver(training)
+    if cfg.memory_report:           # each moment's measured peak (memory.py Moments), from here on
+        training.moments = memory.Moments(training.world)
+        training.moments.end("start-up (until the model is built)")
     if training.init:
         load_init(training)
         training.report.say(f"initialised from the Hugging Face model in {cfg.hf_dir}")
         training.init = (training.init[0], None, training.init[2])           # the arrays are loaded: let them go
+        if training.moments:
+            training.moments.end("import (--init-from)")
     if not training.resume_path:
         training.model.start_identical()
         return
@@ -514,6 +520,8 @@ def build_model(training: Run, cleanup) -> None:
         arrays, _ = agree(training.world, lambda: checkpoint.load(training.resume_path, expected=expected),
                           "checkpoint")
         training.model.restore_state(arrays, training.opt)
+    if training.moments:
+        training.moments.end("resume")
     training.opt.step_count = training.manifest["opt_step_count"]
     training.start_step = training.manifest["step"]
     training.report.say(f"resumed from {training.resume_path} at step {training.start_step}")

@@ -276,8 +276,12 @@ def _predict_rank(cfg, shape, seq_len, dp, pipe_rank) -> Breakdown:
     _predict_activations(b, cfg, shape, seq_len, dp, pipe_rank, layers, bounds, mine)
     _predict_gathered_units(b, cfg, s, P, zero, dp, units)
     _predict_buffers_and_overhead(b, dp, buckets)
-    _predict_phases(b, s, P, zero, dp, units.largest, imported=bool(getattr(cfg, "init_from", None)))
-    _predict_checkpoints(b, cfg, s, P, layers)
+    _predict_staging(b, cfg, s, P, dp)
+    # A Llama-style folder is read box by box (each rank its own slices), a GPT-2 one whole.
+    imported = bool(getattr(cfg, "init_from", None))
+    _predict_phases(b, s, P, zero, dp, units.largest, imported=imported and cfg.model != "llama",
+                    read_blocks=imported)
+    _predict_checkpoints(b, cfg, s, P, layers, units.largest)
     b.items = {k: int(v) for k, v in b.items.items()}
     b.phases = {k: int(v) for k, v in b.phases.items()}
     return b
@@ -446,29 +450,52 @@ def _held_always(b) -> float:
 
 def _held_between_steps(b) -> float:
     """What lives from step to step besides: the parameters, the optimizer state, the pulls."""
-    return b.items["parameters"] + b.items["optimizer state"] + b.items.get("parameter pulls in flight", 0)
+    return (b.items["parameters"] + b.items["optimizer state"] + b.items.get("parameter pulls in flight", 0)
+            + b.items.get("async checkpoint staging", 0))
 
 
-def _predict_phases(b, s, P, zero, dp, largest_param, imported=False):
+READ_BLOCK = 64 << 20       # bytes of a Hugging Face tensor read at once (hf_folder.TensorBoxes)
+SHARD_READ_BLOCK = 16 << 20    # bytes of a sharded checkpoint's piece read at once (sharded.Reader)
+
+
+def _predict_staging(b, cfg, s, P, dp):
+    """--checkpoint-async: the copy of what this rank writes (its share of the parameters and
+    of each optimizer state), held from a save until every rank has written it."""
+    if getattr(cfg, "checkpoint_async", False) and getattr(cfg, "checkpoint_every", 0) \
+            and getattr(cfg, "checkpoint_format", "sharded") == "sharded" and getattr(cfg, "sync", "") != "ps":
+        b.items["async checkpoint staging"] = s * P / dp * (1 + _optimizer_states(cfg))
+        b.notes["async checkpoint staging"] = "this rank's share of parameters and optimizer state, copied"
+
+
+def _predict_phases(b, s, P, zero, dp, largest_param, imported=False, read_blocks=False):
     """The three phases of a step's life (init, backward, update) and what each holds at once.
-    imported: <init_from> loads every parameter into the buffer (ZeRO-3 then drops the rest)."""
+    imported: <init_from> loads every parameter whole into the buffer (a GPT-2 folder; ZeRO-3
+    then drops the rest); read_blocks: <init_from> reads box by box (a Llama folder), a 64 MiB
+    block of rows and its float32 cast at a time."""
     base, persistent = _held_always(b), _held_between_steps(b)
     grads = b.items["gradients"]
     # ParamBuffer.init writes the buffer (ZeRO-3: this rank's chunks, the rest never touched),
     # a block at a time: a float64 block drawn (never longer than the parameter), the float64
     # piece it fills, its cast.
     written = s * P / dp if zero >= 3 and not imported else s * P
-    b.phases["init"] = base + written + (8 + 8 + s) * min(INIT_BLOCK, largest_param)
+    b.phases["init"] = base + written + (8 + 8 + s) * min(INIT_BLOCK, largest_param) + (2 * READ_BLOCK if read_blocks else 0)
     b.phases["backward"] = (base + persistent + grads + b.items.get("gradient buckets in flight", 0)
                             + b.items["activations"] + b.items.get("gathered units", 0.0))
     b.phases["update"] = base + persistent + (grads if zero < 2 else s * P / dp)
 
 
-def _predict_checkpoints(b, cfg, s, P, layers):
+def _predict_checkpoints(b, cfg, s, P, layers, largest_param):
     """The checkpoints' moments, outside the training peak (Breakdown.checkpoint)."""
     states = _optimizer_states(cfg)
-    # The writer (world rank 0, pipeline rank 0) holds every stage's arrays whole: the
-    # parameters copied, the optimizer state (gathered under ZeRO). A resume reads this
+    if getattr(cfg, "checkpoint_format", "sharded") == "sharded" and getattr(cfg, "sync", "") != "ps":
+        # Every rank writes from its own buffers, one piece at a time (a copy only where the
+        # piece is not contiguous: a part of a column-split matrix, at most a parameter's part),
+        # and reads back into them, a block of rows at a time.
+        b.checkpoint["save"] = int(b.phases["update"] + s * largest_param / max(1, cfg.tp))
+        b.checkpoint["resume"] = int(_held_always(b) + _held_between_steps(b) + SHARD_READ_BLOCK + (4 << 20))
+        return
+    # Whole-file: the writer (world rank 0, pipeline rank 0) holds every stage's arrays whole:
+    # the parameters copied, the optimizer state (gathered under ZeRO). A resume reads this
     # stage's arrays whole (tensor parts included) and lays out one state at a time.
     whole_model = sum(_param_list(layers, [(0, len(layers))], [0], 1))
     whole_stage = P * cfg.tp
@@ -529,6 +556,50 @@ def measured_peak(world) -> int:
     return int(buf[0])
 
 
+def reset_peak() -> bool:
+    """Start a new measurement: VmHWM back to the current RSS (Linux's /proc/self/clear_refs,
+    value 5). False where the kernel does not allow it (then a moment's peak is the process's)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class Moments:
+    """<memory_report>: the measured peak of each moment of a run (start-up, the import or the
+    resume, the steps, each save), the largest rank's VmHWM since the moment began, against the
+    steady state (the first two steps') and the prediction. Every call is collective (a max
+    all-reduce), made by every rank at the same point of the run."""
+
+    STEADY = "steps 1-2 (steady state)"
+
+    def __init__(self, world):
+        self.world, self.peaks, self.counts, self.resets = world, {}, {}, True
+
+    def end(self, name: str) -> None:
+        """The moment `name` ends now (a moment seen again keeps its largest peak)."""
+        peak = measured_peak(self.world)
+        self.peaks[name] = max(self.peaks.get(name, 0), peak)
+        self.counts[name] = self.counts.get(name, 0) + 1
+        self.resets = reset_peak() and self.resets
+
+    def table(self, predicted: dict) -> list[str]:
+        """The moments in the order first seen; predicted: {moment: bytes} where known."""
+        steady = self.peaks.get(self.STEADY)
+        lines = [f"  {'moment':<36}{'measured':>12}{'x steady':>10}{'predicted':>12}"]
+        for name, peak in self.peaks.items():
+            ratio = f"{peak / steady:.2f}" if steady else "-"
+            times = f" (x{self.counts[name]})" if self.counts[name] > 1 else ""
+            guess = predicted.get(name.split(" (")[0])
+            lines.append(f"  {name + times:<36}{size_text(peak):>12}{ratio:>10}"
+                         f"{size_text(guess) if guess else '-':>12}")
+        if not self.resets:
+            lines.append("  (this kernel cannot reset a process's peak: each row is the peak so far)")
+        return lines
+
+
 def shortfall(predicted: int, ranks_on_node: int, available: int | None, held_now: int) -> int:
     """Bytes the node lacks for its ranks to reach the predicted peak: each rank holds
     `held_now` already and needs the rest from MemAvailable. 0 when it fits (or unknown)."""
@@ -557,9 +628,13 @@ def report_at_start(training) -> Breakdown:
             report.say(line)
     save, resume = b.checkpoint.get("save", 0), b.checkpoint.get("resume", 0)
     if getattr(cfg, "memory_report", False) or max(save, resume) > 1.25 * b.total:
-        report.say(f"memory: checkpoints are written and read whole, not sharded: writing one takes "
-                   f"{size_text(save)} on world rank 0 for a moment, resuming {size_text(resume)} a rank "
-                   f"(the training peak: {size_text(b.total)})")
+        sharded = getattr(cfg, "checkpoint_format", "sharded") == "sharded" and getattr(cfg, "sync", "") != "ps"
+        how = ("sharded checkpoints are written from each rank's own state and read back into it: writing "
+               f"one takes {size_text(save)} a rank" if sharded else
+               f"checkpoints are written and read whole, not sharded: writing one takes {size_text(save)} on "
+               "world rank 0")
+        report.say(f"memory: {how} for a moment, resuming {size_text(resume)} a rank (the training peak: "
+                   f"{size_text(b.total)})")
     ranks_here = runtime.local_rank_count()
     short = float(shortfall(b.total, ranks_here, mem_available(), current_rss()))
     buf = np.array([short])
@@ -578,6 +653,18 @@ def report_at_start(training) -> Breakdown:
 
 def _largest(items, n):
     return sorted(((k, v) for k, v in items.items() if v), key=lambda kv: -kv[1])[:n]
+
+
+def report_moments(training) -> None:
+    """<memory_report>, at the end: every moment's measured peak against the steady state's."""
+    moments, b = getattr(training, "moments", None), getattr(training, "memory", None)
+    if moments is None or b is None:
+        return
+    predicted = {"start-up": b.phases.get("init"), "import": b.phases.get("init"), "resume": b.checkpoint.get("resume"),
+                 Moments.STEADY.split(" (")[0]: b.total, "steps": b.total, "save": b.checkpoint.get("save")}
+    training.report.say("memory per moment (VmHWM of the largest rank within each; x steady: against steps 1-2):")
+    for line in moments.table(predicted):
+        training.report.say(line)
 
 
 def report_measured(training, after_step: int) -> None:

@@ -186,6 +186,7 @@ def steps(training: Run, batches: Prefetcher, best: Best | None = None) -> tuple
         done = step + 1
         if cfg.memory_report and done == min(cfg.steps, training.start_step + 2):
             memory.report_measured(training, done)     # step 2: the first with the optimizer state in memory
+            training.moments.end(memory.Moments.STEADY)
         step_s = time.perf_counter() - t0
         record = step_record(done, loss, lr, norm_sq, step_s, training.items_per_step,
                              training.flops_per_item, training.recipe.unit, model.comm_hidden_fraction(),
@@ -399,11 +400,16 @@ def save(training: Run, step: int, loss: float | None, best: Best | None = None,
     steps run (engine/train/saving.py). Every rank learns whether it was written, so a full
     disk ends the job cleanly instead of with an abort. Returns the whole arrays on rank 0
     for a whole-file save, else None."""
+    if training.moments:
+        training.moments.end("steps")
     try:
-        return training.saver.save(step, checkpoint_meta(training, loss, best), directory or training.ckpt_dir,
-                                   keep=training.cfg.keep, alone=alone, background=background)
+        arrays = training.saver.save(step, checkpoint_meta(training, loss, best), directory or training.ckpt_dir,
+                                     keep=training.cfg.keep, alone=alone, background=background)
     except DivergedWeight as e:
         raise diverged(training, e.why, e.step, "a weight") from None
+    if training.moments:
+        training.moments.end("save (staging, async)" if background and training.saver.sharded else "save")
+    return arrays
 
 
 def checkpoint_meta(training: Run, loss: float | None, best: Best | None = None) -> dict:
@@ -468,6 +474,7 @@ def finish(training: Run, loss: float, stopped_at: int | None, best: Best | None
     if training.recipe.generate is not None and cfg.sample_tokens > 0 and training.start_step < cfg.steps \
             and report.is_main:
         sample(training, arrays)
+    memory.report_moments(training)
     summarize_job(training)
     # The last thing every rank does: what `ringpipe finished RUN_DIR` counts. With dedicated
     # parameter servers the job's ranks and rank numbers (the servers mark theirs: served()).
