@@ -647,8 +647,7 @@ def _export_command(args) -> int:
                       f"{names_of(lambda recipe: recipe.hf_format)})")
     check_checkpoint_shapes(manifest, declared, manifest_path)
     run_dir = _run_dir(args.source, manifest_path)
-    npz_path = manifest_path[:-len(".json")] + ".npz"
-    protect = (os.path.abspath(args.source), os.path.abspath(manifest_path), os.path.abspath(npz_path), run_dir)
+    protect = (os.path.abspath(args.source), *map(os.path.abspath, checkpoint.files_of(manifest_path)), run_dir)
     check_out_dir(os.path.abspath(args.out), args.overwrite, protect)
     # Only the parameters (not the optimizer's state), each checked against its declared shape.
     params, _ = checkpoint.load(manifest_path, expected={name: shape for name, (shape, _) in declared.items()
