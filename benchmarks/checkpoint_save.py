@@ -30,7 +30,7 @@ Measured inside each rank (wrapping engine/train/saving.py, which already keeps 
             "first" is a run's first save, "later" the others; a later one's wait for the
             save before it, still being written (Saver.wait inside the save), is shown apart
             ("waited") and left out of "later" and "all".
-  staging   async: the staging copy alone (slices.pieces(copy=True)), the slowest rank's.
+  staging   async: the staging copy alone (Saver._stage: into the buffer kept for the run), the slowest rank's.
   write     the rank's own file write (saving._write; checkpoint.save on the first rank for
             whole), on the training thread or, for async, on the save's thread.
   bytes     each rank's files of the checkpoint (its rank_RRRRR.bin; the .npz and the
@@ -92,7 +92,6 @@ def child(spec: dict, result_path: str) -> None:
     runtime.reuse_freed_memory()
     from mpi4py import MPI
     from ringpipe.engine.job import checkpoint
-    from ringpipe.engine.parallel import slices
     from ringpipe.engine.train import memory, saving
     from ringpipe.engine.train.config import Config
     from ringpipe.engine.train.run import run
@@ -100,9 +99,9 @@ def child(spec: dict, result_path: str) -> None:
     world = MPI.COMM_WORLD
     savers, saves, commits, writes = [], [], [], []
     waited = {"s": 0.0, "inside": False, "staging_s": None, "staged_bytes": None}
-    init, save, wait, commit_in_flight, write, whole_save, pieces = (
+    init, save, wait, commit_in_flight, write, whole_save, stage = (
         saving.Saver.__init__, saving.Saver.save, saving.Saver.wait, saving.Saver._commit_in_flight, saving._write,
-        checkpoint.save, slices.pieces)
+        checkpoint.save, saving.Saver._stage)
 
     def init_kept(self, training):
         init(self, training)
@@ -127,13 +126,11 @@ def child(spec: dict, result_path: str) -> None:
             if waited["inside"]:
                 waited["s"] += time.perf_counter() - t0
 
-    def pieces_timed(local, copy=False):
-        if not copy:
-            return pieces(local)
+    def stage_timed(self, local):
         t0 = time.perf_counter()
-        staged = list(pieces(local, copy=True))       # the staging copy of an asynchronous save
+        staged = stage(self, local)                   # the staging copy of an asynchronous save
         waited.update(staging_s=time.perf_counter() - t0, staged_bytes=sum(d.nbytes for _, _, d in staged))
-        return iter(staged)
+        return staged
 
     def commit_timed(self):
         commits.append({"step": self.in_flight.step, "time": time.time()})
@@ -156,7 +153,7 @@ def child(spec: dict, result_path: str) -> None:
     saving.Saver.__init__ = init_kept
     saving.Saver.save = save_timed
     saving.Saver.wait = wait_timed
-    saving.slices.pieces = pieces_timed
+    saving.Saver._stage = stage_timed
     saving.Saver._commit_in_flight = commit_timed
     saving._write = write_timed
     checkpoint.save = whole_timed

@@ -74,10 +74,10 @@ def whole_shapes(local: LocalSlices) -> dict:
     return out
 
 
-def pieces(local: LocalSlices, copy=False):
-    """(array name, whole box, host array) of every piece this rank writes. copy: each
-    array its own copy (an asynchronous save writes them while training changes the
-    buffers); else views where the buffer is on the host and the piece contiguous."""
+def pieces(local: LocalSlices):
+    """(array name, whole box, host array) of every piece this rank writes, one at a time:
+    a view where the buffer is on the host and the piece contiguous, else a copy of that
+    piece (an asynchronous save copies them all into its staging buffer)."""
     for key, segments in local.held.items():
         for seg_lo, seg_hi, array in segments:
             for lo, hi in local.written:
@@ -89,8 +89,20 @@ def pieces(local: LocalSlices, copy=False):
                         values = values.reshape([hi_ - lo_ for lo_, hi_ in pbox])
                         for sub, full in _to_whole(spec, pbox):
                             part = values[_relative(sub, pbox)]
-                            part = part.copy() if copy or not part.flags.c_contiguous else part
+                            part = part if part.flags.c_contiguous else part.copy()
                             yield _array_name(key, spec), _own_dims(spec, full), _own_dims_array(spec, part)
+
+
+def piece_bytes(local: LocalSlices) -> int:
+    """The bytes of every piece `pieces` yields, from the geometry alone (no value is read)."""
+    total = 0
+    for key, segments in local.held.items():
+        for seg_lo, seg_hi, array in segments:
+            for lo, hi in local.written:
+                for spec, a, b in _params_in(local.params, max(lo, seg_lo), min(hi, seg_hi)):
+                    for _, pbox in _part_boxes(spec, a, b):
+                        total += sum(_volume(full) for _, full in _to_whole(spec, pbox)) * array.dtype.itemsize
+    return total
 
 
 def fill(local: LocalSlices, read_box) -> None:

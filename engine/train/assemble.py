@@ -494,6 +494,7 @@ def build_model(training: Run, cleanup) -> None:
         training.report.note(note)
     training.opt = training.model.make_optimizer(cfg.optimizer, cfg.weight_decay)
     training.saver = Saver(training)
+    training.saver.prepare_staging()
     if cfg.memory_report:           # each moment's measured peak (memory.py Moments), from here on
         training.moments = memory.Moments(training.world)
         training.moments.end("start-up (until the model is built)")
