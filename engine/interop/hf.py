@@ -39,9 +39,9 @@ import numpy as np
 
 from ringpipe.engine.interop import hf_llama, hf_values
 from ringpipe.engine.interop.hf_folder import (MASK_BUFFERS, MAX_CONFIG_BYTES, MAX_TOKENIZER_BYTES, HFError,
-                                               Tokenizer, check_memory, check_out_dir, checked, files_call,
-                                               json_bytes, layer_indices, param_arrays, read_headers, read_json,
-                                               read_tensors, safetensors_header, tokenizer_of, weight_files,
+                                               TensorBoxes, Tokenizer, check_memory, check_out_dir, checked,
+                                               files_call, json_bytes, layer_indices, param_arrays, read_headers,
+                                               read_json, safetensors_header, tokenizer_of, weight_files,
                                                write_model_folder)
 from ringpipe.engine.job import checkpoint, files
 from ringpipe.engine.model.gpt import GPTConfig, gpt_layers
@@ -349,31 +349,15 @@ _DROPOUT_KEYS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
 _GPT2_DROPOUT_DEFAULT = 0.1     # GPT2Config's, for a key config.json leaves out
 
 
-class WholeArrays:
-    """import_hf's whole arrays behind TensorBoxes' surface (read_box, read_whole): a GPT-2
-    folder is read whole on each rank, its largest (1.5B parameters) 6 GB in float32."""
-
-    def __init__(self, arrays: dict):
-        self.arrays = arrays
-
-    def read_whole(self, ours: str) -> np.ndarray:
-        return self.arrays[ours]
-
-    def read_box(self, name: str, box, out) -> None:
-        out[...] = self.arrays[name[len("param/"):]][tuple(slice(lo, hi) for lo, hi in box)]
-
-
 def open_hf(hf_dir: str) -> tuple:
-    """import_hf, the weights not read yet: (config, a reader of our parameters' boxes, the path
-    of its tokenizer.json or None). A Llama-style folder is read box by box, so each rank reads
-    only the slices it holds (hf_llama.open_folder); a GPT-2 folder whole (WholeArrays)."""
+    """import_hf, the weights not read yet: (config, hf_folder.TensorBoxes over our parameters'
+    names, the path of its tokenizer.json or None): each rank reads only the boxes it holds."""
     if not os.path.isdir(hf_dir):
         raise HFError(f"{hf_dir} is not a folder (expected a Hugging Face model folder with config.json)")
     config = _read_config(hf_dir)
     if config.get("model_type") in hf_llama.MODEL_TYPES:
         return hf_llama.open_folder(config, hf_dir)
-    cfg, arrays, tokenizer = import_hf(hf_dir)
-    return cfg, WholeArrays(arrays), tokenizer
+    return _open_gpt2(config, hf_dir)
 
 
 def import_hf(hf_dir: str) -> tuple[GPTConfig, dict, str | None]:
@@ -387,6 +371,13 @@ def import_hf(hf_dir: str) -> tuple[GPTConfig, dict, str | None]:
     config = _read_config(hf_dir)
     if config.get("model_type") in hf_llama.MODEL_TYPES:
         return hf_llama.import_folder(config, hf_dir)
+    cfg, source, tokenizer = _open_gpt2(config, hf_dir)
+    return cfg, {ours: source.read_whole(ours) for ours, _, _ in name_map(cfg.n_layer)}, tokenizer
+
+
+def _open_gpt2(config: dict, hf_dir: str) -> tuple:
+    """open_hf for a GPT-2 folder: (GPTConfig, TensorBoxes over our names, tokenizer.json or None),
+    every tensor's presence and shape checked from the headers, none read whole."""
     cfg = _config_from_hf(config, hf_dir)
     headers = read_headers(weight_files(hf_dir), hf_dir)
     # config.json's sizes against the tensors' shapes (headers only), before any model is
@@ -394,44 +385,38 @@ def import_hf(hf_dir: str) -> tuple[GPTConfig, dict, str | None]:
     declared = _strip_prefix({name: shape for name, (_, shape, _) in headers.items()}, hf_dir)
     check_gpt_shapes(cfg, _ours_from_gpt2(declared), f"{hf_dir}/config.json", cfg.vocab, _gpt2_naming,
                      exact_layers=False)
-    tensors = _strip_prefix(read_tensors(headers), hf_dir)
+    entries = _strip_prefix(headers, hf_dir)
     shapes = _our_shapes(cfg)
-
-    arrays = {}
-    for ours, theirs, transposed in name_map(cfg.n_layer):
-        if theirs not in tensors:
+    mine, transposed = {}, set()
+    for ours, theirs, is_transposed in name_map(cfg.n_layer):
+        if theirs not in entries:
             raise HFError(f"{hf_dir}: the tensor {PREFIX + theirs} is missing (config.json says n_layer "
                           f"{cfg.n_layer}): the weights are incomplete or do not match config.json")
-        array = tensors.pop(theirs)
-        want = _hf_shape(ours, shapes[ours], transposed, cfg)
-        if array.shape != want:
-            raise HFError(f"{hf_dir}: the tensor {PREFIX + theirs} has shape {array.shape}, config.json "
-                          f"implies {want}")
-        array = array.astype(np.float32)
-        if transposed:
-            array = array.T
-        arrays[ours] = np.ascontiguousarray(array)
-
+        want = _hf_shape(ours, shapes[ours], is_transposed, cfg)
+        if tuple(entries[theirs][1]) != want:
+            raise HFError(f"{hf_dir}: the tensor {PREFIX + theirs} has shape {tuple(entries[theirs][1])}, "
+                          f"config.json implies {want}")
+        mine[ours] = entries.pop(theirs)
+        if is_transposed:
+            transposed.add(ours)
     # Our wte has padded_vocab rows. The padding rows never matter: no token id reaches them
     # in the embedding, and the head masks their logits (LMHead.PAD_LOGIT), so they get no
     # probability and no gradient. Zeros keep the import deterministic.
-    wte = np.zeros((cfg.padded_vocab, cfg.d_model), dtype=np.float32)
-    wte[:cfg.vocab] = arrays["wte"]
-    arrays["wte"] = wte
-
-    lm_head = tensors.pop("lm_head.weight", None)
+    names = {ours: (PREFIX if PREFIX + theirs in headers else "") + theirs for ours, theirs, _ in name_map(cfg.n_layer)}
+    source = TensorBoxes(mine, rows={"wte": cfg.padded_vocab}, transposed=transposed, names=names)
+    lm_head = entries.pop("lm_head.weight", None)
     if lm_head is None and config.get("tie_word_embeddings", True) is False:
         raise HFError(f"{hf_dir}: config.json says tie_word_embeddings false but there is no lm_head.weight "
                       "(transformers would start the head from random values)")
-    if lm_head is not None and not np.array_equal(lm_head.astype(np.float32), arrays["wte"][:cfg.vocab]):
+    if lm_head is not None and not source.same("wte", lm_head):
         raise HFError(f"{hf_dir}: lm_head.weight differs from wte (config.json tie_word_embeddings "
                       f"{config.get('tie_word_embeddings', True)}): ringpipe's LM head is always the token "
                       "embedding, so this model cannot be represented")
-    leftover = sorted(name for name in tensors if not name.endswith(MASK_BUFFERS))
+    leftover = sorted(name for name in entries if not name.endswith(MASK_BUFFERS))
     if leftover:
         raise HFError(f"{hf_dir}: tensors that GPT-2 with this config.json does not have: "
                       f"{', '.join(leftover[:5])}{', ...' if len(leftover) > 5 else ''}")
-    return cfg, arrays, tokenizer_of(hf_dir)
+    return cfg, source, tokenizer_of(hf_dir)
 
 
 def check_init_data(hf_dir: str, init: tuple, data_vocab, data_has_tokenizer: bool = True) -> list:

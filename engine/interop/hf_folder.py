@@ -230,15 +230,18 @@ class TensorBoxes:
 
     entries: {our name: (dtype, shape, (path, data offset))}, read_headers' entries under our
     names; rows: {our name: row count} for a parameter with padding rows beyond the tensor's
-    (the vocabulary's): those read as zeros."""
+    (the vocabulary's): those read as zeros; transposed: our names whose tensor is stored
+    transposed (GPT-2's Conv1D weights); names: {our name: the folder's}, which a refusal names."""
 
-    def __init__(self, entries: dict, rows: dict | None = None):
-        self.entries, self.rows = entries, rows or {}
+    def __init__(self, entries: dict, rows: dict | None = None, transposed=(), names: dict | None = None):
+        self.entries, self.rows, self.transposed = entries, rows or {}, set(transposed)
+        self.names = names or {}           # {our name: the folder's}, for what a refusal names
         self.bytes_read = 0                # of tensor data, by read_box (what a sharded import costs a rank)
 
     def shape(self, ours: str) -> tuple:
         _, shape, _ = self.entries[ours]
-        return (self.rows[ours], *shape[1:]) if ours in self.rows else tuple(shape)
+        shape = tuple(reversed(shape)) if ours in self.transposed else tuple(shape)
+        return (self.rows[ours], *shape[1:]) if ours in self.rows else shape
 
     def read_whole(self, ours: str) -> np.ndarray:
         out = np.empty(self.shape(ours), dtype=np.float32)
@@ -247,6 +250,15 @@ class TensorBoxes:
 
     def read_box(self, name: str, box, out) -> None:
         ours = name[len("param/"):] if name.startswith("param/") else name
+        if ours in self.transposed:        # GPT-2's Conv1D weights, stored as the transpose of ours
+            theirs = np.empty(out.shape[::-1], dtype=np.float32)
+            self._read_stored(ours, box[::-1], theirs)
+            out[...] = theirs.T
+        else:
+            self._read_stored(ours, box, out)
+
+    def _read_stored(self, ours: str, box, out) -> None:
+        """The box of the tensor as it is stored (its rows, whole, 64 MiB at a time)."""
         dtype, shape, (path, offset) = self.entries[ours]
         stored = shape[0] if shape else 1
         (r0, r1), rest = box[0], box[1:]
@@ -265,7 +277,7 @@ class TensorBoxes:
                 if dtype == "BF16":
                     raw = (raw.astype(np.uint32) << 16).view(np.float32)
                 rows = raw.reshape(b - a, *shape[1:])[(slice(None), *(slice(lo, hi) for lo, hi in rest))]
-                out[a - r0:b - r0] = _finite_float32(rows, ours, path)
+                out[a - r0:b - r0] = _finite_float32(rows, self.names.get(ours, ours), path, count=math.prod(shape))
         if r1 > stored:            # padding rows: no token id reaches them, zeros keep the import deterministic
             out[max(0, stored - r0):] = 0
 
@@ -273,7 +285,7 @@ class TensorBoxes:
         """Whether the tensor `other` (a read_headers entry) holds the same values as `ours`'s
         stored rows, compared 64 MiB at a time (a tied head against the embedding)."""
         _, shape, _ = self.entries[ours]
-        mirror = TensorBoxes({"x": other})
+        mirror = TensorBoxes({"x": other}, names={"x": "lm_head.weight"})
         if tuple(other[1]) != tuple(shape):
             return False
         step = max(1, _ROWS_AT_ONCE // max(1, math.prod(shape[1:]) * 4))
@@ -281,8 +293,8 @@ class TensorBoxes:
             box = [(a, min(a + step, shape[0])), *((0, n) for n in shape[1:])]
             mine = np.empty([hi - lo for lo, hi in box], dtype=np.float32)
             theirs = np.empty_like(mine)
-            self.read_box(ours, box, mine)
-            mirror.read_box("x", box, theirs)
+            self._read_stored(ours, box, mine)
+            mirror._read_stored("x", box, theirs)
             if not np.array_equal(mine, theirs):
                 return False
         return True
@@ -320,11 +332,12 @@ def _read_safetensors_file(path: str, names: list, headers: dict) -> dict:
     return tensors
 
 
-def _finite_float32(tensor: np.ndarray, name: str, path: str) -> np.ndarray:
+def _finite_float32(tensor: np.ndarray, name: str, path: str, count: int | None = None) -> np.ndarray:
     """The tensor as float32, ringpipe's weights, refused naming it unless every value is finite
     there: a NaN or infinite weight (or a float64 one beyond float32's range, which becomes
     infinite) would otherwise surface steps later as "training diverged... lower --lr",
-    blaming the learning rate for the file."""
+    blaming the learning rate for the file. count: the whole tensor's size where `tensor` is
+    a part of it (TensorBoxes reads rows), so the refusal says which it counted."""
     with np.errstate(over="ignore", invalid="ignore"):
         weights = tensor.astype(np.float32, copy=False)
         # One pass, no temporary array: a float64 sum of finite float32 values cannot overflow
@@ -333,8 +346,10 @@ def _finite_float32(tensor: np.ndarray, name: str, path: str) -> np.ndarray:
             return weights
         bad = int(weights.size - np.count_nonzero(np.isfinite(weights)))
         unrepresentable = bool(np.isfinite(tensor).all())
-    what = (f"{bad:,} of its {weights.size:,} values beyond float32's range (3.4e38), which ringpipe trains in"
-            if unrepresentable else f"{bad:,} NaN or infinite values (of {weights.size:,})")
+    part = "" if count in (None, weights.size) else f" in the {weights.size:,} read"
+    whole = weights.size if count is None else count
+    what = (f"{bad:,} of its {whole:,} values beyond float32's range (3.4e38){part}, which ringpipe trains in"
+            if unrepresentable else f"{bad:,} NaN or infinite values{part} (of {whole:,})")
     raise HFError(f"{path}: the tensor {name} holds {what}: the weights are damaged, or were saved from a run that "
                   "diverged; use an undamaged copy of the model (download it again, or take an earlier checkpoint)")
 

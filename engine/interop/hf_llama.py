@@ -547,7 +547,7 @@ def open_folder(config: dict, hf_dir: str) -> tuple:
     headers = hf_folder.read_headers(hf_folder.weight_files(hf_dir), hf_dir)
     _check_headers(cfg, headers, hf_dir)
     source = hf_folder.TensorBoxes({ours: headers[theirs] for ours, theirs in name_map(cfg)},
-                                   rows={ours: cfg.padded_vocab for ours in _VOCAB_ROWS})
+                                   rows={ours: cfg.padded_vocab for ours in _VOCAB_ROWS}, names=dict(name_map(cfg)))
     if cfg.tie_embeddings and "lm_head.weight" in headers and not source.same("wte", headers["lm_head.weight"]):
         raise HFError(f"{hf_dir}: lm_head.weight differs from model.embed_tokens.weight, but config.json says "
                       "tie_word_embeddings true (transformers would use the embedding for both): set "

@@ -277,10 +277,8 @@ def _predict_rank(cfg, shape, seq_len, dp, pipe_rank) -> Breakdown:
     _predict_gathered_units(b, cfg, s, P, zero, dp, units)
     _predict_buffers_and_overhead(b, dp, buckets)
     _predict_staging(b, cfg, s, P, dp)
-    # A Llama-style folder is read box by box (each rank its own slices), a GPT-2 one whole.
-    imported = bool(getattr(cfg, "init_from", None))
-    _predict_phases(b, s, P, zero, dp, units.largest, imported=imported and cfg.model != "llama",
-                    read_blocks=imported)
+    # An <init_from> folder is read box by box (each rank its own slices, hf_folder.TensorBoxes).
+    _predict_phases(b, s, P, zero, dp, units.largest, read_blocks=bool(getattr(cfg, "init_from", None)))
     _predict_checkpoints(b, cfg, s, P, layers, units.largest)
     b.items = {k: int(v) for k, v in b.items.items()}
     b.phases = {k: int(v) for k, v in b.phases.items()}
@@ -467,18 +465,18 @@ def _predict_staging(b, cfg, s, P, dp):
         b.notes["async checkpoint staging"] = "this rank's share of parameters and optimizer state, copied"
 
 
-def _predict_phases(b, s, P, zero, dp, largest_param, imported=False, read_blocks=False):
+def _predict_phases(b, s, P, zero, dp, largest_param, read_blocks=False):
     """The three phases of a step's life (init, backward, update) and what each holds at once.
-    imported: <init_from> loads every parameter whole into the buffer (a GPT-2 folder; ZeRO-3
-    then drops the rest); read_blocks: <init_from> reads box by box (a Llama folder), a 64 MiB
-    block of rows and its float32 cast at a time."""
+    read_blocks: <init_from> reads the boxes this rank holds, a 64 MiB block of rows and its
+    float32 cast at a time."""
     base, persistent = _held_always(b), _held_between_steps(b)
     grads = b.items["gradients"]
     # ParamBuffer.init writes the buffer (ZeRO-3: this rank's chunks, the rest never touched),
     # a block at a time: a float64 block drawn (never longer than the parameter), the float64
-    # piece it fills, its cast.
-    written = s * P / dp if zero >= 3 and not imported else s * P
-    b.phases["init"] = base + written + (8 + 8 + s) * min(INIT_BLOCK, largest_param) + (2 * READ_BLOCK if read_blocks else 0)
+    # piece it fills, its cast; an import writes the same chunks, a block of rows at a time.
+    written = s * P / dp if zero >= 3 else s * P
+    b.phases["init"] = (base + written + (8 + 8 + s) * min(INIT_BLOCK, largest_param)
+                        + (2 * READ_BLOCK if read_blocks else 0))
     b.phases["backward"] = (base + persistent + grads + b.items.get("gradient buckets in flight", 0)
                             + b.items["activations"] + b.items.get("gathered units", 0.0))
     b.phases["update"] = base + persistent + (grads if zero < 2 else s * P / dp)
