@@ -13,6 +13,11 @@ user would. The hostile-value trials give `train`, `sample` and `prepare` absurd
 `--init-from` model folders with values out of type or range (config.json, a weight,
 tokenizer.json), `report` and `top` a run whose metrics.jsonl or monitor.json holds what no
 run writes, the tools places no file may be written, and Ctrl-C to a streaming `sample`.
+The save-fault trials (sharded-kill, sharded-term, sharded-disk-full and the same three async-)
+meet a sharded checkpoint while it is written, at once or in the background
+(--checkpoint-async), by a model whose checkpoint is ~155 MB: SIGKILL or SIGTERM to a random rank
+once the ranks are writing their files (half the SIGKILLs: to rank 0 inside the commit, between
+the folder's rename and the manifest's), or --out on a disk too small for the second save.
 For each trial the table counts:
 
     ended     the job ended within --deadline seconds of the fault (no hang)
@@ -21,25 +26,34 @@ For each trial the table counts:
               with no traceback, raw errno line or temp file's name in its place
     kept      nothing valid before the fault was lost: every checkpoint, the run,
               the dataset (old or new, never a mix), the files beside them (another
-              exporter's .prom file); a refusal wrote nothing
+              exporter's .prom file); a refusal wrote nothing. The save faults: no
+              manifest names a half-written checkpoint, the newest valid one is the
+              one before the fault (SIGTERM: the stop's, the save in flight committed),
+              and the next run removed what the fault left (the temp folder, a shards
+              folder no manifest names, the manifest's temp file; a full disk's run
+              its own)
     truthful  the exit code says what happened (0 only for work done; 2 for a
               refusal; the signal's or the abort's code for a stop; 130 for Ctrl-C)
     exact     (training) `--resume auto` then finishes bit-identical (every
-              parameter) to an uninterrupted run of the same seed (ps-signal: in
+              parameter) to an uninterrupted run of the same seed, resuming from the
+              checkpoint `kept` expects (save faults) (ps-signal: in
               the modes that keep sync's math, sync and streamed; ssp and async
               change it, by design, and their stop checkpoint must resume to the
               end, counted in `kept`)
 
-A check that does not apply to a scenario is shown as "-".
+A check that does not apply to a scenario is shown as "-". A save fault that missed
+the save it was meant for (the signal sent after the commit) fails the trial (`landed`).
 
 A trial prints its random choices, so a failure can be replayed with --seed.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -50,7 +64,7 @@ import zipfile
 
 import numpy as np
 
-from ringpipe.engine.job import checkpoint
+from ringpipe.engine.job import checkpoint, lifecycle, sharded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,14 +79,15 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_
 LONG = 10**6       # steps of a run that is stopped by its fault long before it ends
 SCENARIOS = ("kill", "double-signal", "disk-full", "bad-checkpoint", "concurrent", "ps-signal",
              "prepare-kill", "prepare-interrupt", "prepare-disk-full", "prepare-concurrent",
-             "export-overwrite", "hostile-load", "hostile-markers", "hostile-values")
+             "export-overwrite", "hostile-load", "hostile-markers", "hostile-values",
+             "sharded-kill", "sharded-term", "sharded-disk-full", "async-kill", "async-term", "async-disk-full")
 CHECKS = ("ended", "named", "kept", "truthful", "exact")
 
 
 # ---- running jobs -------------------------------------------------------------------------
 
-def launch(out, *extra, steps=STEPS, ranks=2):
-    return subprocess.Popen([MPIEXEC, "-n", str(ranks), PY, "-m", "ringpipe.train", *MODEL, "--steps", str(steps),
+def launch(out, *extra, steps=STEPS, ranks=2, model=MODEL):
+    return subprocess.Popen([MPIEXEC, "-n", str(ranks), PY, "-m", "ringpipe.train", *model, "--steps", str(steps),
                              "--out", out, *extra], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -89,8 +104,8 @@ def finish(proc, deadline):
         return proc.returncode, out + err, time.time() - t0, False
 
 
-def run_to_end(out, *extra, steps=STEPS, deadline=300, ranks=2):
-    rc, output, _, _ = finish(launch(out, *extra, steps=steps, ranks=ranks), deadline)
+def run_to_end(out, *extra, steps=STEPS, deadline=300, ranks=2, model=MODEL):
+    rc, output, _, _ = finish(launch(out, *extra, steps=steps, ranks=ranks, model=model), deadline)
     return rc, output
 
 
@@ -225,7 +240,7 @@ def disk_full(rng, folder, reference, deadline):
         proc = launch(out, "--checkpoint-every", "1", "--keep", "0")
         rc, output, seconds, ended = finish(proc, deadline)
         ckpt = os.path.join(out, "checkpoints")
-        leftovers = [f for f in os.listdir(ckpt) if ".tmp." in f] if os.path.isdir(ckpt) else []
+        left = leftovers(ckpt)             # temp files, a sharded save's temp folder or orphan shards folder
         invalid = checkpoint.scan(ckpt)[1] if os.path.isdir(ckpt) else []
         with open(os.path.join(out, "metrics.jsonl"), "rb") as fh:
             metrics = fh.read()
@@ -234,7 +249,7 @@ def disk_full(rng, folder, reference, deadline):
         exact, _ = resume_is_exact(out, reference)
         return dict(did=f"{size // 1024} KiB disk, a checkpoint every step", seconds=seconds,
                     ended=ended, truthful=rc == 1, named="disk full at" in output,
-                    kept=not leftovers and not invalid and whole, exact=exact)
+                    kept=not left and not invalid and whole, exact=exact)
     finally:
         subprocess.run(["umount", "-l", disk], capture_output=True)
 
@@ -259,14 +274,16 @@ def _zip_bomb(npz_path):
 
 
 def _forge_manifest(json_path):
-    """Make the manifest match its (tampered) npz again: size, CRC and checksum."""
+    """Make the manifest match its (tampered) npz again: size, CRC and checksum (a sharded one's,
+    whose rank files are untouched: its checksum)."""
     with open(json_path) as fh:
         m = json.load(fh)
-    npz = json_path[:-5] + ".npz"
-    m["npz_bytes"] = os.path.getsize(npz)
-    with open(npz, "rb") as fh:
-        import zlib
-        m["npz_crc32"] = zlib.crc32(fh.read())
+    if "npz" in m:
+        npz = json_path[:-5] + ".npz"
+        m["npz_bytes"] = os.path.getsize(npz)
+        with open(npz, "rb") as fh:
+            import zlib
+            m["npz_crc32"] = zlib.crc32(fh.read())
     m.pop("checksum", None)
     m["checksum"] = checkpoint._checksum(m)
     with open(json_path, "w") as fh:
@@ -279,7 +296,11 @@ DAMAGE = ("flip bytes in the npz", "truncate the npz", "delete the npz", "edit t
 
 
 def _damage(kind, json_path):
+    # The checkpoint's data: its npz (whole-file), or its first rank file (sharded; never zip-bombed).
     npz = json_path[:-5] + ".npz"
+    shards = json_path[:-5] + ".shards"
+    if not os.path.exists(npz) and os.path.isdir(shards):
+        npz = os.path.join(shards, sorted(os.listdir(shards))[0])
     if kind == DAMAGE[0]:
         with open(npz, "r+b") as fh:
             fh.seek(os.path.getsize(npz) // 2)
@@ -311,20 +332,24 @@ def _damage(kind, json_path):
 
 def bad_checkpoint(rng, folder, reference, deadline):
     out = os.path.join(folder, "run")
-    rc, _ = run_to_end(out, "--checkpoint-every", "2", "--keep", "0", steps=STEPS // 2)
+    # Either format: sharded (the default; its data is a folder of rank files) or whole-file (an npz).
+    fmt = rng.choice(["sharded", "whole"])
+    rc, _ = run_to_end(out, "--checkpoint-every", "2", "--keep", "0", "--checkpoint-format", fmt, steps=STEPS // 2)
     found = checkpoint.list_checkpoints(os.path.join(out, "checkpoints"))
     n = rng.randint(1, min(3, len(found) - 1))
     damaged = found[-n:]
-    kinds = [rng.choice(DAMAGE) for _ in damaged]
+    kinds = [rng.choice(DAMAGE if fmt == "whole" else DAMAGE[:-1]) for _ in damaged]
     for kind, path in zip(kinds, damaged):
         _damage(kind, path)
     before = [p for p in found if p not in damaged]
-    proc = launch(out, "--resume", "auto", "--checkpoint-every", "2", "--keep", "0")
+    proc = launch(out, "--resume", "auto", "--checkpoint-every", "2", "--keep", "0", "--checkpoint-format", fmt)
     rc, output, seconds, ended = finish(proc, deadline)
     named = all(os.path.basename(p) in output for p in damaged)
     # The checkpoints it resumed from and before stay valid; the run then rewrote the damaged steps.
     kept = set(before) <= set(valid_checkpoints(out))
-    return dict(did="; ".join(f"{os.path.basename(p)}: {k}" for p, k in zip(damaged, kinds)), seconds=seconds,
+    said = {"sharded": lambda k: k.replace("the npz", "rank file 0"), "whole": lambda k: k}[fmt]
+    return dict(did=f"{fmt}: " + "; ".join(f"{os.path.basename(p)}: {said(k)}" for p, k in zip(damaged, kinds)),
+                seconds=seconds,
                 ended=ended, truthful=rc == 0, named=named, kept=kept, exact=rc == 0 and same_as(reference, out))
 
 
@@ -415,6 +440,255 @@ def rank_pids_by_rank(mpiexec_pid) -> dict:
             env = dict(v.split(b"=", 1) for v in fh.read().split(b"\0") if b"=" in v)
         ranks[int(env.get(b"PMI_RANK", env.get(b"OMPI_COMM_WORLD_RANK", b"-1")))] = pid
     return ranks
+
+
+# ---- faults during a save: sharded, and in the background (--checkpoint-async) ---------------
+# A model whose checkpoint is ~155 MB (a 77 MB file a rank: float64 parameters and Adam's two
+# moments), so that one save takes ~0.5 s (sharded) to ~1 s (in the background, beside the
+# training) on the 2-core VM: a window a fault can be placed in. Its runs save every SAVE_EVERY
+# steps; the fault meets the second save (step 2 * SAVE_EVERY), so the first is the previous
+# checkpoint that must come through. The trigger is the second save's temp folder
+# (ckpt_S.shards.tmp, made by rank 0 before any rank writes) holding a rank file: the ranks are
+# writing. From there the fault waits a random part of the first save's measured length; the
+# trial then records whether the temp folder was still there after the signal was sent (it
+# `landed` in the save) and fails if not. A full disk needs no trigger: the run's --out is on a
+# tmpfs of 1.25-1.9 checkpoints, so the first save fits and the second runs out of space partway.
+SAVE_STEPS, SAVE_EVERY = 12, 4
+SAVE_MODEL = ["--data", "synthetic", "--layers", "2", "--d-model", "512", "--heads", "2", "--context", "16",
+              "--batch-size", "4", "--sample-tokens", "0", "--dtype", "float64", "--lr", "1e-3", "--log-every", "1",
+              "--decay-steps", str(SAVE_STEPS)]
+SAVE_FAULTS = {f"{how}-{fault}": (how, fault) for how in ("sharded", "async") for fault in ("kill", "term", "disk-full")}
+_SAVE_REFERENCES: dict = {}
+_LEFTOVER = re.compile(r"ckpt_\d{8}\.(shards\.tmp|(json|npz)\.tmp\.\d+)")
+_SHARDS = re.compile(r"ckpt_(\d{8})\.shards")
+
+
+def save_reference(root):
+    """An uninterrupted SAVE_STEPS-step run of SAVE_MODEL, made once per matrix: {"params": its
+    final parameters, "ckpt_bytes": the size of one checkpoint (its last; every one is as large)}."""
+    if root not in _SAVE_REFERENCES:
+        out = os.path.join(root, "reference-save")
+        rc, output = run_to_end(out, steps=SAVE_STEPS, model=SAVE_MODEL)
+        if rc != 0:
+            raise SystemExit(f"fault_matrix: the uninterrupted save-fault reference run failed:\n{output[-3000:]}")
+        last = checkpoint.manifest_path(os.path.join(out, "checkpoints"), SAVE_STEPS)
+        shards = last[:-5] + ".shards"
+        size = os.path.getsize(last) + sum(os.path.getsize(os.path.join(shards, name)) for name in os.listdir(shards))
+        _SAVE_REFERENCES[root] = dict(params=params(out), ckpt_bytes=size)
+        shutil.rmtree(out, ignore_errors=True)
+    return _SAVE_REFERENCES[root]
+
+
+def leftovers(ckpt):
+    """What an interrupted save leaves in a checkpoints folder: its temp folder, temp files, and a
+    shards folder no manifest names (a commit killed between its two renames)."""
+    try:
+        names = os.listdir(ckpt)
+    except OSError:
+        return []
+    return sorted(n for n in names if _LEFTOVER.fullmatch(n) or (
+        _SHARDS.fullmatch(n) and not os.path.exists(os.path.join(ckpt, n[:-7] + ".json"))))
+
+
+def _step_of(json_path):
+    return int(os.path.basename(json_path)[5:13]) if json_path else None
+
+
+def wait_for_save(ckpt, step, proc, timeout=120):
+    """Block until sharded checkpoint `step` is being written (its temp folder holds a rank file);
+    False if the job ended first or the save came and went between two looks."""
+    tmp = os.path.join(ckpt, sharded.temp_folder_name(step))
+    end = time.time() + timeout
+    while time.time() < end and proc.poll() is None:
+        try:
+            if os.listdir(tmp):
+                return True
+        except OSError:
+            if os.path.exists(checkpoint.manifest_path(ckpt, step)):
+                return False
+        time.sleep(0.001)
+    return False
+
+
+def save_seconds(ckpt, step, proc, timeout=120):
+    """How long sharded checkpoint `step` took, from its first rank file to its commit (None: not seen)."""
+    if not wait_for_save(ckpt, step, proc, timeout):
+        return None
+    t0, tmp, end = time.time(), os.path.join(ckpt, sharded.temp_folder_name(step)), time.time() + timeout
+    while os.path.isdir(tmp) and time.time() < end and proc.poll() is None:
+        time.sleep(0.001)
+    return time.time() - t0
+
+
+# The one moment of a sharded commit a timed signal cannot hit: rank 0 has renamed the rank files'
+# folder into place (ckpt_S.shards) and not yet the manifest (microseconds apart). A shim loaded
+# into rank 0 alone (LD_PRELOAD) raises SIGKILL when rename() is asked to make the path in
+# FAULT_MATRIX_KILL_AT_RENAME, before it does: the run dies exactly there, leaving a shards
+# folder no manifest names and the manifest's temp file.
+_KILL_AT_RENAME_C = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void die_if_asked(const char *to) {
+    const char *at = getenv("FAULT_MATRIX_KILL_AT_RENAME");
+    if (at && to && strcmp(at, to) == 0)
+        raise(SIGKILL);
+}
+
+int rename(const char *from, const char *to) {
+    static int (*real)(const char *, const char *);
+    if (!real)
+        real = (int (*)(const char *, const char *))dlsym(RTLD_NEXT, "rename");
+    die_if_asked(to);
+    return real(from, to);
+}
+
+int renameat(int fd1, const char *from, int fd2, const char *to) {
+    static int (*real)(int, const char *, int, const char *);
+    if (!real)
+        real = (int (*)(int, const char *, int, const char *))dlsym(RTLD_NEXT, "renameat");
+    die_if_asked(to);
+    return real(fd1, from, fd2, to);
+}
+"""
+
+
+def kill_at_rename_shim(folder):
+    """The shim's shared library, built in `folder` (once); None where no C compiler builds it."""
+    lib = os.path.join(folder, "kill_at_rename.so")
+    if not os.path.exists(lib):
+        cc = shutil.which("cc") or shutil.which("gcc")
+        if cc is None:
+            return None
+        source = os.path.join(folder, "kill_at_rename.c")
+        with open(source, "w") as fh:
+            fh.write(_KILL_AT_RENAME_C)
+        r = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", lib, source, "-ldl"], capture_output=True)
+        if r.returncode:
+            return None
+    return lib
+
+
+def launch_killed_at_rename(out, shim, target, *extra, steps, model):
+    """`launch`, with rank 0 killed (SIGKILL) when it renames a file onto `target`."""
+    args = [PY, "-m", "ringpipe.train", *model, "--steps", str(steps), "--out", out, *extra]
+    return subprocess.Popen([MPIEXEC, "-n", "1", "-env", "LD_PRELOAD", shim, "-env", "FAULT_MATRIX_KILL_AT_RENAME",
+                             target, *args, ":", "-n", "1", *args], cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def save_fault(rng, folder, reference, deadline, trial=None):
+    """SIGKILL or SIGTERM to a random rank while the ranks write a sharded checkpoint (at once, or in
+    the background with --checkpoint-async; half the SIGKILLs: to rank 0 inside the commit), or the
+    disk filling up during it."""
+    how, fault = trial
+    ref = save_reference(os.path.dirname(folder))
+    flags = ["--checkpoint-every", str(SAVE_EVERY), "--keep", "0"] + (["--checkpoint-async"] if how == "async" else [])
+    first, second = SAVE_EVERY, 2 * SAVE_EVERY
+    parent = folder
+    if fault == "disk-full":
+        parent = os.path.join(folder, "disk")
+        size = int(ref["ckpt_bytes"] * rng.uniform(1.25, 1.9))
+        refused = _mount_tmpfs(parent, size)
+        if refused:
+            return dict(did=f"skipped: {refused}", skipped=True)
+    shim = kill_at_rename_shim(os.path.dirname(folder)) if fault == "kill" and rng.random() < 0.5 else None
+    misses = 0
+    try:
+        out = os.path.join(parent, "run")
+        ckpt = os.path.join(out, "checkpoints")
+        manifest = checkpoint.manifest_path(ckpt, second)
+        before = [checkpoint.manifest_path(ckpt, first)]           # committed before the second save began
+        if fault == "disk-full":
+            did = f"{how} saves every {SAVE_EVERY} steps on a {size / 2**20:.0f} MiB disk " \
+                  f"({size / ref['ckpt_bytes']:.2f} checkpoints)"
+            proc = launch(out, *flags, steps=SAVE_STEPS, model=SAVE_MODEL)
+            wait_for_save(ckpt, second, proc)             # the time to end counts from the save's start
+            rc, output, seconds, ended = finish(proc, deadline)
+            landed = f"the checkpoint for step {second} was not written" in output
+            named = ("disk full at" in output and f"the checkpoint for step {second} was not written; the previous "
+                     "checkpoints are intact" in output and _told_plainly(output))
+            truthful, expected, said = rc == 1, {first}, _line_naming("disk full at", output)
+        elif shim:
+            # Rank 0 killed inside the commit: the folder renamed into place, the manifest not yet.
+            proc = launch_killed_at_rename(out, shim, manifest, *flags, steps=LONG, model=SAVE_MODEL)
+            wait_for_save(ckpt, second, proc)
+            while not os.path.isdir(manifest[:-5] + ".shards") and proc.poll() is None:
+                time.sleep(0.001)                         # the folder's rename: the kill follows at once
+            rc, output, seconds, ended = finish(proc, deadline)
+            landed = os.path.isdir(manifest[:-5] + ".shards") and not os.path.exists(manifest)
+            did = f"SIGKILL to rank 0 inside {how} save {second}'s commit (its folder renamed, its manifest not yet)"
+            named = "signal 9" in output.lower() or "killed" in output.lower()
+            truthful = rc != 0 and "exiting with code" not in output
+            expected, said = {first}, _line_naming("signal 9", output)
+        else:
+            sig = signal.SIGKILL if fault == "kill" else signal.SIGTERM
+            # A save can be quicker than the first was: a signal sent after its commit missed it, and
+            # the trial is run again from the start (at most 3 times), the misses counted.
+            for misses in range(3):
+                shutil.rmtree(out, ignore_errors=True)
+                victim, share = rng.randint(0, 1), rng.uniform(0, 0.6)
+                proc = launch(out, *flags, steps=LONG, model=SAVE_MODEL)
+                length = save_seconds(ckpt, first, proc) or 0.0
+                pids = rank_pids_by_rank(proc.pid)
+                if not wait_for_save(ckpt, second, proc) or victim not in pids:
+                    rc, output, seconds, ended = finish(proc, deadline)
+                    return dict(did=f"{sig.name} meant for rank {victim} during save {second}: the save was not "
+                                    f"seen (exit {rc})", seconds=seconds, ended=ended, landed=False,
+                                said=output[-400:], output=output[-4000:])
+                time.sleep(share * length)
+                os.kill(pids[victim], sig)
+                landed = os.path.isdir(os.path.join(ckpt, sharded.temp_folder_name(second)))
+                rc, output, seconds, ended = finish(proc, deadline)
+                if landed:
+                    break
+            did = (f"{sig.name} to rank {victim} {share * length * 1e3:.0f} ms into {how} save {second} "
+                   f"(the first took {length * 1e3:.0f} ms)" + (f"; {misses} earlier one(s) missed" if misses else ""))
+            if sig == signal.SIGKILL:
+                named = "signal 9" in output.lower() or "killed" in output.lower()
+                truthful = rc != 0 and "exiting with code" not in output
+                expected, said = {first}, _line_naming("signal 9", output)
+            else:
+                stopped = _step_of(checkpoint.find_latest(ckpt))
+                named = f"SIGTERM to rank {victim}" in output
+                truthful = rc == lifecycle.REQUEUE_EXIT_CODE and (
+                    f"checkpoint at step {stopped} written; exiting with code {rc}" in output)
+                # A sharded save finishes and is the stop's checkpoint. One in the background is
+                # committed first, then the stop's is written at the step boundary where the ranks
+                # agree to stop (its own step's, when the signal came before they agreed on that one).
+                expected = {second} if how == "sharded" else set(range(second, second + 4))
+                said = _line_naming("exiting with code", output)
+        # After the fault: every checkpoint there before is still valid, no manifest names a half
+        # written one, the newest valid one is the one expected; a full disk's run removed its own
+        # temp folder (a disk left full would fail the next run).
+        found = leftovers(ckpt)
+        valid, invalid = checkpoint.scan(ckpt) if os.path.isdir(ckpt) else ([], [])
+        latest = _step_of(valid[-1] if valid else None)
+        kept = set(before) <= set(valid) and not invalid and latest in expected
+        if how == "async" and fault == "term":            # the save in flight was committed before the stop's
+            kept = kept and manifest in valid
+        if fault == "disk-full":
+            kept = kept and not found
+            subprocess.run(["mount", "-o", "remount,size=2g", parent], check=True)
+        # The next run: removes what the fault left, resumes from that newest checkpoint, ends as the
+        # uninterrupted run did.
+        rc2, output2 = run_to_end(out, "--resume", "auto", *flags, steps=SAVE_STEPS, model=SAVE_MODEL)
+        cleaned = not leftovers(ckpt) and (not found or "left by an interrupted checkpoint write" in output2)
+        exact = (rc2 == 0 and f"resumed from {checkpoint.manifest_path(ckpt, latest)} at step {latest}" in output2
+                 and same_as(ref["params"], out))
+        result = dict(did=did, seconds=seconds, ended=ended, landed=landed, named=named, truthful=truthful,
+                      kept=kept and cleaned, exact=exact, said=said, exit=rc, resumed_at=latest, left=found,
+                      misses=misses)
+        if failed_checks(result):                         # the record keeps what the job said, to see why
+            result["output"] = "\n".join(line for line in output.splitlines() if not line.startswith("step "))[-4000:]
+            result["resume_output"] = output2[-2000:]
+        return result
+    finally:
+        if fault == "disk-full":
+            subprocess.run(["umount", "-l", parent], capture_output=True)
 
 
 # ---- the tools around training: prepare, export, sample, --init-from, finished --------------
@@ -1034,7 +1308,8 @@ RUNNERS = {"kill": kill, "double-signal": double_signal, "disk-full": disk_full,
            "bad-checkpoint": bad_checkpoint, "concurrent": concurrent, "ps-signal": ps_signal,
            "prepare-kill": prepare_kill, "prepare-interrupt": prepare_interrupt, "prepare-disk-full": prepare_disk_full,
            "prepare-concurrent": prepare_concurrent, "export-overwrite": export_overwrite,
-           "hostile-load": hostile_load, "hostile-markers": hostile_markers, "hostile-values": hostile_values}
+           "hostile-load": hostile_load, "hostile-markers": hostile_markers, "hostile-values": hostile_values,
+           **{name: functools.partial(save_fault, trial=case) for name, case in SAVE_FAULTS.items()}}
 TRAINING = ("kill", "double-signal", "disk-full", "bad-checkpoint", "concurrent")    # (ps-signal: ps_reference)
 # Scenarios whose trials take a list of cases in turn (from a random one on), not at random.
 CYCLED = {"ps-signal": PS_SIGNAL_TRIALS, "hostile-values": HOSTILE_VALUES}
@@ -1051,8 +1326,9 @@ def reference_params(folder):
 
 
 def failed_checks(trial):
-    """The checks a trial did not pass (those that do not apply to its scenario are absent)."""
-    return [k for k in CHECKS if k in trial and not trial[k]]
+    """The checks a trial did not pass (those that do not apply to its scenario are absent); a
+    save fault that missed the save it was meant for (`landed`) fails too."""
+    return [k for k in ("landed", *CHECKS) if k in trial and not trial[k]]
 
 
 def run_matrix(scenarios, repeat, seed, deadline, log=print):
@@ -1072,7 +1348,7 @@ def run_matrix(scenarios, repeat, seed, deadline, log=print):
                 result["scenario"] = name
                 trials.append(result)
                 verdict = "skipped" if result.get("skipped") else " ".join(
-                    f"{k}={'yes' if result[k] else 'NO'}" for k in CHECKS if k in result)
+                    f"{k}={'yes' if result[k] else 'NO'}" for k in ("landed", *CHECKS) if k in result)
                 log(f"{name} #{i + 1}: {result['did']}: {verdict}"
                     + (f" ({result['seconds']:.1f} s to end)" if "seconds" in result else ""))
                 shutil.rmtree(folder, ignore_errors=True)
@@ -1092,6 +1368,8 @@ def summarize(trials):
         for k in CHECKS:
             row[k] = sum(1 for t in ts if t.get(k)) if any(k in t for t in ts) else None
             row[f"{k}_trials"] = sum(1 for t in ts if k in t)       # those it applies to (ps-signal's exact)
+        if any("landed" in t for t in ts):
+            row["landed"] = sum(1 for t in ts if t.get("landed"))      # the save faults: met the save
         row["max_seconds"] = max((t["seconds"] for t in ts), default=None)
         rows.append(row)
     return rows
