@@ -102,7 +102,10 @@ def signal_during_second_save(out, how, sig, victim, deadline=60):
 def test_sigkill_while_the_ranks_write_keeps_the_previous_checkpoint_newest(tmp_path, reference, how, victim):
     out = str(tmp_path / "run")
     rc, output = signal_during_second_save(out, how, signal.SIGKILL, victim)
-    assert rc not in (0, REQUEUE_EXIT_CODE, 130) and "signal 9" in output.lower(), (rc, output[-2000:])
+    # Once in ~160 kills (the fault matrix's first run) the other rank's MPI_Abort came before
+    # MPICH's report of the kill: the job still failed, claimed no checkpoint and lost nothing.
+    assert rc not in (0, REQUEUE_EXIT_CODE, 130), (rc, output[-2000:])
+    assert "signal 9" in output.lower() or "abort" in output.lower(), (rc, output[-2000:])
     assert "exiting with code" not in output            # no rank claims a checkpoint
     assert_only_whole_checkpoints(out, FIRST)
     left = fault_matrix.leftovers(ckpt_of(out))
