@@ -300,8 +300,9 @@ def _output_flags(p):
                         "(metrics.jsonl and the log are still written)")
     g.add_argument("--memory-report", action="store_true",
                    help="print the predicted memory per rank item by item at start-up (parameters, gradients, "
-                        "optimizer state, activations, communication buffers; docs/memory.md), and after step 2 "
-                        "the measured peak (the largest rank's) next to it")
+                        "optimizer state, activations, communication buffers; docs/memory.md), after step 2 "
+                        "the measured peak (the largest rank's) next to it, and at the end each moment's peak "
+                        "(start-up, import, resume, steps, saves) against the steady state")
 
 
 def _eval_batches(text):
