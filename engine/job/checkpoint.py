@@ -451,7 +451,7 @@ def inspect(path):
     try:
         manifest = _read_manifest(path)
         if manifest["format"] == FORMAT_SHARDED:
-            sharded.check_files(path, manifest["shards"], _open_regular)
+            sharded.check_files(path, manifest, _open_regular)
             return None
         with _open_regular(_npz_path(path, manifest), "npz") as fh:
             _check_size_and_crc(fh, manifest)
@@ -478,38 +478,23 @@ def load(path, expected=None):
         if expected is None:
             wanted = list(members)
         else:
-            _check_expected(json_path, members, expected)
+            _check_expected(json_path, {name: member.shape for name, member in members.items()}, expected)
             wanted = list(expected)
         return {name: _read_array(zf, members[name]) for name in wanted}
 
-    if _format_of(path) == FORMAT_SHARDED:
-        manifest, reader = open_sharded(path)
+    path = _existing(resolve(path))
+    manifest = _read_manifest_or_raise(path)
+    if manifest["format"] == FORMAT_SHARDED:
+        reader = sharded.Reader(path, manifest, _open_regular)
         try:
-            _sharded_read(reader, lambda: sharded.check_files(resolve(path), manifest["shards"], _open_regular))
             declared = {name: reader.shape(name) for name in manifest["shards"]["arrays"]}
-            _check_expected(resolve(path), _Shapes(declared), expected or declared)
+            _check_expected(path, declared, expected or declared)
             return {name: _sharded_read(reader, lambda: reader.read_whole(name)) for name in expected or declared}, \
                 manifest
         finally:
             reader.close()
     manifest, arrays = _with_checked_members(path, read)
     return arrays, manifest
-
-
-class _Shapes(dict):
-    """{name: shape} standing in for _check_expected's members (which have .shape)."""
-
-    def __getitem__(self, name):
-        return _Shaped(dict.__getitem__(self, name))
-
-
-@dataclass(frozen=True)
-class _Shaped:
-    shape: tuple
-
-
-def _format_of(path):
-    return _read_manifest_or_raise(_existing(resolve(path)))["format"]
 
 
 def open_sharded(path):
@@ -531,7 +516,7 @@ def read_box(reader, name, box, out) -> None:
 def check_declared(path, reader, expected: dict) -> None:
     """Refuse a sharded checkpoint that lacks an array of `expected` ({name: shape}) or
     holds it in another shape, before any data is read."""
-    _check_expected(path, _Shapes({name: reader.shape(name) for name in reader.entry["arrays"]}), expected)
+    _check_expected(path, {name: reader.shape(name) for name in reader.entry["arrays"]}, expected)
 
 
 def _sharded_read(reader, read):
@@ -577,15 +562,16 @@ def _existing(path):
     return path
 
 
-def _check_expected(path, members, expected):
-    missing = [name for name in expected if name not in members]
+def _check_expected(path, shapes, expected):
+    """Refuse a checkpoint whose arrays ({name: shape}) lack one of `expected` or hold it in another shape."""
+    missing = [name for name in expected if name not in shapes]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"checkpoint {path!r} lacks {missing[0]}{more}: "
                               "was it written by a model with another configuration?")
     for name, shape in expected.items():
-        if members[name].shape != tuple(shape):
-            raise CheckpointError(f"checkpoint {path!r}: {name} has shape {members[name].shape}, the model "
+        if tuple(shapes[name]) != tuple(shape):
+            raise CheckpointError(f"checkpoint {path!r}: {name} has shape {tuple(shapes[name])}, the model "
                                   f"expects {tuple(shape)}: was it written by a model with another configuration?")
 
 
@@ -1003,8 +989,9 @@ def declared_arrays(path) -> tuple[dict, dict]:
     recomputed, can declare any n_layer), while every declared shape here is checked
     against the bytes the npz holds, so building a model that matches them costs at most
     what the file already is. Raises CheckpointError like `load`."""
-    if _format_of(path) == FORMAT_SHARDED:
-        manifest = _read_manifest_or_raise(_existing(resolve(path)))
+    path = _existing(resolve(path))
+    manifest = _read_manifest_or_raise(path)
+    if manifest["format"] == FORMAT_SHARDED:
         return manifest, {name: (tuple(a["shape"]), np.dtype(a["dtype"]))
                           for name, a in manifest["shards"]["arrays"].items()}
     return _with_checked_members(path, lambda json_path, zf, members: {

@@ -7,17 +7,18 @@ Format "ringpipe-checkpoint-3". Checkpoint S of a run is, in its checkpoints fol
                                         stored C-contiguous, raw bytes, 64-byte aligned
   ckpt_SSSSSSSS.json                    the manifest (the commit marker), the keys of
                                         format 2 without npz/npz_bytes/npz_crc32, and
-                                        `shards`: {folder, files: [{name, bytes, crc32}],
+                                        `shards`: {folder, files: [{name, bytes,
+                                        crc32: [one per 4 MiB of the file]}],
                                         arrays: {name: {shape, dtype}},
-                                        pieces: [[array, file index, offset, box,
-                                        [crc32 of each 4 MiB of the piece]]]}
+                                        pieces: [[array, file index, offset, box]]}
 
 A box is [[lo, hi], ...], one pair per dimension of the whole array (its full,
 layout-independent shape, as in format 2): the same checkpoint describes itself in
 the coordinates of the model, never of the layout that wrote it. So a reader at any
 layout asks for the boxes it holds and reads only the pieces that overlap them
-(`Reader.read_box`, which checks the CRC32 of each 4 MiB block it reads from), and
-the pieces of every array tile it exactly once (checked before a checkpoint is used).
+(`Reader.read_box`, which checks the CRC32 of each 4 MiB block of a file it reads
+from; `check_files` checks them all), and the pieces of every array tile it exactly
+once (checked before a checkpoint is used).
 
 Commit: every rank writes its file into ckpt_SSSSSSSS.shards.tmp/ and fsyncs it; once
 every rank says it has (the caller's gather), the first rank renames the folder into
@@ -41,7 +42,7 @@ import numpy as np
 
 FORMAT_SHARDED = "ringpipe-checkpoint-3"
 ALIGN = 64                           # each piece starts on a cache line
-CRC_BLOCK = 4 << 20                  # a piece's CRC32s, one per 4 MiB: a reader checks only what it reads
+CRC_BLOCK = 4 << 20                  # a file's CRC32s, one per 4 MiB: a reader checks only what it reads
 _BLOCK = 1 << 24                     # bytes read or hashed at once: never a second copy of a piece
 _RANK_FILE = re.compile(r"rank_\d{5}\.bin")
 _ARRAY_NAME = re.compile(r"[A-Za-z0-9_./\-]{1,200}")
@@ -75,28 +76,46 @@ def intersect(a, b):
 
 # ---- writing ---------------------------------------------------------------------------
 
-def write_rank_file(folder: str, rank: int, pieces) -> dict:
+class _BlockCRCs:
+    """The CRC32 of each CRC_BLOCK bytes of a stream, fed in pieces of any length."""
+
+    def __init__(self):
+        self.done, self.crc, self.filled = [], 0, 0
+
+    def feed(self, data) -> None:
+        data = memoryview(data).cast("B")
+        while data.nbytes:
+            take = min(data.nbytes, CRC_BLOCK - self.filled)
+            self.crc = zlib.crc32(data[:take], self.crc)
+            self.filled += take
+            data = data[take:]
+            if self.filled == CRC_BLOCK:
+                self.done.append(self.crc)
+                self.crc, self.filled = 0, 0
+
+    def blocks(self) -> list:
+        return self.done + ([self.crc] if self.filled else [])
+
+
+def write_rank_file(folder: str, rank: int, pieces) -> dict | None:
     """Write this rank's pieces ((array name, box, host array), in any order, an iterable
     consumed one piece at a time) to folder/rank_RRRRR.bin and fsync it. Returns its record
-    for the manifest: {name, bytes, crc32, pieces: [[array, offset, box, [crc32 per 4 MiB]]]},
-    or None (and no file) when there was no piece. On failure the
-    partial file is removed (a full disk stays no fuller) and the OSError raised."""
+    for the manifest: {name, bytes, crc32: [one per 4 MiB of the file], pieces: [[array,
+    offset, box]]}, or None (and no file) when there was no piece. On failure the partial
+    file is removed (a full disk stays no fuller) and the OSError raised."""
     name = rank_file_name(rank)
     path = os.path.join(folder, name)
-    records, crc, offset = [], 0, 0
+    records, crcs, offset = [], _BlockCRCs(), 0
     try:
         with open(path, "wb") as fh:
             for array, box, data in pieces:
-                pad = -offset % ALIGN
-                if pad:
-                    fh.write(bytes(pad))
-                    crc = zlib.crc32(bytes(pad), crc)
-                    offset += pad
+                pad = bytes(-offset % ALIGN)
                 raw = memoryview(np.ascontiguousarray(data)).cast("B")
-                fh.write(raw)
-                crc = zlib.crc32(raw, crc)
-                blocks = [zlib.crc32(raw[at:at + CRC_BLOCK]) for at in range(0, raw.nbytes, CRC_BLOCK)]
-                records.append([array, offset, [list(map(int, pair)) for pair in box], blocks])
+                for chunk in (pad, raw):
+                    fh.write(chunk)
+                    crcs.feed(chunk)
+                offset += len(pad)
+                records.append([array, offset, [list(map(int, pair)) for pair in box]])
                 offset += raw.nbytes
             fh.flush()
             os.fsync(fh.fileno())
@@ -109,7 +128,7 @@ def write_rank_file(folder: str, rank: int, pieces) -> dict:
         except OSError:
             pass
         raise
-    return {"name": name, "bytes": offset, "crc32": crc, "pieces": records}
+    return {"name": name, "bytes": offset, "crc32": crcs.blocks(), "pieces": records}
 
 
 def shards_entry(step: int, records: list, arrays: dict) -> dict:
@@ -121,7 +140,7 @@ def shards_entry(step: int, records: list, arrays: dict) -> dict:
             continue
         index = len(files)
         files.append({"name": record["name"], "bytes": record["bytes"], "crc32": record["crc32"]})
-        pieces.extend([array, index, offset, box, crc] for array, offset, box, crc in record["pieces"])
+        pieces.extend([array, index, offset, box] for array, offset, box in record["pieces"])
     pieces.sort(key=lambda p: (p[0], p[3]))
     declared = {name: {"shape": [int(n) for n in shape], "dtype": np.dtype(dtype).name}
                 for name, (shape, dtype) in sorted(arrays.items())}
@@ -151,7 +170,11 @@ def check_entry(entry, step: int) -> None:
             raise Problem(f"the manifest's shards.files holds {str(f)[:60]}, expected {{name: rank_RRRRR.bin, "
                           "bytes, crc32}")
         _int(f["bytes"], 0, 2**50, "files.bytes")
-        _int(f["crc32"], 0, 2**32 - 1, "files.crc32")
+        crcs = f["crc32"]
+        if type(crcs) is not list or len(crcs) != -(-f["bytes"] // CRC_BLOCK) or not all(
+                type(c) is int and 0 <= c < 2**32 for c in crcs):
+            raise Problem(f"the manifest's shards.files entry of {f['name']} does not hold one CRC32 per "
+                          f"{CRC_BLOCK >> 20} MiB of it")
     if len({f["name"] for f in files}) != len(files):
         raise Problem("the manifest's shards.files names a file twice")
     arrays = entry["arrays"]
@@ -173,10 +196,10 @@ def _check_pieces(pieces, files, arrays):
         raise Problem("the manifest's shards.pieces is not a list")
     by_array = {name: [] for name in arrays}
     for p in pieces:
-        if type(p) is not list or len(p) != 5 or p[0] not in arrays:
-            raise Problem(f"the manifest's shards.pieces holds {str(p)[:80]}, expected [array, file, offset, box, "
-                          "crc32] of a declared array")
-        name, index, offset, box, crcs = p
+        if type(p) is not list or len(p) != 4 or p[0] not in arrays:
+            raise Problem(f"the manifest's shards.pieces holds {str(p)[:80]}, expected [array, file, offset, box] "
+                          "of a declared array")
+        name, index, offset, box = p
         _int(index, 0, len(files) - 1, "pieces' file")
         _int(offset, 0, 2**50, "pieces' offset")
         shape = arrays[name]["shape"]
@@ -185,11 +208,7 @@ def _check_pieces(pieces, files, arrays):
                 and 0 <= pair[0] < pair[1] <= n for pair, n in zip(box, shape)):
             raise Problem(f"the manifest's piece of {name} has the box {str(box)[:60]}, which is not inside its "
                           f"shape {shape}")
-        size = volume(box) * np.dtype(arrays[name]["dtype"]).itemsize
-        if type(crcs) is not list or len(crcs) != -(-size // CRC_BLOCK) or not all(
-                type(c) is int and 0 <= c < 2**32 for c in crcs):
-            raise Problem(f"the manifest's piece of {name} does not hold one CRC32 per {CRC_BLOCK >> 20} MiB of it")
-        end = offset + size
+        end = offset + volume(box) * np.dtype(arrays[name]["dtype"]).itemsize
         if end > files[index]["bytes"]:
             raise Problem(f"the manifest's piece of {name} at byte {offset} of {files[index]['name']} runs past "
                           "its end")
@@ -213,38 +232,31 @@ def _check_tiling(name, shape, boxes):
                 raise Problem(f"two pieces of {name} overlap ({a} and {b})")
 
 
-def check_files(json_path: str, entry: dict, open_regular) -> None:
-    """Every rank file is a regular file of the size and CRC32 the manifest says (reads
-    them all, in blocks); raises Problem."""
-    folder = os.path.join(os.path.dirname(json_path), entry["folder"])
-    if not os.path.isdir(folder):
-        raise Problem(f"the shards folder {entry['folder']} is missing")
-    for f in entry["files"]:
-        with open_regular(os.path.join(folder, f["name"]), f"shard {f['name']}") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            if size != f["bytes"]:
-                raise Problem(f"the shard {f['name']} is truncated or the wrong file ({size} bytes, the manifest "
-                              f"says {f['bytes']})")
-            crc = 0
-            for block in iter(lambda: fh.read(_BLOCK), b""):
-                crc = zlib.crc32(block, crc)
-            if crc != f["crc32"]:
-                raise Problem(f"the shard {f['name']} is corrupt (CRC32 mismatch)")
+def check_files(json_path: str, manifest: dict, open_regular) -> None:
+    """Every rank file is a regular file of the size the manifest says, and every 4 MiB of it
+    has its CRC32 (reads them all, a block at a time); raises Problem."""
+    reader = Reader(json_path, manifest, open_regular)
+    try:
+        for index, f in enumerate(reader.entry["files"]):
+            reader.verify(index, 0, f["bytes"])
+    finally:
+        reader.close()
 
 
 # ---- reading ---------------------------------------------------------------------------
 
 class Reader:
     """Reads boxes of a sharded checkpoint's arrays from the pieces that hold them, each
-    4 MiB block of a piece CRC-checked the first time it is read from."""
+    4 MiB block of a file CRC-checked the first time it is read from, each file's size
+    checked when it is opened."""
 
     def __init__(self, json_path: str, manifest: dict, open_regular):
         self.entry = manifest["shards"]
         self.folder = os.path.join(os.path.dirname(json_path), self.entry["folder"])
         self.open_regular = open_regular
         self.pieces = {name: [] for name in self.entry["arrays"]}
-        for name, index, offset, box, crc in self.entry["pieces"]:
-            self.pieces[name].append((index, offset, box, crc))
+        for name, index, offset, box in self.entry["pieces"]:
+            self.pieces[name].append((index, offset, box))
         self._files, self._verified = {}, set()
         self.bytes_checked = 0             # what the CRC checks read: each rank only its slices' blocks
 
@@ -263,15 +275,14 @@ class Reader:
         """Fill `out` (an array of the box's shape, any dtype: values are cast) with the
         box of array `name`, reading only the pieces that overlap it."""
         itemsize = self.dtype(name).itemsize
-        for index, offset, stored, crc in self.pieces[name]:
+        for index, offset, stored in self.pieces[name]:
             common = intersect(box, stored)
             if common is None:
                 continue
-            fh = self._file(index)
             row = volume(stored[1:]) * itemsize
             first, last = common[0][0] - stored[0][0], common[0][1] - stored[0][0]
-            self._verify(fh, index, offset, volume(stored) * itemsize, crc, first * row, last * row, name)
-            self._read_rows(fh, offset, stored, common, self.dtype(name),
+            self.verify(index, offset + first * row, offset + last * row)
+            self._read_rows(self._file(index), offset, stored, common, self.dtype(name),
                             out[tuple(slice(lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(common, box))])
 
     def _read_rows(self, fh, offset, stored, common, dtype, out):
@@ -290,24 +301,30 @@ class Reader:
                 raise Problem(f"a shard of {self.folder} ends early")
             out[a - first:b - first] = data.view(dtype).reshape([b - a, *shape[1:]])[(slice(None), *cut)]
 
-    def _verify(self, fh, index, offset, size, crcs, lo, hi, name):
-        """Check the CRC32 of each 4 MiB block of the piece that bytes [lo, hi) of it touch
+    def verify(self, index, lo, hi) -> None:
+        """Check the CRC32 of each 4 MiB block of file `index` that its bytes [lo, hi) touch
         (each block once per reader)."""
+        f, fh = self.entry["files"][index], self._file(index)
         for block in range(lo // CRC_BLOCK, -(-hi // CRC_BLOCK)):
-            if (index, offset, block) in self._verified:
+            if (index, block) in self._verified:
                 continue
-            start = block * CRC_BLOCK
-            fh.seek(offset + start)
-            data = fh.read(min(CRC_BLOCK, size - start))
-            if len(data) != min(CRC_BLOCK, size - start) or zlib.crc32(data) != crcs[block]:
-                raise Problem(f"a piece of {name} in {self.folder} is corrupt (CRC32 mismatch)")
-            self._verified.add((index, offset, block))
+            fh.seek(block * CRC_BLOCK)
+            data = fh.read(min(CRC_BLOCK, f["bytes"] - block * CRC_BLOCK))
+            if zlib.crc32(data) != f["crc32"][block]:
+                raise Problem(f"the shard {f['name']} is corrupt (CRC32 mismatch)")
+            self._verified.add((index, block))
             self.bytes_checked += len(data)
 
     def _file(self, index):
         if index not in self._files:
-            name = self.entry["files"][index]["name"]
-            self._files[index] = self.open_regular(os.path.join(self.folder, name), f"shard {name}")
+            f = self.entry["files"][index]
+            fh = self.open_regular(os.path.join(self.folder, f["name"]), f"shard {f['name']}")
+            size = os.fstat(fh.fileno()).st_size
+            if size != f["bytes"]:
+                fh.close()
+                raise Problem(f"the shard {f['name']} is truncated or the wrong file ({size} bytes, the manifest "
+                              f"says {f['bytes']})")
+            self._files[index] = fh
         return self._files[index]
 
     def close(self):
