@@ -50,7 +50,7 @@ class Split:
     def full_shape(self, shape) -> tuple:
         return tuple(n * self.count - self.pad if d == self.dim else n for d, n in enumerate(shape))
 
-    def _blocks(self, full_len):
+    def blocks(self, full_len):
         """(lo, hi) along dim of this rank's slice of each block, in the padded array."""
         block = (full_len + self.pad) // self.groups
         part = block // self.count
@@ -62,7 +62,7 @@ class Split:
             shape = list(full.shape)
             shape[self.dim] = self.pad
             full = np.concatenate([full, np.zeros(shape, dtype=full.dtype)], axis=self.dim)
-        blocks = self._blocks(full.shape[self.dim] - self.pad)
+        blocks = self.blocks(full.shape[self.dim] - self.pad)
         pieces = [np.take(full, np.arange(lo, hi), axis=self.dim) for lo, hi in blocks]
         return np.concatenate(pieces, axis=self.dim)
 
@@ -70,7 +70,7 @@ class Split:
         """Write this rank's part into the full array (its padding rows are left out)."""
         width = part.shape[self.dim] // self.groups
         length = full.shape[self.dim]
-        for g, (lo, hi) in enumerate(self._blocks(length)):
+        for g, (lo, hi) in enumerate(self.blocks(length)):
             hi = min(hi, length)
             if hi <= lo:
                 continue
@@ -133,7 +133,7 @@ def _runs(spec, lo, hi):
     cols = spec.shape[1] if len(spec.shape) == 2 else 1
     full_cols = spec.full_shape[1] if len(spec.shape) == 2 else 1
     full_len = spec.full_shape[split.dim]
-    slices = split._blocks(full_len)            # each group's (start, end) along dim, padding included
+    slices = split.blocks(full_len)            # each group's (start, end) along dim, padding included
     width = slices[0][1] - slices[0][0]         # the part's length along dim in each group
 
     def clipped(at, full_at, n):

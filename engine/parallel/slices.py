@@ -45,6 +45,10 @@ class LocalSlices:
     held: dict
     written: list
 
+    def only(self, key: str) -> "LocalSlices":
+        """The same, of one of the arrays (key "param": the parameters alone)."""
+        return LocalSlices(self.params, {key: self.held[key]}, self.written)
+
 
 def share(size: int, count: int, index: int, excluded=()) -> list:
     """The flat ranges a replica writes without ZeRO: its equal share of [0, size), less
@@ -78,56 +82,50 @@ def pieces(local: LocalSlices):
     """(array name, whole box, host array) of every piece this rank writes, one at a time:
     a view where the buffer is on the host and the piece contiguous, else a copy of that
     piece (an asynchronous save copies them all into its staging buffer)."""
-    for key, segments in local.held.items():
-        for seg_lo, seg_hi, array in segments:
-            for lo, hi in local.written:
-                for spec, a, b in _params_in(local.params, max(lo, seg_lo), min(hi, seg_hi)):
-                    t_lo = local.params.offsets[spec.name][0]
-                    for flat, pbox in _part_boxes(spec, a, b):
-                        n = _volume(pbox)
-                        values = np.asarray(to_host(array[t_lo + flat - seg_lo:t_lo + flat - seg_lo + n]))
-                        values = values.reshape([hi_ - lo_ for lo_, hi_ in pbox])
-                        for sub, full in _to_whole(spec, pbox):
-                            part = values[_relative(sub, pbox)]
-                            part = part if part.flags.c_contiguous else part.copy()
-                            yield _array_name(key, spec), _own_dims(spec, full), _own_dims_array(spec, part)
+    for key, spec, array, at, pbox in _part_boxes_of(local, written=True):
+        values = np.asarray(to_host(array[at:at + _volume(pbox)])).reshape([hi - lo for lo, hi in pbox])
+        for sub, full in _to_whole(spec, pbox):
+            part = values[_relative(sub, pbox)]
+            part = part if part.flags.c_contiguous else part.copy()
+            yield _array_name(key, spec), _own_dims(spec, full), _own_dims_array(spec, part)
 
 
 def piece_bytes(local: LocalSlices) -> int:
     """The bytes of every piece `pieces` yields, from the geometry alone (no value is read)."""
-    total = 0
-    for key, segments in local.held.items():
-        for seg_lo, seg_hi, array in segments:
-            for lo, hi in local.written:
-                for spec, a, b in _params_in(local.params, max(lo, seg_lo), min(hi, seg_hi)):
-                    for _, pbox in _part_boxes(spec, a, b):
-                        total += sum(_volume(full) for _, full in _to_whole(spec, pbox)) * array.dtype.itemsize
-    return total
+    return sum(_volume(full) * array.dtype.itemsize
+               for _, spec, array, _, pbox in _part_boxes_of(local, written=True) for _, full in _to_whole(spec, pbox))
 
 
 def fill(local: LocalSlices, read_box) -> None:
     """Fill every range the rank holds from read_box(array name, whole box, out)
     (sharded.Reader.read_box); padding rows are left as they are (zeros)."""
-    for key, segments in local.held.items():
-        for seg_lo, seg_hi, array in segments:
-            for spec, a, b in _params_in(local.params, seg_lo, seg_hi):
-                t_lo = local.params.offsets[spec.name][0]
-                for flat, pbox in _part_boxes(spec, a, b):
-                    n = _volume(pbox)
-                    dest = array[t_lo + flat - seg_lo:t_lo + flat - seg_lo + n]
-                    host = dest if isinstance(dest, np.ndarray) else np.zeros(n, dtype=dest.dtype)
-                    values = host.reshape([hi - lo for lo, hi in pbox])
-                    for sub, full in _to_whole(spec, pbox):
-                        read_box(_array_name(key, spec), _own_dims(spec, full),
-                                 _own_dims_array(spec, values[_relative(sub, pbox)]))
-                    if host is not dest:
-                        dest[...] = local.params.xp.asarray(host)
+    for key, spec, array, at, pbox in _part_boxes_of(local, written=False):
+        dest = array[at:at + _volume(pbox)]
+        host = dest if isinstance(dest, np.ndarray) else np.zeros(dest.size, dtype=dest.dtype)
+        values = host.reshape([hi - lo for lo, hi in pbox])
+        for sub, full in _to_whole(spec, pbox):
+            read_box(_array_name(key, spec), _own_dims(spec, full), _own_dims_array(spec, values[_relative(sub, pbox)]))
+        if host is not dest:
+            dest[...] = local.params.xp.asarray(host)
 
 
 # ---- the geometry ------------------------------------------------------------------------
 
 def _array_name(key, spec):
     return f"{key}/{spec.name}"
+
+
+def _part_boxes_of(local, written):
+    """(key, spec, segment array, where the part box starts in it, part box) of every part box
+    of the ranges this rank holds (written: only of those it writes), one held segment at a time."""
+    for key, segments in local.held.items():
+        for seg_lo, seg_hi, array in segments:
+            ranges = [(max(lo, seg_lo), min(hi, seg_hi)) for lo, hi in local.written] if written else [(seg_lo, seg_hi)]
+            for lo, hi in ranges:
+                for spec, a, b in _params_in(local.params, lo, hi):
+                    t_lo = local.params.offsets[spec.name][0]
+                    for flat, pbox in _part_boxes(spec, a, b):
+                        yield key, spec, array, t_lo + flat - seg_lo, pbox
 
 
 def _params_in(params, lo, hi):
@@ -170,19 +168,19 @@ def _part_boxes(spec, a, b):
 
 def _to_whole(spec, pbox):
     """[(sub-box of the part box, the same values' box in the whole array)]: one per block
-    of the split the part box crosses, padding rows left out."""
+    of the split the part box crosses (Split.blocks), padding rows left out."""
     split = spec.split
     if split is None:
         return [(pbox, pbox)]
     d = split.dim + (2 - len(spec.shape))             # the split's dimension in the 2-D view
     whole_len = _shape2d(spec.full_shape)[d]
-    block = (whole_len + split.pad) // split.groups   # a block of the padded whole array
-    width = block // split.count                      # this rank's part of each block
+    blocks = split.blocks(whole_len)                  # each group's (start, end) in the padded whole array
+    width = blocks[0][1] - blocks[0][0]               # this rank's part of each group
     lo, hi = pbox[d]
     out = []
     for g in range(lo // width, -(-hi // width)):
         p0, p1 = max(lo, g * width), min(hi, (g + 1) * width)
-        f0 = g * block + split.index * width + p0 - g * width
+        f0 = blocks[g][0] + p0 - g * width
         f1 = min(f0 + p1 - p0, whole_len)
         if f0 >= f1:
             continue                                  # padding rows only
