@@ -213,13 +213,12 @@ def find_checkpoint(training: Run) -> None:
 def load_init(training: Run) -> None:
     """--init-from's weights: each rank reads the boxes of the parameters it holds (any layout:
     its stage, its tensor part, its ZeRO-3 chunks), never a whole tensor it holds a part of
-    (a Llama folder; a GPT-2 one is read whole, hf.WholeArrays)."""
+    (hf_folder.TensorBoxes)."""
     source, model = training.init[1], training.model
     if not hasattr(model, "local_slices"):     # the parameter server's: whole arrays, each rank takes its part
         model.params.load_flat(model.params.data, {name: source.read_whole(name) for name in model.params.names()})
         return
-    local = model.local_slices(training.opt)
-    params = slices.LocalSlices(local.params, {"param": local.held["param"]}, [])
+    params = model.local_slices(training.opt).only("param")
     agree(training.world, lambda: slices.fill(params, source.read_box), "Hugging Face weights of <init_from>")
 
 

@@ -130,6 +130,12 @@ class Config:
 
     # ---- defaults that depend on other settings ---------------------------------------
     @property
+    def sharded_checkpoints(self) -> bool:
+        """Every rank writes its slices of each checkpoint (engine/train/saving.py); the parameter
+        server's are whole-file whatever <checkpoint_format> says."""
+        return self.checkpoint_format == "sharded" and self.sync != "ps"
+
+    @property
     def ps_mode_parts(self) -> tuple[str, int]:
         """<ps_mode> as ("sync", 0), ("ssp", S) or ("async", 0) (parse_ps_mode)."""
         return parse_ps_mode(self.ps_mode)

@@ -459,8 +459,7 @@ SHARD_READ_BLOCK = 16 << 20    # bytes of a sharded checkpoint's piece read at o
 def _predict_staging(b, cfg, s, P, dp):
     """--checkpoint-async: the copy of what this rank writes (its share of the parameters and
     of each optimizer state), held from a save until every rank has written it."""
-    if getattr(cfg, "checkpoint_async", False) and getattr(cfg, "checkpoint_every", 0) \
-            and getattr(cfg, "checkpoint_format", "sharded") == "sharded" and getattr(cfg, "sync", "") != "ps":
+    if cfg.checkpoint_async and cfg.checkpoint_every and cfg.sharded_checkpoints:
         b.items["async checkpoint staging"] = s * P / dp * (1 + _optimizer_states(cfg))
         b.notes["async checkpoint staging"] = "this rank's share of parameters and optimizer state, copied"
 
@@ -485,7 +484,7 @@ def _predict_phases(b, s, P, zero, dp, largest_param, read_blocks=False):
 def _predict_checkpoints(b, cfg, s, P, layers, largest_param):
     """The checkpoints' moments, outside the training peak (Breakdown.checkpoint)."""
     states = _optimizer_states(cfg)
-    if getattr(cfg, "checkpoint_format", "sharded") == "sharded" and getattr(cfg, "sync", "") != "ps":
+    if cfg.sharded_checkpoints:
         # Every rank writes from its own buffers, one piece at a time (a copy only where the
         # piece is not contiguous: a part of a column-split matrix, at most a parameter's part),
         # and reads back into them, a block of rows at a time.
@@ -626,9 +625,8 @@ def report_at_start(training) -> Breakdown:
             report.say(line)
     save, resume = b.checkpoint.get("save", 0), b.checkpoint.get("resume", 0)
     if getattr(cfg, "memory_report", False) or max(save, resume) > 1.25 * b.total:
-        sharded = getattr(cfg, "checkpoint_format", "sharded") == "sharded" and getattr(cfg, "sync", "") != "ps"
         how = ("sharded checkpoints are written from each rank's own state and read back into it: writing "
-               f"one takes {size_text(save)} a rank" if sharded else
+               f"one takes {size_text(save)} a rank" if cfg.sharded_checkpoints else
                f"checkpoints are written and read whole, not sharded: writing one takes {size_text(save)} on "
                "world rank 0")
         report.say(f"memory: {how} for a moment, resuming {size_text(resume)} a rank (the training peak: "

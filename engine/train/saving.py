@@ -19,6 +19,7 @@ checkpoint before it stays the newest, as a crash during a synchronous save woul
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -51,8 +52,12 @@ class Saver:
         self.training = training
         self.in_flight: _InFlight | None = None
         self.blocking_s: list = []         # each save's time on the training thread (the benchmark reads it)
-        self.staged_bytes = 0              # the largest staging copy so far (the memory report)
         self.staging = None                # --checkpoint-async: the buffer the slices are copied into, kept
+
+    @property
+    def staged_bytes(self) -> int:
+        """The staging copy's size (the benchmark reads it): the buffer is sized to it exactly."""
+        return 0 if self.staging is None else self.staging.size
 
     @property
     def sharded(self) -> bool:
@@ -67,13 +72,7 @@ class Saver:
         self.wait()
         if alone:
             # OUT/best/ (rank 0 holds the run's lock): temp files and folders there are a killed run's.
-            failure = None
-            if self.training.world.Get_rank() == 0:
-                try:
-                    checkpoint.remove_stale_temp_files(directory)
-                except checkpoint.CheckpointError as e:
-                    failure = ("write", str(e))
-            self._raise(self._bcast(failure), step)
+            self._on_first_rank(step, lambda: checkpoint.remove_stale_temp_files(directory))
         try:
             if not self.sharded:
                 return self._whole(step, meta, directory, keep, alone)
@@ -123,15 +122,8 @@ class Saver:
     # ---- sharded -----------------------------------------------------------------------------
     def _begin(self, step, directory):
         """The first rank makes the temp folder; every rank learns whether it could."""
-        training = self.training
-        failure = None
-        if training.world.Get_rank() == 0:
-            try:
-                checkpoint.start_sharded(directory, step)
-            except checkpoint.CheckpointError as e:
-                failure = ("write", str(e))
-        self._raise(self._bcast(failure), step)
-        return f"{directory}/{sharded.temp_folder_name(step)}"
+        self._on_first_rank(step, lambda: checkpoint.start_sharded(directory, step))
+        return os.path.join(directory, sharded.temp_folder_name(step))
 
     def _sharded(self, step, meta, directory, keep, alone):
         folder = self._begin(step, directory)
@@ -166,7 +158,6 @@ class Saver:
             view[...] = data
             staged.append((name, box, view))
             at += data.nbytes
-        self.staged_bytes = max(self.staged_bytes, at)
         return staged
 
     def _start_async(self, step, meta, directory, alone):
@@ -212,6 +203,17 @@ class Saver:
         self._raise(self._bcast(verdict), step)
 
     # ---- every rank learns the outcome ----------------------------------------------------------
+    def _on_first_rank(self, step, action) -> None:
+        """action() on the first rank (a file operation under the run's lock); every rank raises
+        JobFailure if it failed there."""
+        failure = None
+        if self.training.world.Get_rank() == 0:
+            try:
+                action()
+            except checkpoint.CheckpointError as e:
+                failure = ("write", str(e))
+        self._raise(self._bcast(failure), step)
+
     def _bcast(self, failure):
         world = self.training.world
         return world.bcast(failure, root=0) if world.Get_size() > 1 else failure
@@ -233,8 +235,8 @@ class DivergedWeight(Exception):
 
 def _diverged(local, step):
     """("diverged", why) if a parameter this rank writes holds NaN or inf, else None."""
-    for name, _, data in slices.pieces(local):
-        if name.startswith("param/") and not np.isfinite(data).all():
+    for name, _, data in slices.pieces(local.only("param")):
+        if not np.isfinite(data).all():
             return ("diverged", f"{name} holds NaN or inf after step {step}")
     return None
 
