@@ -2,18 +2,14 @@
 timing is asserted: the machines are shared); bad flag values are refused before any child."""
 import json
 import os
-import subprocess
-import sys
 
-from tests.support import ROOT
-from tests.support.bench_cli import bench_env, refused
+from tests.support.bench_cli import refused, run_benchmark
 
 SCRIPT = os.path.join("benchmarks", "bf16_gemm.py")
 
 
 def _run(*args, timeout=180):
-    return subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=bench_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return run_benchmark(SCRIPT, *args, timeout=timeout)
 
 
 def test_quick_writes_every_row_and_its_error(tmp_path):

@@ -4,20 +4,16 @@ from; no time is asserted. The bytes are: about the same checkpoint in every var
 the first rank when whole, split over the ranks when sharded. Bad flags are refused before any run starts."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.support import ROOT
-from tests.support.bench_cli import bench_env, refused
+from tests.support.bench_cli import refused, run_benchmark
 
 SCRIPT = os.path.join("benchmarks", "checkpoint_save.py")
 
 
 def _run(*args, timeout=120):
-    return subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=bench_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return run_benchmark(SCRIPT, *args, timeout=timeout)
 
 
 @pytest.mark.slow

@@ -2,13 +2,10 @@
 comes from (timings are never asserted), and bad flag values are refused before any work."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.support import ROOT
-from tests.support.bench_cli import bench_env, refused
+from tests.support.bench_cli import bench_env, refused, run_benchmark
 
 
 def _env():
@@ -16,8 +13,7 @@ def _env():
 
 
 def _run(*args, timeout=120):
-    return subprocess.run([sys.executable, os.path.join("benchmarks", "data_pipeline.py"), *args], cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=timeout)
+    return run_benchmark(os.path.join("benchmarks", "data_pipeline.py"), *args, timeout=timeout, env=_env())
 
 
 @pytest.mark.slow

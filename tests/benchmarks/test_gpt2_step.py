@@ -4,13 +4,10 @@ before any child starts."""
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.support import ROOT
-from tests.support.bench_cli import bench_env, refused
+from tests.support.bench_cli import bench_env, refused, run_benchmark
 
 SCRIPT = os.path.join("benchmarks", "gpt2_step.py")
 ROW_KEYS = {"framework", "step_s", "fwd_bwd_s", "update_s", "tokens_per_s", "model_tflops", "gemm_gflops",
@@ -25,8 +22,7 @@ def _env():
 
 
 def _run(*args, timeout=120):
-    return subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    return run_benchmark(SCRIPT, *args, timeout=timeout, env=_env())
 
 
 @pytest.mark.slow

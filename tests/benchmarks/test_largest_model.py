@@ -3,20 +3,16 @@
 JSON (no memory ratio is asserted: the machine is shared)."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.support import ROOT
-from tests.support.bench_cli import bench_env
+from tests.support.bench_cli import run_benchmark
 
 
 @pytest.mark.slow
 def test_quick_run_collects_every_runs_moments(tmp_path):
     out = tmp_path / "largest.json"
-    r = subprocess.run([sys.executable, os.path.join("benchmarks", "largest_model.py"), "--quick", "--json", str(out)],
-                       cwd=ROOT, env=bench_env(), capture_output=True, text=True, timeout=600)
+    r = run_benchmark(os.path.join("benchmarks", "largest_model.py"), "--quick", "--json", str(out), timeout=600)
     assert r.returncode == 0, f"stdout:\n{r.stdout[-3000:]}\nstderr:\n{r.stderr[-3000:]}"
     d = json.loads(out.read_text())
     assert [run["run"] for run in d["runs"]] == ["fine-tune", "resume tp2", "resume pp2"]

@@ -4,13 +4,10 @@ shape count the same parameters; bad flag values are refused before any child st
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.support import ROOT
-from tests.support.bench_cli import bench_env, refused
+from tests.support.bench_cli import bench_env, refused, run_benchmark
 
 SCRIPT = os.path.join("benchmarks", "llama_step.py")
 ROW_KEYS = {"framework", "dtype", "step_s", "fwd_bwd_s", "update_s", "tokens_per_s", "model_gflops", "peak_rss_gib",
@@ -19,8 +16,7 @@ ROW_KEYS = {"framework", "dtype", "step_s", "fwd_bwd_s", "update_s", "tokens_per
 
 
 def _run(*args, timeout=120):
-    return subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=bench_env(MKL_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=timeout)
+    return run_benchmark(SCRIPT, *args, timeout=timeout, env=bench_env(MKL_NUM_THREADS="1"))
 
 
 @pytest.mark.slow

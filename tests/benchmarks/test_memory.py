@@ -4,20 +4,16 @@ sent per step against the formula); no time is asserted. Bad flags are refused b
 run starts."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.support import ROOT
-from tests.support.bench_cli import bench_env, refused
+from tests.support.bench_cli import refused, run_benchmark
 
 SCRIPT = os.path.join("benchmarks", "memory.py")
 
 
 def _run(*args, timeout=120):
-    return subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=bench_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return run_benchmark(SCRIPT, *args, timeout=timeout)
 
 
 @pytest.mark.slow

@@ -4,22 +4,18 @@ table and writes its JSON, every mode's result equal to the exact average; no ti
 asserted (the machines are shared). Bad flags and too few ranks are refused before any work."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from tests.support import ROOT
-from tests.support.bench_cli import bench_env, refused
+from tests.support.bench_cli import refused, run_benchmark
 
 SCRIPT = os.path.join("benchmarks", "ps_vs_ring.py")
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
 
 def _run(*args, n=None, timeout=60):
-    launch = [MPIEXEC, "-n", str(n)] if n else []
-    return subprocess.run([*launch, sys.executable, SCRIPT, *args], cwd=ROOT, env=bench_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return run_benchmark(SCRIPT, *args, timeout=timeout, ranks=n)
 
 
 @pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec next to this python")

@@ -3,13 +3,10 @@ transformers' generate) on tiny shapes and writes their rows (no timing is asser
 the machines are shared); bad flag values are refused before any work."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from tests.support import ROOT
-from tests.support.bench_cli import bench_env, refused
+from tests.support.bench_cli import bench_env, refused, run_benchmark
 
 SCRIPT = os.path.join("benchmarks", "sampling.py")
 ROW_KEYS = {"model", "shape", "way", "params", "seconds", "tokens_per_s", "times_s", "same_tokens_as_cached",
@@ -17,8 +14,7 @@ ROW_KEYS = {"model", "shape", "way", "params", "seconds", "tokens_per_s", "times
 
 
 def _run(*args, timeout=300):
-    return subprocess.run([sys.executable, SCRIPT, *args], cwd=ROOT, env=bench_env(MKL_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=timeout)
+    return run_benchmark(SCRIPT, *args, timeout=timeout, env=bench_env(MKL_NUM_THREADS="1"))
 
 
 def _rows(out, *args):

@@ -3,22 +3,18 @@ activations, bytes through the tensor axis) equals the formulas it prints; no ti
 asserted (the machines are shared). Bad flags are refused before any work."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from tests.support import ROOT
-from tests.support.bench_cli import bench_env, refused
+from tests.support.bench_cli import refused, run_benchmark
 
 SCRIPT = os.path.join("benchmarks", "tensor_parallel.py")
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
 
 def _run(*args, n=None, timeout=120):
-    launch = [MPIEXEC, "-n", str(n)] if n else []
-    return subprocess.run([*launch, sys.executable, SCRIPT, *args], cwd=ROOT, env=bench_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    return run_benchmark(SCRIPT, *args, timeout=timeout, ranks=n)
 
 
 @pytest.mark.skipif(not os.path.exists(MPIEXEC), reason="no mpiexec next to this python")

@@ -1,6 +1,10 @@
-"""What the benchmark tests share: a clean environment for a benchmark's process, and
-the check that a bad flag is refused before any work."""
+"""What the benchmark tests share: a clean environment for a benchmark's process, running
+one, and the check that a bad flag is refused before any work."""
 import os
+import subprocess
+import sys
+
+from tests.support import ROOT
 
 # An outer launcher's variables would make a child mpiexec try to join that job.
 _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "HYDRA_", "MPI_LOCAL", "OMPI_", "MPIR_CVAR_")
@@ -12,6 +16,14 @@ def bench_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
     env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", NUMBA_NUM_THREADS="1", **extra)
     return env
+
+
+def run_benchmark(script, *args, timeout=120, ranks=None, env=None):
+    """`script` (benchmarks/NAME.py) with `args`, from the checkout's root, in `env` (default bench_env()),
+    under `mpiexec -n ranks` (the venv's) when given; the finished process, output captured."""
+    launch = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(ranks)] if ranks else []
+    return subprocess.run([*launch, sys.executable, script, *args], cwd=ROOT,
+                          env=bench_env() if env is None else env, capture_output=True, text=True, timeout=timeout)
 
 
 def refused(r, *words) -> str:
